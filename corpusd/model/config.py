@@ -1,0 +1,239 @@
+"""The model's hyper-parameters, read from (and written as) a HuggingFace ``config.json``."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPE = "deepseek_v32"
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint's config.json that corpusd cannot serve; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """YaRN RoPE parameters (DeepSeek's ``rope_scaling``); ``kind == "default"`` disables YaRN."""
+
+    theta: float = 10000.0
+    kind: str = "yarn"
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("yarn", "default"):
+            raise ModelConfigError(f"rope type {self.kind!r} is not supported (yarn or default)")
+        if self.kind == "yarn" and self.factor <= 0:
+            raise ModelConfigError(f"yarn rope factor must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """DeepSeek-V3.2 architecture hyper-parameters (names follow the HF config where they exist)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    first_k_dense_replace: int
+    mlp_layer_types: tuple[str, ...]
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 163840
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 1
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    quant_block: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.qk_rope_head_dim % 2:
+            raise ModelConfigError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ModelConfigError(
+                f"index_head_dim {self.index_head_dim} < qk_rope_head_dim {self.qk_rope_head_dim}: "
+                "the indexer rotates its first qk_rope_head_dim dims"
+            )
+        if len(self.mlp_layer_types) != self.num_hidden_layers:
+            raise ModelConfigError(
+                f"mlp_layer_types has {len(self.mlp_layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        bad = sorted(set(self.mlp_layer_types) - {"dense", "sparse"})
+        if bad:
+            raise ModelConfigError(f"mlp_layer_types may hold 'dense' or 'sparse', got {bad}")
+        if "sparse" in self.mlp_layer_types:
+            if self.n_routed_experts % self.n_group:
+                raise ModelConfigError(
+                    f"n_routed_experts {self.n_routed_experts} is not a multiple of "
+                    f"n_group {self.n_group}"
+                )
+            if not 0 < self.topk_group <= self.n_group:
+                raise ModelConfigError(f"topk_group must be in 1..{self.n_group}")
+            if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
+                raise ModelConfigError("num_experts_per_tok must be in 1..n_routed_experts")
+        if self.index_topk <= 0:
+            raise ModelConfigError(f"index_topk must be > 0, got {self.index_topk}")
+
+    # -- derived sizes ---------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of one latent cache row: ``c_KV`` (kv_lora_rank) then ``k_pe`` (rope dims)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """MLA softmax scale: ``qk_head_dim ** -0.5`` times YaRN's ``mscale(factor)**2``."""
+        scale = self.qk_head_dim**-0.5
+        r = self.rope
+        if r.kind == "yarn" and r.mscale_all_dim and r.factor > 1:
+            m = 0.1 * r.mscale_all_dim * math.log(r.factor) + 1.0
+            scale *= m * m
+        return scale
+
+    # -- HF config.json ----------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a parsed HF ``config.json``.
+
+        Accepts both the legacy DeepSeek keys (``rope_scaling`` + ``rope_theta``) and
+        transformers 5's ``rope_parameters``. Raises ModelConfigError for another model type or a
+        missing key.
+        """
+        mt = d.get("model_type")
+        if mt != SUPPORTED_MODEL_TYPE:
+            raise ModelConfigError(
+                f"model_type {mt!r} is not supported: corpusd serves {SUPPORTED_MODEL_TYPE!r} "
+                "(DeepSeek-V3.2: MLA + DSA indexer) checkpoints"
+            )
+        try:
+            n_layers = int(d["num_hidden_layers"])
+            first_dense = int(d.get("first_k_dense_replace", 3))
+            mlp_types = d.get("mlp_layer_types") or (
+                ["dense"] * min(first_dense, n_layers) + ["sparse"] * max(0, n_layers - first_dense)
+            )
+            rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+            theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
+            kind = rp.get("rope_type", rp.get("type", "default"))
+            if kind == "yarn":
+                rope = RopeConfig(
+                    theta=theta,
+                    kind="yarn",
+                    factor=float(rp["factor"]),
+                    original_max_position_embeddings=int(rp["original_max_position_embeddings"]),
+                    beta_fast=float(rp.get("beta_fast") or 32),
+                    beta_slow=float(rp.get("beta_slow") or 1),
+                    mscale=float(rp.get("mscale") or 0),
+                    mscale_all_dim=float(rp.get("mscale_all_dim") or 0),
+                    truncate=bool(rp.get("truncate", True)),
+                )
+            else:
+                rope = RopeConfig(theta=theta, kind=str(kind))
+            q = d.get("quantization_config") or {}
+            block = q.get("weight_block_size")
+            eos = d.get("eos_token_id", 1)
+            return cls(
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=int(d["hidden_size"]),
+                intermediate_size=int(d["intermediate_size"]),
+                moe_intermediate_size=int(d["moe_intermediate_size"]),
+                num_hidden_layers=n_layers,
+                num_attention_heads=int(d["num_attention_heads"]),
+                q_lora_rank=int(d["q_lora_rank"]),
+                kv_lora_rank=int(d["kv_lora_rank"]),
+                qk_nope_head_dim=int(d["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+                v_head_dim=int(d["v_head_dim"]),
+                n_routed_experts=int(d["n_routed_experts"]),
+                n_shared_experts=int(d.get("n_shared_experts", 1)),
+                num_experts_per_tok=int(d["num_experts_per_tok"]),
+                n_group=int(d.get("n_group", 1)),
+                topk_group=int(d.get("topk_group", 1)),
+                routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+                norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                first_k_dense_replace=first_dense,
+                mlp_layer_types=tuple(mlp_types),
+                index_n_heads=int(d["index_n_heads"]),
+                index_head_dim=int(d["index_head_dim"]),
+                index_topk=int(d["index_topk"]),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(d.get("max_position_embeddings", 163840)),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_id=eos[0] if isinstance(eos, list) else eos,
+                rope=rope,
+                quant_block=(int(block[0]), int(block[1])) if block else None,
+            )
+        except KeyError as e:
+            raise ModelConfigError(f"config.json lacks required key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ModelConfigError):
+                raise
+            raise ModelConfigError(f"config.json has a malformed value: {e}") from None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"{path} not found: a model directory needs a config.json")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(d)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF ``config.json`` content (readable by transformers' ``DeepseekV32Config``)."""
+        r = self.rope
+        rope_params: dict[str, Any] = {"rope_type": r.kind, "rope_theta": r.theta}
+        if r.kind == "yarn":
+            rope_params.update(
+                factor=r.factor,
+                original_max_position_embeddings=r.original_max_position_embeddings,
+                beta_fast=r.beta_fast,
+                beta_slow=r.beta_slow,
+                mscale=r.mscale,
+                mscale_all_dim=r.mscale_all_dim,
+            )
+        d = asdict(self)
+        for k in ("rope", "quant_block"):
+            d.pop(k)
+        d["mlp_layer_types"] = list(self.mlp_layer_types)
+        d.update(
+            model_type=SUPPORTED_MODEL_TYPE,
+            architectures=["DeepseekV32ForCausalLM"],
+            num_key_value_heads=self.num_attention_heads,
+            rope_parameters=rope_params,
+            hidden_act="silu",
+            attention_bias=False,
+            tie_word_embeddings=False,
+            torch_dtype="bfloat16",
+        )
+        return d

@@ -1,0 +1,94 @@
+"""Feed-forward parts of a DeepSeek-V3.2 layer: RMSNorm, the dense SwiGLU MLP, the routed MoE."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from corpusd.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid router with group-limited top-k and a score-correction bias (DeepSeek-V3)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [n, H]`` → (expert ids int64 ``[n, top_k]``, weights float32 ``[n, top_k]``)."""
+        c = self.cfg
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        per_group = c.n_routed_experts // c.n_group
+        group_scores = choice.view(-1, c.n_group, per_group).topk(2, dim=-1).values.sum(-1)
+        groups = group_scores.topk(c.topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()
+        expert_mask = group_mask.repeat_interleave(per_group, dim=1)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+        ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
+        w = scores.gather(1, ids)
+        if c.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return ids, w * c.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    """Routed experts stored stacked: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            tok, slot = torch.where(ids == e)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w[tok, slot, None].to(x.dtype)
+            out.index_add_(0, tok, y)
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, w = self.gate(x)
+        return self.experts(x, ids, w) + self.shared_experts(x)

@@ -1,0 +1,72 @@
+"""Partial attention over a subset of latent cache rows, and the exact LSE merge of partials.
+
+This is the torch reference every other kernel is tested against; the holder serves it for its
+frames and the model uses it for its own attention, so prefill, decode and routing share one
+definition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def partial_attention(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed-MLA attention of every row over its own selected cache rows.
+
+    Args:
+        q: ``[n, h, d_qk]`` absorbed queries (``q_nope·W_UK ‖ q_pe``; d_qk = 576 for V3.2).
+        kv: ``[N, d_qk]`` cache rows (``c_KV ‖ k_pe``); the first ``d_v`` columns are the values.
+        indices: int ``[n, k]`` row numbers into ``kv``; ``-1`` marks an unused slot.
+        scale: softmax scale applied to ``q·kv``.
+        d_v: value width (512 = kv_lora_rank).
+
+    Returns:
+        ``(O, LSE)``: O ``[n, h, d_v]`` in ``q.dtype`` (float32 math inside), LSE float32
+        ``[n, h]`` in natural log. A row with no valid index has O = 0 and LSE = -inf.
+
+    Raises:
+        IndexError: an index ``>= N``.
+    """
+    n, _, d = q.shape
+    assert kv.dim() == 2 and kv.shape[1] == d, f"{kv.shape=} vs {q.shape=}"
+    assert indices.dim() == 2 and indices.shape[0] == n, f"{indices.shape=} vs {q.shape=}"
+    if indices.numel() and int(indices.max()) >= kv.shape[0]:
+        raise IndexError(f"index {int(indices.max())} out of range for {kv.shape[0]} cache rows")
+    valid = indices >= 0
+    rows = kv[indices.clamp(min=0)].float()  # [n, k, d]
+    s = torch.einsum("nhd,nkd->nhk", q.float(), rows) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [n, h]; -inf for empty rows
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    o = torch.einsum("nhk,nkv->nhv", p, rows[..., :d_v])
+    return o.to(q.dtype), lse
+
+
+def merge_partials(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact online-softmax merge: ``L = logsumexp_i L_i``, ``O = Σ_i exp(L_i − L) · O_i``.
+
+    Args:
+        parts: ``(O_i [n, h, d_v], L_i [n, h] float32 natural log)``; an empty part has
+            ``L_i = -inf`` and weight 0. The order of parts does not matter.
+
+    Returns:
+        ``(O, L)`` with the shapes and dtype of the parts; rows empty in every part get O = 0,
+        L = -inf. Raises ValueError when ``parts`` is empty or shapes disagree.
+    """
+    if not parts:
+        raise ValueError("merge_partials needs at least one partial")
+    shapes = {(tuple(o.shape), tuple(lse.shape)) for o, lse in parts}
+    if len(shapes) != 1:
+        raise ValueError(f"partials disagree in shape: {sorted(shapes)}")
+    lses = torch.stack([lse.float() for _, lse in parts])  # [m, n, h]
+    total = torch.logsumexp(lses, dim=0)
+    w = torch.exp(lses - torch.where(torch.isinf(total), 0.0, total)[None])  # 0 for -inf parts
+    out = sum(w[i][..., None] * parts[i][0].float() for i in range(len(parts)))
+    assert isinstance(out, torch.Tensor)
+    return out.to(parts[0][0].dtype), total

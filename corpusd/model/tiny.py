@@ -1,0 +1,87 @@
+"""The embedded default model: a deterministic tiny DeepSeek-V3.2 with random weights.
+
+It has the real model's attention geometry where kernels care (64 heads, kv_lora_rank 512,
+rope 64 → 576-wide latent rows, 64 index heads × 128) and is small elsewhere, so one checkpoint
+serves CPU tests, the GPU kernels (FlashMLA needs h ∈ {64, 128}) and SGLang runs. Weights are a
+pure function of (parameter name, seed): the same directory comes out on every machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from corpusd.model.checkpoint import save_checkpoint
+from corpusd.model.config import ModelConfig, RopeConfig
+from corpusd.model.model import DeepseekV32
+from corpusd.tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID
+
+TINY = ModelConfig(
+    vocab_size=BYTE_VOCAB_SIZE,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=64,
+    q_lora_rank=128,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    first_k_dense_replace=1,
+    mlp_layer_types=("dense", "sparse"),
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=128,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=163840,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    rope=RopeConfig(),
+)
+
+
+def _tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    if name.endswith(("layernorm.weight", "norm.weight")):
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    if name.endswith("k_norm.bias"):
+        return 0.1 * torch.randn(shape, generator=g)
+    if name.endswith("e_score_correction_bias"):
+        return 0.1 * torch.randn(shape, generator=g)
+    if name.endswith("embed_tokens.weight"):
+        return torch.randn(shape, generator=g)
+    # Linear-like weights: unit-variance outputs for unit-variance inputs, so attention scores,
+    # index scores and logits are spread out enough that selection and argmax are well separated.
+    return torch.randn(shape, generator=g) / shape[-1] ** 0.5
+
+
+def build_tiny(seed: int = 0, **overrides: object) -> DeepseekV32:
+    """The tiny model in float32 (bf16-rounded weights, as the saved checkpoint holds them)."""
+    cfg = replace(TINY, **overrides)  # type: ignore[arg-type]
+    with torch.device("meta"):
+        model = DeepseekV32(cfg)
+    sd = {
+        name: _tensor(name, tuple(p.shape), seed).to(torch.bfloat16).to(p.dtype)
+        for name, p in model.state_dict().items()
+    }
+    model.load_state_dict(sd, assign=True)
+    return model.eval()
+
+
+def init_tiny(out_dir: str | Path, seed: int = 0, **overrides: object) -> Path:
+    """Write the tiny checkpoint (bf16 safetensors shards + index + config.json) to ``out_dir``."""
+    out = Path(out_dir)
+    save_checkpoint(build_tiny(seed, **overrides), out, dtype=torch.bfloat16)
+    return out

@@ -1,0 +1,39 @@
+"""Shared fixtures: the tiny checkpoint (written once per session) and the transformers oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from corpusd.model.tiny import init_tiny
+
+    return init_tiny(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir: Path):  # type: ignore[no-untyped-def]
+    from corpusd.model import load_model
+
+    return load_model(tiny_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_dir: Path):  # type: ignore[no-untyped-def]
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is the test oracle: pip install -e '.[test]'"
+    )
+    model = transformers.DeepseekV32ForCausalLM.from_pretrained(
+        tiny_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error ||a − b|| / ||b|| in float64."""
+    a64, b64 = a.double(), b.double()
+    return float((a64 - b64).norm() / b64.norm())

@@ -1,0 +1,1 @@
+"""Benchmarks and helper scripts; each has a ``main()`` and prints a table, writing JSON."""
