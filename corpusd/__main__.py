@@ -1,0 +1,5 @@
+import sys
+
+from corpusd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,74 @@
+"""A pinned corpus's manifest: what it is, how it was made, and the checksums of its files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+FORMAT = "corpusd-pages-v1"
+STATES = ("pinning", "ready", "retired")
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """Everything DESIGN.md's data model lists for a corpus, as stored in ``manifest.json``.
+
+    ``files`` holds ``(path, start, end)`` token spans; ``skipped`` holds ``(path, reason,
+    detail)``; ``checksums`` maps each data file of the corpus directory to ``sha256:<hex>``.
+    """
+
+    corpus_id: str
+    name: str
+    state: str
+    source_kind: str
+    source_digest: str
+    token_count: int
+    page_size: int
+    n_pages: int
+    n_layers: int
+    kv_dim: int
+    index_dim: int
+    dtype: str
+    model_fingerprint: str
+    tokenizer: str
+    replicas: int = 1
+    files: tuple[tuple[str, int, int], ...] = ()
+    skipped: tuple[tuple[str, str, str], ...] = ()
+    checksums: dict[str, str] = field(default_factory=dict)
+    created_at: str = ""
+    prefill_seconds: float = 0.0
+    format: str = FORMAT
+
+    def __post_init__(self) -> None:
+        assert self.state in STATES, f"{self.state=}"
+        assert self.n_pages == -(-self.token_count // self.page_size), (
+            f"{self.n_pages=} for {self.token_count=} {self.page_size=}"
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        d: dict[str, Any] = json.loads(text)
+        if d.get("format") != FORMAT:
+            raise ValueError(f"manifest format {d.get('format')!r} is not {FORMAT!r}")
+        d["files"] = tuple(tuple(x) for x in d.get("files", ()))
+        d["skipped"] = tuple(tuple(x) for x in d.get("skipped", ()))
+        return cls(**d)
+
+
+def corpus_id(tokens: tuple[int, ...], model_fingerprint: str, page_size: int, dtype: str) -> str:
+    """Content address of a corpus: 128 bits of sha256 over what determines its pages."""
+    h = hashlib.sha256(f"{FORMAT}|{model_fingerprint}|{page_size}|{dtype}|".encode())
+    h.update(torch.tensor(tokens, dtype=torch.int32).numpy().tobytes())
+    return h.hexdigest()[:32]

@@ -1,0 +1,141 @@
+"""``corpusd pin``: corpus source → tokens → chunked prefill → pages in the local store.
+
+Order matters for "bad input changes nothing": the source is ingested, validated and tokenized
+(and the token limit checked) before the model is loaded or anything is written; the pages are
+written to a temp directory and appear in the store only by one atomic rename.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from corpusd import env
+from corpusd.corpus.ingest import CorpusError, ingest
+from corpusd.corpus.layout import Layout, render
+from corpusd.corpus.manifest import Manifest, corpus_id
+from corpusd.corpus.store import PageStore
+from corpusd.model import KVCache, ModelConfig, fingerprint, forward_tokens, load_model
+from corpusd.progress import Progress
+from corpusd.tokenizer import load_tokenizer
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class PinConfig:
+    """One pin. ``model``/``store`` default to the embedded tiny model and ``$CORPUSD_HOME``."""
+
+    corpus: str
+    model: str | None = None
+    store: str | None = None
+    name: str | None = None
+    page_size: int = 64
+    max_tokens: int = 1 << 20
+    max_file_bytes: int = 1 << 20
+    chunk: int = 256
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for key in ("page_size", "max_tokens", "max_file_bytes", "chunk"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class PinResult:
+    manifest: Manifest
+    path: Path
+    model_dir: Path
+    reused: bool  # the same corpus (same id) was already pinned: no work was done
+    seconds: float
+
+
+def default_model(stream: TextIO) -> Path:
+    """The embedded default model directory, written on first use (deterministic, no network)."""
+    d = env.default_model_dir()
+    if not (d / "config.json").is_file():
+        from corpusd.model.tiny import init_tiny
+
+        stream.write(f"writing the tiny default model to {d}\n")
+        init_tiny(d)
+    return d
+
+
+def pin(cfg: PinConfig, stream: TextIO | None = None) -> PinResult:
+    """Pin ``cfg.corpus``. Raises CorpusError (bad source), ModelConfigError/CheckpointError (bad
+    model) before anything is written; StoreError on a store problem."""
+    out = stream if stream is not None else sys.stderr
+    t0 = time.perf_counter()
+    model_dir = Path(cfg.model) if cfg.model else default_model(out)
+    model_cfg = ModelConfig.from_dir(model_dir)
+    tokenizer = load_tokenizer(model_dir, model_cfg.bos_token_id, model_cfg.eos_token_id)
+    ingested = ingest(cfg.corpus, max_file_bytes=cfg.max_file_bytes)
+    limit = min(cfg.max_tokens, model_cfg.max_position_embeddings)
+    layout = render(ingested, tokenizer, limit)
+    fp = fingerprint(model_dir)
+    cid = corpus_id(layout.tokens, fp, cfg.page_size, cfg.dtype)
+    store = PageStore(cfg.store or env.default_store_dir())
+    if store.has(cid):
+        m = store.manifest(cid)
+        return PinResult(m, store.corpora / cid, model_dir, True, time.perf_counter() - t0)
+
+    model = load_model(model_dir, dtype=getattr(torch, cfg.dtype))
+    t_prefill = time.perf_counter()
+    cache = prefill(model, layout, cfg.chunk, out)
+    t_prefill = time.perf_counter() - t_prefill
+    name = cfg.name or Path(cfg.corpus).name.split(".")[0] or cid[:12]
+    manifest = Manifest(
+        corpus_id=cid,
+        name=name,
+        state="ready",
+        source_kind=ingested.source_kind,
+        source_digest=ingested.source_digest,
+        token_count=len(layout.tokens),
+        page_size=cfg.page_size,
+        n_pages=-(-len(layout.tokens) // cfg.page_size),
+        n_layers=model_cfg.num_hidden_layers,
+        kv_dim=model_cfg.kv_dim,
+        index_dim=model_cfg.index_head_dim,
+        dtype=cfg.dtype,
+        model_fingerprint=fp,
+        tokenizer=tokenizer.name,
+        files=tuple((s.path, s.start, s.end) for s in layout.spans),
+        skipped=tuple((s.path, s.reason, s.detail) for s in ingested.skipped),
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        prefill_seconds=round(t_prefill, 3),
+    )
+    with store.writer(cid) as w:
+        w.write_tokens(torch.tensor(layout.tokens))
+        for layer in range(model_cfg.num_hidden_layers):
+            n = cache.length
+            w.write_layer(
+                layer, cache.latent[layer][:n], cache.index_keys[layer][:n], cfg.page_size
+            )
+        manifest = replace(manifest, checksums=dict(w.checksums))
+        w.write_manifest(manifest)
+    return PinResult(manifest, store.corpora / cid, model_dir, False, time.perf_counter() - t0)
+
+
+def prefill(model: torch.nn.Module, layout: Layout, chunk: int, stream: TextIO) -> KVCache:
+    """Chunked prefill of the whole stream with a progress bar; returns the filled cache."""
+    tokens = torch.tensor(layout.tokens)
+    cache = KVCache(model.cfg, len(tokens), next(model.parameters()).dtype)  # type: ignore[arg-type]
+    bar = Progress("prefill", len(tokens), stream=stream)
+    for start in range(0, len(tokens), chunk):
+        piece = tokens[start : start + chunk]
+        forward_tokens(model, piece, cache, want_logits=False)  # type: ignore[arg-type]
+        bar.update(len(piece))
+    bar.close()
+    return cache
+
+
+__all__ = ["CorpusError", "PinConfig", "PinResult", "pin", "prefill"]

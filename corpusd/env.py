@@ -1,0 +1,30 @@
+"""Every environment variable corpusd reads, in one place (all prefixed ``CORPUSD_``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: name → (meaning, default) — the README's table is generated from this mapping's content.
+VARIABLES = {
+    "CORPUSD_HOME": ("state directory: default model and store live under it", "~/.corpusd"),
+    "CORPUSD_MODEL": (
+        "model directory used when --model is not given",
+        "$CORPUSD_HOME/models/tiny",
+    ),
+    "CORPUSD_STORE": ("page store used when --store is not given", "$CORPUSD_HOME/store"),
+}
+
+
+def home() -> Path:
+    return Path(os.environ.get("CORPUSD_HOME", "~/.corpusd")).expanduser()
+
+
+def default_model_dir() -> Path:
+    env = os.environ.get("CORPUSD_MODEL")
+    return Path(env).expanduser() if env else home() / "models" / "tiny"
+
+
+def default_store_dir() -> Path:
+    env = os.environ.get("CORPUSD_STORE")
+    return Path(env).expanduser() if env else home() / "store"

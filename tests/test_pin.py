@@ -1,0 +1,224 @@
+"""``corpusd pin``: pages equal the model's prefill, idempotence, atomicity, refusals."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from corpusd.cli import main as cli_main
+from corpusd.corpus.ingest import CorpusError
+from corpusd.corpus.layout import FILE_HEADER
+from corpusd.corpus.pin import PinConfig, pin
+from corpusd.corpus.store import PageStore, StoreError
+from corpusd.model import KVCache, forward_tokens, load_model
+from corpusd.tokenizer import BOS_ID, ByteTokenizer
+
+
+def _tar(path: Path, files: dict[str, bytes]) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+FILES = {
+    "src/b.py": b"def b():\n    return 2\n" * 12,
+    "README.md": b"# sample\nA small corpus for tests.\n",
+    "src/a.py": b"import os\nprint(os.getcwd())\n" * 9,
+    "logo.png": b"\x89PNG\r\n\x1a\n\x00\x00binary",
+}
+
+
+def _pin(tmp: Path, tiny_dir: Path, corpus: Path, **kw: object):  # type: ignore[no-untyped-def]
+    cfg = PinConfig(corpus=str(corpus), model=str(tiny_dir), store=str(tmp / "store"), **kw)  # type: ignore[arg-type]
+    return pin(cfg, io.StringIO())
+
+
+def _store_listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+
+
+def test_pinned_pages_equal_the_models_prefill(tmp_path: Path, tiny_dir: Path, tiny_model) -> None:  # type: ignore[no-untyped-def]
+    src = _tar(tmp_path / "repo.tar", FILES)
+    r = _pin(tmp_path, tiny_dir, src, page_size=64, chunk=100)
+    m = r.manifest
+    assert not r.reused and m.state == "ready" and m.name == "repo"
+    assert [f[0] for f in m.files] == ["README.md", "src/a.py", "src/b.py"]
+    assert [s[:2] for s in m.skipped] == [("logo.png", "binary")]
+    store = PageStore(tmp_path / "store")
+    tokens = store.read_tokens(m.corpus_id)
+    # The stream: BOS, then each file's header + text; spans cover exactly those tokens.
+    assert int(tokens[0]) == BOS_ID and m.token_count == len(tokens)
+    tok = ByteTokenizer()
+    for path, start, end in m.files:
+        text = (FILE_HEADER.format(path=path)).encode() + FILES[path]
+        assert tok.decode(tokens[start:end].tolist()).encode() == text
+    assert m.token_count > 2 * tiny_model.cfg.index_topk  # sparse selection happened during pin
+    # Pages hold exactly what one monolithic prefill of the same tokens produces.
+    cache = KVCache(tiny_model.cfg, m.token_count, torch.float32)
+    forward_tokens(tiny_model, tokens.long(), cache, want_logits=False)
+    pages = list(range(m.n_pages))
+    for layer in range(m.n_layers):
+        latent, index = store.read_pages(m.corpus_id, layer, pages)
+        flat = latent.reshape(-1, m.kv_dim)
+        assert torch.allclose(
+            flat[: m.token_count], cache.latent[layer][: m.token_count], atol=1e-5
+        )
+        assert torch.all(flat[m.token_count :] == 0)
+        assert torch.allclose(
+            index.reshape(-1, m.index_dim)[: m.token_count],
+            cache.index_keys[layer][: m.token_count],
+            atol=1e-5,
+        )
+    # Random access to a subset of pages returns the same rows.
+    sub, _ = store.read_pages(m.corpus_id, 1, [2, 0])
+    full, _ = store.read_pages(m.corpus_id, 1, pages)
+    assert torch.equal(sub[0], full[2]) and torch.equal(sub[1], full[0])
+    store.verify(m.corpus_id)
+    with pytest.raises(StoreError, match="pages 0"):
+        store.read_pages(m.corpus_id, 0, [m.n_pages])
+
+
+def test_pinning_twice_gives_the_same_id_and_does_no_work(
+    tmp_path: Path, tiny_dir: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    src = _tar(tmp_path / "repo.tar", FILES)
+    first = _pin(tmp_path, tiny_dir, src)
+    # Same content from a directory: same tokens, same id.
+    d = tmp_path / "repo"
+    for name, data in FILES.items():
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(data)
+    import corpusd.corpus.pin as pin_mod
+
+    def boom(*a: object, **k: object) -> None:
+        raise AssertionError("prefill ran for an already pinned corpus")
+
+    monkeypatch.setattr(pin_mod, "prefill", boom)
+    monkeypatch.setattr(pin_mod, "load_model", boom)
+    again = _pin(tmp_path, tiny_dir, src)
+    from_dir = _pin(tmp_path, tiny_dir, d)
+    assert again.reused and from_dir.reused
+    assert again.manifest.corpus_id == from_dir.manifest.corpus_id == first.manifest.corpus_id
+    assert PageStore(tmp_path / "store").ids() == [first.manifest.corpus_id]
+    # A different page size is a different corpus id (not reused).
+    monkeypatch.undo()
+    other = _pin(tmp_path, tiny_dir, src, page_size=32)
+    assert other.manifest.corpus_id != first.manifest.corpus_id and not other.reused
+
+
+def test_a_crash_mid_pin_leaves_nothing_visible(
+    tmp_path: Path, tiny_dir: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    src = _tar(tmp_path / "repo.tar", FILES)
+    from corpusd.corpus import store as store_mod
+
+    real = store_mod.CorpusWriter.write_layer
+    calls = []
+
+    def dying(self, layer, *a, **k):  # type: ignore[no-untyped-def]
+        calls.append(layer)
+        if layer == 1:
+            raise OSError("disk full (simulated)")
+        return real(self, layer, *a, **k)
+
+    monkeypatch.setattr(store_mod.CorpusWriter, "write_layer", dying)
+    with pytest.raises(OSError, match="disk full"):
+        _pin(tmp_path, tiny_dir, src)
+    assert calls == [0, 1]
+    store = PageStore(tmp_path / "store")
+    assert store.ids() == [] and list(store.tmp.iterdir()) == []
+    monkeypatch.undo()
+    assert not _pin(tmp_path, tiny_dir, src).reused  # a retry succeeds
+
+
+def test_a_killed_pin_process_leaves_nothing_visible(tmp_path: Path, tiny_dir: Path) -> None:
+    """SIGKILL while writing pages: no corpus; the orphaned temp dir is swept on the next open."""
+    body = b"x = 1\n" * 300
+    src = _tar(tmp_path / "big.tar", {"big.py": body})
+    store_dir = tmp_path / "store"
+    code = (
+        "import io, os, signal, sys\n"
+        "from corpusd.corpus import store as s\n"
+        "from corpusd.corpus.pin import PinConfig, pin\n"
+        "real = s.CorpusWriter.write_layer\n"
+        "def die(*a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "s.CorpusWriter.write_layer = die\n"
+        f"pin(PinConfig(corpus={str(src)!r}, model={str(tiny_dir)!r}, store={str(store_dir)!r},"
+        " max_tokens=10**6), io.StringIO())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    assert len(list((store_dir / "tmp").iterdir())) == 1  # the dead writer's temp dir
+    store = PageStore(store_dir)
+    assert store.ids() == [] and list(store.tmp.iterdir()) == []
+
+
+BAD_INPUTS = [
+    ("abs.tar", {"/etc/passwd": b"root\n"}, "absolute"),
+    ("dots.tar", {"a/../../x.py": b"x\n"}, r"'\.\.'"),
+    ("empty.tar", {"img.bin": b"\x00\x01\x02"}, "no text files"),
+]
+
+
+@pytest.mark.parametrize(("name", "files", "message"), BAD_INPUTS)
+def test_bad_corpora_are_refused_and_write_nothing(
+    tmp_path: Path, tiny_dir: Path, name: str, files: dict[str, bytes], message: str
+) -> None:
+    src = _tar(tmp_path / name, files)
+    with pytest.raises(CorpusError, match=message):
+        _pin(tmp_path, tiny_dir, src)
+    assert _store_listing(tmp_path / "store") == []
+
+
+def test_corrupt_archive_and_token_limit_write_nothing(tmp_path: Path, tiny_dir: Path) -> None:
+    good = _tar(tmp_path / "ok.tar", FILES)
+    bad = tmp_path / "cut.tar"
+    bad.write_bytes(good.read_bytes()[:700])
+    with pytest.raises(CorpusError, match="corrupt"):
+        _pin(tmp_path, tiny_dir, bad)
+    with pytest.raises(CorpusError, match=r"token limit of 100 at file 'src/a\.py'"):
+        _pin(tmp_path, tiny_dir, good, max_tokens=100)
+    assert _store_listing(tmp_path / "store") == []
+
+
+def test_cli_pin_summary_and_errors(tmp_path: Path, tiny_dir: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    src = _tar(tmp_path / "repo.tar", FILES)
+    args = ["pin", "--corpus", str(src), "--model", str(tiny_dir), "--store", str(tmp_path / "s")]
+    assert cli_main(args) == 0
+    out = capsys.readouterr()
+    assert "pinned: repo" in out.out and "pages of 64" in out.out and "skipped: 1 binary" in out.out
+    assert "prefill |" in out.err  # the progress bar
+    assert cli_main(args) == 0
+    assert "already pinned: repo" in capsys.readouterr().out
+    assert (
+        cli_main(["pin", "--corpus", str(tmp_path / "missing.tar"), "--model", str(tiny_dir)]) == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("corpusd: error: ") and "missing.tar" in err and err.count("\n") == 1
+    assert cli_main(["pin", "--corpus", str(src), "--model", str(tmp_path)]) == 2
+    assert "config.json not found" in capsys.readouterr().err
+    assert (
+        cli_main(["pin", "--corpus", str(src), "--page-size", "0", "--model", str(tiny_dir)]) == 2
+    )
+    assert "page_size must be > 0" in capsys.readouterr().err
+
+
+def test_console_script_runs(tmp_path: Path, tiny_dir: Path) -> None:
+    env = {**os.environ, "CORPUSD_HOME": str(tmp_path)}
+    out = subprocess.run(
+        ["corpusd", "--version"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.startswith("corpusd ")
+    model = load_model(tiny_dir)
+    assert model.cfg.num_attention_heads == 64 and model.cfg.kv_dim == 576
