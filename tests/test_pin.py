@@ -84,6 +84,9 @@ def test_pinned_pages_equal_the_models_prefill(tmp_path: Path, tiny_dir: Path, t
     full, _ = store.read_pages(m.corpus_id, 1, pages)
     assert torch.equal(sub[0], full[2]) and torch.equal(sub[1], full[0])
     store.verify(m.corpus_id)
+    assert store.resolve("repo") == store.resolve(m.corpus_id[:8]) == m.corpus_id
+    with pytest.raises(StoreError, match="no corpus named"):
+        store.resolve("nope")
     with pytest.raises(StoreError, match="pages 0"):
         store.read_pages(m.corpus_id, 0, [m.n_pages])
 
@@ -164,18 +167,49 @@ def test_a_killed_pin_process_leaves_nothing_visible(tmp_path: Path, tiny_dir: P
     assert store.ids() == [] and list(store.tmp.iterdir()) == []
 
 
+def _special(name: str, kind: bytes, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, link
+    return info
+
+
 BAD_INPUTS = [
     ("abs.tar", {"/etc/passwd": b"root\n"}, "absolute"),
     ("dots.tar", {"a/../../x.py": b"x\n"}, r"'\.\.'"),
     ("empty.tar", {"img.bin": b"\x00\x01\x02"}, "no text files"),
+    (
+        "symlink.tar",
+        {"ok.py": b"x\n", "ln": _special("ln", tarfile.SYMTYPE, "../../etc")},
+        "outside the corpus root",
+    ),
+    (
+        "hardlink.tar",
+        {"ok.py": b"x\n", "hl": _special("hl", tarfile.LNKTYPE, "../x")},
+        "outside the corpus root",
+    ),
+    (
+        "device.tar",
+        {"ok.py": b"x\n", "dev": _special("dev", tarfile.CHRTYPE)},
+        "a character device",
+    ),
+    ("fifo.tar", {"ok.py": b"x\n", "p": _special("p", tarfile.FIFOTYPE)}, "a FIFO"),
 ]
 
 
 @pytest.mark.parametrize(("name", "files", "message"), BAD_INPUTS)
 def test_bad_corpora_are_refused_and_write_nothing(
-    tmp_path: Path, tiny_dir: Path, name: str, files: dict[str, bytes], message: str
+    tmp_path: Path, tiny_dir: Path, name: str, files: dict[str, object], message: str
 ) -> None:
-    src = _tar(tmp_path / name, files)
+    src = tmp_path / name
+    with tarfile.open(src, "w") as tar:
+        for member, data in files.items():
+            if isinstance(data, tarfile.TarInfo):
+                tar.addfile(data)
+            else:
+                assert isinstance(data, bytes)
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
     with pytest.raises(CorpusError, match=message):
         _pin(tmp_path, tiny_dir, src)
     assert _store_listing(tmp_path / "store") == []
@@ -214,11 +248,27 @@ def test_cli_pin_summary_and_errors(tmp_path: Path, tiny_dir: Path, capsys) -> N
     assert "page_size must be > 0" in capsys.readouterr().err
 
 
+def test_tokenizer_json_in_the_model_dir_is_used(tmp_path: Path, tiny_dir: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from corpusd.tokenizer import HFTokenizer, load_tokenizer
+
+    vocab = {"[UNK]": 0, "def": 1, "return": 2, "x": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    tok.save(str(model_dir / "tokenizer.json"))
+    loaded = load_tokenizer(model_dir, bos_id=5, eos_id=6)
+    assert isinstance(loaded, HFTokenizer) and loaded.bos_id == 5
+    assert loaded.encode("def x return y") == [1, 3, 2, 0]
+    assert isinstance(load_tokenizer(tiny_dir, 256, 257), ByteTokenizer)
+
+
 def test_console_script_runs(tmp_path: Path, tiny_dir: Path) -> None:
     env = {**os.environ, "CORPUSD_HOME": str(tmp_path)}
-    out = subprocess.run(
-        ["corpusd", "--version"], capture_output=True, text=True, env=env, timeout=60
-    )
+    script = Path(sys.executable).parent / "corpusd"  # where pip put the console entry point
+    out = subprocess.run([script, "--version"], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("corpusd ")
     model = load_model(tiny_dir)
     assert model.cfg.num_attention_heads == 64 and model.cfg.kv_dim == 576
