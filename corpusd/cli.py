@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 import tarfile
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import corpusd
 from corpusd import env
 from corpusd.corpus.ingest import CorpusError
-from corpusd.corpus.pin import PinConfig, PinResult, pin
+from corpusd.corpus.pin import PinConfig, PinResult, default_model, pin
 from corpusd.corpus.store import StoreError
 from corpusd.model import CheckpointError, ModelConfigError
 
@@ -132,6 +132,34 @@ def cmd_model_init(a: argparse.Namespace) -> int:
     return 0
 
 
+def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One ``--flag`` per field of a config dataclass, typed and defaulted from the class."""
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        if f.default is MISSING:
+            p.add_argument(flag, type=kind, required=True, dest=f.name)
+        else:
+            p.add_argument(
+                flag, type=kind, default=f.default, dest=f.name, help=f"(default: {f.default})"
+            )
+
+
+def cmd_holder(a: argparse.Namespace) -> int:
+    from holder.config import HolderConfig
+    from holder.server import run
+
+    values = {f.name: getattr(a, f.name) for f in fields(HolderConfig)}
+    values["state_dir"] = values["state_dir"] or str(env.home() / "holders" / "default")
+    values["store"] = values["store"] or str(env.default_store_dir())
+    cfg = HolderConfig(**values)
+    model_dir = Path(cfg.model) if cfg.model else default_model(sys.stderr)
+    run(cfg, model_dir)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="corpusd", description=corpusd.__doc__)
     p.add_argument("--version", action="version", version=f"corpusd {corpusd.__version__}")
@@ -142,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     pd = sub.add_parser("demo", help="pin a sample repository on the tiny built-in model")
     _add_pin_flags(pd, corpus_required=False)
     pd.set_defaults(func=cmd_demo)
+    ph = sub.add_parser("holder", help="serve pinned pages of one device over gRPC")
+    from holder.config import HolderConfig
+
+    add_dataclass_flags(ph, HolderConfig)
+    ph.set_defaults(func=cmd_holder)
     pm = sub.add_parser("model", help="model checkpoints")
     msub = pm.add_subparsers(dest="model_command", required=True)
     pi = msub.add_parser("init", help="write the deterministic tiny default checkpoint")

@@ -1,0 +1,137 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HolderAddress(_message.Message):
+    __slots__ = ("holder_id", "address", "device", "capacity_frames")
+    HOLDER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    holder_id: str
+    address: str
+    device: str
+    capacity_frames: int
+    def __init__(self, holder_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., capacity_frames: _Optional[int] = ...) -> None: ...
+
+class RegisterHolderRequest(_message.Message):
+    __slots__ = ("holder",)
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    holder: HolderAddress
+    def __init__(self, holder: _Optional[_Union[HolderAddress, _Mapping]] = ...) -> None: ...
+
+class RegisterHolderResponse(_message.Message):
+    __slots__ = ("lease_seconds",)
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("holder_id", "used_frames", "active_flows")
+    HOLDER_ID_FIELD_NUMBER: _ClassVar[int]
+    USED_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FLOWS_FIELD_NUMBER: _ClassVar[int]
+    holder_id: str
+    used_frames: int
+    active_flows: int
+    def __init__(self, holder_id: _Optional[str] = ..., used_frames: _Optional[int] = ..., active_flows: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_seconds",)
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
+
+class CorpusInfo(_message.Message):
+    __slots__ = ("corpus_id", "name", "state", "tokens", "pages", "page_size", "cp_degree", "replicas", "model_fingerprint")
+    CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CP_DEGREE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    corpus_id: str
+    name: str
+    state: str
+    tokens: int
+    pages: int
+    page_size: int
+    cp_degree: int
+    replicas: int
+    model_fingerprint: str
+    def __init__(self, corpus_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., tokens: _Optional[int] = ..., pages: _Optional[int] = ..., page_size: _Optional[int] = ..., cp_degree: _Optional[int] = ..., replicas: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class ListCorporaRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListCorporaResponse(_message.Message):
+    __slots__ = ("corpora",)
+    CORPORA_FIELD_NUMBER: _ClassVar[int]
+    corpora: _containers.RepeatedCompositeFieldContainer[CorpusInfo]
+    def __init__(self, corpora: _Optional[_Iterable[_Union[CorpusInfo, _Mapping]]] = ...) -> None: ...
+
+class GetPageTableRequest(_message.Message):
+    __slots__ = ("corpus_id",)
+    CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
+    corpus_id: str
+    def __init__(self, corpus_id: _Optional[str] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("holder_id", "frame")
+    HOLDER_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    holder_id: str
+    frame: int
+    def __init__(self, holder_id: _Optional[str] = ..., frame: _Optional[int] = ...) -> None: ...
+
+class PageEntry(_message.Message):
+    __slots__ = ("page", "replicas")
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    page: int
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, page: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class PageTable(_message.Message):
+    __slots__ = ("corpus", "holders", "pages")
+    CORPUS_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    corpus: CorpusInfo
+    holders: _containers.RepeatedCompositeFieldContainer[HolderAddress]
+    pages: _containers.RepeatedCompositeFieldContainer[PageEntry]
+    def __init__(self, corpus: _Optional[_Union[CorpusInfo, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[HolderAddress, _Mapping]]] = ..., pages: _Optional[_Iterable[_Union[PageEntry, _Mapping]]] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("corpus_id", "replicas")
+    CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    corpus_id: str
+    replicas: int
+    def __init__(self, corpus_id: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("table",)
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    table: PageTable
+    def __init__(self, table: _Optional[_Union[PageTable, _Mapping]] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("corpus_id",)
+    CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
+    corpus_id: str
+    def __init__(self, corpus_id: _Optional[str] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ("frames_freed",)
+    FRAMES_FREED_FIELD_NUMBER: _ClassVar[int]
+    frames_freed: int
+    def __init__(self, frames_freed: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,73 @@
+"""Tensors ↔ ``corpusd.v1.Tensor`` (raw little-endian bytes + shape + dtype), with validation.
+
+Only servicers and clients call this: wire types stop here.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from corpusd.v1 import tensor_pb2
+
+assert sys.byteorder == "little", "corpusd's wire format is little-endian; so must the host be"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class WireError(ValueError):
+    """A malformed tensor in a request; the message names the field and what is wrong."""
+
+
+def to_proto(t: torch.Tensor) -> tensor_pb2.Tensor:
+    t = t.detach().to("cpu").contiguous()
+    name = _NAMES.get(t.dtype)
+    assert name is not None, f"no wire dtype for {t.dtype}"
+    data = t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return tensor_pb2.Tensor(dtype=name, shape=list(t.shape), data=data)
+
+
+def from_proto(
+    msg: tensor_pb2.Tensor,
+    field: str,
+    *,
+    dtypes: Sequence[torch.dtype],
+    rank: int,
+    max_bytes: int = 1 << 31,
+    finite: bool = False,
+) -> torch.Tensor:
+    """Decode and check one tensor field. Raises WireError with ``field`` in the message."""
+    if not msg.dtype:
+        raise WireError(f"{field}: missing tensor")
+    dtype = DTYPES.get(msg.dtype)
+    if dtype is None or dtype not in dtypes:
+        allowed = ", ".join(_NAMES[d] for d in dtypes)
+        raise WireError(f"{field}: dtype {msg.dtype!r} not accepted (expected {allowed})")
+    shape = tuple(int(s) for s in msg.shape)
+    if len(shape) != rank or any(s < 0 for s in shape):
+        raise WireError(f"{field}: shape {list(shape)} is not a rank-{rank} shape")
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes > max_bytes:
+        raise WireError(f"{field}: {nbytes:,} bytes exceeds the limit of {max_bytes:,}")
+    if len(msg.data) != nbytes:
+        raise WireError(
+            f"{field}: {len(msg.data):,} data bytes for shape {list(shape)} {msg.dtype}"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    t = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(dtype).reshape(shape)
+    if finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise WireError(f"{field}: contains NaN or infinite values")
+    return t

@@ -1,0 +1,50 @@
+"""The holder process's configuration (CLI flags derive from these defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class HolderConfig:
+    store: str = ""  # page store the corpora were pinned into ("" = $CORPUSD_STORE)
+    state_dir: str = (
+        ""  # assignments.json (restart), endpoint.json ("" = $CORPUSD_HOME/holders/default)
+    )
+    model: str | None = None  # pool geometry + fingerprint check; default: the embedded model
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port (written to endpoint.json)
+    metrics_port: int = 0  # 0: pick a free port; -1: no metrics endpoint
+    holder_id: str = ""
+    capacity_tokens: int = 1 << 20
+    page_size: int = 64
+    dtype: str = "float32"
+    kernel: str = "auto"
+    max_flows: int = 8
+    max_queue: int = 1024
+    queue_timeout_s: float = 10.0
+    max_rows: int = 8192  # rows of one Attend / IndexTopK
+    max_k: int = 16384  # selected rows per query row
+    max_message_bytes: int = 256 << 20
+    threads: int = 0  # torch intra-op threads per flow; 0: torch's default
+    drain_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.store or not self.state_dir:
+            raise ValueError("a holder needs a page store and a state directory")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for key in ("capacity_tokens", "page_size", "max_flows", "max_rows", "max_k"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.capacity_tokens < self.page_size:
+            raise ValueError(f"capacity_tokens {self.capacity_tokens} is less than one page")
+        if not self.device.startswith(("cpu", "cuda")):
+            raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
+
+    @property
+    def frames(self) -> int:
+        return self.capacity_tokens // self.page_size

@@ -1,0 +1,186 @@
+"""The frame pool: one preallocated latent tensor and one index-key tensor per layer.
+
+A frame holds one page (``page_size`` rows). Pool row ``frame * page_size + slot`` is what
+requesters address. The pool owns the free list, the frame table ``frame → (corpus, page)``,
+and per frame its owner (a small corpus handle) and number of valid rows, so a request's rows
+can be checked against the corpus it names in one vectorised pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    n_layers: int
+    page_size: int
+    kv_dim: int
+    index_dim: int
+    dtype: torch.dtype
+    frames: int
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        assert min(self.n_layers, self.page_size, self.kv_dim, self.index_dim, self.frames) > 0, (
+            f"{self=}"
+        )
+
+    @property
+    def bytes_per_frame(self) -> int:
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        return self.n_layers * self.page_size * (self.kv_dim + self.index_dim) * elt
+
+
+@dataclass(slots=True)
+class HeldCorpus:
+    handle: int
+    token_count: int
+    n_pages: int
+    pages: dict[int, int] = field(default_factory=dict)  # page → frame
+
+
+class RowError(ValueError):
+    """Requested pool rows that are out of range or not the named corpus's."""
+
+
+class PoolFull(RuntimeError):
+    """Not enough free frames."""
+
+
+class FramePool:
+    def __init__(self, geo: Geometry) -> None:
+        self.geo = geo
+        rows = geo.frames * geo.page_size
+        dt, dev = geo.dtype, geo.device
+        self.latent = [
+            torch.zeros(rows, geo.kv_dim, dtype=dt, device=dev) for _ in range(geo.n_layers)
+        ]
+        self.index_keys = [
+            torch.zeros(rows, geo.index_dim, dtype=dt, device=dev) for _ in range(geo.n_layers)
+        ]
+        self.owner = torch.full((geo.frames,), -1, dtype=torch.int32)
+        self.valid = torch.zeros(geo.frames, dtype=torch.int32)
+        self.table: dict[int, tuple[str, int]] = {}
+        self.corpora: dict[str, HeldCorpus] = {}
+        self._free = list(range(geo.frames - 1, -1, -1))  # pop() hands out the lowest frame
+        self._next_handle = 0
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def free_frames(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_frames(self) -> int:
+        return self.geo.frames - len(self._free)
+
+    def held(self, corpus_id: str) -> HeldCorpus | None:
+        return self.corpora.get(corpus_id)
+
+    def check_rows(self, corpus_id: str, rows: torch.Tensor) -> None:
+        """Raise RowError unless every row ≥ 0 is a valid row of a frame of ``corpus_id``
+        (``-1`` marks an unused slot and is allowed)."""
+        held = self.corpora[corpus_id]
+        used = rows[rows >= 0].to(torch.int64)
+        if bool((rows < -1).any()):
+            raise RowError(f"row indices below -1: {rows[rows < -1][:4].tolist()}")
+        if used.numel() == 0:
+            return
+        limit = self.geo.frames * self.geo.page_size
+        if int(used.max()) >= limit:
+            raise RowError(f"row {int(used.max())} is outside the pool (0..{limit - 1})")
+        frames = used // self.geo.page_size
+        slots = used % self.geo.page_size
+        wrong = self.owner[frames] != held.handle
+        if bool(wrong.any()):
+            row = int(used[wrong][0])
+            raise RowError(f"row {row} is not in a frame of corpus {corpus_id}")
+        past = slots >= self.valid[frames]
+        if bool(past.any()):
+            raise RowError(f"row {int(used[past][0])} is past the corpus's last token")
+
+    # -- mutation ---------------------------------------------------------------------------------
+    def add_corpus(self, corpus_id: str, token_count: int, n_pages: int) -> HeldCorpus:
+        held = self.corpora.get(corpus_id)
+        if held is None:
+            held = HeldCorpus(self._next_handle, token_count, n_pages)
+            self._next_handle += 1
+            self.corpora[corpus_id] = held
+        return held
+
+    def take_frames(self, n: int, wanted: list[int] | None = None) -> list[int]:
+        """Reserve ``n`` free frames (the ``wanted`` ones when given: restart restores frames)."""
+        if wanted is not None:
+            missing = [f for f in wanted if f not in self._free]
+            if missing:
+                raise PoolFull(f"frames {missing[:4]} are not free")
+            for f in wanted:
+                self._free.remove(f)
+            return wanted
+        if n > len(self._free):
+            raise PoolFull(f"{n} frames needed, {len(self._free)} free of {self.geo.frames}")
+        return [self._free.pop() for _ in range(n)]
+
+    def return_frames(self, frames: list[int]) -> None:
+        for f in frames:
+            self.owner[f] = -1
+            self.valid[f] = 0
+            self.table.pop(f, None)
+        self._free.extend(frames)
+        self._free.sort(reverse=True)
+
+    def fill(
+        self,
+        corpus_id: str,
+        page: int,
+        frame: int,
+        latent: list[torch.Tensor],
+        keys: list[torch.Tensor],
+    ) -> None:
+        """Copy one page (per layer ``[P, kv_dim]`` / ``[P, index_dim]``) into ``frame``."""
+        held = self.corpora[corpus_id]
+        p = self.geo.page_size
+        lo = frame * p
+        for layer in range(self.geo.n_layers):
+            self.latent[layer][lo : lo + p] = latent[layer]
+            self.index_keys[layer][lo : lo + p] = keys[layer]
+        self.valid[frame] = min(p, held.token_count - page * p)
+        self.owner[frame] = held.handle
+        self.table[frame] = (corpus_id, page)
+        held.pages[page] = frame
+
+    def drop_if_empty(self, corpus_id: str) -> None:
+        held = self.corpora.get(corpus_id)
+        if held is not None and not held.pages:
+            del self.corpora[corpus_id]
+
+    def release(self, corpus_id: str, pages: list[int] | None = None) -> int:
+        held = self.corpora.get(corpus_id)
+        if held is None:
+            return 0
+        chosen = list(held.pages) if not pages else [p for p in pages if p in held.pages]
+        frames = [held.pages.pop(p) for p in chosen]
+        self.return_frames(frames)
+        if not held.pages:
+            del self.corpora[corpus_id]
+        return len(frames)
+
+    def check_integrity(self) -> None:
+        """Assert that free list, frame table, owners and corpora agree (run when idle)."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "free list has duplicates"
+        assert free.isdisjoint(self.table), (
+            f"frames both free and used: {sorted(free & set(self.table))[:4]}"
+        )
+        assert len(free) + len(self.table) == self.geo.frames, (
+            f"{len(free)=} + {len(self.table)=} != {self.geo.frames=}"
+        )
+        handles = {c.handle: cid for cid, c in self.corpora.items()}
+        for frame, (cid, page) in self.table.items():
+            held = self.corpora.get(cid)
+            assert held is not None and held.pages.get(page) == frame, f"{frame=} {cid=} {page=}"
+            assert handles.get(int(self.owner[frame])) == cid, f"{frame=} owner mismatch"
+        assert bool((self.owner[sorted(free)] == -1).all()) if free else True, "free frame owned"

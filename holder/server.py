@@ -1,0 +1,137 @@
+"""``corpusd holder``: one process per device serving the Holder service, health and metrics.
+
+Start-up: pool geometry from the model, kernel chosen by capability, assignments restored from
+the state directory into the same frames, then serve. SIGTERM/SIGINT drain: health turns
+NOT_SERVING, new RPCs are refused, running ones get ``drain_s`` to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from prometheus_client import start_http_server
+
+from corpusd.corpus.store import PageStore
+from corpusd.model import ModelConfig, fingerprint
+from corpusd.v1 import holder_pb2_grpc
+from holder.config import HolderConfig
+from holder.kernels import choose
+from holder.metrics import HolderMetrics
+from holder.pool import FramePool, Geometry
+from holder.service import HolderService
+
+log = logging.getLogger("corpusd.holder")
+SERVICE = "corpusd.v1.Holder"
+INTEGRITY_EVERY_S = 30.0
+
+
+def build(cfg: HolderConfig, model_dir: Path) -> HolderService:
+    mcfg = ModelConfig.from_dir(model_dir)
+    geo = Geometry(
+        n_layers=mcfg.num_hidden_layers,
+        page_size=cfg.page_size,
+        kv_dim=mcfg.kv_dim,
+        index_dim=mcfg.index_head_dim,
+        dtype=getattr(torch, cfg.dtype),
+        frames=cfg.frames,
+        device=cfg.device,
+    )
+    kernel = choose(cfg.kernel, cfg.device)
+    return HolderService(
+        cfg, FramePool(geo), PageStore(cfg.store), kernel, fingerprint(model_dir), HolderMetrics()
+    )
+
+
+async def _integrity_loop(svc: HolderService) -> None:
+    while True:
+        await asyncio.sleep(INTEGRITY_EVERY_S)
+        if svc.admission.active == 0 and not svc._mutate.locked():
+            svc.pool.check_integrity()
+
+
+async def serve(cfg: HolderConfig, model_dir: Path) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    svc = build(cfg, model_dir)
+    restored = await asyncio.get_running_loop().run_in_executor(None, svc.restore)
+    svc.pool.check_integrity()
+    limit = cfg.max_message_bytes + (1 << 20)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ]
+    )
+    holder_pb2_grpc.add_HolderServicer_to_server(svc, server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if port == 0:
+        raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+    await server.start()
+    metrics_port = -1
+    if cfg.metrics_port >= 0:
+        httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=svc.metrics.registry)
+        metrics_port = httpd.server_address[1]
+    holder_id = cfg.holder_id or f"holder-{port}"
+    svc.cfg = cfg = replace(cfg, holder_id=holder_id)
+    await health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    endpoint = {
+        "holder_id": holder_id,
+        "address": f"{cfg.host}:{port}",
+        "metrics_port": metrics_port,
+        "pid": os.getpid(),
+        "kernel": svc.kernel.name,
+        "device": cfg.device,
+    }
+    tmp = Path(cfg.state_dir) / "endpoint.json.tmp"
+    tmp.write_text(json.dumps(endpoint))
+    os.replace(tmp, Path(cfg.state_dir) / "endpoint.json")
+    log.info(
+        "%s serving on %s:%d (kernel %s, device %s, %d frames of %d, restored %d pages); "
+        "metrics on :%d",
+        holder_id,
+        cfg.host,
+        port,
+        svc.kernel.name,
+        cfg.device,
+        svc.pool.geo.frames,
+        cfg.page_size,
+        restored,
+        metrics_port,
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    checker = asyncio.create_task(_integrity_loop(svc))
+    await stop.wait()
+    log.info("%s draining (up to %.1f s)", holder_id, cfg.drain_s)
+    await health.enter_graceful_shutdown()
+    await server.stop(cfg.drain_s)
+    checker.cancel()
+    svc.executor.shutdown(wait=True)
+    log.info("%s stopped", holder_id)
+
+
+def run(cfg: HolderConfig, model_dir: Path) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        import uvloop
+
+        uvloop.run(serve(cfg, model_dir))
+    except ImportError:  # uvloop is not built for every platform; asyncio's loop serves too
+        asyncio.run(serve(cfg, model_dir))

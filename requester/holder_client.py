@@ -1,0 +1,121 @@
+"""An asyncio client of one holder: tensors in, tensors out (wire types stop here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from corpusd.v1 import holder_pb2, holder_pb2_grpc
+from corpusd.wire import from_proto, to_proto
+
+_ANY = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
+
+
+def _t(msg: object, field: str, rank: int) -> torch.Tensor:
+    return from_proto(msg, field, dtypes=_ANY, rank=rank)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    o: torch.Tensor  # [n, h, d_v]
+    lse: torch.Tensor  # [n, h] float32, natural log
+    kernel: str
+    compute_us: float
+
+
+class HolderClient:
+    def __init__(self, address: str, max_message_bytes: int = 256 << 20) -> None:
+        opts = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=opts)
+        self.stub = holder_pb2_grpc.HolderStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def attend(
+        self,
+        corpus_id: str,
+        layer: int,
+        q: torch.Tensor,
+        rows: torch.Tensor,
+        scale: float,
+        timeout: float | None = None,
+    ) -> Partial:
+        """Partial attention of ``q [n, h, kv_dim]`` over pool ``rows [n, k]`` (-1 = unused)."""
+        r = await self.stub.Attend(
+            holder_pb2.AttendRequest(
+                corpus_id=corpus_id,
+                layer=layer,
+                q=to_proto(q),
+                rows=to_proto(rows.to(torch.int32)),
+                scale=scale,
+            ),
+            timeout=timeout,
+        )
+        return Partial(_t(r.o, "o", 3), _t(r.lse, "lse", 2), r.kernel, r.compute_us)
+
+    async def fetch(
+        self,
+        corpus_id: str,
+        pages: list[int],
+        layers: list[int] | None = None,
+        index_keys: bool = False,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        r = await self.stub.Fetch(
+            holder_pb2.FetchRequest(
+                corpus_id=corpus_id, pages=pages, layers=layers or [], index_keys=index_keys
+            )
+        )
+        return [_t(t, "latent", 3) for t in r.latent], [
+            _t(t, "index_keys", 3) for t in r.index_keys
+        ]
+
+    async def index_topk(
+        self,
+        corpus_id: str,
+        layer: int,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        limit: torch.Tensor,
+        k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        r = await self.stub.IndexTopK(
+            holder_pb2.IndexTopKRequest(
+                corpus_id=corpus_id,
+                layer=layer,
+                q=to_proto(q),
+                weights=to_proto(weights),
+                limit=to_proto(limit.to(torch.int64)),
+                k=k,
+            )
+        )
+        return _t(r.positions, "positions", 2), _t(r.scores, "scores", 2)
+
+    async def index_keys(self, corpus_id: str, layer: int) -> dict[int, torch.Tensor]:
+        """page → ``[page_size, index_dim]`` for every page this holder has of the corpus."""
+        out: dict[int, torch.Tensor] = {}
+        async for chunk in self.stub.IndexKeys(
+            holder_pb2.IndexKeysRequest(corpus_id=corpus_id, layer=layer)
+        ):
+            keys = _t(chunk.keys, "keys", 3)
+            out.update({int(p): keys[i] for i, p in enumerate(chunk.pages)})
+        return out
+
+    async def assign(self, corpus_id: str, pages: list[int] | None = None) -> dict[int, int]:
+        r = await self.stub.Assign(holder_pb2.AssignRequest(corpus_id=corpus_id, pages=pages or []))
+        return {pf.page: pf.frame for pf in r.frames}
+
+    async def release(self, corpus_id: str, pages: list[int] | None = None) -> int:
+        r = await self.stub.Release(
+            holder_pb2.ReleaseRequest(corpus_id=corpus_id, pages=pages or [])
+        )
+        return int(r.freed)
+
+    async def info(self) -> holder_pb2.InfoResponse:
+        return await self.stub.Info(holder_pb2.InfoRequest())

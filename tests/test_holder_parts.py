@@ -1,0 +1,107 @@
+"""Holder pieces in-process: the frame pool's bookkeeping, admission, generated protos."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from holder.admission import Admission, Overloaded
+from holder.pool import FramePool, Geometry, PoolFull, RowError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _pool(frames: int = 6) -> FramePool:
+    return FramePool(
+        Geometry(n_layers=2, page_size=4, kv_dim=8, index_dim=3, dtype=torch.float32, frames=frames)
+    )
+
+
+def _fill(pool: FramePool, cid: str, pages: list[int], tokens: int) -> dict[int, int]:
+    pool.add_corpus(cid, tokens, -(-tokens // 4))
+    frames = pool.take_frames(len(pages))
+    for page, frame in zip(pages, frames, strict=True):
+        lat = [torch.full((4, 8), float(page)) for _ in range(2)]
+        pool.fill(cid, page, frame, lat, [torch.zeros(4, 3)] * 2)
+    return dict(zip(pages, frames, strict=True))
+
+
+def test_pool_bookkeeping_and_integrity() -> None:
+    pool = _pool()
+    a = _fill(pool, "a", [0, 1, 2], tokens=10)  # last page holds 2 valid rows
+    b = _fill(pool, "b", [0], tokens=4)
+    pool.check_integrity()
+    assert pool.used_frames == 4 and sorted(a.values()) == [0, 1, 2] and b == {0: 3}
+    pool.check_rows("a", torch.tensor([[0, 4 * a[2] + 1, -1]]))
+    with pytest.raises(RowError, match="past the corpus's last token"):
+        pool.check_rows("a", torch.tensor([[4 * a[2] + 2]]))
+    with pytest.raises(RowError, match="not in a frame of corpus a"):
+        pool.check_rows("a", torch.tensor([[4 * b[0]]]))
+    with pytest.raises(RowError, match="outside the pool"):
+        pool.check_rows("a", torch.tensor([[24]]))
+    assert pool.release("a", [1]) == 1
+    pool.check_integrity()
+    again = _fill(pool, "c", [0], tokens=4)
+    assert again == {0: a[1]}, "the lowest free frame is reused first"
+    with pytest.raises(PoolFull):
+        pool.take_frames(5)
+    pool.release("a")
+    pool.release("b")
+    pool.release("c")
+    pool.check_integrity()
+    assert pool.free_frames == 6 and not pool.corpora
+    # integrity catches corruption
+    _fill(pool, "d", [0], tokens=4)
+    pool.owner[0] = 7
+    with pytest.raises(AssertionError):
+        pool.check_integrity()
+
+
+def test_admission_caps_flows_queues_in_order_and_times_out() -> None:
+    async def go() -> None:
+        adm = Admission(max_flows=2, max_queue=2, queue_timeout_s=0.2)
+        order: list[int] = []
+        gate = asyncio.Event()
+
+        async def flow(i: int) -> None:
+            async with adm.slot():
+                order.append(i)
+                await gate.wait()
+
+        tasks = [asyncio.create_task(flow(i)) for i in range(4)]
+        await asyncio.sleep(0.01)
+        assert adm.active == 2 and adm.queued == 2 and order == [0, 1]
+        with pytest.raises(Overloaded, match="queued"):
+            async with adm.slot():
+                pass
+        gate.set()
+        await asyncio.gather(*tasks)
+        assert order == [0, 1, 2, 3] and adm.active == 0 and adm.queued == 0
+        # a waiter that times out leaves no slot behind
+        gate.clear()
+        blockers = [asyncio.create_task(flow(i)) for i in range(2)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded, match="waited"):
+            async with adm.slot():
+                pass
+        gate.set()
+        await asyncio.gather(*blockers)
+        assert adm.active == 0 and adm.queued == 0
+
+    asyncio.run(go())
+
+
+def test_generated_protos_are_current() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tools.gen_protos", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
