@@ -33,6 +33,16 @@ def test_partial_attention_equals_dense_softmax() -> None:
     assert rel(lse, torch.logsumexp(s, -1)) <= 1e-6
 
 
+def test_partial_attention_row_chunks_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    import corpusd.model.partial as partial
+
+    q, kv, idx = _inputs(2, n=9)
+    whole = partial_attention(q, kv, idx, 0.1, 512)
+    monkeypatch.setattr(partial, "_GATHER_ELEMS", 2 * 64 * 576)  # two rows per chunk
+    chunked = partial_attention(q, kv, idx, 0.1, 512)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
 def test_partial_attention_empty_rows_and_padding() -> None:
     q, kv, idx = _inputs(1)
     idx[0] = -1  # an all-invalid row

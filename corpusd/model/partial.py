@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+_GATHER_ELEMS = 16 << 20  # float32 elements of one gathered block (64 MiB)
+
 
 def partial_attention(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int
@@ -36,6 +38,14 @@ def partial_attention(
     assert indices.dim() == 2 and indices.shape[0] == n, f"{indices.shape=} vs {q.shape=}"
     if indices.numel() and int(indices.max()) >= kv.shape[0]:
         raise IndexError(f"index {int(indices.max())} out of range for {kv.shape[0]} cache rows")
+    # Rows go in chunks so the gathered [chunk, k, d] block stays ~64 MiB whatever n·k is.
+    step = max(1, _GATHER_ELEMS // max(1, indices.shape[1] * d))
+    if n > step:
+        parts = [
+            partial_attention(q[i : i + step], kv, indices[i : i + step], scale, d_v)
+            for i in range(0, n, step)
+        ]
+        return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
     valid = indices >= 0
     rows = kv[indices.clamp(min=0)].float()  # [n, k, d]
     s = torch.einsum("nhd,nkd->nhk", q.float(), rows) * scale
