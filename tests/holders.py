@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import io
-import json
-import os
-import signal
-import subprocess
-import sys
 import tarfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from corpusd.corpus.pin import PinConfig, pin
+from holder.launch import HolderProcess
+from holder.launch import start_holder as _start
 
 
 def pin_sample(tmp: Path, model_dir: Path, tokens: int = 1000) -> str:
@@ -33,47 +28,8 @@ def pin_sample(tmp: Path, model_dir: Path, tokens: int = 1000) -> str:
     return r.manifest.corpus_id
 
 
-@dataclass
-class HolderProc:
-    proc: subprocess.Popen[bytes]
-    state_dir: Path
-    address: str
-    metrics_port: int
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+def start_holder(store: Path, state_dir: Path, model_dir: Path, *extra: str) -> HolderProcess:
+    return _start(store, state_dir, model_dir, "--threads", "1", *extra)
 
 
-def start_holder(store: Path, state_dir: Path, model_dir: Path, *extra: str) -> HolderProc:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    endpoint = state_dir / "endpoint.json"
-    endpoint.unlink(missing_ok=True)
-    log = (state_dir / "holder.log").open("ab")
-    cmd = [
-        sys.executable,
-        "-m",
-        "corpusd",
-        "holder",
-        "--store",
-        str(store),
-        "--state-dir",
-        str(state_dir),
-        "--model",
-        str(model_dir),
-        "--threads",
-        "1",
-        *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    deadline = time.monotonic() + 120
-    while not endpoint.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(
-                f"holder did not start: {(state_dir / 'holder.log').read_text()[-3000:]}"
-            )
-        time.sleep(0.05)
-    ep = json.loads(endpoint.read_text())
-    return HolderProc(proc, state_dir, ep["address"], ep["metrics_port"])
+HolderProc = HolderProcess
