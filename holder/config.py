@@ -20,6 +20,7 @@ class HolderConfig:
     metrics_port: int = 0  # 0: pick a free port; -1: no metrics endpoint
     holder_id: str = ""
     capacity_tokens: int = 1 << 20
+    capacity_bytes: int = 0  # > 0: size the pool by bytes instead (latent + index keys, all layers)
     page_size: int = 64
     dtype: str = "float32"
     kernel: str = "auto"
@@ -40,6 +41,8 @@ class HolderConfig:
         for key in ("capacity_tokens", "page_size", "max_flows", "max_rows", "max_k"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {self.capacity_bytes}")
         if self.capacity_tokens < self.page_size:
             raise ValueError(f"capacity_tokens {self.capacity_tokens} is less than one page")
         if not self.device.startswith(("cpu", "cuda")):

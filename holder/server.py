@@ -46,6 +46,14 @@ def build(cfg: HolderConfig, model_dir: Path) -> HolderService:
         frames=cfg.frames,
         device=cfg.device,
     )
+    if cfg.capacity_bytes:
+        frames = cfg.capacity_bytes // geo.bytes_per_frame
+        if frames < 1:
+            raise ValueError(
+                f"capacity_bytes {cfg.capacity_bytes:,} is less than one frame "
+                f"({geo.bytes_per_frame:,} bytes)"
+            )
+        geo = replace(geo, frames=frames)
     kernel = choose(cfg.kernel, cfg.device)
     return HolderService(
         cfg, FramePool(geo), PageStore(cfg.store), kernel, fingerprint(model_dir), HolderMetrics()

@@ -324,6 +324,7 @@ def test_restart_reloads_the_same_frames(
 
     async def first(addr: str) -> tuple[dict[int, int], torch.Tensor]:
         c = HolderClient(addr)
+        assert (await c.info()).capacity_frames == 20
         await c.assign(cid, [3, 9, 1])
         frames = await c.assign(cid, [5, 15, 0])
         frames.update(await c.assign(cid, [3, 9, 1]))
@@ -342,10 +343,12 @@ def test_restart_reloads_the_same_frames(
         await c.close()
         return out.o
 
-    h = start_holder(store, tmp_path / "h", tiny_dir)
+    # sized by bytes: 20 frames of 2 layers × 64 rows × (576 + 128) fp32 values
+    size = ["--capacity-bytes", str(20 * 2 * 64 * 704 * 4)]
+    h = start_holder(store, tmp_path / "h", tiny_dir, *size)
     frames, o1 = asyncio.run(first(h.address))
     assert h.stop() == 0
-    h = start_holder(store, tmp_path / "h", tiny_dir)
+    h = start_holder(store, tmp_path / "h", tiny_dir, *size)
     try:
         assert torch.equal(asyncio.run(second(h.address, frames)), o1)
     finally:
