@@ -111,6 +111,21 @@ class HolderService(holder_pb2_grpc.HolderServicer):
                 grpc.StatusCode.NOT_FOUND, f"corpus {corpus_id!r} is not held by this holder"
             )
 
+    def _tensor(
+        self, msg: Any, name: str, dtypes: tuple[torch.dtype, ...], rank: int, finite: bool = False
+    ) -> torch.Tensor:
+        """Decode one request tensor; a malformed one is INVALID_ARGUMENT naming the field."""
+        return _wire(
+            lambda: from_proto(
+                msg,
+                name,
+                dtypes=dtypes,
+                rank=rank,
+                finite=finite,
+                max_bytes=self.cfg.max_message_bytes,
+            )
+        )
+
     def _layer(self, layer: int) -> None:
         if layer >= self.pool.geo.n_layers:
             raise Reject(
@@ -147,16 +162,8 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         geo, cfg = self.pool.geo, self.cfg
         self._held(request.corpus_id)
         self._layer(request.layer)
-        q = _wire(
-            lambda: from_proto(
-                request.q, "q", dtypes=_FLOATS, rank=3, finite=True, max_bytes=cfg.max_message_bytes
-            )
-        )
-        rows = _wire(
-            lambda: from_proto(
-                request.rows, "rows", dtypes=_INTS, rank=2, max_bytes=cfg.max_message_bytes
-            )
-        )
+        q = self._tensor(request.q, "q", _FLOATS, 3, finite=True)
+        rows = self._tensor(request.rows, "rows", _INTS, 2)
         n, h, d = q.shape
         if d != geo.kv_dim or not 0 < h <= 128 or n > cfg.max_rows:
             raise Reject(
@@ -256,15 +263,9 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         geo, cfg = self.pool.geo, self.cfg
         self._held(request.corpus_id)
         self._layer(request.layer)
-        q = _wire(
-            lambda: from_proto(
-                request.q, "q", dtypes=_FLOATS, rank=3, finite=True, max_bytes=cfg.max_message_bytes
-            )
-        )
-        w = _wire(
-            lambda: from_proto(request.weights, "weights", dtypes=_FLOATS, rank=2, finite=True)
-        )
-        limit = _wire(lambda: from_proto(request.limit, "limit", dtypes=_INTS, rank=1))
+        q = self._tensor(request.q, "q", _FLOATS, 3, finite=True)
+        w = self._tensor(request.weights, "weights", _FLOATS, 2, finite=True)
+        limit = self._tensor(request.limit, "limit", _INTS, 1)
         n = q.shape[0]
         if (
             q.shape[2] != geo.index_dim
