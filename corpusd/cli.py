@@ -22,43 +22,9 @@ from corpusd.model import CheckpointError, ModelConfigError
 _USER_ERRORS = (CorpusError, ModelConfigError, CheckpointError, StoreError, ValueError)
 
 
-def _default(cls: type, name: str) -> object:
-    return next(f.default for f in fields(cls) if f.name == name)
-
-
-def _add_pin_flags(p: argparse.ArgumentParser, corpus_required: bool = True) -> None:
-    d = lambda n: _default(PinConfig, n)  # noqa: E731
-    if corpus_required:
-        p.add_argument("--corpus", required=True, help="a .tar, .tar.gz or a directory")
-    p.add_argument(
-        "--model",
-        help=f"model directory (default: ${{CORPUSD_MODEL}} or {env.default_model_dir()})",
-    )
-    p.add_argument("--store", help=f"page store directory (default: {env.default_store_dir()})")
-    p.add_argument("--name", help="corpus name (default: the source's file name)")
-    p.add_argument("--page-size", type=int, default=d("page_size"), help="tokens per page")
-    p.add_argument("--max-tokens", type=int, default=d("max_tokens"), help="refuse larger corpora")
-    p.add_argument(
-        "--max-file-bytes", type=int, default=d("max_file_bytes"), help="skip larger files"
-    )
-    p.add_argument("--chunk", type=int, default=d("chunk"), help="prefill chunk (tokens)")
-    p.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), default=d("dtype"), help="cache dtype"
-    )
-
-
 def _pin_config(a: argparse.Namespace, corpus: str) -> PinConfig:
-    return PinConfig(
-        corpus=corpus,
-        model=a.model,
-        store=a.store,
-        name=a.name,
-        page_size=a.page_size,
-        max_tokens=a.max_tokens,
-        max_file_bytes=a.max_file_bytes,
-        chunk=a.chunk,
-        dtype=a.dtype,
-    )
+    values = {f.name: getattr(a, f.name) for f in fields(PinConfig) if f.name != "corpus"}
+    return PinConfig(corpus=corpus, **values)
 
 
 def _mib(n: float) -> str:
@@ -133,18 +99,21 @@ def cmd_model_init(a: argparse.Namespace) -> int:
 
 
 def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One ``--flag`` per field of a config dataclass, typed and defaulted from the class."""
+    """One ``--flag`` per field of a config dataclass, typed and defaulted from the class; a
+    field's ``metadata`` may add ``help`` and ``choices``."""
     for f in fields(cls):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = {"int": int, "float": float}.get(str(f.type), str)
+        text = f.metadata.get("help", "")
+        extra = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
         if f.default is MISSING:
-            p.add_argument(flag, type=kind, required=True, dest=f.name)
+            p.add_argument(flag, type=kind, required=True, dest=f.name, help=text, **extra)
         else:
-            p.add_argument(
-                flag, type=kind, default=f.default, dest=f.name, help=f"(default: {f.default})"
-            )
+            if f.default is not None and "(default" not in text:
+                text = f"{text} (default: {f.default})".strip()
+            p.add_argument(flag, type=kind, default=f.default, dest=f.name, help=text, **extra)
 
 
 def cmd_holder(a: argparse.Namespace) -> int:
@@ -165,10 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"corpusd {corpusd.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     pp = sub.add_parser("pin", help="tokenize, prefill and store a corpus")
-    _add_pin_flags(pp)
+    add_dataclass_flags(pp, PinConfig)
     pp.set_defaults(func=cmd_pin)
     pd = sub.add_parser("demo", help="pin a sample repository on the tiny built-in model")
-    _add_pin_flags(pd, corpus_required=False)
+    add_dataclass_flags(pd, PinConfig, skip=("corpus",))
     pd.set_defaults(func=cmd_demo)
     ph = sub.add_parser("holder", help="serve pinned pages of one device over gRPC")
     from holder.config import HolderConfig

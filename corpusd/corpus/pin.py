@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
@@ -32,15 +32,22 @@ DTYPES = ("float32", "bfloat16")
 class PinConfig:
     """One pin. ``model``/``store`` default to the embedded tiny model and ``$CORPUSD_HOME``."""
 
-    corpus: str
-    model: str | None = None
-    store: str | None = None
-    name: str | None = None
-    page_size: int = 64
-    max_tokens: int = 1 << 20
-    max_file_bytes: int = 1 << 20
-    chunk: int = 256
-    dtype: str = "float32"
+    corpus: str = field(metadata={"help": "a .tar, .tar.gz or a directory"})
+    model: str | None = field(
+        default=None,
+        metadata={"help": "model directory (default: $CORPUSD_MODEL or the tiny model)"},
+    )
+    store: str | None = field(
+        default=None, metadata={"help": "page store directory (default: $CORPUSD_STORE)"}
+    )
+    name: str | None = field(
+        default=None, metadata={"help": "corpus name (default: the source's file name)"}
+    )
+    page_size: int = field(default=64, metadata={"help": "tokens per page"})
+    max_tokens: int = field(default=1 << 20, metadata={"help": "refuse larger corpora"})
+    max_file_bytes: int = field(default=1 << 20, metadata={"help": "skip larger files"})
+    chunk: int = field(default=256, metadata={"help": "prefill chunk (tokens)"})
+    dtype: str = field(default="float32", metadata={"help": "cache dtype", "choices": DTYPES})
 
     def __post_init__(self) -> None:
         for key in ("page_size", "max_tokens", "max_file_bytes", "chunk"):
