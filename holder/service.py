@@ -101,6 +101,8 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         self.executor = ThreadPoolExecutor(cfg.max_flows, thread_name_prefix="flow")
         self._mutate = asyncio.Lock()
         self._inflight: dict[str, int] = {}
+        # corpus → (pool rows, positions) of its held tokens; dropped whenever its pages change
+        self._rows_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         metrics.capacity.set(pool.geo.frames)
         metrics.kernel.labels(kernel.name, cfg.device).set(1)
 
@@ -246,6 +248,9 @@ class HolderService(holder_pb2_grpc.HolderServicer):
     # -- indexer -----------------------------------------------------------------------------------
     def _corpus_rows(self, corpus_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Pool rows and corpus positions of every valid token held here, in position order."""
+        cached = self._rows_cache.get(corpus_id)
+        if cached is not None:
+            return cached
         held = self.pool.held(corpus_id)
         assert held is not None
         p = self.pool.geo.page_size
@@ -254,7 +259,8 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         frames = torch.tensor([held.pages[pg] for pg in pages]).repeat_interleave(
             torch.tensor([min(p, held.token_count - pg * p) for pg in pages])
         )
-        return frames * p + pos % p, pos
+        self._rows_cache[corpus_id] = (frames * p + pos % p, pos)
+        return self._rows_cache[corpus_id]
 
     @rpc("IndexTopK")
     async def IndexTopK(
@@ -391,6 +397,7 @@ class HolderService(holder_pb2_grpc.HolderServicer):
                 self.pool.return_frames(frames)
                 self.pool.drop_if_empty(corpus_id)
                 raise
+            self._rows_cache.pop(corpus_id, None)
             self._persist()
         self._update_resident()
         return {p: held.pages[p] for p in pages}
@@ -404,6 +411,7 @@ class HolderService(holder_pb2_grpc.HolderServicer):
             while self._inflight.get(request.corpus_id, 0):  # let running flows finish reading
                 await asyncio.sleep(0.001)
             freed = self.pool.release(request.corpus_id, list(request.pages))
+            self._rows_cache.pop(request.corpus_id, None)
             self._persist()
             self._update_resident()
         return holder_pb2.ReleaseResponse(freed=freed)
