@@ -30,6 +30,3 @@ def pin_sample(tmp: Path, model_dir: Path, tokens: int = 1000) -> str:
 
 def start_holder(store: Path, state_dir: Path, model_dir: Path, *extra: str) -> HolderProcess:
     return _start(store, state_dir, model_dir, "--threads", "1", *extra)
-
-
-HolderProc = HolderProcess

@@ -13,12 +13,13 @@ import pytest
 import torch
 from conftest import rel
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from holders import HolderProc, pin_sample, start_holder
+from holders import pin_sample, start_holder
 from prometheus_client.parser import text_string_to_metric_families
 
 from corpusd.corpus.store import PageStore
 from corpusd.model import merge_partials, partial_attention
 from corpusd.v1 import holder_pb2, tensor_pb2
+from holder.launch import HolderProcess
 from indexer import index_scores, select_topk
 from requester.holder_client import HolderClient
 
@@ -34,7 +35,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> tuple[Pa
 @pytest.fixture(scope="module")
 def holders(
     tmp_path_factory: pytest.TempPathFactory, corpus: tuple[Path, str], tiny_dir: Path
-) -> Iterator[list[HolderProc]]:
+) -> Iterator[list[HolderProcess]]:
     store, _ = corpus
     tmp = tmp_path_factory.mktemp("holders")
     procs = [
@@ -71,7 +72,7 @@ def _queries(seed: int, n: int, t: int, k: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def test_attend_equals_the_reference_partial(
-    holders: list[HolderProc], corpus: tuple[Path, str]
+    holders: list[HolderProcess], corpus: tuple[Path, str]
 ) -> None:
     store, cid = corpus
     latent = _corpus_latent(store, cid, 1)
@@ -91,7 +92,7 @@ def test_attend_equals_the_reference_partial(
 
 @pytest.mark.parametrize("n_holders", [2, 3, 4])
 def test_partials_from_holders_merge_to_the_monolithic_partial(
-    holders: list[HolderProc], corpus: tuple[Path, str], n_holders: int
+    holders: list[HolderProcess], corpus: tuple[Path, str], n_holders: int
 ) -> None:
     store, cid = corpus
     m = PageStore(store).manifest(cid)
@@ -130,7 +131,7 @@ def test_partials_from_holders_merge_to_the_monolithic_partial(
 
 
 def test_fetch_returns_the_exact_pinned_bytes(
-    holders: list[HolderProc], corpus: tuple[Path, str]
+    holders: list[HolderProcess], corpus: tuple[Path, str]
 ) -> None:
     store, cid = corpus
     ps = PageStore(store)
@@ -153,7 +154,7 @@ def test_fetch_returns_the_exact_pinned_bytes(
 
 
 def test_distributed_index_topk_merges_to_the_exact_global_topk(
-    holders: list[HolderProc], corpus: tuple[Path, str]
+    holders: list[HolderProcess], corpus: tuple[Path, str]
 ) -> None:
     store, cid = corpus
     ps = PageStore(store)
@@ -208,7 +209,7 @@ def _tensor(
 
 
 def test_bad_input_gets_a_status_and_the_holder_keeps_serving(
-    holders: list[HolderProc], corpus: tuple[Path, str]
+    holders: list[HolderProcess], corpus: tuple[Path, str]
 ) -> None:
     _, cid = corpus
     S = grpc.StatusCode
@@ -288,7 +289,7 @@ def _metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def test_metrics_show_the_counters_moving(
-    holders: list[HolderProc], corpus: tuple[Path, str]
+    holders: list[HolderProcess], corpus: tuple[Path, str]
 ) -> None:
     _, cid = corpus
     h = holders[3]
