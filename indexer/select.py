@@ -41,3 +41,40 @@ def select_topk(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None)
     if width < k:
         out = torch.cat([out, out.new_full((n, k - width), -1)], dim=1)
     return out
+
+
+def merge_topk(positions: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact global top-k from candidate lists (the distributed indexer's second phase).
+
+    Args:
+        positions: int64 ``[n, m]`` candidate positions, ``-1`` = no candidate. A position may
+            repeat (a page held by two replicas); it is counted once.
+        scores: float32 ``[n, m]`` their scores (ignored where the position is ``-1``).
+        k: how many to keep per row.
+
+    Returns:
+        int64 ``[n, k]`` ascending, ``-1`` padded: the same set :func:`select_topk` picks over
+        the full score row, provided every part contributed its own top-k under the same order
+        (score descending, then position ascending) — the global top-k is a subset of the union.
+    """
+    valid = positions >= 0
+    if positions.shape[1] > 1:  # drop repeats: after sorting a row, equal neighbours
+        srt, order = positions.sort(dim=1)
+        dup = torch.zeros_like(valid)
+        dup.scatter_(1, order[:, 1:], srt[:, 1:] == srt[:, :-1])
+        valid &= ~dup
+    s = scores.float().masked_fill(~valid, float("-inf"))
+    # Lexicographic (score desc, position asc): stable sort by position, then stable by score.
+    by_pos = torch.where(valid, positions, torch.iinfo(torch.int64).max).argsort(dim=1, stable=True)
+    s1 = s.gather(1, by_pos)
+    by_score = (-s1).argsort(dim=1, stable=True)
+    order = by_pos.gather(1, by_score)
+    width = min(k, positions.shape[1])
+    top = order[:, :width]
+    picked = torch.where(valid.gather(1, top), positions.gather(1, top), -1)
+    # Ascending with -1 last: sort on a key that puts -1 at the end.
+    key = torch.where(picked >= 0, picked, torch.iinfo(torch.int64).max)
+    out = picked.gather(1, key.argsort(dim=1))
+    if width < k:
+        out = torch.cat([out, out.new_full((out.shape[0], k - width), -1)], dim=1)
+    return out

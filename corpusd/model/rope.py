@@ -68,6 +68,14 @@ class Rotary:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
         return freqs.cos() * self.factor, freqs.sin() * self.factor
 
+    def shift(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit (cos, sin) ``[n, dim // 2]`` that move an already-rotated band by ``delta [n]``
+        more positions (negative: back). Position-independent reuse rotates a query by
+        ``-offset`` (route) or a canonical key by ``+offset`` (fetch) with these; RoPE is
+        relative, so either gives the same score. No YaRN magnitude factor: it is applied once."""
+        freqs = delta.to(torch.float32)[:, None] * self.inv_freq.to(delta.device)[None, :]
+        return freqs.cos(), freqs.sin()
+
 
 def apply_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """MLA rope: ``x [n, …, d]`` interleaved pairs, ``cos/sin [n, d/2]`` → rotated, split layout."""
@@ -86,3 +94,13 @@ def rotate_half_layout(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     half = x.shape[-1] // 2
     a, b = x[..., :half], x[..., half:]
     return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+
+
+def shift_band(
+    x: torch.Tensor, start: int, width: int, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """A copy of ``x [n, …, d]`` whose band ``[start, start + width)`` (already rotated, split
+    layout) is rotated further by ``(cos, sin) [n, width // 2]`` (from :meth:`Rotary.shift`)."""
+    out = x.clone()
+    out[..., start : start + width] = rotate_half_layout(x[..., start : start + width], cos, sin)
+    return out

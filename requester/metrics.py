@@ -1,0 +1,54 @@
+"""The requester's Prometheus metrics: steps, fan-out, and the predicate's decisions with their
+predicted and measured cost (so a user can see when the cost model is wrong)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from holder.metrics import _LATENCY_BUCKETS
+
+
+class RequesterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "corpusd_requester_"
+        self.step = Histogram(
+            p + "step_seconds", "one forward step of a batch", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.rows = Counter(p + "rows", "query rows stepped (tokens of all sessions)", registry=r)
+        self.fanout = Histogram(
+            p + "fanout_holders",
+            "holders one layer step sends to",
+            buckets=(0, 1, 2, 3, 4, 8, 16, 32),
+            registry=r,
+        )
+        self.decisions = Counter(
+            p + "decisions",
+            "primitive chosen per holder group",
+            ["primitive", "forced"],
+            registry=r,
+        )
+        self.predicted = Histogram(
+            p + "predicted_seconds",
+            "predicted cost of the chosen primitive",
+            ["primitive"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.measured = Histogram(
+            p + "measured_seconds",
+            "measured cost of the chosen primitive",
+            ["primitive"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.misprediction = Gauge(
+            p + "last_measured_over_predicted",
+            "measured / predicted cost of the last decision",
+            ["primitive"],
+            registry=r,
+        )
+        self.fetched_bytes = Counter(p + "fetched_bytes", "corpus page bytes pulled", registry=r)
+        self.prefilled = Counter(p + "reprefilled_tokens", "corpus tokens re-prefilled", registry=r)
+        self.sessions = Gauge(p + "sessions", "open sessions", registry=r)
+        self.errors = Counter(p + "errors", "failed holder calls", ["kind"], registry=r)
