@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tarfile
 from dataclasses import MISSING, fields
 from pathlib import Path
 
 import corpusd
 from corpusd import env
 from corpusd.corpus.ingest import CorpusError
-from corpusd.corpus.pin import PinConfig, PinResult, default_model, pin
+from corpusd.corpus.pin import DEMO_FILES, PinConfig, PinResult, default_model, pin, sample_repo
 from corpusd.corpus.store import StoreError
 from corpusd.model import CheckpointError, ModelConfigError
 
@@ -67,23 +66,20 @@ def cmd_pin(a: argparse.Namespace) -> int:
     return 0
 
 
-# Real source files of corpusd itself, small enough to pin in seconds on a laptop CPU with the
-# byte-level tokenizer (~9k tokens, well past index_topk so the indexer really selects).
-DEMO_FILES = ("__init__.py", "env.py", "progress.py", "corpus/layout.py", "corpus/manifest.py")
-
-
 def cmd_demo(a: argparse.Namespace) -> int:
     """Pin a sample repository: a tar of a few of corpusd's own source files."""
-    src = Path(corpusd.__file__).parent
-    out = env.home() / "sample-repo.tar"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(out, "w") as tar:
-        for name in DEMO_FILES:
-            tar.add(src / name, arcname=f"corpusd/{name}")
-    print(f"sample repository: {out} ({len(DEMO_FILES)} files from {src})")
+    out = sample_repo()
+    print(f"sample repository: {out} ({len(DEMO_FILES)} files of corpusd's own source)")
     a.name = a.name or "sample-repo"
     r = pin(_pin_config(a, str(out)))
     print(summary(r))
+    return 0
+
+
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    from requester.calibrate import run
+
+    run(a.model, a.store, a.out, a.holder, a.corpus, a.repeats)
     return 0
 
 
@@ -144,6 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_dataclass_flags(ph, HolderConfig)
     ph.set_defaults(func=cmd_holder)
+    pc = sub.add_parser(
+        "calibrate", help="measure the route/fetch/local cost model and write its profile"
+    )
+    pc.add_argument("--holder", default="", help="a holder's address ('' = start one here)")
+    pc.add_argument("--corpus", default="", help="a corpus that holder holds in full")
+    pc.add_argument("--model", default=None, help="model directory (default: the tiny model)")
+    pc.add_argument("--store", default="", help="page store (default: $CORPUSD_STORE)")
+    pc.add_argument("--out", default="", help="profile path (default: $CORPUSD_HOME/profile.json)")
+    pc.add_argument("--repeats", type=int, default=5)
+    pc.set_defaults(func=cmd_calibrate)
     pm = sub.add_parser("model", help="model checkpoints")
     msub = pm.add_subparsers(dest="model_command", required=True)
     pi = msub.add_parser("init", help="write the deterministic tiny default checkpoint")

@@ -66,6 +66,26 @@ class PinResult:
     seconds: float
 
 
+# Real source files of corpusd itself, small enough to pin in seconds on a laptop CPU with the
+# byte-level tokenizer (~9k tokens, well past index_topk so the indexer really selects).
+DEMO_FILES = ("__init__.py", "env.py", "progress.py", "corpus/layout.py", "corpus/manifest.py")
+
+
+def sample_repo() -> Path:
+    """Write ``$CORPUSD_HOME/sample-repo.tar``: a few of corpusd's own source files."""
+    import tarfile
+
+    import corpusd
+
+    src = Path(corpusd.__file__).parent
+    out = env.home() / "sample-repo.tar"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out, "w") as tar:
+        for name in DEMO_FILES:
+            tar.add(src / name, arcname=f"corpusd/{name}")
+    return out
+
+
 def default_model(stream: TextIO) -> Path:
     """The embedded default model directory, written on first use (deterministic, no network)."""
     d = env.default_model_dir()

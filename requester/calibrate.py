@@ -1,0 +1,202 @@
+"""``corpusd calibrate``: measure the cost model's constants against a live holder.
+
+Every term of the predicate is measured, none assumed: the probe round trip (``Info``), the
+effective bandwidth (``Fetch`` of 1…64 pages, least-squares slope), the holder's partial time over
+a grid of rows × k (the ``compute_us`` it reports), the same partial on this process, the merge,
+the splice (gather + k_pe rotation per row) and the re-prefill rate. The profile is JSON that
+:class:`requester.predicate.Profile` loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from corpusd.model import DeepseekV32
+from corpusd.model.partial import merge_partials, partial_attention
+from corpusd.model.rope import shift_band
+from requester.corpus_view import CorpusView
+from requester.holder_client import HolderClient
+from requester.predicate import Profile
+from requester.sources import LocalRows
+
+GRID_ROWS = (1, 8, 32)
+GRID_K = (128, 512, 2048)
+
+
+async def _median_async(fn: Callable[[], Awaitable[Any]], repeats: int) -> float:
+    await fn()  # warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        await fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _median(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
+    """Least squares ``y ≈ a + b·x``; returns ``(max(a, 0), max(b, 0))``."""
+    a_mat = torch.tensor([[1.0, xi] for xi in x], dtype=torch.float64)
+    sol = torch.linalg.lstsq(a_mat, torch.tensor(y, dtype=torch.float64)[:, None]).solution
+    return max(float(sol[0, 0]), 0.0), max(float(sol[1, 0]), 0.0)
+
+
+async def calibrate(
+    model: DeepseekV32,
+    client: HolderClient,
+    corpus_id: str,
+    tokens: torch.Tensor,
+    repeats: int = 5,
+    log: Callable[[str], None] = print,
+    grid_rows: tuple[int, ...] = GRID_ROWS,
+    grid_k: tuple[int, ...] = GRID_K,
+) -> Profile:
+    """Measure every constant against ``client``'s holder, which holds all of ``corpus_id``
+    (``tokens`` are its token ids, for the re-prefill rate)."""
+    cfg = model.cfg
+    h, d, d_v = cfg.num_attention_heads, cfg.kv_dim, cfg.kv_lora_rank
+    view = await CorpusView.from_holders(corpus_id, {client.address: client})
+    t = view.token_count
+    g = torch.Generator().manual_seed(0)
+
+    alpha = await _median_async(client.info, repeats * 4)
+    log(f"probe round trip (Info)          {alpha:9.0f} µs")
+
+    sizes = sorted({s for s in (1, 4, 16, 64) if s <= view.n_pages})
+    fetch_us = [
+        await _median_async(
+            functools.partial(client.fetch, corpus_id, list(range(s)), [0]), repeats
+        )
+        for s in sizes
+    ]
+    page_bytes = view.page_size * d * 4
+    _, us_per_byte = fit_line([s * page_bytes for s in sizes], fetch_us)
+    beta = 1.0 / us_per_byte if us_per_byte > 0 else 1e6
+    log(f"effective bandwidth (Fetch fit)  {beta:9.0f} B/µs ({beta / 1e3:.2f} GB/s)")
+
+    kv = torch.randn(t, d, generator=g)
+    xs, holder_us, local_us = [], [], []
+    for n in grid_rows:
+        for k in (k for k in grid_k if k <= t):
+            q = torch.randn(n, h, d, generator=g)
+            pos = torch.stack([torch.randperm(t, generator=g)[:k].sort().values for _ in range(n)])
+            _, rows = view.pool_rows(pos)
+            reported: list[float] = []
+
+            async def attend(
+                q: torch.Tensor = q, rows: torch.Tensor = rows, out: list[float] = reported
+            ) -> None:
+                out.append((await client.attend(corpus_id, 0, q, rows, 0.1)).compute_us)
+
+            await _median_async(attend, repeats)
+            xs.append(float(n * k * h))
+            holder_us.append(statistics.median(reported[1:]))
+            local_us.append(
+                _median(functools.partial(partial_attention, q, kv, pos, 0.1, d_v), repeats)
+            )
+    hb, hc = fit_line(xs, holder_us)
+    lb, lc = fit_line(xs, local_us)
+    log(f"holder partial                   {hb:9.0f} µs + {hc * 1e3:.3f} ns·n·k·h")
+    log(f"requester partial                {lb:9.0f} µs + {lc * 1e3:.3f} ns·n·k·h")
+
+    n = 32
+    parts = [
+        (torch.randn(n, h, d_v, generator=g), torch.randn(n, h, generator=g)) for _ in range(3)
+    ]
+    merge = _median(lambda: merge_partials(parts), repeats) / (n * h)
+    rows_n = min(t, 4096)
+    cos, sin = model.rotary.shift(torch.full((rows_n,), 37))
+    splice = _median(lambda: shift_band(kv[:rows_n], d_v, d - d_v, cos, sin), repeats) / rows_n
+    log(f"merge                            {merge * 1e3:9.3f} ns per row·head")
+    log(f"splice (k_pe rotation)           {splice * 1e3:9.3f} ns per row")
+
+    chunk = min(256, t)
+    local = LocalRows(model, tokens.to(torch.int64))
+    t0 = time.perf_counter()
+    local.ensure(chunk)
+    prefill = (time.perf_counter() - t0) * 1e6 / chunk
+    log(f"re-prefill                       {prefill:9.0f} µs per token (first {chunk})")
+    return Profile(
+        transport="grpc-loopback" if client.address.startswith(("127.", "localhost")) else "grpc",
+        alpha_us=alpha,
+        beta_bytes_per_us=beta,
+        holder_partial_base_us=hb,
+        holder_partial_us_per_nkh=hc,
+        local_partial_base_us=lb,
+        local_partial_us_per_nkh=lc,
+        merge_us_per_nh=merge,
+        splice_us_per_row=splice,
+        prefill_us_per_token=prefill,
+        source=f"corpusd calibrate against {client.address} ({time.strftime('%Y-%m-%d %H:%M')})",
+    )
+
+
+def run(
+    model_dir: str | None, store_dir: str, out: str, holder: str, corpus: str, repeats: int
+) -> Profile:
+    """The CLI's work: against ``holder`` (which must hold ``corpus``), or, when no holder is
+    given, a holder started here on loopback over the sample repository pinned into the store.
+    Writes the profile to ``out`` ("" = ``$CORPUSD_HOME/profile.json``)."""
+    import asyncio
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from corpusd import env
+    from corpusd.corpus.pin import PinConfig, default_model, pin, sample_repo
+    from corpusd.corpus.store import PageStore
+    from corpusd.model import load_model
+    from holder.launch import start_holder
+
+    mdir = Path(model_dir) if model_dir else default_model(sys.stderr)
+    store = PageStore(Path(store_dir) if store_dir else env.default_store_dir())
+    model = load_model(mdir, dtype=torch.float32)
+    proc = None
+    if not holder:
+        corpus = pin(
+            PinConfig(
+                corpus=str(sample_repo()),
+                model=str(mdir),
+                store=str(store.root),
+                name="sample-repo",
+            )
+        ).manifest.corpus_id
+        proc = start_holder(store.root, Path(tempfile.mkdtemp(prefix="corpusd-calibrate-")), mdir)
+        holder = proc.address
+    elif not corpus:
+        raise ValueError("--holder needs --corpus (a corpus that holder holds in full)")
+    corpus = store.resolve(corpus)
+
+    async def go() -> Profile:
+        client = HolderClient(holder)
+        try:
+            if proc is not None:
+                await client.assign(corpus)
+            return await calibrate(model, client, corpus, store.read_tokens(corpus), repeats)
+        finally:
+            await client.close()
+
+    try:
+        profile = asyncio.run(go())
+    finally:
+        if proc is not None:
+            proc.stop()
+    path = Path(out) if out else env.home() / "profile.json"
+    profile.save(path)
+    print(f"wrote {path}")
+    return profile

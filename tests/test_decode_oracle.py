@@ -1,0 +1,275 @@
+"""End to end: 8 sub-agents decode against a corpus pinned across real holder processes, and
+every token matches transformers' DeepseekV32ForCausalLM.generate on [corpus + suffix].
+
+The corpus is several times longer than index_topk (128), so the sparse selection is real; its
+pages are placed at random over 1, 2 or 3 holders (and, once, with two replicas per page).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import rel
+from holders import pin_sample, start_holder
+
+from corpusd.corpus.store import PageStore
+from corpusd.model import KVCache, forward_tokens
+from corpusd.model.rope import shift_band
+from holder.launch import HolderProcess
+from requester.holder_client import HolderClient
+from requester.sampling import SamplingParams
+from requester.worker import Worker, WorkerConfig
+
+AGENTS, NEW_TOKENS, CORPUS_TOKENS = 8, 16, 700
+SUFFIXES = [f"\nQ{i}: line {i * 37}?" for i in range(AGENTS)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> tuple[Path, str]:
+    tmp = tmp_path_factory.mktemp("decode")
+    return tmp, pin_sample(tmp, tiny_dir, tokens=CORPUS_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def holders(corpus: tuple[Path, str], tiny_dir: Path) -> Iterator[list[HolderProcess]]:
+    tmp, _ = corpus
+    procs = [start_holder(tmp / "store", tmp / f"holder{i}", tiny_dir) for i in range(3)]
+    yield procs
+    for p in procs:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def oracle(corpus: tuple[Path, str], hf_model) -> list[tuple[list[int], list[torch.Tensor]]]:  # type: ignore[no-untyped-def]
+    """transformers' greedy tokens and logits for each agent's [corpus + suffix]."""
+    tmp, cid = corpus
+    toks = PageStore(tmp / "store").read_tokens(cid).to(torch.int64)
+    assert len(toks) > 4 * hf_model.config.index_topk, "corpus too short for real selection"
+    out = []
+    for sfx in SUFFIXES:
+        ids = torch.cat([toks, torch.tensor(list(sfx.encode()))])[None]
+        with torch.no_grad():
+            g = hf_model.generate(
+                ids,
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        out.append((g.sequences[0, ids.shape[1] :].tolist(), [lg[0] for lg in g.logits]))
+    return out
+
+
+def place(cid: str, holders: list[HolderProcess], n_pages: int, replicas: int, seed: int) -> None:
+    """Release the corpus everywhere, then give each page to ``replicas`` random holders."""
+
+    async def go() -> None:
+        rng = random.Random(seed)
+        clients = [HolderClient(h.address) for h in holders]
+        try:
+            for c in clients:
+                held = {x.corpus_id for x in (await c.info()).corpora}
+                if cid in held:
+                    await c.release(cid)
+            owners: dict[int, list[int]] = {i: [] for i in range(len(holders))}
+            for page in range(n_pages):
+                for i in rng.sample(range(len(holders)), replicas):
+                    owners[i].append(page)
+            for i, pages in owners.items():
+                if pages:
+                    await clients[i].assign(cid, pages)
+        finally:
+            for c in clients:
+                await c.close()
+
+    asyncio.run(go())
+
+
+async def decode(
+    model,
+    store: PageStore,
+    cid: str,
+    addresses: list[str],
+    cfg: WorkerConfig,  # type: ignore[no-untyped-def]
+) -> tuple[list[list[int]], list[list[torch.Tensor]], Worker]:
+    w = Worker(model, cfg, store=store)
+    try:
+        await w.attach(cid, addresses)
+        sessions = [
+            w.open(
+                cid,
+                list(s.encode()),
+                params=SamplingParams(max_tokens=NEW_TOKENS),
+                keep_logits=True,
+            )
+            for s in SUFFIXES
+        ]
+        await w.generate(sessions)
+        return [s.generated for s in sessions], [s.logits or [] for s in sessions], w
+    finally:
+        await w.close()
+
+
+ALL_MODES = [(i, p) for i in ("replica", "distributed") for p in ("route", "fetch", "local")]
+# (holders, replicas per page) → (indexer, primitive) runs: every combination on 2 holders, a
+# spread elsewhere (each run is 8 agents × 16 steps; the suite has a time budget).
+LAYOUTS = {
+    (1, 1): [("replica", "route"), ("distributed", "local")],
+    (2, 1): ALL_MODES,
+    (3, 1): [("distributed", "route"), ("replica", "fetch"), ("distributed", "fetch")],
+    (3, 2): [("distributed", "route"), ("replica", "fetch")],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=[f"{h}holders-r{r}" for h, r in LAYOUTS])
+def test_agents_match_transformers_generate(  # type: ignore[no-untyped-def]
+    tiny_model, corpus, holders, oracle, layout: tuple[int, int]
+) -> None:
+    tmp, cid = corpus
+    store = PageStore(tmp / "store")
+    n_holders, replicas = layout
+    place(cid, holders[:n_holders], store.manifest(cid).n_pages, replicas, seed=n_holders)
+    addresses = [h.address for h in holders[:n_holders]]
+    for indexer, primitive in LAYOUTS[layout]:
+        cfg = WorkerConfig(indexer=indexer, primitive=primitive, trace=True)
+        tokens, logits, w = asyncio.run(decode(tiny_model, store, cid, addresses, cfg))
+        picks = {t["pick"] for t in w.trace}
+        assert picks == {primitive}, f"{indexer=} {primitive=}: predicate picked {picks}"
+        if n_holders > 1:
+            assert len({t["holder"] for t in w.trace}) == n_holders, "not every holder was used"
+        for a, ((ref_tokens, ref_logits), got, got_logits) in enumerate(
+            zip(oracle, tokens, logits, strict=True)
+        ):
+            ctx = f"{indexer=} {primitive=} {layout=} agent {a}"
+            assert got == ref_tokens, f"{ctx}: {got} != {ref_tokens}"
+            worst = max(rel(g, r) for g, r in zip(got_logits, ref_logits, strict=True))
+            assert worst <= 1e-4, f"{ctx}: logits rel {worst:.2e}"
+
+
+def shifted_reference(
+    model,
+    store: PageStore,
+    cid: str,
+    prefix: list[int],
+    suffix: list[int],
+    n_new: int,  # type: ignore[no-untyped-def]
+) -> tuple[list[int], list[torch.Tensor]]:
+    """The model's own monolithic decode over [prefix ‖ corpus ‖ suffix], where the corpus's
+    canonical rows are re-derived at positions ``o + j``: their rope bands (k_pe, and the index
+    key's) are rotated back to angle 0 and forward to ``o + j`` with absolute angles."""
+    cfg, rot = model.cfg, model.rotary
+    m = store.manifest(cid)
+    t, o = m.token_count, len(prefix)
+    cache = KVCache(cfg, o + t + len(suffix) + n_new, torch.float32)
+    forward_tokens(model, torch.tensor(prefix), cache, want_logits=False)
+    j = torch.arange(t)
+    back, fwd = rot.shift(-j), rot.shift(o + j)
+    for li in range(cfg.num_hidden_layers):
+        lat, keys = store.read_pages(cid, li, list(range(m.n_pages)))
+        lat, keys = lat.reshape(-1, lat.shape[-1])[:t], keys.reshape(-1, keys.shape[-1])[:t]
+        r = cfg.qk_rope_head_dim
+        d_v = cfg.kv_lora_rank
+        cache.latent[li][o : o + t] = shift_band(shift_band(lat, d_v, r, *back), d_v, r, *fwd)
+        cache.index_keys[li][o : o + t] = shift_band(shift_band(keys, 0, r, *back), 0, r, *fwd)
+    cache.length = o + t
+    logits = forward_tokens(model, torch.tensor(suffix), cache)
+    assert logits is not None
+    toks, out = [], []
+    for _ in range(n_new):
+        out.append(logits[-1])
+        toks.append(int(logits[-1].argmax()))
+        logits = forward_tokens(model, torch.tensor(toks[-1:]), cache)
+        assert logits is not None
+    return toks, out
+
+
+def test_position_independent_reuse_route_fetch_local_agree(tiny_model, corpus, holders) -> None:  # type: ignore[no-untyped-def]
+    """The corpus placed after a private prefix (offset 37, not page aligned): routing with the
+    query rotated back, fetching with k_pe rotated forward and re-prefilling the canonical chunk
+    all equal a reference recomputed with the chunk's keys rotated to the new offset."""
+    tmp, cid = corpus
+    store = PageStore(tmp / "store")
+    place(cid, holders[:2], store.manifest(cid).n_pages, 1, seed=11)
+    prefix = list(b"You are agent 7. Read the corpus below.")[:37]
+    suffix = list(b"\nWhat is on line 3?")
+    ref_tokens, ref_logits = shifted_reference(tiny_model, store, cid, prefix, suffix, 8)
+    got: dict[str, list[torch.Tensor]] = {}
+
+    async def run(cfg: WorkerConfig) -> tuple[list[int], list[torch.Tensor]]:
+        w = Worker(tiny_model, cfg, store=store)
+        try:
+            await w.attach(cid, [h.address for h in holders[:2]])
+            s = w.open(
+                cid, suffix, prefix=prefix, params=SamplingParams(max_tokens=8), keep_logits=True
+            )
+            await w.generate([s])
+            return s.generated, s.logits or []
+        finally:
+            await w.close()
+
+    for indexer, primitive in [
+        ("replica", "route"),
+        ("replica", "fetch"),
+        ("replica", "local"),
+        ("distributed", "route"),
+    ]:
+        toks, logits = asyncio.run(run(WorkerConfig(indexer=indexer, primitive=primitive)))
+        ctx = f"{indexer=} {primitive=}"
+        assert toks == ref_tokens, f"{ctx}: {toks} != {ref_tokens}"
+        worst = max(rel(g, r) for g, r in zip(logits, ref_logits, strict=True))
+        assert worst <= 1e-4, f"{ctx}: logits rel {worst:.2e}"
+        got[f"{indexer}-{primitive}"] = logits
+    route, fetch = got["replica-route"], got["replica-fetch"]
+    assert max(rel(a, b) for a, b in zip(route, fetch, strict=True)) <= 1e-5
+
+
+def test_calibrate_measures_a_profile_the_predicate_uses(
+    tiny_model, corpus, holders, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    from requester.calibrate import calibrate
+    from requester.predicate import Group, Predicate, Profile
+
+    tmp, cid = corpus
+    store = PageStore(tmp / "store")
+    place(cid, holders[:1], store.manifest(cid).n_pages, 1, seed=0)
+
+    async def go() -> Profile:
+        client = HolderClient(holders[0].address)
+        try:
+            return await calibrate(
+                tiny_model,
+                client,
+                cid,
+                store.read_tokens(cid),
+                repeats=2,
+                log=lambda _: None,
+                grid_rows=(1, 8),
+                grid_k=(128, 512),
+            )
+        finally:
+            await client.close()
+
+    prof = asyncio.run(go())
+    assert prof.alpha_us > 0 and prof.beta_bytes_per_us > 0 and prof.prefill_us_per_token > 0
+    assert prof.holder_partial_us_per_nkh > 0 and prof.local_partial_us_per_nkh > 0
+    prof.save(tmp_path / "p.json")
+    loaded = Profile.load(tmp_path / "p.json")
+    g = Group(
+        n=8,
+        k=128,
+        h=64,
+        rows=1024,
+        missing_pages=11,
+        page_bytes=64 * 576 * 4,
+        missing_tokens=700,
+        local_ok=True,
+    )
+    costs = Predicate(loaded).costs(g)
+    assert all(v > 0 for v in costs.values()) and costs == Predicate(prof).costs(g)
