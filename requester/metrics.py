@@ -51,4 +51,12 @@ class RequesterMetrics:
         self.fetched_bytes = Counter(p + "fetched_bytes", "corpus page bytes pulled", registry=r)
         self.prefilled = Counter(p + "reprefilled_tokens", "corpus tokens re-prefilled", registry=r)
         self.sessions = Gauge(p + "sessions", "open sessions", registry=r)
-        self.errors = Counter(p + "errors", "failed holder calls", ["kind"], registry=r)
+        self.errors = Counter(
+            p + "errors", "failed holder calls by gRPC status", ["kind"], registry=r
+        )
+        self.fallbacks = Counter(
+            p + "fallbacks",
+            "groups recomputed another way after a failure",
+            ["from", "to"],
+            registry=r,
+        )

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import torch
 
 from corpusd import env
@@ -503,8 +504,36 @@ class Worker:
             else self.predicate.decide(shape)
         )
         t0 = time.perf_counter()
+        try:
+            result = await self._execute(st, layer, q, off, g, decision.pick)
+        except grpc.aio.AioRpcError as e:
+            # A holder that fails loses no data: its rows can be recomputed here from the tokens.
+            self.metrics.errors.labels(e.code().name).inc()
+            if st.tokens is None:
+                raise
+            log.warning(
+                "holder %s failed (%s: %s); falling back to local re-prefill",
+                st.view.holders[g.holder],
+                e.code().name,
+                e.details(),
+            )
+            self.metrics.fallbacks.labels(decision.pick, "local").inc()
+            decision = Decision("local", decision.predicted_us)
+            result = await self._execute(st, layer, q, off, g, "local")
+        self._record(layer, st, g, decision, time.perf_counter() - t0)
+        return result
+
+    async def _execute(
+        self,
+        st: CorpusState,
+        layer: int,
+        q: torch.Tensor,
+        off: torch.Tensor,
+        g: GroupWork,
+        pick: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         qg, og = q[g.keep], off[g.keep]
-        if decision.pick == "route":
+        if pick == "route":
             part = await self.client(st.view.holders[g.holder]).attend(
                 st.view.corpus_id,
                 layer,
@@ -513,26 +542,23 @@ class Worker:
                 self.mcfg.softmax_scale,
                 timeout=self.cfg.rpc_timeout_s,
             )
-            result = (part.o, part.lse)
+            return part.o, part.lse
+        uniq = g.canon[g.canon >= 0].unique()
+        if pick == "fetch":
+            rows_of = await self._fetched(st, layer, g, uniq)
         else:
-            uniq = g.canon[g.canon >= 0].unique()
-            if decision.pick == "fetch":
-                rows_of = await self._fetched(st, layer, g, uniq)
-            else:
-                rows_of = await self._local(st, layer, uniq)
-            result = await self._off(
-                attend_canonical,
-                qg,
-                g.canon,
-                og,
-                rows_of,
-                uniq,
-                self.model.rotary.shift,
-                self.mcfg.softmax_scale,
-                self.mcfg.kv_lora_rank,
-            )
-        self._record(layer, st, g, decision, time.perf_counter() - t0)
-        return result
+            rows_of = await self._local(st, layer, uniq)
+        return await self._off(
+            attend_canonical,
+            qg,
+            g.canon,
+            og,
+            rows_of,
+            uniq,
+            self.model.rotary.shift,
+            self.mcfg.softmax_scale,
+            self.mcfg.kv_lora_rank,
+        )
 
     async def _fetched(
         self, st: CorpusState, layer: int, g: GroupWork, uniq: torch.Tensor

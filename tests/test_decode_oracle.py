@@ -273,3 +273,50 @@ def test_calibrate_measures_a_profile_the_predicate_uses(
     )
     costs = Predicate(loaded).costs(g)
     assert all(v > 0 for v in costs.values()) and costs == Predicate(prof).costs(g)
+
+
+def test_dead_holder_falls_back_to_local_and_stop_tokens_stop(  # type: ignore[no-untyped-def]
+    tiny_model, tiny_dir, corpus, holders, oracle
+) -> None:
+    """A holder killed (SIGKILL) after attach: its groups are recomputed locally, counted in
+    metrics, and the tokens still equal transformers'. A stop token ends a session early."""
+    tmp, cid = corpus
+    store = PageStore(tmp / "store")
+    doomed = start_holder(tmp / "store", tmp / "doomed", tiny_dir)
+    try:
+        n_pages = store.manifest(cid).n_pages
+        place(cid, holders[:1], n_pages, 1, seed=0)  # holder 0 has every page …
+        place(cid, [holders[0], doomed], n_pages, 1, seed=5)  # … then half go to the doomed one
+        ref_tokens = [t for t, _ in oracle]
+
+        async def run() -> tuple[list[list[int]], list[str], Worker]:
+            w = Worker(tiny_model, WorkerConfig(primitive="route"), store=store)
+            try:
+                await w.attach(cid, [holders[0].address, doomed.address])
+                doomed.proc.kill()
+                doomed.proc.wait()
+                stop = ref_tokens[1][3]
+                sessions = [
+                    w.open(
+                        cid,
+                        list(s.encode()),
+                        params=SamplingParams(
+                            max_tokens=NEW_TOKENS, stop_token_ids=(stop,) if i == 1 else ()
+                        ),
+                    )
+                    for i, s in enumerate(SUFFIXES[:2])
+                ]
+                await w.generate(sessions)
+                return [s.generated for s in sessions], [s.finish_reason for s in sessions], w
+            finally:
+                await w.close()
+
+        tokens, reasons, w = asyncio.run(run())
+        assert tokens[0] == ref_tokens[0]
+        cut = ref_tokens[1].index(ref_tokens[1][3]) + 1
+        assert tokens[1] == ref_tokens[1][:cut] and reasons == ["length", "stop"]
+        fell = w.metrics.fallbacks.labels("route", "local")._value.get()
+        assert fell > 0, "the dead holder's groups should have been recomputed locally"
+        assert w.metrics.errors.labels("UNAVAILABLE")._value.get() == fell
+    finally:
+        doomed.stop()
