@@ -239,6 +239,9 @@ class Publisher:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             raise Refused(S.DEADLINE_EXCEEDED, f"corpus {corpus_id} is still queued") from None
+        finally:
+            if not fut.done() and fut in self._waiters.get(corpus_id, []):
+                self._waiters[corpus_id].remove(fut)
 
     def fail_waiters(self, corpus_id: str, e: Refused) -> None:
         for fut in self._waiters.pop(corpus_id, []):
