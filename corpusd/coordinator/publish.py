@@ -159,24 +159,36 @@ class Publisher:
         addr = {h.holder_id: h.address for h in holders}
         plan = {h: list(pages) for h, pages in p.shards.items()}
         self.state.put_corpus(replace(row, state="pinning", plan=plan, cp_degree=p.cp_degree))
-        got = await asyncio.gather(
-            *(self.links.assign(h, addr[h], row.corpus_id, pages) for h, pages in plan.items()),
-            return_exceptions=True,
-        )
-        errors = [e for e in got if isinstance(e, BaseException)]
+        try:
+            got = await asyncio.gather(
+                *(self.links.assign(h, addr[h], row.corpus_id, pg) for h, pg in plan.items()),
+                return_exceptions=True,
+            )
+            errors = [e for e in got if isinstance(e, BaseException)]
+            errors += [
+                HolderCallError(h, S.INTERNAL, f"Assign answered {len(g)} of {len(plan[h])} pages")
+                for h, g in zip(plan, got, strict=True)
+                if isinstance(g, dict) and not set(plan[h]) <= set(g)
+            ]
+        except BaseException:  # cancelled (caller gone, shutdown): still leave nothing behind
+            await self.release_plan(row.corpus_id, plan, addr)
+            if keep_queued:
+                self.state.put_corpus(row)
+            else:
+                self.state.drop_corpus(row.corpus_id)
+            raise
         if errors:
             await self.release_plan(row.corpus_id, plan, addr)
-            if keep_queued and all(
-                isinstance(e, HolderCallError) and e.unreachable for e in errors
-            ):
+            unreachable = all(isinstance(e, HolderCallError) and e.unreachable for e in errors)
+            if keep_queued and unreachable:
                 self.state.put_corpus(row)
             else:
                 self.state.drop_corpus(row.corpus_id)
             self.metrics.pins.labels("failed").inc()
             raise self._refusal(row.corpus_id, errors[0])
-        frames = dict(zip(plan, got, strict=True))
+        frames = {h: g for h, g in zip(plan, got, strict=True) if isinstance(g, dict)}
         table = {
-            (page, r): (hid, frames[hid][page])  # type: ignore[index]
+            (page, r): (hid, frames[hid][page])
             for page, hids in enumerate(p.table)
             for r, hid in enumerate(hids)
         }
