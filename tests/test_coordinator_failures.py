@@ -69,7 +69,7 @@ def test_coordinator_restart_keeps_page_table_and_manifests_and_reprefills_nothi
     cid = synthetic_corpus(store, tiny_dir, 1050)  # 17 pages
     profile = tmp_path / "profile.json"
     profile.write_text('{"cp_buckets": [[100, 1], [null, 2]]}')  # 17 pages → CP degree 2
-    flags = ("--profile", str(profile), "--lease-s", "2")
+    flags = ("--profile", str(profile), "--lease-s", "5")
     co = start_coordinator(tmp_path / "coord", store, *flags)
     hs = start_holders(store, tmp_path, tiny_dir, co.address, 2, "--capacity-tokens", "2048")
     files = {f: f.stat().st_mtime_ns for f in (store / "corpora" / cid).iterdir()}
@@ -88,13 +88,14 @@ def test_coordinator_restart_keeps_page_table_and_manifests_and_reprefills_nothi
 
     async def after(t1: PageTable) -> tuple[torch.Tensor, list[dict[str, dict[int, int]]]]:
         async with CoordinatorClient(co.address) as c:
-            t2 = await c.page_table(cid)
-            assert t2.pages == t1.pages and t2.corpus == t1.corpus
+            t2 = await c.page_table(cid)  # served at once; holders may show expired until
+            assert t2.pages == t1.pages  # their next heartbeat reaches the new process
             assert {h: i.address for h, i in t2.holders.items()} == {
                 h: i.address for h, i in t1.holders.items()
             }
-            live = await c.wait_holders(2)  # heartbeats reach the new process
+            live = await c.wait_holders(2)
             assert sum(h.placed_frames for h in live) == 17
+            assert (await c.page_table(cid)).corpus == t1.corpus  # nothing expired any more
             return await route(t2, cid, q, pos), [await held(h) for h in hs]
 
     try:
@@ -121,7 +122,7 @@ def test_holder_killed_while_publishing_leaves_nothing_and_a_retry_succeeds(
     store = tmp_path / "store"
     a = synthetic_corpus(store, tiny_dir, 1050)  # 17 pages
     b = synthetic_corpus(store, tiny_dir, 600)  # 10 pages
-    co = start_coordinator(tmp_path / "coord", store, "--lease-s", "2")
+    co = start_coordinator(tmp_path / "coord", store)
     hs = start_holders(store, tmp_path, tiny_dir, co.address, 3, "--capacity-tokens", "2048")
 
     async def go() -> None:
