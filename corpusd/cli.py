@@ -7,12 +7,17 @@ Exit codes: 0 success; 2 bad input or usage (one ``corpusd: error: …`` line on
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+import grpc
+
 import corpusd
 from corpusd import env
+from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, PageTable
+from corpusd.coordinator.config import CoordinatorConfig, PublishConfig, StatusConfig
 from corpusd.corpus.ingest import CorpusError
 from corpusd.corpus.pin import DEMO_FILES, PinConfig, PinResult, default_model, pin, sample_repo
 from corpusd.corpus.store import StoreError
@@ -61,8 +66,53 @@ def summary(r: PinResult) -> str:
 
 
 def cmd_pin(a: argparse.Namespace) -> int:
+    publish = PublishConfig(**{f.name: getattr(a, f.name) for f in fields(PublishConfig)})
     r = pin(_pin_config(a, a.corpus))
     print(summary(r))
+    address = env.coordinator(publish.coordinator)
+    if address:
+        table = asyncio.run(_publish(address, r.manifest.corpus_id, publish))
+        print(published(table, address))
+    return 0
+
+
+async def _publish(address: str, corpus_id: str, cfg: PublishConfig) -> PageTable:
+    async with CoordinatorClient(address) as c:
+        wait = cfg.wait_s > 0
+        return await c.pin(corpus_id, cfg.replicas, wait=wait, timeout=cfg.wait_s or None)
+
+
+def published(t: PageTable, address: str) -> str:
+    c = t.corpus
+    if c.state == "queued":
+        return (
+            f"queued at {address} (position {c.queue_position}): it does not fit on the live "
+            f"holders now; it is placed when capacity frees (see corpusd status)"
+        )
+    spans = ", ".join(f"{h} ({len(t.frames_on(h))} pages)" for h in sorted(t.holders))
+    return f"published via {address}: {c.pages} pages × {c.replicas} on {spans}"
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from corpusd.coordinator.server import run
+
+    values = {f.name: getattr(a, f.name) for f in fields(CoordinatorConfig)}
+    values["state_dir"] = values["state_dir"] or str(env.home() / "coordinator")
+    values["store"] = values["store"] or str(env.default_store_dir())
+    run(CoordinatorConfig(**values))
+    return 0
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    from corpusd.coordinator.status import render
+
+    cfg = StatusConfig(coordinator=env.coordinator(a.coordinator), timeout_s=a.timeout_s)
+
+    async def fetch() -> str:
+        async with CoordinatorClient(cfg.coordinator, timeout=cfg.timeout_s) as c:
+            return render(await c.list_holders(), await c.list_corpora())
+
+    print(f"coordinator {cfg.coordinator}\n" + asyncio.run(fetch()))
     return 0
 
 
@@ -131,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     pp = sub.add_parser("pin", help="tokenize, prefill and store a corpus")
     add_dataclass_flags(pp, PinConfig)
+    add_dataclass_flags(pp, PublishConfig)
     pp.set_defaults(func=cmd_pin)
     pd = sub.add_parser("demo", help="pin a sample repository on the tiny built-in model")
     add_dataclass_flags(pd, PinConfig, skip=("corpus",))
@@ -150,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--out", default="", help="profile path (default: $CORPUSD_HOME/profile.json)")
     pc.add_argument("--repeats", type=int, default=5)
     pc.set_defaults(func=cmd_calibrate)
+    ps = sub.add_parser("serve", help="run the coordinator: holders, placement, page table")
+    add_dataclass_flags(ps, CoordinatorConfig)
+    ps.set_defaults(func=cmd_serve)
+    pt = sub.add_parser("status", help="a coordinator's holders and corpora")
+    add_dataclass_flags(pt, StatusConfig)
+    pt.set_defaults(func=cmd_status)
     pm = sub.add_parser("model", help="model checkpoints")
     msub = pm.add_subparsers(dest="model_command", required=True)
     pi = msub.add_parser("init", help="write the deterministic tiny default checkpoint")
@@ -167,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     except _USER_ERRORS as e:
         print(f"corpusd: error: {e}", file=sys.stderr)
         return 2
+    except CoordinatorError as e:
+        print(f"corpusd: error: coordinator: {e}", file=sys.stderr)
+        return 1 if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) else 2
     except KeyboardInterrupt:
         print("corpusd: interrupted; nothing was committed", file=sys.stderr)
         return 130

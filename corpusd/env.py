@@ -13,6 +13,10 @@ VARIABLES = {
         "$CORPUSD_HOME/models/tiny",
     ),
     "CORPUSD_STORE": ("page store used when --store is not given", "$CORPUSD_HOME/store"),
+    "CORPUSD_COORDINATOR": (
+        "coordinator address (host:port) for status and pin when --coordinator is not given",
+        "",
+    ),
 }
 
 
@@ -28,3 +32,8 @@ def default_model_dir() -> Path:
 def default_store_dir() -> Path:
     env = os.environ.get("CORPUSD_STORE")
     return Path(env).expanduser() if env else home() / "store"
+
+
+def coordinator(flag: str) -> str:
+    """The coordinator address: the flag, else $CORPUSD_COORDINATOR, else ""."""
+    return flag or os.environ.get("CORPUSD_COORDINATOR", "")

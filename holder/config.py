@@ -32,6 +32,7 @@ class HolderConfig:
     max_message_bytes: int = 256 << 20
     threads: int = 0  # torch intra-op threads per flow; 0: torch's default
     drain_s: float = 5.0
+    coordinator: str = ""  # host:port: register there on start and heartbeat within the lease
 
     def __post_init__(self) -> None:
         if not self.store or not self.state_dir:

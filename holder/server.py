@@ -28,6 +28,7 @@ from holder.config import HolderConfig
 from holder.kernels import choose
 from holder.metrics import HolderMetrics
 from holder.pool import FramePool, Geometry
+from holder.registration import keep_registered
 from holder.service import HolderService
 
 log = logging.getLogger("corpusd.holder")
@@ -67,6 +68,16 @@ async def _integrity_loop(svc: HolderService) -> None:
             svc.pool.check_integrity()
 
 
+def _stable_id(state_dir: Path, fresh: str) -> str:
+    """The id a previous run in this state dir used: the coordinator's page table names holders
+    by id, and a restart on another port still holds the same frames."""
+    path = state_dir / "holder_id"
+    if path.is_file():
+        return path.read_text().strip()
+    path.write_text(fresh + "\n")
+    return fresh
+
+
 async def serve(cfg: HolderConfig, model_dir: Path) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -91,7 +102,7 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
     if cfg.metrics_port >= 0:
         httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=svc.metrics.registry)
         metrics_port = httpd.server_address[1]
-    holder_id = cfg.holder_id or f"holder-{port}"
+    holder_id = cfg.holder_id or _stable_id(Path(cfg.state_dir), f"holder-{port}")
     svc.cfg = cfg = replace(cfg, holder_id=holder_id)
     await health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -125,11 +136,17 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     checker = asyncio.create_task(_integrity_loop(svc))
+    tasks = [checker]
+    if cfg.coordinator:
+        tasks.append(
+            asyncio.create_task(keep_registered(svc, cfg.coordinator, f"{cfg.host}:{port}"))
+        )
     await stop.wait()
     log.info("%s draining (up to %.1f s)", holder_id, cfg.drain_s)
     await health.enter_graceful_shutdown()
     await server.stop(cfg.drain_s)
-    checker.cancel()
+    for task in tasks:
+        task.cancel()
     svc.executor.shutdown(wait=True)
     log.info("%s stopped", holder_id)
 

@@ -24,45 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63orpusd/v1/coordinator.proto\x12\ncorpusd.v1\"\\\n\rHolderAddress\x12\x11\n\tholder_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x17\n\x0f\x63\x61pacity_frames\x18\x04 \x01(\r\"B\n\x15RegisterHolderRequest\x12)\n\x06holder\x18\x01 \x01(\x0b\x32\x19.corpusd.v1.HolderAddress\"/\n\x16RegisterHolderResponse\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\"P\n\x10HeartbeatRequest\x12\x11\n\tholder_id\x18\x01 \x01(\t\x12\x13\n\x0bused_frames\x18\x02 \x01(\r\x12\x14\n\x0c\x61\x63tive_flows\x18\x03 \x01(\r\"*\n\x11HeartbeatResponse\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\"\xae\x01\n\nCorpusInfo\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\r\n\x05pages\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x11\n\tcp_degree\x18\x07 \x01(\r\x12\x10\n\x08replicas\x18\x08 \x01(\r\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\"\x14\n\x12ListCorporaRequest\">\n\x13ListCorporaResponse\x12\'\n\x07\x63orpora\x18\x01 \x03(\x0b\x32\x16.corpusd.v1.CorpusInfo\"(\n\x13GetPageTableRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\"+\n\x07Replica\x12\x11\n\tholder_id\x18\x01 \x01(\t\x12\r\n\x05\x66rame\x18\x02 \x01(\r\"@\n\tPageEntry\x12\x0c\n\x04page\x18\x01 \x01(\r\x12%\n\x08replicas\x18\x02 \x03(\x0b\x32\x13.corpusd.v1.Replica\"\x85\x01\n\tPageTable\x12&\n\x06\x63orpus\x18\x01 \x01(\x0b\x32\x16.corpusd.v1.CorpusInfo\x12*\n\x07holders\x18\x02 \x03(\x0b\x32\x19.corpusd.v1.HolderAddress\x12$\n\x05pages\x18\x03 \x03(\x0b\x32\x15.corpusd.v1.PageEntry\"1\n\nPinRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\"3\n\x0bPinResponse\x12$\n\x05table\x18\x01 \x01(\x0b\x32\x15.corpusd.v1.PageTable\"!\n\x0cUnpinRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\"%\n\rUnpinResponse\x12\x14\n\x0c\x66rames_freed\x18\x01 \x01(\r2\xbe\x03\n\x0b\x43oordinator\x12W\n\x0eRegisterHolder\x12!.corpusd.v1.RegisterHolderRequest\x1a\".corpusd.v1.RegisterHolderResponse\x12H\n\tHeartbeat\x12\x1c.corpusd.v1.HeartbeatRequest\x1a\x1d.corpusd.v1.HeartbeatResponse\x12N\n\x0bListCorpora\x12\x1e.corpusd.v1.ListCorporaRequest\x1a\x1f.corpusd.v1.ListCorporaResponse\x12\x46\n\x0cGetPageTable\x12\x1f.corpusd.v1.GetPageTableRequest\x1a\x15.corpusd.v1.PageTable\x12\x36\n\x03Pin\x12\x16.corpusd.v1.PinRequest\x1a\x17.corpusd.v1.PinResponse\x12<\n\x05Unpin\x12\x18.corpusd.v1.UnpinRequest\x1a\x19.corpusd.v1.UnpinResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63orpusd/v1/coordinator.proto\x12\ncorpusd.v1\"\xa7\x01\n\rHolderAddress\x12\x11\n\tholder_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x17\n\x0f\x63\x61pacity_frames\x18\x04 \x01(\r\x12\x0c\n\x04live\x18\x05 \x01(\x08\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\"B\n\x15RegisterHolderRequest\x12)\n\x06holder\x18\x01 \x01(\x0b\x32\x19.corpusd.v1.HolderAddress\"/\n\x16RegisterHolderResponse\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\"P\n\x10HeartbeatRequest\x12\x11\n\tholder_id\x18\x01 \x01(\t\x12\x13\n\x0bused_frames\x18\x02 \x01(\r\x12\x14\n\x0c\x61\x63tive_flows\x18\x03 \x01(\r\"*\n\x11HeartbeatResponse\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\"\xf3\x01\n\nCorpusInfo\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\r\n\x05pages\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x11\n\tcp_degree\x18\x07 \x01(\r\x12\x10\n\x08replicas\x18\x08 \x01(\r\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\x12\x12\n\nholder_ids\x18\n \x03(\t\x12\x17\n\x0f\x65xpired_holders\x18\x0b \x03(\t\x12\x16\n\x0equeue_position\x18\x0c \x01(\r\"\x14\n\x12ListCorporaRequest\">\n\x13ListCorporaResponse\x12\'\n\x07\x63orpora\x18\x01 \x03(\x0b\x32\x16.corpusd.v1.CorpusInfo\"(\n\x13GetPageTableRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\"+\n\x07Replica\x12\x11\n\tholder_id\x18\x01 \x01(\t\x12\r\n\x05\x66rame\x18\x02 \x01(\r\"@\n\tPageEntry\x12\x0c\n\x04page\x18\x01 \x01(\r\x12%\n\x08replicas\x18\x02 \x03(\x0b\x32\x13.corpusd.v1.Replica\"\x85\x01\n\tPageTable\x12&\n\x06\x63orpus\x18\x01 \x01(\x0b\x32\x16.corpusd.v1.CorpusInfo\x12*\n\x07holders\x18\x02 \x03(\x0b\x32\x19.corpusd.v1.HolderAddress\x12$\n\x05pages\x18\x03 \x03(\x0b\x32\x15.corpusd.v1.PageEntry\"?\n\nPinRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\x0c\n\x04wait\x18\x03 \x01(\x08\"3\n\x0bPinResponse\x12$\n\x05table\x18\x01 \x01(\x0b\x32\x15.corpusd.v1.PageTable\"!\n\x0cUnpinRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\"%\n\rUnpinResponse\x12\x14\n\x0c\x66rames_freed\x18\x01 \x01(\r\"\x14\n\x12ListHoldersRequest\"\x94\x01\n\x0cHolderStatus\x12)\n\x06holder\x18\x01 \x01(\x0b\x32\x19.corpusd.v1.HolderAddress\x12\x13\n\x0bused_frames\x18\x02 \x01(\r\x12\x14\n\x0c\x61\x63tive_flows\x18\x03 \x01(\r\x12\x17\n\x0fheartbeat_age_s\x18\x04 \x01(\x01\x12\x15\n\rplaced_frames\x18\x05 \x01(\r\"W\n\x13ListHoldersResponse\x12)\n\x07holders\x18\x01 \x03(\x0b\x32\x18.corpusd.v1.HolderStatus\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\x32\x8e\x04\n\x0b\x43oordinator\x12W\n\x0eRegisterHolder\x12!.corpusd.v1.RegisterHolderRequest\x1a\".corpusd.v1.RegisterHolderResponse\x12H\n\tHeartbeat\x12\x1c.corpusd.v1.HeartbeatRequest\x1a\x1d.corpusd.v1.HeartbeatResponse\x12N\n\x0bListCorpora\x12\x1e.corpusd.v1.ListCorporaRequest\x1a\x1f.corpusd.v1.ListCorporaResponse\x12\x46\n\x0cGetPageTable\x12\x1f.corpusd.v1.GetPageTableRequest\x1a\x15.corpusd.v1.PageTable\x12\x36\n\x03Pin\x12\x16.corpusd.v1.PinRequest\x1a\x17.corpusd.v1.PinResponse\x12<\n\x05Unpin\x12\x18.corpusd.v1.UnpinRequest\x1a\x19.corpusd.v1.UnpinResponse\x12N\n\x0bListHolders\x12\x1e.corpusd.v1.ListHoldersRequest\x1a\x1f.corpusd.v1.ListHoldersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'corpusd.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HOLDERADDRESS']._serialized_start=44
-  _globals['_HOLDERADDRESS']._serialized_end=136
-  _globals['_REGISTERHOLDERREQUEST']._serialized_start=138
-  _globals['_REGISTERHOLDERREQUEST']._serialized_end=204
-  _globals['_REGISTERHOLDERRESPONSE']._serialized_start=206
-  _globals['_REGISTERHOLDERRESPONSE']._serialized_end=253
-  _globals['_HEARTBEATREQUEST']._serialized_start=255
-  _globals['_HEARTBEATREQUEST']._serialized_end=335
-  _globals['_HEARTBEATRESPONSE']._serialized_start=337
-  _globals['_HEARTBEATRESPONSE']._serialized_end=379
-  _globals['_CORPUSINFO']._serialized_start=382
-  _globals['_CORPUSINFO']._serialized_end=556
-  _globals['_LISTCORPORAREQUEST']._serialized_start=558
-  _globals['_LISTCORPORAREQUEST']._serialized_end=578
-  _globals['_LISTCORPORARESPONSE']._serialized_start=580
-  _globals['_LISTCORPORARESPONSE']._serialized_end=642
-  _globals['_GETPAGETABLEREQUEST']._serialized_start=644
-  _globals['_GETPAGETABLEREQUEST']._serialized_end=684
-  _globals['_REPLICA']._serialized_start=686
-  _globals['_REPLICA']._serialized_end=729
-  _globals['_PAGEENTRY']._serialized_start=731
-  _globals['_PAGEENTRY']._serialized_end=795
-  _globals['_PAGETABLE']._serialized_start=798
-  _globals['_PAGETABLE']._serialized_end=931
-  _globals['_PINREQUEST']._serialized_start=933
-  _globals['_PINREQUEST']._serialized_end=982
-  _globals['_PINRESPONSE']._serialized_start=984
-  _globals['_PINRESPONSE']._serialized_end=1035
-  _globals['_UNPINREQUEST']._serialized_start=1037
-  _globals['_UNPINREQUEST']._serialized_end=1070
-  _globals['_UNPINRESPONSE']._serialized_start=1072
-  _globals['_UNPINRESPONSE']._serialized_end=1109
-  _globals['_COORDINATOR']._serialized_start=1112
-  _globals['_COORDINATOR']._serialized_end=1558
+  _globals['_HOLDERADDRESS']._serialized_start=45
+  _globals['_HOLDERADDRESS']._serialized_end=212
+  _globals['_REGISTERHOLDERREQUEST']._serialized_start=214
+  _globals['_REGISTERHOLDERREQUEST']._serialized_end=280
+  _globals['_REGISTERHOLDERRESPONSE']._serialized_start=282
+  _globals['_REGISTERHOLDERRESPONSE']._serialized_end=329
+  _globals['_HEARTBEATREQUEST']._serialized_start=331
+  _globals['_HEARTBEATREQUEST']._serialized_end=411
+  _globals['_HEARTBEATRESPONSE']._serialized_start=413
+  _globals['_HEARTBEATRESPONSE']._serialized_end=455
+  _globals['_CORPUSINFO']._serialized_start=458
+  _globals['_CORPUSINFO']._serialized_end=701
+  _globals['_LISTCORPORAREQUEST']._serialized_start=703
+  _globals['_LISTCORPORAREQUEST']._serialized_end=723
+  _globals['_LISTCORPORARESPONSE']._serialized_start=725
+  _globals['_LISTCORPORARESPONSE']._serialized_end=787
+  _globals['_GETPAGETABLEREQUEST']._serialized_start=789
+  _globals['_GETPAGETABLEREQUEST']._serialized_end=829
+  _globals['_REPLICA']._serialized_start=831
+  _globals['_REPLICA']._serialized_end=874
+  _globals['_PAGEENTRY']._serialized_start=876
+  _globals['_PAGEENTRY']._serialized_end=940
+  _globals['_PAGETABLE']._serialized_start=943
+  _globals['_PAGETABLE']._serialized_end=1076
+  _globals['_PINREQUEST']._serialized_start=1078
+  _globals['_PINREQUEST']._serialized_end=1141
+  _globals['_PINRESPONSE']._serialized_start=1143
+  _globals['_PINRESPONSE']._serialized_end=1194
+  _globals['_UNPINREQUEST']._serialized_start=1196
+  _globals['_UNPINREQUEST']._serialized_end=1229
+  _globals['_UNPINRESPONSE']._serialized_start=1231
+  _globals['_UNPINRESPONSE']._serialized_end=1268
+  _globals['_LISTHOLDERSREQUEST']._serialized_start=1270
+  _globals['_LISTHOLDERSREQUEST']._serialized_end=1290
+  _globals['_HOLDERSTATUS']._serialized_start=1293
+  _globals['_HOLDERSTATUS']._serialized_end=1441
+  _globals['_LISTHOLDERSRESPONSE']._serialized_start=1443
+  _globals['_LISTHOLDERSRESPONSE']._serialized_end=1530
+  _globals['_COORDINATOR']._serialized_start=1533
+  _globals['_COORDINATOR']._serialized_end=2059
 # @@protoc_insertion_point(module_scope)

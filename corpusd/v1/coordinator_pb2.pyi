@@ -7,16 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HolderAddress(_message.Message):
-    __slots__ = ("holder_id", "address", "device", "capacity_frames")
+    __slots__ = ("holder_id", "address", "device", "capacity_frames", "live", "page_size", "model_fingerprint", "dtype")
     HOLDER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     holder_id: str
     address: str
     device: str
     capacity_frames: int
-    def __init__(self, holder_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., capacity_frames: _Optional[int] = ...) -> None: ...
+    live: bool
+    page_size: int
+    model_fingerprint: str
+    dtype: str
+    def __init__(self, holder_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., capacity_frames: _Optional[int] = ..., live: _Optional[bool] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class RegisterHolderRequest(_message.Message):
     __slots__ = ("holder",)
@@ -47,7 +55,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
 
 class CorpusInfo(_message.Message):
-    __slots__ = ("corpus_id", "name", "state", "tokens", "pages", "page_size", "cp_degree", "replicas", "model_fingerprint")
+    __slots__ = ("corpus_id", "name", "state", "tokens", "pages", "page_size", "cp_degree", "replicas", "model_fingerprint", "holder_ids", "expired_holders", "queue_position")
     CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +65,9 @@ class CorpusInfo(_message.Message):
     CP_DEGREE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     corpus_id: str
     name: str
     state: str
@@ -66,7 +77,10 @@ class CorpusInfo(_message.Message):
     cp_degree: int
     replicas: int
     model_fingerprint: str
-    def __init__(self, corpus_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., tokens: _Optional[int] = ..., pages: _Optional[int] = ..., page_size: _Optional[int] = ..., cp_degree: _Optional[int] = ..., replicas: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    holder_ids: _containers.RepeatedScalarFieldContainer[str]
+    expired_holders: _containers.RepeatedScalarFieldContainer[str]
+    queue_position: int
+    def __init__(self, corpus_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., tokens: _Optional[int] = ..., pages: _Optional[int] = ..., page_size: _Optional[int] = ..., cp_degree: _Optional[int] = ..., replicas: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., holder_ids: _Optional[_Iterable[str]] = ..., expired_holders: _Optional[_Iterable[str]] = ..., queue_position: _Optional[int] = ...) -> None: ...
 
 class ListCorporaRequest(_message.Message):
     __slots__ = ()
@@ -111,12 +125,14 @@ class PageTable(_message.Message):
     def __init__(self, corpus: _Optional[_Union[CorpusInfo, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[HolderAddress, _Mapping]]] = ..., pages: _Optional[_Iterable[_Union[PageEntry, _Mapping]]] = ...) -> None: ...
 
 class PinRequest(_message.Message):
-    __slots__ = ("corpus_id", "replicas")
+    __slots__ = ("corpus_id", "replicas", "wait")
     CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
     corpus_id: str
     replicas: int
-    def __init__(self, corpus_id: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+    wait: bool
+    def __init__(self, corpus_id: _Optional[str] = ..., replicas: _Optional[int] = ..., wait: _Optional[bool] = ...) -> None: ...
 
 class PinResponse(_message.Message):
     __slots__ = ("table",)
@@ -135,3 +151,29 @@ class UnpinResponse(_message.Message):
     FRAMES_FREED_FIELD_NUMBER: _ClassVar[int]
     frames_freed: int
     def __init__(self, frames_freed: _Optional[int] = ...) -> None: ...
+
+class ListHoldersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HolderStatus(_message.Message):
+    __slots__ = ("holder", "used_frames", "active_flows", "heartbeat_age_s", "placed_frames")
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    USED_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FLOWS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    PLACED_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    holder: HolderAddress
+    used_frames: int
+    active_flows: int
+    heartbeat_age_s: float
+    placed_frames: int
+    def __init__(self, holder: _Optional[_Union[HolderAddress, _Mapping]] = ..., used_frames: _Optional[int] = ..., active_flows: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., placed_frames: _Optional[int] = ...) -> None: ...
+
+class ListHoldersResponse(_message.Message):
+    __slots__ = ("holders", "lease_seconds")
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    holders: _containers.RepeatedCompositeFieldContainer[HolderStatus]
+    lease_seconds: float
+    def __init__(self, holders: _Optional[_Iterable[_Union[HolderStatus, _Mapping]]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...

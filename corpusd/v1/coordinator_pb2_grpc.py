@@ -65,6 +65,11 @@ class CoordinatorStub:
                 request_serializer=corpusd_dot_v1_dot_coordinator__pb2.UnpinRequest.SerializeToString,
                 response_deserializer=corpusd_dot_v1_dot_coordinator__pb2.UnpinResponse.FromString,
                 _registered_method=True)
+        self.ListHolders = channel.unary_unary(
+                '/corpusd.v1.Coordinator/ListHolders',
+                request_serializer=corpusd_dot_v1_dot_coordinator__pb2.ListHoldersRequest.SerializeToString,
+                response_deserializer=corpusd_dot_v1_dot_coordinator__pb2.ListHoldersResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -109,6 +114,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListHolders(self, request, context):
+        """Every registered holder with its capacity, use, fan-in and lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +153,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Unpin,
                     request_deserializer=corpusd_dot_v1_dot_coordinator__pb2.UnpinRequest.FromString,
                     response_serializer=corpusd_dot_v1_dot_coordinator__pb2.UnpinResponse.SerializeToString,
+            ),
+            'ListHolders': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListHolders,
+                    request_deserializer=corpusd_dot_v1_dot_coordinator__pb2.ListHoldersRequest.FromString,
+                    response_serializer=corpusd_dot_v1_dot_coordinator__pb2.ListHoldersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +323,33 @@ class Coordinator:
             '/corpusd.v1.Coordinator/Unpin',
             corpusd_dot_v1_dot_coordinator__pb2.UnpinRequest.SerializeToString,
             corpusd_dot_v1_dot_coordinator__pb2.UnpinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListHolders(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corpusd.v1.Coordinator/ListHolders',
+            corpusd_dot_v1_dot_coordinator__pb2.ListHoldersRequest.SerializeToString,
+            corpusd_dot_v1_dot_coordinator__pb2.ListHoldersResponse.FromString,
             options,
             channel_credentials,
             insecure,

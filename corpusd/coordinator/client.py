@@ -1,0 +1,215 @@
+"""An asyncio client of the coordinator: page tables and corpus/holder status as dataclasses.
+
+Used by requesters (``page_table``), holders (``register``/``heartbeat``) and the CLI. Wire
+types stop here; a refused call raises CoordinatorError with the server's status and message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from corpusd.v1 import coordinator_pb2 as pb
+from corpusd.v1 import coordinator_pb2_grpc
+
+T = TypeVar("T")
+
+
+class CoordinatorError(Exception):
+    """The coordinator refused or could not be reached; ``code`` is the gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.detail = code, message
+
+
+@dataclass(frozen=True, slots=True)
+class HolderInfo:
+    holder_id: str
+    address: str
+    device: str
+    capacity_frames: int
+    page_size: int
+    model_fingerprint: str
+    dtype: str
+    live: bool = True  # lease current (answers only)
+
+
+@dataclass(frozen=True, slots=True)
+class HolderState:
+    info: HolderInfo
+    used_frames: int
+    active_flows: int  # fan-in at its last heartbeat
+    heartbeat_age_s: float
+    placed_frames: int
+
+
+@dataclass(frozen=True, slots=True)
+class CorpusStatus:
+    corpus_id: str
+    name: str
+    state: str  # queued, pinning, ready, retired
+    tokens: int
+    pages: int
+    page_size: int
+    cp_degree: int  # holders it spans
+    replicas: int
+    model_fingerprint: str
+    holder_ids: tuple[str, ...]
+    expired_holders: tuple[str, ...]
+    queue_position: int  # 1-based while queued, else 0
+
+
+@dataclass(frozen=True, slots=True)
+class PageTable:
+    """``pages[p]``: page ``p``'s replicas as ``(holder_id, frame)``, replica 0 first; pool row
+    of token ``t`` on a holder = ``frame(t // page_size) * page_size + t % page_size``."""
+
+    corpus: CorpusStatus
+    holders: dict[str, HolderInfo]
+    pages: tuple[tuple[tuple[str, int], ...], ...]
+
+    def address(self, holder_id: str) -> str:
+        return self.holders[holder_id].address
+
+    def frames_on(self, holder_id: str) -> dict[int, int]:
+        """page → frame for the pages ``holder_id`` holds."""
+        return {p: f for p, reps in enumerate(self.pages) for h, f in reps if h == holder_id}
+
+
+def _holder(h: pb.HolderAddress) -> HolderInfo:
+    return HolderInfo(
+        h.holder_id,
+        h.address,
+        h.device,
+        h.capacity_frames,
+        h.page_size,
+        h.model_fingerprint,
+        h.dtype,
+        h.live,
+    )
+
+
+def _corpus(c: pb.CorpusInfo) -> CorpusStatus:
+    return CorpusStatus(
+        c.corpus_id,
+        c.name,
+        c.state,
+        c.tokens,
+        c.pages,
+        c.page_size,
+        c.cp_degree,
+        c.replicas,
+        c.model_fingerprint,
+        tuple(c.holder_ids),
+        tuple(c.expired_holders),
+        c.queue_position,
+    )
+
+
+def _table(t: pb.PageTable) -> PageTable:
+    pages: list[tuple[tuple[str, int], ...]] = [()] * len(t.pages)
+    for e in t.pages:
+        assert e.page < len(pages), f"page {e.page} of a table of {len(pages)} entries"
+        pages[e.page] = tuple((r.holder_id, r.frame) for r in e.replicas)
+    return PageTable(_corpus(t.corpus), {h.holder_id: _holder(h) for h in t.holders}, tuple(pages))
+
+
+class CoordinatorClient:
+    def __init__(self, address: str, timeout: float | None = 30.0) -> None:
+        self.address, self.timeout = address, timeout
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> CoordinatorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except grpc.aio.AioRpcError as e:
+            raise CoordinatorError(e.code(), e.details() or "") from None
+
+    async def register(self, h: HolderInfo) -> float:
+        """Register (or re-register) a holder; returns its lease in seconds."""
+        msg = pb.HolderAddress(
+            holder_id=h.holder_id,
+            address=h.address,
+            device=h.device,
+            capacity_frames=h.capacity_frames,
+            page_size=h.page_size,
+            model_fingerprint=h.model_fingerprint,
+            dtype=h.dtype,
+        )
+        req = pb.RegisterHolderRequest(holder=msg)
+        r: Any = await self._call(self.stub.RegisterHolder(req, timeout=self.timeout))
+        return float(r.lease_seconds)
+
+    async def heartbeat(self, holder_id: str, used_frames: int, active_flows: int) -> float:
+        """Renew the lease. Raises CoordinatorError(NOT_FOUND) when it must register again."""
+        req = pb.HeartbeatRequest(
+            holder_id=holder_id, used_frames=used_frames, active_flows=active_flows
+        )
+        r: Any = await self._call(self.stub.Heartbeat(req, timeout=self.timeout))
+        return float(r.lease_seconds)
+
+    async def list_corpora(self) -> list[CorpusStatus]:
+        r: Any = await self._call(
+            self.stub.ListCorpora(pb.ListCorporaRequest(), timeout=self.timeout)
+        )
+        return [_corpus(c) for c in r.corpora]
+
+    async def list_holders(self) -> list[HolderState]:
+        r: Any = await self._call(
+            self.stub.ListHolders(pb.ListHoldersRequest(), timeout=self.timeout)
+        )
+        return [
+            HolderState(
+                _holder(s.holder), s.used_frames, s.active_flows, s.heartbeat_age_s, s.placed_frames
+            )
+            for s in r.holders
+        ]
+
+    async def page_table(self, corpus_id: str) -> PageTable:
+        """Raises CoordinatorError: NOT_FOUND (unknown), FAILED_PRECONDITION (not ready)."""
+        req = pb.GetPageTableRequest(corpus_id=corpus_id)
+        return _table(await self._call(self.stub.GetPageTable(req, timeout=self.timeout)))
+
+    async def pin(
+        self, corpus_id: str, replicas: int = 1, wait: bool = False, timeout: float | None = None
+    ) -> PageTable:
+        """Publish a corpus of the coordinator's store onto holders. Its state is ``ready``, or
+        ``queued`` (no pages yet) when it does not fit now and ``wait`` is false; with ``wait``
+        the call returns once it is placed (or fails at ``timeout``, DEADLINE_EXCEEDED)."""
+        req = pb.PinRequest(corpus_id=corpus_id, replicas=replicas, wait=wait)
+        r: Any = await self._call(self.stub.Pin(req, timeout=timeout or self.timeout))
+        return _table(r.table)
+
+    async def unpin(self, corpus_id: str) -> int:
+        """Release a corpus's frames everywhere; returns how many. Idempotent once retired."""
+        r: Any = await self._call(
+            self.stub.Unpin(pb.UnpinRequest(corpus_id=corpus_id), timeout=self.timeout)
+        )
+        return int(r.frames_freed)
+
+    async def wait_holders(self, n: int, timeout: float = 30.0) -> list[HolderState]:
+        """Poll until at least ``n`` holders are live; raises TimeoutError."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with_lease = [h for h in await self.list_holders() if h.info.live]
+            if len(with_lease) >= n:
+                return with_lease
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(with_lease)} of {n} holders live after {timeout} s")
+            await asyncio.sleep(0.05)

@@ -1,0 +1,85 @@
+"""The coordinator's configuration (``corpusd serve`` flags derive from it) and ``pin``'s
+publish options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    store: str = field(
+        default="", metadata={"help": "page store holders read from (default: $CORPUSD_STORE)"}
+    )
+    state_dir: str = field(
+        default="",
+        metadata={"help": "state.db and endpoint.json (default: $CORPUSD_HOME/coordinator)"},
+    )
+    host: str = "127.0.0.1"
+    port: int = field(default=0, metadata={"help": "0: pick a free port (see endpoint.json)"})
+    metrics_port: int = field(default=0, metadata={"help": "0: pick a free port; -1: none"})
+    profile: str = field(
+        default="",
+        metadata={
+            "help": "calibration profile JSON whose cp_buckets set CP degrees "
+            "(default: the shipped table)"
+        },
+    )
+    lease_s: float = field(
+        default=10.0, metadata={"help": "a holder silent this long is not placed on"}
+    )
+    rpc_timeout_s: float = field(
+        default=60.0, metadata={"help": "deadline of each Assign/Release/Info to a holder"}
+    )
+    max_queue: int = field(default=64, metadata={"help": "pins waiting for room, at most"})
+    retry_s: float = field(
+        default=2.0, metadata={"help": "how often queued pins are retried (also on every unpin)"}
+    )
+    drain_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.store or not self.state_dir:
+            raise ValueError("a coordinator needs a page store and a state directory")
+        for key in ("lease_s", "rpc_timeout_s", "retry_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+
+
+@dataclass(frozen=True, slots=True)
+class PublishConfig:
+    """``corpusd pin --coordinator ADDR``: after the local pin, ask the coordinator to place it."""
+
+    coordinator: str = field(
+        default="",
+        metadata={
+            "help": "publish the pinned corpus through this coordinator "
+            "(default: $CORPUSD_COORDINATOR; empty: only pin locally)"
+        },
+    )
+    replicas: int = field(default=1, metadata={"help": "copies of each page on distinct holders"})
+    wait_s: float = field(
+        default=0.0,
+        metadata={"help": "if it must queue for room, wait this long for it to be placed"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.wait_s < 0:
+            raise ValueError(f"wait_s must be >= 0, got {self.wait_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class StatusConfig:
+    coordinator: str = field(
+        default="", metadata={"help": "coordinator address (default: $CORPUSD_COORDINATOR)"}
+    )
+    timeout_s: float = field(default=10.0, metadata={"help": "deadline of each call"})
+
+    def __post_init__(self) -> None:
+        if not self.coordinator:
+            raise ValueError(
+                "no coordinator: pass --coordinator HOST:PORT or set CORPUSD_COORDINATOR"
+            )

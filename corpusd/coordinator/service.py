@@ -1,0 +1,226 @@
+"""The Coordinator gRPC servicer: validate → act (publisher / state) → reply.
+
+Wire types stop here. Every refusal is a gRPC status with a one-line message, and a bad request
+changes nothing: checks that need no lock run before any state is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from corpusd.coordinator.db import CorpusRow, HolderRow
+from corpusd.coordinator.publish import Publisher, Refused
+from corpusd.coordinator.upkeep import reconcile, unpin
+from corpusd.corpus.manifest import Manifest
+from corpusd.corpus.store import PageStore, StoreError
+from corpusd.v1 import coordinator_pb2 as pb
+from corpusd.v1 import coordinator_pb2_grpc
+
+log = logging.getLogger("corpusd.coordinator")
+S = grpc.StatusCode
+
+
+def rpc(method: str) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:
+    """Count the call by status; turn Refused / unexpected errors into gRPC statuses."""
+
+    def deco(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        @functools.wraps(fn)
+        async def wrapper(self: CoordinatorService, request: Any, context: Any) -> Any:
+            code = S.OK
+            try:
+                return await fn(self, request, context)
+            except Refused as e:
+                code = e.code
+                log.info("%s refused: %s: %s", method, e.code.name, e)
+                await context.abort(e.code, str(e))
+            except Exception as e:
+                if isinstance(e, grpc.aio.AbortError):
+                    raise
+                code = S.INTERNAL
+                log.exception("%s failed", method)
+                await context.abort(code, f"internal error in {method}: {type(e).__name__}: {e}")
+            finally:
+                self.pub.metrics.requests.labels(method, code.name).inc()
+
+        return wrapper
+
+    return deco
+
+
+def _holder(h: HolderRow, now: float) -> pb.HolderAddress:
+    return pb.HolderAddress(
+        holder_id=h.holder_id,
+        address=h.address,
+        device=h.device,
+        capacity_frames=h.capacity_frames,
+        live=h.live(now),
+        page_size=h.page_size,
+        model_fingerprint=h.model_fingerprint,
+        dtype=h.dtype,
+    )
+
+
+class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, pub: Publisher, store: PageStore, lease_s: float) -> None:
+        self.pub, self.state, self.store, self.lease_s = pub, pub.state, store, lease_s
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def _background(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)  # keep a reference until done (asyncio holds only weak ones)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- holders --------------------------------------------------------------------------------
+    @rpc("RegisterHolder")
+    async def RegisterHolder(self, request: pb.RegisterHolderRequest, context: Any) -> Any:
+        h = request.holder
+        bad = [
+            k for k in ("holder_id", "address", "model_fingerprint", "dtype") if not getattr(h, k)
+        ]
+        bad += [k for k in ("capacity_frames", "page_size") if getattr(h, k) <= 0]
+        if bad:
+            raise Refused(S.INVALID_ARGUMENT, f"holder registration lacks {', '.join(bad)}")
+        self.state.register(
+            HolderRow(
+                h.holder_id,
+                h.address,
+                h.device,
+                h.capacity_frames,
+                h.page_size,
+                h.model_fingerprint,
+                h.dtype,
+                0,
+                0,
+                time.time(),
+                self.lease_s,
+            )
+        )
+        log.info(
+            "holder %s registered at %s (%d frames)", h.holder_id, h.address, h.capacity_frames
+        )
+        self._background(self._after_join(h.holder_id))
+        return pb.RegisterHolderResponse(lease_seconds=self.lease_s)
+
+    async def _after_join(self, holder_id: str) -> None:
+        await reconcile(self.pub, holder_id)
+        self.pub.capacity_changed.set()
+
+    @rpc("Heartbeat")
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:
+        now = time.time()
+        before = next((h for h in self.state.holders() if h.holder_id == request.holder_id), None)
+        if before is None or not self.state.heartbeat(
+            request.holder_id, request.used_frames, request.active_flows, now
+        ):
+            raise Refused(S.NOT_FOUND, f"holder {request.holder_id!r} is not registered")
+        if not before.live(now):  # back after a lapse: it may hold frames of failed pins
+            log.info("holder %s is live again", request.holder_id)
+            self._background(self._after_join(request.holder_id))
+        elif request.used_frames < before.used_frames:
+            self.pub.capacity_changed.set()
+        return pb.HeartbeatResponse(lease_seconds=self.lease_s)
+
+    @rpc("ListHolders")
+    async def ListHolders(self, request: pb.ListHoldersRequest, context: Any) -> Any:
+        now, placed = time.time(), self.state.placed_frames()
+        return pb.ListHoldersResponse(
+            holders=[
+                pb.HolderStatus(
+                    holder=_holder(h, now),
+                    used_frames=h.used_frames,
+                    active_flows=h.active_flows,
+                    heartbeat_age_s=now - h.last_heartbeat,
+                    placed_frames=placed.get(h.holder_id, 0),
+                )
+                for h in self.state.holders()
+            ],
+            lease_seconds=self.lease_s,
+        )
+
+    # -- corpora --------------------------------------------------------------------------------
+    def _info(self, row: CorpusRow, now: float) -> pb.CorpusInfo:
+        m = Manifest.from_json(row.manifest)
+        table = self.state.page_table(row.corpus_id) if row.state == "ready" else {}
+        ids = sorted({hid for reps in table.values() for hid, _ in reps})
+        live = {h.holder_id for h in self.state.holders() if h.live(now)}
+        queue = [r.corpus_id for r in self.state.queued()] if row.state == "queued" else []
+        return pb.CorpusInfo(
+            corpus_id=row.corpus_id,
+            name=row.name,
+            state=row.state,
+            tokens=row.tokens,
+            pages=row.pages,
+            page_size=m.page_size,
+            cp_degree=row.cp_degree,
+            replicas=row.replicas,
+            model_fingerprint=m.model_fingerprint,
+            holder_ids=ids,
+            expired_holders=[h for h in ids if h not in live],
+            queue_position=queue.index(row.corpus_id) + 1 if queue else 0,
+        )
+
+    def _table(self, row: CorpusRow) -> pb.PageTable:
+        now = time.time()
+        table = self.state.page_table(row.corpus_id)
+        ids = {hid for reps in table.values() for hid, _ in reps}
+        return pb.PageTable(
+            corpus=self._info(row, now),
+            holders=[_holder(h, now) for h in self.state.holders() if h.holder_id in ids],
+            pages=[
+                pb.PageEntry(page=p, replicas=[pb.Replica(holder_id=h, frame=f) for h, f in reps])
+                for p, reps in sorted(table.items())
+            ],
+        )
+
+    def _known(self, corpus_id: str) -> CorpusRow:
+        row = self.state.corpus(corpus_id)
+        if row is None:
+            raise Refused(S.NOT_FOUND, f"corpus {corpus_id!r} is not known to this coordinator")
+        return row
+
+    @rpc("ListCorpora")
+    async def ListCorpora(self, request: pb.ListCorporaRequest, context: Any) -> Any:
+        now = time.time()
+        return pb.ListCorporaResponse(corpora=[self._info(r, now) for r in self.state.corpora()])
+
+    @rpc("GetPageTable")
+    async def GetPageTable(self, request: pb.GetPageTableRequest, context: Any) -> Any:
+        row = self._known(request.corpus_id)
+        if row.state != "ready":
+            raise Refused(
+                S.FAILED_PRECONDITION, f"corpus {row.corpus_id} is {row.state}: no page table"
+            )
+        return self._table(row)
+
+    @rpc("Pin")
+    async def Pin(self, request: pb.PinRequest, context: Any) -> Any:
+        cid, replicas = request.corpus_id, request.replicas or 1
+        if not cid or not cid.isalnum():
+            raise Refused(S.INVALID_ARGUMENT, f"corpus_id must be a corpus id, got {cid!r}")
+        try:
+            text = (self.store.corpora / cid / "manifest.json").read_text()
+            m = Manifest.from_json(text)
+        except FileNotFoundError:
+            raise Refused(
+                S.NOT_FOUND, f"corpus {cid!r} is not in the coordinator's store {self.store.root}"
+            ) from None
+        except (OSError, ValueError, TypeError, AssertionError, StoreError) as e:
+            raise Refused(
+                S.FAILED_PRECONDITION, f"corpus {cid}: unreadable manifest: {e}"
+            ) from None
+        row = await self.pub.pin(m, text, replicas)
+        if row.state == "queued" and request.wait:
+            row = await self.pub.wait_placed(cid, context.time_remaining())
+        return pb.PinResponse(table=self._table(row))
+
+    @rpc("Unpin")
+    async def Unpin(self, request: pb.UnpinRequest, context: Any) -> Any:
+        self._known(request.corpus_id)
+        return pb.UnpinResponse(frames_freed=await unpin(self.pub, request.corpus_id))

@@ -1,0 +1,34 @@
+"""``corpusd status``: the coordinator's holders and corpora as two plain-text tables."""
+
+from __future__ import annotations
+
+from corpusd.coordinator.client import CorpusStatus, HolderState
+
+
+def render(holders: list[HolderState], corpora: list[CorpusStatus]) -> str:
+    """Holders (lease, capacity, use, fan-in) then corpora (state, pages, CP degree, replicas)."""
+    lines = [f"holders ({sum(h.info.live for h in holders)} live of {len(holders)})"]
+    lines.append(
+        f"  {'id':<16} {'address':<22} {'lease':<8} {'frames':>8} {'used':>8} {'placed':>8} "
+        f"{'fan-in':>6}  device"
+    )
+    for h in holders:
+        i = h.info
+        lease = "live" if i.live else f"expired ({h.heartbeat_age_s:.0f} s)"
+        lines.append(
+            f"  {i.holder_id:<16} {i.address:<22} {lease:<8} {i.capacity_frames:>8} "
+            f"{h.used_frames:>8} {h.placed_frames:>8} {h.active_flows:>6}  {i.device}"
+        )
+    lines.append(f"corpora ({len(corpora)})")
+    lines.append(
+        f"  {'id':<14} {'name':<18} {'state':<10} {'tokens':>9} {'pages':>6} {'cp':>3} "
+        f"{'rep':>3}  holders"
+    )
+    for c in corpora:
+        state = f"queued#{c.queue_position}" if c.state == "queued" else c.state
+        held = ", ".join(h + (" (expired)" if h in c.expired_holders else "") for h in c.holder_ids)
+        lines.append(
+            f"  {c.corpus_id[:12] + '…':<14} {c.name[:18]:<18} {state:<10} {c.tokens:>9,} "
+            f"{c.pages:>6} {c.cp_degree:>3} {c.replicas:>3}  {held or '-'}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""Taking frames back: unpin, reconciling a (re)registered holder, recovery after a crash.
+
+All three run under the publisher's lock, so they never race a pin's placement decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from corpusd.coordinator.links import HolderCallError
+from corpusd.coordinator.publish import Publisher, Refused
+
+log = logging.getLogger("corpusd.coordinator")
+
+
+async def unpin(pub: Publisher, corpus_id: str) -> int:
+    """Release a corpus's frames on its holders and mark it retired; returns the frames the page
+    table gave it. Idempotent on a retired corpus (0). A queued pin is simply withdrawn.
+    Raises Refused(NOT_FOUND) for an unknown corpus."""
+    async with pub.lock:
+        row = pub.state.corpus(corpus_id)
+        if row is None:
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"corpus {corpus_id!r} is not known here")
+        if row.state == "retired":
+            return 0
+        table = pub.state.page_table(corpus_id)
+        plan: dict[str, list[int]] = {}
+        for page, replicas in table.items():
+            for hid, _ in replicas:
+                plan.setdefault(hid, []).append(page)
+        addr = {h.holder_id: h.address for h in pub.state.holders()}
+        await pub.release_plan(corpus_id, plan, addr)
+        pub.state.retire(corpus_id)
+        for hid, pages in plan.items():
+            pub.state.add_used(hid, -len(pages))
+        pub.fail_waiters(
+            corpus_id, Refused(grpc.StatusCode.CANCELLED, f"corpus {corpus_id} was unpinned")
+        )
+    pub.capacity_changed.set()
+    log.info("unpinned corpus %s (%d frames)", corpus_id, sum(map(len, plan.values())))
+    return sum(map(len, plan.values()))
+
+
+async def reconcile(pub: Publisher, holder_id: str) -> tuple[int, int]:
+    """Make a holder hold what the page table says: release frames of pages it should not have
+    (a pin that failed while it was unreachable) and reload pages it lost (a wiped state dir),
+    recording their new frames. Returns (released, reloaded) page counts; best effort."""
+    async with pub.lock:
+        h = next((x for x in pub.state.holders() if x.holder_id == holder_id), None)
+        if h is None:
+            return 0, 0
+        try:
+            held = await pub.links.held(h.holder_id, h.address)
+        except HolderCallError as e:
+            log.warning("cannot reconcile %s: %s", holder_id, e)
+            return 0, 0
+        want = pub.state.held_by(holder_id)
+        released = reloaded = 0
+        try:
+            for cid, pages in sorted(held.items()):
+                extra = sorted(set(pages) - set(want.get(cid, {})))
+                if extra:
+                    released += await pub.links.release(h.holder_id, h.address, cid, extra)
+            for cid, pages in sorted(want.items()):
+                have = held.get(cid, {})
+                moved = {p: have[p] for p in pages if p in have and have[p] != pages[p]}
+                lost = sorted(p for p in pages if p not in have)
+                if lost:
+                    moved.update(await pub.links.assign(h.holder_id, h.address, cid, lost))
+                    reloaded += len(lost)
+                if moved:
+                    pub.state.set_frames(cid, holder_id, moved)
+        except HolderCallError as e:
+            log.warning("reconciling %s stopped: %s", holder_id, e)
+    if released or reloaded:
+        log.info(
+            "reconciled %s: released %d orphan pages, reloaded %d", holder_id, released, reloaded
+        )
+        pub.metrics.reconciled.labels("released").inc(released)
+        pub.metrics.reconciled.labels("reloaded").inc(reloaded)
+        pub.capacity_changed.set()
+    return released, reloaded
+
+
+async def recover(pub: Publisher) -> int:
+    """On start: roll back pins a previous run left ``pinning`` (release their plans, drop the
+    rows). Returns how many were rolled back."""
+    async with pub.lock:
+        stale = [r for r in pub.state.corpora() if r.state == "pinning"]
+        addr = {h.holder_id: h.address for h in pub.state.holders()}
+        await asyncio.gather(*(pub.release_plan(r.corpus_id, r.plan or {}, addr) for r in stale))
+        for r in stale:
+            pub.state.drop_corpus(r.corpus_id)
+            log.warning("rolled back corpus %s, left half-published by a previous run", r.corpus_id)
+    return len(stale)
