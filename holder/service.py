@@ -57,27 +57,29 @@ def rpc(method: str) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., 
         async def wrapper(
             self: HolderService, request: Any, context: grpc.aio.ServicerContext
         ) -> Any:
-            code = grpc.StatusCode.OK
             self.metrics.bytes_in.labels(method).inc(request.ByteSize())
+            count = self.metrics.requests.labels
+            # Counted before the status goes out, so a client that sees it can also scrape it.
             try:
                 reply = await fn(self, request, context)
-                self.metrics.bytes_out.labels(method).inc(reply.ByteSize())
-                return reply
             except Reject as e:
-                code = e.code
                 log.info("%s rejected: %s: %s", method, e.code.name, e)
+                count(method, e.code.name).inc()
                 await context.abort(e.code, str(e))
             except Overloaded as e:
                 code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                count(method, code.name).inc()
                 await context.abort(code, f"holder overloaded: {e}")
             except Exception as e:
                 if isinstance(e, grpc.aio.AbortError):
                     raise
                 code = grpc.StatusCode.INTERNAL
                 log.exception("%s failed", method)
+                count(method, code.name).inc()
                 await context.abort(code, f"internal error in {method}: {type(e).__name__}: {e}")
-            finally:
-                self.metrics.requests.labels(method, code.name).inc()
+            self.metrics.bytes_out.labels(method).inc(reply.ByteSize())
+            count(method, "OK").inc()
+            return reply
 
         return wrapper
 

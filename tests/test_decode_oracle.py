@@ -26,6 +26,7 @@ from requester.sampling import SamplingParams
 from requester.worker import Worker, WorkerConfig
 
 AGENTS, NEW_TOKENS, CORPUS_TOKENS = 8, 16, 700
+SMALL_POOL = ("--capacity-tokens", "4096")
 SUFFIXES = [f"\nQ{i}: line {i * 37}?" for i in range(AGENTS)]
 
 
@@ -38,7 +39,11 @@ def corpus(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> tuple[Pa
 @pytest.fixture(scope="module")
 def holders(corpus: tuple[Path, str], tiny_dir: Path) -> Iterator[list[HolderProcess]]:
     tmp, _ = corpus
-    procs = [start_holder(tmp / "store", tmp / f"holder{i}", tiny_dir) for i in range(3)]
+    # Small pools: a holder preallocates (and zero-fills) its capacity; the default 1M tokens
+    # would be ~5.6 GB each.
+    procs = [
+        start_holder(tmp / "store", tmp / f"holder{i}", tiny_dir, *SMALL_POOL) for i in range(3)
+    ]
     yield procs
     for p in procs:
         p.stop()
@@ -282,7 +287,7 @@ def test_dead_holder_falls_back_to_local_and_stop_tokens_stop(  # type: ignore[n
     metrics, and the tokens still equal transformers'. A stop token ends a session early."""
     tmp, cid = corpus
     store = PageStore(tmp / "store")
-    doomed = start_holder(tmp / "store", tmp / "doomed", tiny_dir)
+    doomed = start_holder(tmp / "store", tmp / "doomed", tiny_dir, *SMALL_POOL)
     try:
         n_pages = store.manifest(cid).n_pages
         place(cid, holders[:1], n_pages, 1, seed=0)  # holder 0 has every page …
