@@ -50,10 +50,16 @@ def _median(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
-    """Least squares ``y ≈ a + b·x``; returns ``(max(a, 0), max(b, 0))``."""
-    a_mat = torch.tensor([[1.0, xi] for xi in x], dtype=torch.float64)
-    sol = torch.linalg.lstsq(a_mat, torch.tensor(y, dtype=torch.float64)[:, None]).solution
-    return max(float(sol[0, 0]), 0.0), max(float(sol[1, 0]), 0.0)
+    """Least squares ``y ≈ a + b·x`` with ``a, b ≥ 0``. When noise makes the free fit's base or
+    slope negative, the line goes through the origin (all time is attributed to the work)."""
+    xs = torch.tensor(x, dtype=torch.float64)
+    yt = torch.tensor(y, dtype=torch.float64)
+    a_mat = torch.stack([torch.ones_like(xs), xs], dim=1)
+    sol = torch.linalg.lstsq(a_mat, yt[:, None]).solution
+    a, b = float(sol[0, 0]), float(sol[1, 0])
+    if a < 0 or b <= 0:
+        return 0.0, max(float((xs * yt).sum() / (xs**2).sum()), 0.0)
+    return a, b
 
 
 async def calibrate(

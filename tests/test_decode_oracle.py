@@ -255,7 +255,7 @@ def test_calibrate_measures_a_profile_the_predicate_uses(
                 store.read_tokens(cid),
                 repeats=2,
                 log=lambda _: None,
-                grid_rows=(1, 8),
+                grid_rows=(1, 16),
                 grid_k=(128, 512),
             )
         finally:

@@ -193,3 +193,11 @@ def test_sampling_greedy_nucleus_and_seeded() -> None:
     for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)  # type: ignore[arg-type]
+
+
+def test_fit_line_stays_non_negative() -> None:
+    from requester.calibrate import fit_line
+
+    assert fit_line([1, 2, 3], [3, 5, 7]) == pytest.approx((1.0, 2.0))
+    base, slope = fit_line([1, 2, 3], [5, 4, 3])  # noise: shrinking times
+    assert base == 0 and slope > 0
