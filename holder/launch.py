@@ -2,58 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from corpusd.daemon import Daemon, spawn
 
-@dataclass
-class HolderProcess:
-    proc: subprocess.Popen[bytes]
-    state_dir: Path
-    address: str
-    metrics_port: int
 
-    def stop(self, timeout: float = 30) -> int:
-        """SIGTERM (graceful drain) and wait; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+class HolderProcess(Daemon):
+    """A running ``corpusd holder``."""
 
 
 def start_holder(
     store: Path, state_dir: Path, model_dir: Path, *extra: str, timeout: float = 120
 ) -> HolderProcess:
-    """Run ``corpusd holder`` with its log in ``state_dir/holder.log``; returns once its
-    endpoint file appears. Raises RuntimeError (with the log's tail) if it exits or times out."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    endpoint = state_dir / "endpoint.json"
-    endpoint.unlink(missing_ok=True)
-    log_path = state_dir / "holder.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "corpusd",
-        "holder",
-        "--store",
-        str(store),
-        "--state-dir",
-        str(state_dir),
-        "--model",
-        str(model_dir),
-        *extra,
-    ]
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while not endpoint.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"holder did not start: {log_path.read_text()[-3000:]}")
-        time.sleep(0.05)
-    ep = json.loads(endpoint.read_text())
-    return HolderProcess(proc, state_dir, ep["address"], ep["metrics_port"])
+    """Run ``corpusd holder`` with its log in ``state_dir/holder.log``; returns once it serves.
+    Raises RuntimeError (with the log's tail) if it exits or times out."""
+    args = ["--store", str(store), "--model", str(model_dir), *extra]
+    return HolderProcess(*spawn("holder", "holder", args, state_dir, timeout))

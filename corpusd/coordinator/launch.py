@@ -2,61 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from corpusd.daemon import Daemon, spawn
 
-@dataclass
-class CoordinatorProcess:
-    proc: subprocess.Popen[bytes]
-    state_dir: Path
-    address: str
-    metrics_port: int
 
-    def stop(self, timeout: float = 30) -> int:
-        """SIGTERM (graceful drain) and wait; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        """SIGKILL: a crash, as far as its state is concerned."""
-        self.proc.kill()
-        self.proc.wait(30)
+class CoordinatorProcess(Daemon):
+    """A running ``corpusd serve``."""
 
 
 def start_coordinator(
     state_dir: Path, store: Path, *extra: str, timeout: float = 60
 ) -> CoordinatorProcess:
-    """Run ``corpusd serve`` with its log in ``state_dir/coordinator.log``; returns once its
-    endpoint file appears. Raises RuntimeError (with the log's tail) if it exits or times out."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    endpoint = state_dir / "endpoint.json"
-    endpoint.unlink(missing_ok=True)
-    log_path = state_dir / "coordinator.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "corpusd",
-        "serve",
-        "--state-dir",
-        str(state_dir),
-        "--store",
-        str(store),
-        *extra,
-    ]
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while not endpoint.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"coordinator did not start: {log_path.read_text()[-3000:]}")
-        time.sleep(0.05)
-    ep = json.loads(endpoint.read_text())
-    return CoordinatorProcess(proc, state_dir, ep["address"], ep["metrics_port"])
+    """Run ``corpusd serve`` with its log in ``state_dir/coordinator.log``; returns once it
+    serves. Raises RuntimeError (with the log's tail) if it exits or times out."""
+    args = ["--store", str(store), *extra]
+    return CoordinatorProcess(*spawn("coordinator", "serve", args, state_dir, timeout))
