@@ -24,7 +24,7 @@ import torch
 
 from corpusd import env
 from corpusd.corpus.store import PageStore
-from corpusd.model import DeepseekV32
+from corpusd.model import DeepseekV32, KVCache
 from corpusd.model.mla import Projections
 from corpusd.model.partial import merge_partials, partial_attention
 from corpusd.model.rope import shift_band
@@ -35,7 +35,7 @@ from requester.holder_client import HolderClient
 from requester.metrics import RequesterMetrics
 from requester.predicate import PRIMITIVES, Decision, Group, Predicate, Profile
 from requester.sampling import SamplingParams, sample
-from requester.session import PrivateCache, Session
+from requester.session import Session
 from requester.sources import LocalRows, PageCache, attend_canonical
 
 log = logging.getLogger("corpusd.requester")
@@ -256,7 +256,7 @@ class Worker:
             id=uuid.uuid4().hex[:16],
             corpus=self.corpora[corpus_id].view,
             offset=len(prefix),
-            cache=PrivateCache(self.mcfg, self.dtype, capacity=max(64, len(toks) + 16)),
+            cache=KVCache(self.mcfg, max(64, len(toks) + 16), self.dtype),
             pending=toks,
             params=params,
         )
@@ -312,7 +312,7 @@ class Worker:
                 for i, s in enumerate(rows.sessions):
                     sel = rows.sess == i
                     s.cache.latent[li][rows.priv[sel]] = proj.cache_row[sel]
-                    s.cache.keys[li][rows.priv[sel]] = proj.index_key[sel]
+                    s.cache.index_keys[li][rows.priv[sel]] = proj.index_key[sel]
             o = await self._attend(li, proj, rows)
             with torch.inference_mode():
                 x = layer.finish(x, o)
@@ -408,7 +408,7 @@ class Worker:
         mask: torch.Tensor,
     ) -> torch.Tensor:
         s = rows.sessions[i]
-        keys = s.cache.keys[layer][: rows.ends[i]]
+        keys = s.cache.index_keys[layer][: rows.ends[i]]
         r = ridx[mask]
         return index_scores(proj.index_q[r], proj.index_w[r], keys, self.mcfg.index_head_dim**-0.5)
 
