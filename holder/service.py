@@ -18,8 +18,10 @@ import grpc
 import torch
 
 from corpusd.corpus.store import PageStore, StoreError
+from corpusd.rpc import Reject
+from corpusd.rpc import wire as _wire
 from corpusd.v1 import holder_pb2, holder_pb2_grpc
-from corpusd.wire import WireError, from_proto, to_proto
+from corpusd.wire import from_proto, to_proto
 from holder.admission import Admission, Overloaded
 from holder.config import HolderConfig
 from holder.kernels import Kernel
@@ -32,21 +34,6 @@ log = logging.getLogger("corpusd.holder")
 T = TypeVar("T")
 _FLOATS = (torch.float32, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
-
-
-class Reject(Exception):
-    """A request refused with ``code``; ``str(self)`` is the message the client sees."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _wire(fn: Callable[[], T]) -> T:
-    try:
-        return fn()
-    except WireError as e:
-        raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
 
 def rpc(method: str) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:

@@ -7,11 +7,12 @@ is what the holders will accept; one replica per page is chosen to spread pages 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
 
 import torch
 
+from corpusd.coordinator.client import PageTable
 from requester.holder_client import HolderClient
 
 
@@ -44,6 +45,53 @@ class CorpusView:
             valid, self.page_frame[page] * self.page_size + positions % self.page_size, -1
         )
         return holder, row
+
+    def failover(self, dead: Collection[int]) -> CorpusView:
+        """The same corpus with every page served by a replica on a holder not in ``dead``.
+        Raises CorpusUnavailable naming the pages that have no such replica."""
+        chosen, lost = [], []
+        for p, reps in enumerate(self.replicas):
+            live = [r for r in reps if r[0] not in dead]
+            if not live:
+                lost.append(p)
+                continue
+            chosen.append(live[p % len(live)])
+        if lost:
+            gone = sorted({self.holders[h] for h in dead})
+            raise CorpusUnavailable(
+                f"corpus {self.corpus_id}: pages {lost[:8]} (of {self.n_pages}) have no replica "
+                f"outside the failed holders {gone}"
+            )
+        return replace(
+            self,
+            page_holder=torch.tensor([h for h, _ in chosen], dtype=torch.int64),
+            page_frame=torch.tensor([f for _, f in chosen], dtype=torch.int64),
+        )
+
+    @classmethod
+    def from_page_table(cls, table: PageTable) -> CorpusView:
+        """The coordinator's page table; replicas on holders whose lease lapsed are kept (they
+        may answer) but a live replica is chosen first. Raises CorpusUnavailable."""
+        c = table.corpus
+        if c.state != "ready":
+            raise CorpusUnavailable(f"corpus {c.corpus_id} is {c.state}, not ready")
+        ids = sorted({h for reps in table.pages for h, _ in reps})
+        index = {h: i for i, h in enumerate(ids)}
+        reps = tuple(tuple((index[h], f) for h, f in page) for page in table.pages)
+        view = cls(
+            corpus_id=c.corpus_id,
+            token_count=c.tokens,
+            page_size=c.page_size,
+            holders=tuple(table.address(h) for h in ids),
+            page_holder=torch.zeros(len(reps), dtype=torch.int64),
+            page_frame=torch.zeros(len(reps), dtype=torch.int64),
+            replicas=reps,
+        )
+        expired = {index[h] for h in ids if not table.holders[h].live}
+        try:
+            return view.failover(expired)
+        except CorpusUnavailable:
+            return view.failover(())
 
     @classmethod
     async def from_holders(cls, corpus_id: str, clients: Mapping[str, HolderClient]) -> CorpusView:

@@ -23,6 +23,7 @@ import grpc
 import torch
 
 from corpusd import env
+from corpusd.coordinator.client import PageTable
 from corpusd.corpus.store import PageStore
 from corpusd.model import DeepseekV32, KVCache
 from corpusd.model.mla import Projections
@@ -30,7 +31,8 @@ from corpusd.model.partial import merge_partials, partial_attention
 from corpusd.model.rope import shift_band
 from indexer import index_scores
 from indexer.modes import select_distributed, select_replica
-from requester.corpus_view import CorpusView
+from indexer.select import merge_topk, select_topk
+from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.holder_client import HolderClient
 from requester.metrics import RequesterMetrics
 from requester.predicate import PRIMITIVES, Decision, Group, Predicate, Profile
@@ -91,6 +93,7 @@ class CorpusState:
     tokens: torch.Tensor | None = None  # for local re-prefill (from the page store)
     local: LocalRows | None = None
     force: str | None = None  # the monolithic baseline pins "local"
+    dead: set[int] = field(default_factory=set)  # holders (view indices) that failed a call
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -178,6 +181,14 @@ class Worker:
         """Bind a corpus pinned on ``holders``: its page table, and in replica mode its index
         keys (streamed once). Raises CorpusUnavailable."""
         view = await CorpusView.from_holders(corpus_id, {a: self.client(a) for a in holders})
+        return await self._attach_view(view)
+
+    async def attach_table(self, table: PageTable) -> CorpusState:
+        """Bind a corpus by the coordinator's page table (replicas and liveness included)."""
+        return await self._attach_view(CorpusView.from_page_table(table))
+
+    async def _attach_view(self, view: CorpusView) -> CorpusState:
+        corpus_id = view.corpus_id
         st = CorpusState(view, PageCache(view.page_size, self.cfg.fetch_cache_bytes))
         if self.store is not None and corpus_id in self.store.ids():
             st.tokens = self.store.read_tokens(corpus_id).to(torch.int64)
@@ -276,21 +287,26 @@ class Worker:
         """Step ``sessions`` together until each stops; yields each step's new tokens."""
         active = [s for s in sessions if not s.done]
         while active:
-            logits = await self.forward([(s, s.pending) for s in active])
-            events = []
-            for s, lg in zip(active, logits, strict=True):
-                if s.logits is not None:
-                    s.logits.append(lg)
-                tok = sample(lg, s.params, s.gen)
-                s.generated.append(tok)
-                s.pending = [tok]
-                if tok in s.params.stop_token_ids:
-                    s.finish_reason = "stop"
-                elif len(s.generated) >= s.params.max_tokens:
-                    s.finish_reason = "length"
-                events.append((s, tok))
-            yield events
+            yield await self.step(active)
             active = [s for s in active if not s.done]
+
+    async def step(self, sessions: Sequence[Session]) -> list[tuple[Session, int]]:
+        """Feed every session's pending tokens and sample one token each; a session whose
+        token is a stop token or reaches ``max_tokens`` gets its ``finish_reason``."""
+        logits = await self.forward([(s, s.pending) for s in sessions])
+        events = []
+        for s, lg in zip(sessions, logits, strict=True):
+            if s.logits is not None:
+                s.logits.append(lg)
+            tok = sample(lg, s.params, s.gen)
+            s.generated.append(tok)
+            s.pending = [tok]
+            if tok in s.params.stop_token_ids:
+                s.finish_reason = "stop"
+            elif len(s.generated) >= s.params.max_tokens:
+                s.finish_reason = "length"
+            events.append((s, tok))
+        return events
 
     async def generate(self, sessions: Sequence[Session]) -> None:
         async for _ in self.stream(sessions):
@@ -370,25 +386,55 @@ class Worker:
         in_corpus = (sel >= off[:, None]) & (sel < off[:, None] + t)
         canon = torch.where(in_corpus, sel - off[:, None], -1)
         private = torch.where((sel >= 0) & ~in_corpus, sel, -1)
-        holder, prow = st.view.pool_rows(canon)
-        groups = []
-        for hi in holder.unique().tolist():
-            if hi >= 0:
-                keep, (pr, cn) = compact(holder == hi, prow, canon)
-                groups.append(GroupWork(hi, keep, pr, cn))
-        self.metrics.fanout.observe(len(groups))
-        work = [self._off(self._private_partial, q, rows, ridx, private, layer)]
-        work += [self._group(st, layer, q, off, g) for g in groups]
-        results = await asyncio.gather(*work)
-        n, h = q.shape[:2]
-        parts = [results[0]]
-        for g, (o_g, lse_g) in zip(groups, results[1:], strict=True):
-            o = q.new_zeros(n, h, self.mcfg.kv_lora_rank)
-            lse = torch.full((n, h), float("-inf"))
-            o[g.keep], lse[g.keep] = o_g.to(q.dtype), lse_g
-            parts.append((o, lse))
-        merged, _ = merge_partials(parts)
+        mine, theirs = await asyncio.gather(
+            self._off(self._private_partial, q, rows, ridx, private, layer),
+            self._route_all(st, layer, q, off, canon, self.mcfg.softmax_scale),
+        )
+        merged, _ = merge_partials([mine, theirs])
         return merged
+
+    # -- for external engines ----------------------------------------------------------------------
+    async def attend(
+        self,
+        corpus_id: str,
+        layer: int,
+        q: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        index_q: torch.Tensor | None = None,
+        index_w: torch.Tensor | None = None,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(O [n, h, d_v], LSE [n, h])`` of absorbed queries ``q [n, h, kv_dim]`` over an
+        attached corpus at canonical positions (its first token at 0; rope ``q`` accordingly).
+        Keys: ``positions [n, k]`` (``-1`` unused), or the top ``index_topk`` of the whole corpus
+        by ``index_q [n, H_I, D_I]`` and ``index_w [n, H_I]``. The caller merges its own
+        partial with this one by LSE. Raises KeyError (corpus not attached)."""
+        st = self.corpora[corpus_id]
+        if positions is None:
+            assert index_q is not None and index_w is not None, "positions or index_q/index_w"
+            positions = await self._corpus_topk(st, layer, index_q, index_w)
+        off = torch.zeros(len(q), dtype=torch.int64)
+        scale = self.mcfg.softmax_scale if scale is None else scale
+        return await self._route_all(st, layer, q.to(self.dtype), off, positions, scale)
+
+    async def _corpus_topk(
+        self, st: CorpusState, layer: int, iq: torch.Tensor, iw: torch.Tensor
+    ) -> torch.Tensor:
+        k, scale = self.mcfg.index_topk, self.mcfg.index_head_dim**-0.5
+        iq, iw = iq.to(self.dtype), iw.to(self.dtype)
+        if st.keys is not None:
+            keys = st.keys[layer]
+            return await self._off(lambda: select_topk(index_scores(iq, iw, keys, scale), k))
+        limit = torch.full((len(iq),), st.view.token_count, dtype=torch.int64)
+        parts = await asyncio.gather(
+            *(
+                self.client(a).index_topk(st.view.corpus_id, layer, iq, iw, limit, k)
+                for i, a in enumerate(st.view.holders)
+                if i not in st.dead
+            )
+        )
+        positions = torch.cat([p for p, _ in parts], 1)
+        return merge_topk(positions, torch.cat([s for _, s in parts], 1), k)
 
     # -- select ------------------------------------------------------------------------------------
     def _canonical(self, x: torch.Tensor, off: torch.Tensor, start: int) -> torch.Tensor:
@@ -439,7 +485,8 @@ class Worker:
         limit = (pos - off + 1).clamp(0, st.view.token_count)
         calls = [
             self.client(a).index_topk(st.view.corpus_id, layer, iq_c, iw, limit, k)
-            for a in st.view.holders
+            for i, a in enumerate(st.view.holders)
+            if i not in st.dead
         ]
         privs = self._off(
             lambda: [self._private_scores(layer, proj, rows, ridx, i, m) for i, m in members]
@@ -495,8 +542,15 @@ class Worker:
         )
 
     async def _group(
-        self, st: CorpusState, layer: int, q: torch.Tensor, off: torch.Tensor, g: GroupWork
+        self,
+        st: CorpusState,
+        layer: int,
+        q: torch.Tensor,
+        off: torch.Tensor,
+        g: GroupWork,
+        scale: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = self.mcfg.softmax_scale if scale is None else scale
         shape = self._group_shape(st, layer, g)
         decision = (
             Decision(st.force, self.predicate.costs(shape))
@@ -505,23 +559,79 @@ class Worker:
         )
         t0 = time.perf_counter()
         try:
-            result = await self._execute(st, layer, q, off, g, decision.pick)
+            result = await self._execute(st, layer, q, off, g, decision.pick, scale)
         except grpc.aio.AioRpcError as e:
-            # A holder that fails loses no data: its rows can be recomputed here from the tokens.
             self.metrics.errors.labels(e.code().name).inc()
+            return await self._recover(st, layer, q, off, g, scale, decision.pick, e)
+        self._record(layer, st, g, decision, time.perf_counter() - t0)
+        return result
+
+    async def _recover(
+        self,
+        st: CorpusState,
+        layer: int,
+        q: torch.Tensor,
+        off: torch.Tensor,
+        g: GroupWork,
+        scale: float,
+        pick: str,
+        e: grpc.aio.AioRpcError,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A holder failed: serve its rows from replicas on the other holders (and bind the
+        corpus to those from now on); pages with no other replica are recomputed here from the
+        tokens. A failed holder loses no data, so the result is the same."""
+        failed = st.view.holders[g.holder]
+        st.dead.add(g.holder)
+        try:
+            st.view = st.view.failover(st.dead)
+        except CorpusUnavailable:
             if st.tokens is None:
                 raise
             log.warning(
-                "holder %s failed (%s: %s); falling back to local re-prefill",
-                st.view.holders[g.holder],
+                "holder %s failed (%s: %s); recomputing its rows here",
+                failed,
                 e.code().name,
                 e.details(),
             )
-            self.metrics.fallbacks.labels(decision.pick, "local").inc()
-            decision = Decision("local", decision.predicted_us)
-            result = await self._execute(st, layer, q, off, g, "local")
-        self._record(layer, st, g, decision, time.perf_counter() - t0)
-        return result
+            self.metrics.fallbacks.labels(pick, "local").inc()
+            return await self._execute(st, layer, q, off, g, "local", scale)
+        log.warning(
+            "holder %s failed (%s: %s); its pages are served by replicas from now on",
+            failed,
+            e.code().name,
+            e.details(),
+        )
+        self.metrics.fallbacks.labels(pick, "replica").inc()
+        qg, og = q[g.keep], off[g.keep]
+        return await self._route_all(st, layer, qg, og, g.canon, scale)
+
+    async def _route_all(
+        self,
+        st: CorpusState,
+        layer: int,
+        q: torch.Tensor,
+        off: torch.Tensor,
+        canon: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(O, LSE)`` of rows ``q`` over canonical corpus positions ``canon [n, k]``: grouped
+        by holder under the current view, each group served (predicate's pick), merged."""
+        holder, prow = st.view.pool_rows(canon)
+        groups = []
+        for hi in holder.unique().tolist():
+            if hi >= 0:
+                keep, (pr, cn) = compact(holder == hi, prow, canon)
+                groups.append(GroupWork(hi, keep, pr, cn))
+        self.metrics.fanout.observe(len(groups))
+        results = await asyncio.gather(*(self._group(st, layer, q, off, g, scale) for g in groups))
+        n, h = q.shape[:2]
+        parts = [(q.new_zeros(n, h, self.mcfg.kv_lora_rank), torch.full((n, h), float("-inf")))]
+        for g, (o_g, lse_g) in zip(groups, results, strict=True):
+            o = q.new_zeros(n, h, self.mcfg.kv_lora_rank)
+            lse = torch.full((n, h), float("-inf"))
+            o[g.keep], lse[g.keep] = o_g.to(q.dtype), lse_g
+            parts.append((o, lse))
+        return merge_partials(parts)
 
     async def _execute(
         self,
@@ -531,6 +641,7 @@ class Worker:
         off: torch.Tensor,
         g: GroupWork,
         pick: str,
+        scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         qg, og = q[g.keep], off[g.keep]
         if pick == "route":
@@ -539,7 +650,7 @@ class Worker:
                 layer,
                 self._canonical(qg, og, self.mcfg.kv_lora_rank),
                 g.prow,
-                self.mcfg.softmax_scale,
+                scale,
                 timeout=self.cfg.rpc_timeout_s,
             )
             return part.o, part.lse
@@ -556,7 +667,7 @@ class Worker:
             rows_of,
             uniq,
             self.model.rotary.shift,
-            self.mcfg.softmax_scale,
+            scale,
             self.mcfg.kv_lora_rank,
         )
 
