@@ -22,6 +22,7 @@ from corpusd.corpus.ingest import CorpusError
 from corpusd.corpus.pin import DEMO_FILES, PinConfig, PinResult, default_model, pin, sample_repo
 from corpusd.corpus.store import StoreError
 from corpusd.model import CheckpointError, ModelConfigError
+from requester.client import AgentError
 
 _USER_ERRORS = (CorpusError, ModelConfigError, CheckpointError, StoreError, ValueError)
 
@@ -110,7 +111,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 
     async def fetch() -> str:
         async with CoordinatorClient(cfg.coordinator, timeout=cfg.timeout_s) as c:
-            return render(await c.list_holders(), await c.list_corpora())
+            return render(await c.list_holders(), await c.list_corpora(), await c.list_workers())
 
     print(f"coordinator {cfg.coordinator}\n" + asyncio.run(fetch()))
     return 0
@@ -121,15 +122,55 @@ def cmd_demo(a: argparse.Namespace) -> int:
     out = sample_repo()
     print(f"sample repository: {out} ({len(DEMO_FILES)} files of corpusd's own source)")
     a.name = a.name or "sample-repo"
-    r = pin(_pin_config(a, str(out)))
-    print(summary(r))
-    return 0
+    a.corpus = str(out)
+    return cmd_pin(a)
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
     from requester.calibrate import run
 
     run(a.model, a.store, a.out, a.holder, a.corpus, a.repeats)
+    return 0
+
+
+def cmd_agent(a: argparse.Namespace) -> int:
+    from requester.config import AgentConfig
+    from requester.server import run
+    from requester.worker import WorkerConfig
+
+    values = {f.name: getattr(a, f.name) for f in fields(AgentConfig)}
+    values["state_dir"] = values["state_dir"] or str(env.home() / "agent")
+    values["store"] = values["store"] or str(env.default_store_dir())
+    values["coordinator"] = env.coordinator(values["coordinator"]) if not a.holders else ""
+    cfg = AgentConfig(**values)
+    wcfg = WorkerConfig(**{f.name: getattr(a, f.name) for f in fields(WorkerConfig)})
+    if not (cfg.coordinator or cfg.holders):
+        raise ValueError("an agent needs --coordinator (or $CORPUSD_COORDINATOR) or --holders")
+    run(cfg, wcfg, Path(cfg.model) if cfg.model else default_model(sys.stderr))
+    return 0
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from corpusd.up import UpConfig, up
+
+    return up(UpConfig(**{f.name: getattr(a, f.name) for f in fields(UpConfig)}))
+
+
+def cmd_down(a: argparse.Namespace) -> int:
+    from corpusd.up import down
+
+    return down(a.state_dir)
+
+
+def cmd_agents(a: argparse.Namespace) -> int:
+    from requester.agents import run_agents
+
+    address = env.coordinator(a.coordinator)
+    if not address:
+        raise ValueError("no coordinator: start `corpusd up`, or pass --coordinator HOST:PORT")
+    if not 1 <= a.agents <= 256 or not 1 <= a.tokens <= 4096:
+        raise ValueError("--agents must be in 1..256 and --tokens in 1..4096")
+    print(asyncio.run(run_agents(address, a.corpus, a.agents, a.tokens)))
     return 0
 
 
@@ -183,8 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_flags(pp, PinConfig)
     add_dataclass_flags(pp, PublishConfig)
     pp.set_defaults(func=cmd_pin)
-    pd = sub.add_parser("demo", help="pin a sample repository on the tiny built-in model")
+    pd = sub.add_parser(
+        "demo", help="pin (and publish, with a coordinator) a sample repository on the tiny model"
+    )
     add_dataclass_flags(pd, PinConfig, skip=("corpus",))
+    add_dataclass_flags(pd, PublishConfig)
     pd.set_defaults(func=cmd_demo)
     ph = sub.add_parser("holder", help="serve pinned pages of one device over gRPC")
     from holder.config import HolderConfig
@@ -207,6 +251,30 @@ def build_parser() -> argparse.ArgumentParser:
     pt = sub.add_parser("status", help="a coordinator's holders and corpora")
     add_dataclass_flags(pt, StatusConfig)
     pt.set_defaults(func=cmd_status)
+    pa = sub.add_parser("agent", help="run a decode worker serving the Agent API")
+    from corpusd.up import UpConfig
+    from requester.config import AgentConfig
+    from requester.worker import WorkerConfig
+
+    add_dataclass_flags(pa, AgentConfig)
+    add_dataclass_flags(pa, WorkerConfig, skip=("trace",))
+    pa.set_defaults(func=cmd_agent, trace=False)
+    pu = sub.add_parser(
+        "up", help="coordinator + holders + agent on loopback with the tiny model (Ctrl-C stops)"
+    )
+    add_dataclass_flags(pu, UpConfig)
+    pu.set_defaults(func=cmd_up)
+    pw = sub.add_parser("down", help="stop a `corpusd up` started with --detach 1")
+    pw.add_argument(
+        "--state-dir", default="", help="its state directory (default: $CORPUSD_HOME/up)"
+    )
+    pw.set_defaults(func=cmd_down)
+    pg = sub.add_parser("agents", help="run N sub-agents with different questions over a corpus")
+    pg.add_argument("--corpus", required=True, help="corpus id, name or id prefix")
+    pg.add_argument("--agents", type=int, default=8)
+    pg.add_argument("--tokens", type=int, default=24, help="answer length of each")
+    pg.add_argument("--coordinator", default="", help="(default: $CORPUSD_COORDINATOR or `up`'s)")
+    pg.set_defaults(func=cmd_agents)
     pm = sub.add_parser("model", help="model checkpoints")
     msub = pm.add_subparsers(dest="model_command", required=True)
     pi = msub.add_parser("init", help="write the deterministic tiny default checkpoint")
@@ -221,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except _USER_ERRORS as e:
+    except (*_USER_ERRORS, AgentError) as e:
         print(f"corpusd: error: {e}", file=sys.stderr)
         return 2
     except CoordinatorError as e:

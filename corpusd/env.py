@@ -14,8 +14,8 @@ VARIABLES = {
     ),
     "CORPUSD_STORE": ("page store used when --store is not given", "$CORPUSD_HOME/store"),
     "CORPUSD_COORDINATOR": (
-        "coordinator address (host:port) for status and pin when --coordinator is not given",
-        "",
+        "coordinator address (host:port) when --coordinator is not given",
+        "the one `corpusd up` runs, if any",
     ),
 }
 
@@ -35,5 +35,11 @@ def default_store_dir() -> Path:
 
 
 def coordinator(flag: str) -> str:
-    """The coordinator address: the flag, else $CORPUSD_COORDINATOR, else ""."""
-    return flag or os.environ.get("CORPUSD_COORDINATOR", "")
+    """The coordinator address: the flag, else $CORPUSD_COORDINATOR, else the one a running
+    ``corpusd up`` started (its ``up.json``), else ""."""
+    if flag or os.environ.get("CORPUSD_COORDINATOR"):
+        return flag or os.environ["CORPUSD_COORDINATOR"]
+    from corpusd.up import running
+
+    info = running()
+    return str(info["coordinator"]["address"]) if info else ""

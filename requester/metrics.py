@@ -60,3 +60,26 @@ class RequesterMetrics:
             ["from", "to"],
             registry=r,
         )
+        # the agent API (corpusd agent)
+        self.batch = Histogram(
+            p + "batch_sessions",
+            "sessions stepped together (continuous batching)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
+        self.generating = Gauge(p + "generating", "Generate streams in flight", registry=r)
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "Generate call to its first token (queueing and prompt prefill included)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            p + "inter_token_seconds",
+            "between consecutive tokens of one Generate stream",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            p + "requests", "agent API calls by method and status", ["method", "code"], registry=r
+        )

@@ -66,6 +66,28 @@ class CorpusStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """An agent worker's load, as it reports it."""
+
+    worker_id: str
+    address: str
+    sessions: int
+    generating: int
+    max_batch: int
+    kv_tokens: int
+    kv_capacity: int
+    corpora: tuple[str, ...] = ()
+    metrics_url: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    report: WorkerReport
+    age_s: float
+    live: bool
+
+
+@dataclass(frozen=True, slots=True)
 class PageTable:
     """``pages[p]``: page ``p``'s replicas as ``(holder_id, frame)``, replica 0 first; pool row
     of token ``t`` on a holder = ``frame(t // page_size) * page_size + t % page_size``."""
@@ -202,6 +224,52 @@ class CoordinatorClient:
             self.stub.Unpin(pb.UnpinRequest(corpus_id=corpus_id), timeout=self.timeout)
         )
         return int(r.frames_freed)
+
+    async def report_worker(self, w: WorkerReport) -> float:
+        """An agent worker's load report (registers it on first); returns its lease."""
+        req = pb.WorkerReport(
+            worker_id=w.worker_id,
+            address=w.address,
+            sessions=w.sessions,
+            generating=w.generating,
+            max_batch=w.max_batch,
+            kv_tokens=w.kv_tokens,
+            kv_capacity=w.kv_capacity,
+            corpora=list(w.corpora),
+            metrics_url=w.metrics_url,
+        )
+        r: Any = await self._call(self.stub.ReportWorker(req, timeout=self.timeout))
+        return float(r.lease_seconds)
+
+    async def list_workers(self) -> list[WorkerState]:
+        r: Any = await self._call(
+            self.stub.ListWorkers(pb.ListWorkersRequest(), timeout=self.timeout)
+        )
+        return [
+            WorkerState(
+                WorkerReport(
+                    s.report.worker_id,
+                    s.report.address,
+                    s.report.sessions,
+                    s.report.generating,
+                    s.report.max_batch,
+                    s.report.kv_tokens,
+                    s.report.kv_capacity,
+                    tuple(s.report.corpora),
+                    s.report.metrics_url,
+                ),
+                s.age_s,
+                s.live,
+            )
+            for s in r.workers
+        ]
+
+    async def choose_worker(self, session_tokens: int) -> tuple[str, str]:
+        """(worker id, address) of a new session's home. Raises CoordinatorError: UNAVAILABLE
+        (no live worker), RESOURCE_EXHAUSTED (all full)."""
+        req = pb.ChooseWorkerRequest(session_tokens=session_tokens)
+        r: Any = await self._call(self.stub.ChooseWorker(req, timeout=self.timeout))
+        return r.worker_id, r.address
 
     async def wait_holders(self, n: int, timeout: float = 30.0) -> list[HolderState]:
         """Poll until at least ``n`` holders are live; raises TimeoutError."""

@@ -17,6 +17,7 @@ import grpc
 
 from corpusd.coordinator.db import CorpusRow, HolderRow
 from corpusd.coordinator.publish import Publisher, Refused
+from corpusd.coordinator.sessions import NoWorker, WorkerLoad, choose_home
 from corpusd.coordinator.upkeep import reconcile, unpin
 from corpusd.corpus.manifest import Manifest
 from corpusd.corpus.store import PageStore, StoreError
@@ -71,6 +72,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, pub: Publisher, store: PageStore, lease_s: float) -> None:
         self.pub, self.state, self.store, self.lease_s = pub, pub.state, store, lease_s
         self._tasks: set[asyncio.Task[Any]] = set()
+        # agent workers: soft state rebuilt from their reports within one lease after a restart
+        self.workers: dict[str, tuple[pb.WorkerReport, float]] = {}
 
     def _background(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -143,6 +146,48 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             ],
             lease_seconds=self.lease_s,
         )
+
+    # -- agent workers --------------------------------------------------------------------------
+    @rpc("ReportWorker")
+    async def ReportWorker(self, request: pb.WorkerReport, context: Any) -> Any:
+        bad = [k for k in ("worker_id", "address") if not getattr(request, k)]
+        bad += [k for k in ("max_batch", "kv_capacity") if getattr(request, k) <= 0]
+        if bad:
+            raise Refused(S.INVALID_ARGUMENT, f"worker report lacks {', '.join(bad)}")
+        if request.worker_id not in self.workers:
+            log.info("agent worker %s at %s", request.worker_id, request.address)
+        self.workers[request.worker_id] = (request, time.time())
+        return pb.ReportWorkerResponse(lease_seconds=self.lease_s)
+
+    @rpc("ListWorkers")
+    async def ListWorkers(self, request: pb.ListWorkersRequest, context: Any) -> Any:
+        now = time.time()
+        return pb.ListWorkersResponse(
+            workers=[
+                pb.WorkerStatus(report=r, age_s=now - t, live=now - t <= self.lease_s)
+                for _, (r, t) in sorted(self.workers.items())
+            ]
+        )
+
+    @rpc("ChooseWorker")
+    async def ChooseWorker(self, request: pb.ChooseWorkerRequest, context: Any) -> Any:
+        now = time.time()
+        live = {w: r for w, (r, t) in self.workers.items() if now - t <= self.lease_s}
+        if not live:
+            raise Refused(S.UNAVAILABLE, "no live agent worker has reported (is corpusd agent up?)")
+        loads = [
+            WorkerLoad(w, r.generating, r.max_batch, r.kv_tokens, r.kv_capacity)
+            for w, r in live.items()
+        ]
+        try:
+            chosen = choose_home(loads, request.session_tokens)
+        except NoWorker as e:
+            raise Refused(S.RESOURCE_EXHAUSTED, str(e)) from None
+        # Count the session now, so a burst of choices spreads before the next reports arrive.
+        r = live[chosen]
+        r.generating += 1
+        r.kv_tokens += request.session_tokens
+        return pb.ChooseWorkerResponse(worker_id=chosen, address=r.address)
 
     # -- corpora --------------------------------------------------------------------------------
     def _info(self, row: CorpusRow, now: float) -> pb.CorpusInfo:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from corpusd.coordinator.client import CorpusStatus, HolderState
+from collections.abc import Sequence
+
+from corpusd.coordinator.client import CorpusStatus, HolderState, WorkerState
 
 
-def render(holders: list[HolderState], corpora: list[CorpusStatus]) -> str:
-    """Holders (lease, capacity, use, fan-in) then corpora (state, pages, CP degree, replicas)."""
+def render(
+    holders: list[HolderState], corpora: list[CorpusStatus], workers: Sequence[WorkerState] = ()
+) -> str:
+    """Holders (lease, capacity, use, fan-in), corpora (state, pages, CP degree, replicas),
+    then agent workers (sessions, batch, KV)."""
     lines = [f"holders ({sum(h.info.live for h in holders)} live of {len(holders)})"]
     lines.append(
         f"  {'id':<16} {'address':<22} {'lease':<8} {'frames':>8} {'used':>8} {'placed':>8} "
@@ -30,5 +35,18 @@ def render(holders: list[HolderState], corpora: list[CorpusStatus]) -> str:
         lines.append(
             f"  {c.corpus_id[:12] + '…':<14} {c.name[:18]:<18} {state:<10} {c.tokens:>9,} "
             f"{c.pages:>6} {c.cp_degree:>3} {c.replicas:>3}  {held or '-'}"
+        )
+    lines.append(f"agent workers ({sum(w.live for w in workers)} live of {len(workers)})")
+    lines.append(
+        f"  {'id':<16} {'address':<22} {'report':<8} {'sessions':>8} {'batch':>9} "
+        f"{'kv rows':>16}  corpora"
+    )
+    for w in workers:
+        r = w.report
+        seen = "live" if w.live else f"{w.age_s:.0f} s ago"
+        lines.append(
+            f"  {r.worker_id:<16} {r.address:<22} {seen:<8} {r.sessions:>8} "
+            f"{f'{r.generating}/{r.max_batch}':>9} {f'{r.kv_tokens:,}/{r.kv_capacity:,}':>16}  "
+            f"{', '.join(c[:12] for c in r.corpora) or '-'}"
         )
     return "\n".join(lines)

@@ -177,3 +177,65 @@ class ListHoldersResponse(_message.Message):
     holders: _containers.RepeatedCompositeFieldContainer[HolderStatus]
     lease_seconds: float
     def __init__(self, holders: _Optional[_Iterable[_Union[HolderStatus, _Mapping]]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class WorkerReport(_message.Message):
+    __slots__ = ("worker_id", "address", "sessions", "generating", "max_batch", "kv_tokens", "kv_capacity", "corpora", "metrics_url")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    GENERATING_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    CORPORA_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    sessions: int
+    generating: int
+    max_batch: int
+    kv_tokens: int
+    kv_capacity: int
+    corpora: _containers.RepeatedScalarFieldContainer[str]
+    metrics_url: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., sessions: _Optional[int] = ..., generating: _Optional[int] = ..., max_batch: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_capacity: _Optional[int] = ..., corpora: _Optional[_Iterable[str]] = ..., metrics_url: _Optional[str] = ...) -> None: ...
+
+class ReportWorkerResponse(_message.Message):
+    __slots__ = ("lease_seconds",)
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("report", "age_s", "live")
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    report: WorkerReport
+    age_s: float
+    live: bool
+    def __init__(self, report: _Optional[_Union[WorkerReport, _Mapping]] = ..., age_s: _Optional[float] = ..., live: _Optional[bool] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class ChooseWorkerRequest(_message.Message):
+    __slots__ = ("session_tokens",)
+    SESSION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_tokens: int
+    def __init__(self, session_tokens: _Optional[int] = ...) -> None: ...
+
+class ChooseWorkerResponse(_message.Message):
+    __slots__ = ("worker_id", "address")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...

@@ -70,6 +70,21 @@ class CoordinatorStub:
                 request_serializer=corpusd_dot_v1_dot_coordinator__pb2.ListHoldersRequest.SerializeToString,
                 response_deserializer=corpusd_dot_v1_dot_coordinator__pb2.ListHoldersResponse.FromString,
                 _registered_method=True)
+        self.ReportWorker = channel.unary_unary(
+                '/corpusd.v1.Coordinator/ReportWorker',
+                request_serializer=corpusd_dot_v1_dot_coordinator__pb2.WorkerReport.SerializeToString,
+                response_deserializer=corpusd_dot_v1_dot_coordinator__pb2.ReportWorkerResponse.FromString,
+                _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/corpusd.v1.Coordinator/ListWorkers',
+                request_serializer=corpusd_dot_v1_dot_coordinator__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=corpusd_dot_v1_dot_coordinator__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
+        self.ChooseWorker = channel.unary_unary(
+                '/corpusd.v1.Coordinator/ChooseWorker',
+                request_serializer=corpusd_dot_v1_dot_coordinator__pb2.ChooseWorkerRequest.SerializeToString,
+                response_deserializer=corpusd_dot_v1_dot_coordinator__pb2.ChooseWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -121,6 +136,26 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportWorker(self, request, context):
+        """Agent workers report their load (registering on first report); soft state, not persisted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWorkers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChooseWorker(self, request, context):
+        """A new session's home worker: the live worker with the most batch and KV headroom.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +193,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListHolders,
                     request_deserializer=corpusd_dot_v1_dot_coordinator__pb2.ListHoldersRequest.FromString,
                     response_serializer=corpusd_dot_v1_dot_coordinator__pb2.ListHoldersResponse.SerializeToString,
+            ),
+            'ReportWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportWorker,
+                    request_deserializer=corpusd_dot_v1_dot_coordinator__pb2.WorkerReport.FromString,
+                    response_serializer=corpusd_dot_v1_dot_coordinator__pb2.ReportWorkerResponse.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=corpusd_dot_v1_dot_coordinator__pb2.ListWorkersRequest.FromString,
+                    response_serializer=corpusd_dot_v1_dot_coordinator__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'ChooseWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChooseWorker,
+                    request_deserializer=corpusd_dot_v1_dot_coordinator__pb2.ChooseWorkerRequest.FromString,
+                    response_serializer=corpusd_dot_v1_dot_coordinator__pb2.ChooseWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +400,87 @@ class Coordinator:
             '/corpusd.v1.Coordinator/ListHolders',
             corpusd_dot_v1_dot_coordinator__pb2.ListHoldersRequest.SerializeToString,
             corpusd_dot_v1_dot_coordinator__pb2.ListHoldersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corpusd.v1.Coordinator/ReportWorker',
+            corpusd_dot_v1_dot_coordinator__pb2.WorkerReport.SerializeToString,
+            corpusd_dot_v1_dot_coordinator__pb2.ReportWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corpusd.v1.Coordinator/ListWorkers',
+            corpusd_dot_v1_dot_coordinator__pb2.ListWorkersRequest.SerializeToString,
+            corpusd_dot_v1_dot_coordinator__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChooseWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corpusd.v1.Coordinator/ChooseWorker',
+            corpusd_dot_v1_dot_coordinator__pb2.ChooseWorkerRequest.SerializeToString,
+            corpusd_dot_v1_dot_coordinator__pb2.ChooseWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

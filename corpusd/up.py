@@ -1,0 +1,243 @@
+"""``corpusd up``: the embedded default on loopback — a coordinator, N holders and one agent
+worker with the tiny model, state under one directory, stopped together on Ctrl-C / SIGTERM.
+
+``up.json`` in the state directory names every daemon's address and metrics URL while it runs;
+the other commands (``pin``, ``status``, ``agents``) find the coordinator through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from corpusd import env
+from corpusd.coordinator.client import CoordinatorClient
+from corpusd.coordinator.launch import start_coordinator
+from corpusd.corpus.pin import default_model
+from corpusd.daemon import Daemon
+from holder.launch import start_holder
+from requester.launch import start_agent
+
+
+@dataclass(frozen=True, slots=True)
+class UpConfig:
+    holders: int = field(default=2, metadata={"help": "holder processes"})
+    state_dir: str = field(
+        default="", metadata={"help": "every daemon's state and log (default: $CORPUSD_HOME/up)"}
+    )
+    store: str = field(default="", metadata={"help": "page store (default: $CORPUSD_STORE)"})
+    model: str = field(default="", metadata={"help": "model directory (default: the tiny model)"})
+    capacity_tokens: int = field(
+        default=65536, metadata={"help": "per holder (its pool is allocated up front)"}
+    )
+    detach: int = field(
+        default=0, metadata={"help": "1: start in the background and return once serving"}
+    )
+    timeout_s: float = field(default=180.0, metadata={"help": "for everything to come up"})
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.holders <= 64:
+            raise ValueError(f"holders must be in 1..64, got {self.holders}")
+        if self.capacity_tokens <= 0 or not self.timeout_s > 0:
+            raise ValueError("capacity_tokens and timeout_s must be > 0")
+        if self.detach not in (0, 1):
+            raise ValueError(f"detach must be 0 or 1, got {self.detach}")
+
+
+def state_dir(flag: str = "") -> Path:
+    return Path(flag).expanduser() if flag else env.home() / "up"
+
+
+def running(flag: str = "") -> dict[str, Any] | None:
+    """``up.json`` of a ``corpusd up`` that is still running, else None."""
+    path = state_dir(flag) / "up.json"
+    try:
+        info: dict[str, Any] = json.loads(path.read_text())
+        os.kill(int(info["pid"]), 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    return info
+
+
+def describe(info: dict[str, Any]) -> str:
+    def url(port: int) -> str:
+        return f"http://127.0.0.1:{port}/metrics" if port >= 0 else "-"
+
+    c = info["coordinator"]
+    lines = [
+        f"corpusd up (pid {info['pid']}, state {info['state_dir']})",
+        f"  coordinator  {c['address']:<22} {url(c['metrics'])}",
+    ]
+    for h in info["holders"]:
+        lines.append(f"  holder       {h['address']:<22} {url(h['metrics'])}")
+    a = info["agent"]
+    lines.append(f"  agent        {a['address']:<22} {url(a['metrics'])}")
+    lines.append("  other commands find the coordinator through up.json; stop: corpusd down")
+    return "\n".join(lines)
+
+
+def up(cfg: UpConfig) -> int:
+    root = state_dir(cfg.state_dir)
+    if (other := running(cfg.state_dir)) is not None:
+        raise ValueError(f"corpusd up is already running (pid {other['pid']}) in {root}")
+    if cfg.detach:
+        return _detach(cfg, root)
+    root.mkdir(parents=True, exist_ok=True)
+    store = Path(cfg.store).expanduser() if cfg.store else env.default_store_dir()
+    model = Path(cfg.model) if cfg.model else default_model(sys.stderr)
+    daemons: list[Daemon] = []
+    stopping = False
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        print(f"starting a coordinator, {cfg.holders} holders and an agent under {root}")
+        coord = start_coordinator(root / "coordinator", store, timeout=cfg.timeout_s)
+        daemons.append(coord)
+        cap = ("--capacity-tokens", str(cfg.capacity_tokens))
+        with ThreadPoolExecutor(cfg.holders + 1) as pool:
+            hs = [
+                pool.submit(
+                    start_holder,
+                    store,
+                    root / f"holder-{i}",
+                    model,
+                    "--coordinator",
+                    coord.address,
+                    *cap,
+                    timeout=cfg.timeout_s,
+                )
+                for i in range(cfg.holders)
+            ]
+            ag = pool.submit(
+                start_agent,
+                store,
+                root / "agent",
+                model,
+                "--coordinator",
+                coord.address,
+                timeout=cfg.timeout_s,
+            )
+            holders = [f.result() for f in hs]
+            daemons += holders
+            agent = ag.result()
+            daemons.append(agent)
+        asyncio.run(_ready(coord.address, cfg.holders, cfg.timeout_s))
+        info = {
+            "pid": os.getpid(),
+            "state_dir": str(root),
+            "store": str(store),
+            "model": str(model),
+            "coordinator": {"address": coord.address, "metrics": coord.metrics_port},
+            "holders": [{"address": h.address, "metrics": h.metrics_port} for h in holders],
+            "agent": {"address": agent.address, "metrics": agent.metrics_port},
+        }
+        tmp = root / "up.json.tmp"
+        tmp.write_text(json.dumps(info, indent=1))
+        os.replace(tmp, root / "up.json")
+        print(describe(info), flush=True)
+        while True:  # until a signal; a daemon that dies is reported, the rest keep serving
+            time.sleep(1)
+            for d in list(daemons):
+                if d.proc.poll() is not None:
+                    print(
+                        f"corpusd up: {d.state_dir.name} exited ({d.proc.returncode}); "
+                        f"see {d.state_dir}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    daemons.remove(d)
+    except KeyboardInterrupt:
+        print("\nstopping…", flush=True)
+    finally:
+        (root / "up.json").unlink(missing_ok=True)
+        for d in reversed(daemons):  # agent, holders, coordinator
+            try:
+                d.stop(timeout=30)
+            except subprocess.TimeoutExpired:
+                d.kill()
+        if daemons:
+            print(f"stopped {len(daemons)} daemons; state kept in {root}", flush=True)
+    return 0
+
+
+async def _ready(address: str, holders: int, timeout: float) -> None:
+    """Until the coordinator sees every holder live and the agent reported."""
+    async with CoordinatorClient(address) as c:
+        await c.wait_holders(holders, timeout)
+        deadline = time.monotonic() + timeout
+        while not any(w.live for w in await c.list_workers()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the agent did not report to the coordinator in {timeout} s")
+            await asyncio.sleep(0.1)
+
+
+def _detach(cfg: UpConfig, root: Path) -> int:
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "up.log"
+    args = [
+        sys.executable,
+        "-m",
+        "corpusd",
+        "up",
+        "--holders",
+        str(cfg.holders),
+        "--state-dir",
+        str(root),
+        "--capacity-tokens",
+        str(cfg.capacity_tokens),
+        "--timeout-s",
+        str(cfg.timeout_s),
+    ]
+    if cfg.store:
+        args += ["--store", cfg.store]
+    if cfg.model:
+        args += ["--model", cfg.model]
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + cfg.timeout_s + 30
+    while (info := running(str(root))) is None or info["pid"] != proc.pid:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"corpusd up did not start: {log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    print(describe(info))
+    print(f"  log: {log}")
+    return 0
+
+
+def down(flag: str = "", timeout: float = 60) -> int:
+    info = running(flag)
+    if info is None:
+        print(f"corpusd up is not running in {state_dir(flag)}")
+        return 0
+    pid = int(info["pid"])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            print(f"stopped corpusd up (pid {pid})")
+            return 0
+        time.sleep(0.2)
+    raise RuntimeError(f"corpusd up (pid {pid}) did not stop in {timeout} s")

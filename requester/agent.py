@@ -1,0 +1,364 @@
+"""The Agent service (``corpusd agent``): sessions over pinned corpora, streamed generation, and
+the low-level merged Attend for external engines.
+
+A corpus is named by id, name or an id prefix of at least 8 characters; the first session of a
+corpus binds it (page table from the coordinator, or the holders' own reports without one).
+Every refusal carries a precise status and message and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import torch
+
+from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, CorpusStatus
+from corpusd.rpc import Reject, wire
+from corpusd.tokenizer import Tokenizer
+from corpusd.v1 import agent_pb2, agent_pb2_grpc
+from corpusd.wire import from_proto, to_proto
+from requester.config import AgentConfig
+from requester.corpus_view import CorpusUnavailable
+from requester.sampling import SamplingParams
+from requester.scheduler import Scheduler, SessionBusy
+from requester.session import Session
+from requester.worker import CorpusState, Worker
+
+log = logging.getLogger("corpusd.agent")
+Code = grpc.StatusCode
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_INTS = (torch.int32, torch.int64)
+
+
+def rpc(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Count a unary call by status; Reject and unexpected errors become statuses."""
+
+    def deco(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        @functools.wraps(fn)
+        async def wrapper(self: AgentService, request: Any, context: Any) -> Any:
+            try:
+                reply = await fn(self, request, context)
+            except Exception as e:
+                await self._abort(method, e, context)
+            self.metrics.requests.labels(method, "OK").inc()
+            return reply
+
+        return wrapper
+
+    return deco
+
+
+def _status(e: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(e, Reject):
+        return e.code, str(e)
+    if isinstance(e, CoordinatorError):
+        code = Code.UNAVAILABLE if e.code == Code.UNAVAILABLE else e.code
+        return code, f"coordinator: {e.detail}"
+    if isinstance(e, CorpusUnavailable):
+        return Code.UNAVAILABLE, str(e)
+    if isinstance(e, grpc.aio.AioRpcError):
+        return Code.UNAVAILABLE, f"a holder failed: {e.code().name}: {e.details()}"
+    return Code.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+
+
+class AgentService(agent_pb2_grpc.AgentServicer):
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        worker: Worker,
+        tokenizer: Tokenizer,
+        coordinator: CoordinatorClient | None,
+        holders: tuple[str, ...] = (),
+        fingerprint: str = "",
+    ) -> None:
+        self.cfg, self.worker, self.tok, self.fingerprint = cfg, worker, tokenizer, fingerprint
+        self.coordinator, self.holders = coordinator, holders
+        self.metrics = worker.metrics
+        self.scheduler = Scheduler(worker, cfg.max_batch)
+        self.names: dict[str, str] = {}  # what callers named → corpus id
+        self._binding = asyncio.Lock()
+
+    async def _abort(self, method: str, e: BaseException, context: Any) -> None:
+        if isinstance(e, grpc.aio.AbortError):
+            raise e
+        code, detail = _status(e)
+        if code == Code.INTERNAL:
+            log.exception("%s failed", method, exc_info=e)
+        else:
+            log.info("%s refused: %s: %s", method, code.name, detail)
+        self.metrics.requests.labels(method, code.name).inc()
+        await context.abort(code, detail)
+
+    # -- corpora -----------------------------------------------------------------------------------
+    async def corpus(self, name: str) -> CorpusState:
+        """The attached corpus ``name`` refers to, binding it on first use."""
+        if not name:
+            raise Reject(Code.INVALID_ARGUMENT, "corpus: empty; name a pinned corpus (id or name)")
+        cid = self.names.get(name, name)
+        if cid in self.worker.corpora:
+            return self.worker.corpora[cid]
+        async with self._binding:
+            cid = self.names.get(name, name)
+            if cid in self.worker.corpora:
+                return self.worker.corpora[cid]
+            if self.coordinator is not None:
+                st = await self._bind_from_coordinator(name)
+            else:
+                try:
+                    st = await self.worker.attach(name, self.holders)
+                except CorpusUnavailable as e:
+                    raise Reject(Code.NOT_FOUND, str(e)) from None
+            self.names[name] = st.view.corpus_id
+            log.info(
+                "bound corpus %s (%d tokens) on %d holders",
+                st.view.corpus_id,
+                st.view.token_count,
+                len(st.view.holders),
+            )
+            return st
+
+    async def _bind_from_coordinator(self, name: str) -> CorpusState:
+        assert self.coordinator is not None
+        corpora = await self.coordinator.list_corpora()
+        match = _match(corpora, name)
+        fp = self.fingerprint
+        if fp and match.model_fingerprint and match.model_fingerprint != fp:
+            raise Reject(
+                Code.FAILED_PRECONDITION,
+                f"corpus {match.corpus_id} was pinned for model {match.model_fingerprint[:12]}…; "
+                f"this agent runs {fp[:12]}…",
+            )
+        table = await self.coordinator.page_table(match.corpus_id)
+        return await self.worker.attach_table(table)
+
+    # -- sessions ----------------------------------------------------------------------------------
+    def _session(self, session_id: str) -> Session:
+        s = self.worker.sessions.get(session_id)
+        if s is None:
+            raise Reject(Code.NOT_FOUND, f"no session {session_id!r} on this agent")
+        return s
+
+    @rpc("OpenSession")
+    async def OpenSession(self, request: Any, context: Any) -> agent_pb2.OpenSessionResponse:
+        cfg = self.cfg
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise Reject(Code.INVALID_ARGUMENT, "prompt: give text or tokens")
+        prompt = list(request.tokens.ids) if which == "tokens" else self.tok.encode(request.text)
+        if not prompt:
+            raise Reject(Code.INVALID_ARGUMENT, "prompt: empty; a session needs at least a token")
+        if len(prompt) > cfg.max_prompt_tokens:
+            raise Reject(
+                Code.INVALID_ARGUMENT,
+                f"prompt: {len(prompt)} tokens; this agent takes at most {cfg.max_prompt_tokens} "
+                "(--max-prompt-tokens)",
+            )
+        vocab = self.worker.mcfg.vocab_size
+        bad = [t for t in prompt if t >= vocab]
+        if bad:
+            raise Reject(
+                Code.INVALID_ARGUMENT, f"prompt: token ids {bad[:4]} are outside [0, {vocab})"
+            )
+        if len(self.worker.sessions) >= cfg.max_sessions:
+            raise Reject(
+                Code.RESOURCE_EXHAUSTED,
+                f"{len(self.worker.sessions)} sessions open, the most this agent takes; "
+                "close some (CloseSession)",
+            )
+        if self.kv_tokens() + len(prompt) > cfg.kv_capacity_tokens:
+            raise Reject(
+                Code.RESOURCE_EXHAUSTED,
+                f"sessions hold {self.kv_tokens():,} of {cfg.kv_capacity_tokens:,} cache rows; "
+                f"no room for a prompt of {len(prompt):,}",
+            )
+        st = await self.corpus(request.corpus)
+        s = self.worker.open(st.view.corpus_id, prompt)
+        log.info("session %s on %s: %d prompt tokens", s.id, st.view.corpus_id[:12], len(prompt))
+        return agent_pb2.OpenSessionResponse(
+            session_id=s.id, corpus_tokens=st.view.token_count, prompt_tokens=len(prompt)
+        )
+
+    def kv_tokens(self) -> int:
+        """Cache rows the open sessions hold or are about to (pending tokens)."""
+        return sum(s.cache.length + len(s.pending) for s in self.worker.sessions.values())
+
+    def _params(self, p: Any) -> SamplingParams:
+        cfg, vocab = self.cfg, self.worker.mcfg.vocab_size
+        max_tokens = p.max_tokens or cfg.default_max_tokens
+        if max_tokens > cfg.max_new_tokens:
+            raise Reject(
+                Code.INVALID_ARGUMENT,
+                f"max_tokens: {max_tokens}; this agent generates at most {cfg.max_new_tokens} "
+                "per call (--max-new-tokens)",
+            )
+        if not (math.isfinite(p.temperature) and p.temperature >= 0):
+            raise Reject(Code.INVALID_ARGUMENT, f"temperature: {p.temperature}; must be >= 0")
+        if not (math.isfinite(p.top_p) and 0 <= p.top_p <= 1):
+            raise Reject(Code.INVALID_ARGUMENT, f"top_p: {p.top_p}; must be in [0, 1] (0 = off)")
+        bad = [t for t in p.stop_token_ids if t >= vocab]
+        if bad:
+            raise Reject(Code.INVALID_ARGUMENT, f"stop_token_ids: {bad[:4]} outside [0, {vocab})")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p or 1.0,
+            stop_token_ids=tuple(p.stop_token_ids),
+            seed=p.seed,
+        )
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        method = "Generate"
+        t0 = time.perf_counter()
+        try:
+            s = self._session(request.session_id)
+            params = self._params(request.params)
+            if self.scheduler.busy(s.id):
+                raise Reject(Code.FAILED_PRECONDITION, f"session {s.id} is already generating")
+            if s.done:
+                raise Reject(
+                    Code.FAILED_PRECONDITION,
+                    f"session {s.id} has finished ({s.finish_reason}); open a new session",
+                )
+            s.gen.manual_seed(params.seed)
+            # The budget counts from this call: tokens generated before it do not use it up.
+            s.params = SamplingParams(
+                max_tokens=len(s.generated) + params.max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                stop_token_ids=params.stop_token_ids,
+                seed=params.seed,
+            )
+            text, last = _TextStream(self.tok), t0
+            first = True
+            async for tok in self.scheduler.generate(s):
+                now = time.perf_counter()
+                (self.metrics.ttft if first else self.metrics.inter_token).observe(now - last)
+                first, last = False, now
+                yield agent_pb2.GenerateChunk(
+                    token_ids=[tok], text=text.push(tok), finish_reason=s.finish_reason
+                )
+        except SessionBusy as e:
+            await self._abort(method, Reject(Code.FAILED_PRECONDITION, str(e)), context)
+        except Exception as e:
+            await self._abort(method, e, context)
+        self.metrics.requests.labels(method, "OK").inc()
+
+    @rpc("CloseSession")
+    async def CloseSession(self, request: Any, context: Any) -> agent_pb2.CloseSessionResponse:
+        s = self._session(request.session_id)
+        self.scheduler.cancel(
+            s.id, Reject(Code.CANCELLED, f"session {s.id} was closed while generating")
+        )
+        self.worker.close_session(s.id)
+        return agent_pb2.CloseSessionResponse()
+
+    # -- low level ---------------------------------------------------------------------------------
+    @rpc("Attend")
+    async def Attend(self, request: Any, context: Any) -> agent_pb2.AgentAttendResponse:
+        mc = self.worker.mcfg
+        st = await self.corpus(request.corpus)
+        if not 0 <= request.layer < mc.num_hidden_layers:
+            raise Reject(
+                Code.INVALID_ARGUMENT,
+                f"layer: {request.layer}; the model has {mc.num_hidden_layers} layers",
+            )
+        q = wire(lambda: from_proto(request.q, "q", dtypes=_FLOATS, rank=3, finite=True))
+        n = q.shape[0]
+        want = (mc.num_attention_heads, mc.kv_dim)
+        if tuple(q.shape[1:]) != want:
+            raise Reject(
+                Code.INVALID_ARGUMENT, f"q: shape {list(q.shape)}; want [n, {want[0]}, {want[1]}]"
+            )
+        if not 0 < n <= self.cfg.max_attend_rows:
+            raise Reject(
+                Code.INVALID_ARGUMENT, f"q: {n} rows; 1 to {self.cfg.max_attend_rows} accepted"
+            )
+        scale = request.scale or mc.softmax_scale
+        if not (math.isfinite(scale) and scale > 0):
+            raise Reject(
+                Code.INVALID_ARGUMENT, f"scale: {request.scale}; must be > 0 (0 = model's)"
+            )
+        positions = iq = iw = None
+        if request.positions.dtype:
+            positions = wire(
+                lambda: from_proto(request.positions, "positions", dtypes=_INTS, rank=2)
+            ).to(torch.int64)
+            t = st.view.token_count
+            if positions.shape[0] != n:
+                raise Reject(
+                    Code.INVALID_ARGUMENT, f"positions: {positions.shape[0]} rows, q has {n}"
+                )
+            if positions.numel() and not bool(((positions >= -1) & (positions < t)).all()):
+                raise Reject(
+                    Code.INVALID_ARGUMENT,
+                    f"positions: outside [-1, {t}) (the corpus has {t} tokens; -1 = unused)",
+                )
+        elif request.index_q.dtype:
+            iq = wire(
+                lambda: from_proto(request.index_q, "index_q", dtypes=_FLOATS, rank=3, finite=True)
+            )
+            iw = wire(
+                lambda: from_proto(
+                    request.index_weights, "index_weights", dtypes=_FLOATS, rank=2, finite=True
+                )
+            )
+            hi, di = mc.index_n_heads, mc.index_head_dim
+            if tuple(iq.shape) != (n, hi, di) or tuple(iw.shape) != (n, hi):
+                raise Reject(
+                    Code.INVALID_ARGUMENT,
+                    f"index_q {list(iq.shape)} / index_weights {list(iw.shape)}; want "
+                    f"[{n}, {hi}, {di}] / [{n}, {hi}]",
+                )
+        else:
+            raise Reject(Code.INVALID_ARGUMENT, "give positions, or index_q and index_weights")
+        o, lse = await self.worker.attend(
+            st.view.corpus_id, request.layer, q, positions, iq, iw, scale
+        )
+        return agent_pb2.AgentAttendResponse(o=to_proto(o.to(q.dtype)), lse=to_proto(lse.float()))
+
+    async def close(self) -> None:
+        await self.scheduler.close()
+
+
+def _match(corpora: list[CorpusStatus], name: str) -> CorpusStatus:
+    """The ready corpus ``name`` means: an id, a unique name, or a unique id prefix (≥ 8)."""
+    live = [c for c in corpora if c.state != "retired"]
+    hits = [c for c in live if c.corpus_id == name]
+    hits = hits or [c for c in live if c.name == name]
+    if not hits and len(name) >= 8:
+        hits = [c for c in live if c.corpus_id.startswith(name)]
+    if not hits:
+        known = ", ".join(sorted(c.name or c.corpus_id[:12] for c in live)) or "none"
+        raise Reject(Code.NOT_FOUND, f"unknown corpus {name!r}; pinned: {known}")
+    ready = [c for c in hits if c.state == "ready"]
+    if not ready:
+        c = hits[0]
+        where = f" (queue position {c.queue_position})" if c.state == "queued" else ""
+        raise Reject(Code.FAILED_PRECONDITION, f"corpus {c.corpus_id} is {c.state}{where}")
+    if len({c.corpus_id for c in ready}) > 1:
+        ids = ", ".join(c.corpus_id[:12] for c in ready)
+        raise Reject(Code.INVALID_ARGUMENT, f"corpus {name!r} is ambiguous: {ids}; give the id")
+    return ready[0]
+
+
+class _TextStream:
+    """Incremental detokenisation: the text each new token adds, holding back a trailing
+    partial UTF-8 character until it completes."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok, self.ids, self.sent = tok, list[int](), 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        out, self.sent = text[self.sent :], len(text)
+        return out

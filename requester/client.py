@@ -1,0 +1,188 @@
+"""``requester.Client``: the Python client of the Agent API.
+
+    async with Client(coordinator="127.0.0.1:7000") as c:
+        s = await c.open_session("sample-repo", "\\nQ: where is the page store?\\nA:")
+        async for chunk in c.generate(s, max_tokens=32):
+            print(chunk.text, end="")
+        await c.close_session(s)
+
+With a coordinator, each new session goes to the worker the coordinator picks (batch and KV
+headroom); with ``agent=`` every session goes to that one worker. A refused call raises
+AgentError with the server's status and message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
+from corpusd.v1 import agent_pb2, agent_pb2_grpc
+from corpusd.wire import from_proto, to_proto
+
+
+class AgentError(Exception):
+    """The agent (or the coordinator choosing one) refused; ``code`` is the gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(f"{code.name}: {detail}")
+        self.code, self.detail = code, detail
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRef:
+    session_id: str
+    address: str  # the agent worker hosting it
+    corpus_tokens: int
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str  # "" until the last chunk: "stop" or "length"
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+
+
+class Client:
+    def __init__(self, agent: str = "", coordinator: str = "", timeout: float = 120.0) -> None:
+        if not (agent or coordinator):
+            raise ValueError("give an agent address or a coordinator address")
+        self.agent, self.timeout = agent, timeout
+        self.coordinator = CoordinatorClient(coordinator, timeout=timeout) if coordinator else None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, agent_pb2_grpc.AgentStub] = {}
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        if self.coordinator is not None:
+            await self.coordinator.close()
+
+    def _stub(self, address: str) -> agent_pb2_grpc.AgentStub:
+        if address not in self._stubs:
+            ch = grpc.aio.insecure_channel(
+                address,
+                options=[
+                    ("grpc.max_receive_message_length", 256 << 20),
+                    ("grpc.max_send_message_length", 256 << 20),
+                ],
+            )
+            self._channels[address], self._stubs[address] = ch, agent_pb2_grpc.AgentStub(ch)
+        return self._stubs[address]
+
+    async def _where(self, session_tokens: int) -> str:
+        if self.coordinator is None:
+            return self.agent
+        try:
+            _, address = await self.coordinator.choose_worker(session_tokens)
+        except CoordinatorError as e:
+            raise AgentError(e.code, f"coordinator: {e.detail}") from None
+        return address
+
+    async def open_session(
+        self, corpus: str, prompt: str | Sequence[int], reserve_tokens: int = 256
+    ) -> SessionRef:
+        """Fork ``corpus`` (id, name or id prefix) with ``prompt`` (text, or token ids) after it.
+        ``reserve_tokens`` is the answer length the worker choice should leave room for."""
+        req = agent_pb2.OpenSessionRequest(corpus=corpus)
+        if isinstance(prompt, str):
+            req.text = prompt
+            estimate = len(prompt.encode())
+        else:
+            req.tokens.ids.extend(prompt)
+            estimate = len(prompt)
+        address = await self._where(estimate + reserve_tokens)
+        r: Any = await self._call(self._stub(address).OpenSession(req, timeout=self.timeout))
+        return SessionRef(r.session_id, address, r.corpus_tokens, r.prompt_tokens)
+
+    async def generate(
+        self,
+        session: SessionRef,
+        max_tokens: int = 0,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        seed: int = 0,
+    ) -> AsyncIterator[Chunk]:
+        """Stream the session's next tokens (``max_tokens`` 0 = the agent's default)."""
+        params = agent_pb2.SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop_token_ids=list(stop_token_ids),
+            seed=seed,
+        )
+        call = self._stub(session.address).Generate(
+            agent_pb2.GenerateRequest(session_id=session.session_id, params=params)
+        )
+        try:
+            async for c in call:
+                yield Chunk(tuple(c.token_ids), c.text, c.finish_reason)
+        except grpc.aio.AioRpcError as e:
+            raise AgentError(e.code(), e.details() or "") from None
+
+    async def complete(self, session: SessionRef, **params: Any) -> Completion:
+        """``generate`` collected: every token, the text and why it stopped."""
+        ids: list[int] = []
+        text, reason = [], ""
+        async for c in self.generate(session, **params):
+            ids += c.token_ids
+            text.append(c.text)
+            reason = c.finish_reason
+        return Completion(tuple(ids), "".join(text), reason)
+
+    async def close_session(self, session: SessionRef) -> None:
+        req = agent_pb2.CloseSessionRequest(session_id=session.session_id)
+        await self._call(self._stub(session.address).CloseSession(req, timeout=self.timeout))
+
+    async def attend(
+        self,
+        corpus: str,
+        layer: int,
+        q: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        index_q: torch.Tensor | None = None,
+        index_weights: torch.Tensor | None = None,
+        scale: float = 0.0,
+        address: str = "",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merged ``(O [n, h, d_v], LSE [n, h])`` of ``q [n, h, kv_dim]`` over the corpus at
+        canonical positions: ``positions [n, k]`` (-1 unused), or corpusd's own top-k by
+        ``index_q``/``index_weights``. ``scale`` 0 = the model's."""
+        req = agent_pb2.AgentAttendRequest(corpus=corpus, layer=layer, q=to_proto(q), scale=scale)
+        if positions is not None:
+            req.positions.CopyFrom(to_proto(positions.to(torch.int64)))
+        if index_q is not None and index_weights is not None:
+            req.index_q.CopyFrom(to_proto(index_q))
+            req.index_weights.CopyFrom(to_proto(index_weights))
+        stub = self._stub(address or self.agent or await self._where(0))
+        r: Any = await self._call(stub.Attend(req, timeout=self.timeout))
+        floats = (torch.float32, torch.bfloat16, torch.float16)
+        return (
+            from_proto(r.o, "o", dtypes=floats, rank=3),
+            from_proto(r.lse, "lse", dtypes=(torch.float32,), rank=2),
+        )
+
+    async def _call(self, call: Any) -> Any:
+        try:
+            return await call
+        except grpc.aio.AioRpcError as e:
+            raise AgentError(e.code(), e.details() or "") from None

@@ -1,0 +1,146 @@
+"""``corpusd agent``: one decode worker serving the Agent API, health and metrics.
+
+Start-up: model and tokenizer, the page store (corpus tokens for local recompute), the
+coordinator (page tables; load reports so it can place sessions) or a fixed list of holders,
+then serve. SIGTERM/SIGINT drain: health turns NOT_SERVING, running streams get ``drain_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from prometheus_client import start_http_server
+
+from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, WorkerReport
+from corpusd.corpus.store import PageStore
+from corpusd.model import fingerprint, load_model
+from corpusd.tokenizer import load_tokenizer
+from corpusd.v1 import agent_pb2_grpc
+from requester.agent import AgentService
+from requester.config import AgentConfig
+from requester.metrics import RequesterMetrics
+from requester.worker import Worker, WorkerConfig
+
+log = logging.getLogger("corpusd.agent")
+SERVICE = "corpusd.v1.Agent"
+
+
+async def report_load(svc: AgentService, worker_id: str, address: str, metrics_url: str) -> None:
+    """Tell the coordinator this worker's load every ``report_s`` (it places sessions by it and
+    shows it in ``corpusd status``); a coordinator that is down is retried quietly."""
+    assert svc.coordinator is not None
+    down = False
+    while True:
+        report = WorkerReport(
+            worker_id=worker_id,
+            address=address,
+            sessions=len(svc.worker.sessions),
+            generating=len(svc.scheduler.streams),
+            max_batch=svc.cfg.max_batch,
+            kv_tokens=svc.kv_tokens(),
+            kv_capacity=svc.cfg.kv_capacity_tokens,
+            corpora=tuple(sorted(svc.worker.corpora)),
+            metrics_url=metrics_url,
+        )
+        try:
+            await svc.coordinator.report_worker(report)
+            if down:
+                log.info("coordinator %s is back", svc.coordinator.address)
+            down = False
+        except CoordinatorError as e:
+            if not down:
+                log.warning("coordinator %s: %s (retrying)", svc.coordinator.address, e)
+            down = True
+        await asyncio.sleep(svc.cfg.report_s)
+
+
+async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model = load_model(model_dir, dtype=torch.float32)
+    tok = load_tokenizer(model_dir, model.cfg.bos_token_id, model.cfg.eos_token_id)
+    worker = Worker(model, wcfg, store=PageStore(cfg.store), metrics=RequesterMetrics())
+    coord = CoordinatorClient(cfg.coordinator, timeout=10.0) if cfg.coordinator else None
+    holders = tuple(a.strip() for a in cfg.holders.split(",") if a.strip())
+    svc = AgentService(cfg, worker, tok, coord, holders, fingerprint(model_dir))
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 256 << 20),
+            ("grpc.max_send_message_length", 256 << 20),
+        ]
+    )
+    agent_pb2_grpc.add_AgentServicer_to_server(svc, server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if port == 0:
+        raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+    await server.start()
+    metrics_port = -1
+    if cfg.metrics_port >= 0:
+        httpd, _ = start_http_server(
+            cfg.metrics_port, addr=cfg.host, registry=worker.metrics.registry
+        )
+        metrics_port = httpd.server_address[1]
+    address = f"{cfg.host}:{port}"
+    worker_id = cfg.worker_id or f"agent-{port}"
+    await health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    endpoint = {
+        "worker_id": worker_id,
+        "address": address,
+        "metrics_port": metrics_port,
+        "pid": os.getpid(),
+    }
+    tmp = Path(cfg.state_dir) / "endpoint.json.tmp"
+    tmp.write_text(json.dumps(endpoint))
+    os.replace(tmp, Path(cfg.state_dir) / "endpoint.json")
+    log.info(
+        "%s serving on %s (model %s, indexer %s, primitive %s, %s); metrics on :%d",
+        worker_id,
+        address,
+        model_dir,
+        wcfg.indexer,
+        wcfg.primitive,
+        f"coordinator {cfg.coordinator}" if coord else f"holders {', '.join(holders) or 'none'}",
+        metrics_port,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = []
+    if coord is not None:
+        url = f"http://{cfg.host}:{metrics_port}/metrics" if metrics_port >= 0 else ""
+        tasks.append(asyncio.create_task(report_load(svc, worker_id, address, url)))
+    await stop.wait()
+    log.info("%s draining (up to %.1f s)", worker_id, cfg.drain_s)
+    await health.enter_graceful_shutdown()
+    await server.stop(cfg.drain_s)
+    for task in tasks:
+        task.cancel()
+    await svc.close()
+    await worker.close()
+    if coord is not None:
+        await coord.close()
+    log.info("%s stopped", worker_id)
+
+
+def run(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        import uvloop
+
+        uvloop.run(serve(cfg, wcfg, model_dir))
+    except ImportError:  # uvloop is not built for every platform; asyncio's loop serves too
+        asyncio.run(serve(cfg, wcfg, model_dir))
