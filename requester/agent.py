@@ -191,7 +191,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
 
     def _params(self, p: Any) -> SamplingParams:
         cfg, vocab = self.cfg, self.worker.mcfg.vocab_size
-        max_tokens = p.max_tokens or cfg.default_max_tokens
+        max_tokens = p.max_tokens or min(cfg.default_max_tokens, cfg.max_new_tokens)
         if max_tokens > cfg.max_new_tokens:
             raise Reject(
                 Code.INVALID_ARGUMENT,

@@ -107,6 +107,7 @@ class Client:
             req.text = prompt
             estimate = len(prompt.encode())
         else:
+            req.tokens.SetInParent()  # an empty list is still the tokens choice
             req.tokens.ids.extend(prompt)
             estimate = len(prompt)
         address = await self._where(estimate + reserve_tokens)
