@@ -1,0 +1,105 @@
+"""`corpusd up`: the README's path (up in the background, pin, sub-agents, status, down) and a
+foreground `up` stopped by Ctrl-C, with every daemon gone afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+
+def corpusd(env: dict[str, str], *args: str, timeout: float = 300) -> str:
+    r = subprocess.run(
+        [sys.executable, "-m", "corpusd", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, f"corpusd {' '.join(args)}: {r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) counts as gone
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ")[1].startswith("Z"))
+
+
+def daemon_pids(root: Path) -> list[int]:
+    return [int(json.loads(p.read_text())["pid"]) for p in root.glob("*/endpoint.json")]
+
+
+@pytest.fixture
+def home(tmp_path: Path, tiny_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("CORPUSD_COORDINATOR", None)
+    env.update(CORPUSD_HOME=str(tmp_path / "home"), CORPUSD_MODEL=str(tiny_dir))
+    return env
+
+
+def test_up_pin_agents_status_down(home: dict[str, str], tmp_path: Path) -> None:
+    src = tmp_path / "repo"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "a.py").write_text(
+        "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(24))
+    )
+    with tarfile.open(tmp_path / "repo.tar", "w") as tar:
+        tar.add(src, arcname="repo")
+    out = corpusd(home, "up", "--holders", "2", "--capacity-tokens", "4096", "--detach", "1")
+    assert "agent" in out and "/metrics" in out
+    root = Path(home["CORPUSD_HOME"]) / "up"
+    pids = daemon_pids(root)
+    assert len(pids) == 4  # coordinator, 2 holders, agent
+    try:
+        out = corpusd(home, "pin", "--corpus", str(tmp_path / "repo.tar"), "--name", "repo")
+        assert "published via" in out  # found the coordinator through up.json
+        out = corpusd(home, "agents", "--corpus", "repo", "--agents", "3", "--tokens", "4")
+        assert out.count("  Q: ") == 3 and "inter-token p50" in out and "/metrics" in out
+        status = corpusd(home, "status")
+        assert "holders (2 live of 2)" in status and "agent workers (1 live of 1)" in status
+        assert "repo" in status and "ready" in status
+    finally:
+        corpusd(home, "down")
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids), "a daemon outlived corpusd down"
+    assert not (root / "up.json").exists()
+
+
+def test_ctrl_c_stops_every_daemon(home: dict[str, str]) -> None:
+    root = Path(home["CORPUSD_HOME"]) / "up"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "corpusd", "up", "--holders", "1", "--capacity-tokens", "1024"],
+        env=home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (root / "up.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()  # type: ignore[union-attr]
+            time.sleep(0.2)
+        pids = daemon_pids(root)
+        assert len(pids) == 3
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "stopped 3 daemons" in out
+    assert not any(alive(p) for p in pids)
+    assert not (root / "up.json").exists()
