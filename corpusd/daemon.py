@@ -1,4 +1,5 @@
-"""Start a corpusd daemon as a subprocess and wait until it serves (tests, tools, ``up``).
+"""Start a corpusd daemon as a subprocess and wait until it serves (tests, tools, ``up``), and
+what every daemon does to start serving (``listen``, ``write_endpoint``).
 
 Every daemon (``corpusd holder``, ``corpusd serve``) writes ``endpoint.json`` (address and
 metrics port) in its state directory once it listens; its log goes to ``<role>.log`` beside it.
@@ -7,12 +8,20 @@ metrics port) in its state directory once it listens; its log goes to ``<role>.l
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from prometheus_client import CollectorRegistry, start_http_server
 
 
 @dataclass
@@ -54,3 +63,49 @@ def spawn(
         time.sleep(0.05)
     ep = json.loads(endpoint.read_text())
     return proc, state_dir, ep["address"], ep["metrics_port"]
+
+
+@dataclass
+class Listening:
+    """A started gRPC server with its health service and metrics endpoint."""
+
+    server: grpc.aio.Server
+    health: HealthServicer
+    port: int
+    metrics_port: int  # -1: none
+
+
+async def listen(
+    add: Callable[[grpc.aio.Server], None],
+    service: str,
+    host: str,
+    port: int,
+    metrics_port: int,
+    registry: CollectorRegistry,
+    options: Sequence[tuple[str, Any]] = (),
+) -> Listening:
+    """Start a daemon's gRPC server (``add`` puts its servicer on it) beside the health
+    service, both SERVING, and its Prometheus endpoint (``metrics_port`` 0: any free port,
+    -1: none). Raises OSError when the port cannot be bound."""
+    server = grpc.aio.server(options=list(options))
+    add(server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    mport = -1
+    if metrics_port >= 0:
+        httpd, _ = start_http_server(metrics_port, addr=host, registry=registry)
+        mport = httpd.server_address[1]
+    for name in (service, ""):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return Listening(server, health, bound, mport)
+
+
+def write_endpoint(state_dir: Path, endpoint: dict[str, Any]) -> None:
+    """``endpoint.json`` (atomically): what ``spawn`` waits for."""
+    tmp = state_dir / "endpoint.json.tmp"
+    tmp.write_text(json.dumps(endpoint))
+    os.replace(tmp, state_dir / "endpoint.json")

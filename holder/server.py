@@ -8,20 +8,16 @@ NOT_SERVING, new RPCs are refused, running ones get ``drain_s`` to finish.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
 from dataclasses import replace
 from pathlib import Path
 
-import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-from prometheus_client import start_http_server
 
 from corpusd.corpus.store import PageStore
+from corpusd.daemon import listen, write_endpoint
 from corpusd.model import ModelConfig, fingerprint
 from corpusd.v1 import holder_pb2_grpc
 from holder.config import HolderConfig
@@ -85,38 +81,29 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
     restored = await asyncio.get_running_loop().run_in_executor(None, svc.restore)
     svc.pool.check_integrity()
     limit = cfg.max_message_bytes + (1 << 20)
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-        ]
+    up = await listen(
+        lambda srv: holder_pb2_grpc.add_HolderServicer_to_server(svc, srv),
+        SERVICE,
+        cfg.host,
+        cfg.port,
+        cfg.metrics_port,
+        svc.metrics.registry,
+        [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
     )
-    holder_pb2_grpc.add_HolderServicer_to_server(svc, server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    if port == 0:
-        raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
-    await server.start()
-    metrics_port = -1
-    if cfg.metrics_port >= 0:
-        httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=svc.metrics.registry)
-        metrics_port = httpd.server_address[1]
+    server, health, port, metrics_port = up.server, up.health, up.port, up.metrics_port
     holder_id = cfg.holder_id or _stable_id(Path(cfg.state_dir), f"holder-{port}")
     svc.cfg = cfg = replace(cfg, holder_id=holder_id)
-    await health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
-    endpoint = {
-        "holder_id": holder_id,
-        "address": f"{cfg.host}:{port}",
-        "metrics_port": metrics_port,
-        "pid": os.getpid(),
-        "kernel": svc.kernel.name,
-        "device": cfg.device,
-    }
-    tmp = Path(cfg.state_dir) / "endpoint.json.tmp"
-    tmp.write_text(json.dumps(endpoint))
-    os.replace(tmp, Path(cfg.state_dir) / "endpoint.json")
+    write_endpoint(
+        Path(cfg.state_dir),
+        {
+            "holder_id": holder_id,
+            "address": f"{cfg.host}:{port}",
+            "metrics_port": metrics_port,
+            "pid": os.getpid(),
+            "kernel": svc.kernel.name,
+            "device": cfg.device,
+        },
+    )
     log.info(
         "%s serving on %s:%d (kernel %s, device %s, %d frames of %d, restored %d pages); "
         "metrics on :%d",

@@ -8,20 +8,16 @@ then serve. SIGTERM/SIGINT drain: health turns NOT_SERVING, running streams get 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
 from pathlib import Path
 
-import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-from prometheus_client import start_http_server
 
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, WorkerReport
 from corpusd.corpus.store import PageStore
+from corpusd.daemon import listen, write_endpoint
 from corpusd.model import fingerprint, load_model
 from corpusd.tokenizer import load_tokenizer
 from corpusd.v1 import agent_pb2_grpc
@@ -72,38 +68,31 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
     coord = CoordinatorClient(cfg.coordinator, timeout=10.0) if cfg.coordinator else None
     holders = tuple(a.strip() for a in cfg.holders.split(",") if a.strip())
     svc = AgentService(cfg, worker, tok, coord, holders, fingerprint(model_dir))
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", 256 << 20),
-            ("grpc.max_send_message_length", 256 << 20),
-        ]
+    options = [
+        ("grpc.max_receive_message_length", 256 << 20),
+        ("grpc.max_send_message_length", 256 << 20),
+    ]
+    up = await listen(
+        lambda srv: agent_pb2_grpc.add_AgentServicer_to_server(svc, srv),
+        SERVICE,
+        cfg.host,
+        cfg.port,
+        cfg.metrics_port,
+        worker.metrics.registry,
+        options,
     )
-    agent_pb2_grpc.add_AgentServicer_to_server(svc, server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    if port == 0:
-        raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
-    await server.start()
-    metrics_port = -1
-    if cfg.metrics_port >= 0:
-        httpd, _ = start_http_server(
-            cfg.metrics_port, addr=cfg.host, registry=worker.metrics.registry
-        )
-        metrics_port = httpd.server_address[1]
-    address = f"{cfg.host}:{port}"
-    worker_id = cfg.worker_id or f"agent-{port}"
-    await health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
-    endpoint = {
-        "worker_id": worker_id,
-        "address": address,
-        "metrics_port": metrics_port,
-        "pid": os.getpid(),
-    }
-    tmp = Path(cfg.state_dir) / "endpoint.json.tmp"
-    tmp.write_text(json.dumps(endpoint))
-    os.replace(tmp, Path(cfg.state_dir) / "endpoint.json")
+    server, health, metrics_port = up.server, up.health, up.metrics_port
+    address = f"{cfg.host}:{up.port}"
+    worker_id = cfg.worker_id or f"agent-{up.port}"
+    write_endpoint(
+        Path(cfg.state_dir),
+        {
+            "worker_id": worker_id,
+            "address": address,
+            "metrics_port": metrics_port,
+            "pid": os.getpid(),
+        },
+    )
     log.info(
         "%s serving on %s (model %s, indexer %s, primitive %s, %s); metrics on :%d",
         worker_id,

@@ -9,16 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
 from pathlib import Path
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-from prometheus_client import start_http_server
 
 from corpusd.coordinator.buckets import CpBuckets
 from corpusd.coordinator.config import CoordinatorConfig
@@ -29,6 +23,7 @@ from corpusd.coordinator.publish import Publisher
 from corpusd.coordinator.service import CoordinatorService
 from corpusd.coordinator.upkeep import recover
 from corpusd.corpus.store import PageStore
+from corpusd.daemon import listen, write_endpoint
 from corpusd.v1 import coordinator_pb2_grpc
 
 log = logging.getLogger("corpusd.coordinator")
@@ -47,12 +42,6 @@ async def _retry_queue(pub: Publisher, every_s: float) -> None:
                 log.exception("retrying queued pins failed")
 
 
-def _write_endpoint(state_dir: Path, endpoint: dict[str, object]) -> None:
-    tmp = state_dir / "endpoint.json.tmp"
-    tmp.write_text(json.dumps(endpoint))
-    os.replace(tmp, state_dir / "endpoint.json")
-
-
 async def serve(cfg: CoordinatorConfig) -> None:
     state_dir = Path(cfg.state_dir)
     buckets = CpBuckets.load(cfg.profile)
@@ -63,22 +52,17 @@ async def serve(cfg: CoordinatorConfig) -> None:
     rolled_back = await recover(pub)
     svc = CoordinatorService(pub, PageStore(cfg.store), cfg.lease_s)
 
-    server = grpc.aio.server()
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(svc, server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    if port == 0:
-        raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
-    await server.start()
-    metrics_port = -1
-    if cfg.metrics_port >= 0:
-        httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
-        metrics_port = httpd.server_address[1]
-    for name in (SERVICE, ""):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    address = f"{cfg.host}:{port}"
-    _write_endpoint(
+    up = await listen(
+        lambda srv: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(svc, srv),
+        SERVICE,
+        cfg.host,
+        cfg.port,
+        cfg.metrics_port,
+        metrics.registry,
+    )
+    server, health, metrics_port = up.server, up.health, up.metrics_port
+    address = f"{cfg.host}:{up.port}"
+    write_endpoint(
         state_dir, {"address": address, "metrics_port": metrics_port, "pid": os.getpid()}
     )
     log.info(
