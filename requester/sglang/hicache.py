@@ -40,7 +40,11 @@ class CorpusdHiCacheStorage(HiCacheStorage):
                 'corpusd HiCache backend: set "corpusd_store" in '
                 "--hicache-storage-backend-extra-config"
             )
-        model_fp = extra.get("model_fingerprint") or fingerprint(storage_config.model_name)
+        # HiCacheStorageConfig.model_name is --served-model-name, which defaults to the model
+        # path; "model_path" in the extra config covers a server that renames its model.
+        model_fp = extra.get("model_fingerprint") or fingerprint(
+            extra.get("model_path") or storage_config.model_name
+        )
         self.corpus_pages = CorpusPages(extra["corpusd_store"], model_fp)
         log.info(
             "corpusd HiCache backend: %d pages of pinned corpora", len(self.corpus_pages.pages)
