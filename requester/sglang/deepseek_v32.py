@@ -34,10 +34,10 @@ from requester.sglang.positions import shift_positions
 log = logging.getLogger("corpusd.sglang")
 
 # The corpus top-k returns own positions for SGLang to map through its page table, which is the
-# unfused path; the fused kernel would return page-table rows instead.
-if os.environ.get("SGLANG_NSA_FUSE_TOPK", "0").lower() in ("1", "true"):
-    raise RuntimeError("corpusd plugin: unset SGLANG_NSA_FUSE_TOPK (it needs the unfused top-k)")
-os.environ["SGLANG_NSA_FUSE_TOPK"] = "0"
+# unfused path; the fused kernel would return page-table rows instead. An error raised here would
+# be swallowed (import_model_classes only logs import errors), so a user's explicit "1" is refused
+# in __init__, which is on the model-loading path.
+os.environ.setdefault("SGLANG_NSA_FUSE_TOPK", "0")
 ATTENTION_BACKENDS["nsa"] = create_corpus_nsa_backend
 
 
@@ -63,6 +63,10 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
     def __init__(self, config: Any, quant_config: Any = None, prefix: str = "") -> None:
         super().__init__(config, quant_config=quant_config, prefix=prefix)
         args = get_global_server_args()
+        if os.environ["SGLANG_NSA_FUSE_TOPK"].lower() in ("1", "true"):
+            raise RuntimeError(
+                "corpusd plugin: set SGLANG_NSA_FUSE_TOPK=0 (it needs the unfused top-k)"
+            )
         if not args.disable_cuda_graph:
             raise RuntimeError(
                 "corpusd plugin: pass --disable-cuda-graph (a corpus partial is an "
