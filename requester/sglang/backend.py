@@ -60,6 +60,13 @@ class CorpusIndexerMetadata(NSAIndexerMetadata):
         cb = self.corpus
         if cb is None or self.layer_id not in cb.index_q:
             return super().topk_transform(logits, topk_, ks=ks, **kw)
+        chunked = ("cu_seqlens_q", "batch_idx_list", "topk_indices_offset_override")
+        if any(kw.get(a) is not None for a in chunked):
+            # _get_topk_ragged's chunked-logits path calls us once per chunk of rows.
+            raise NotImplementedError(
+                "corpusd plugin: chunked indexer logits (a very long prefill on a full GPU) are "
+                "not supported yet; lower --chunked-prefill-size"
+            )
         q_fp8, w = cb.index_q.pop(self.layer_id)
         n = logits.shape[0]
         lengths = kw.get("ke_offset")
@@ -226,7 +233,7 @@ class CorpusNSABackend(NativeSparseAttnBackend):
             rows = (req == r).nonzero().flatten()
             if b is None or rows.numel() == 0:
                 continue
-            qf = to_corpusd_layout(q_all[rows]).float()
+            qf = to_corpusd_layout(q_all[rows]).bfloat16()  # bf16 on the wire, as SGLang's q
             full = qf.new_zeros(len(rows), layer.tp_q_head_num * _tp_size(), qf.shape[-1])
             full[:, heads] = qf  # the Agent API takes every head; this rank owns a slice
             o_r, l_r = cb.link.attend(b, layer.layer_id, full.cpu(), sel[rows].cpu())
