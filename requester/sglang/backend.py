@@ -1,0 +1,301 @@
+"""The ``nsa`` attention backend with a pinned corpus: SGLang's NSA backend, plus the corpus.
+
+Imports sglang: loaded only inside an SGLang process (through :mod:`.deepseek_v32`) or by the
+GPU tests. Written against sglang 0.5.10.post1; **not yet run on a real server** (see NOTES.md).
+
+Per layer of a batch with corpus-bound requests (state in ``forward_batch.corpusd``, a
+:class:`CorpusBatch` set by the entry model):
+
+1. ``get_indexer_metadata`` returns :class:`CorpusIndexerMetadata`, whose ``topk_transform``
+   receives the indexer's logits over the request's own tokens, scores the corpus's index keys
+   with the same index query (captured by the entry model's indexer hook), and keeps one exact
+   top-k over both (:func:`..topk.combined_topk`). It returns the own part, in SGLang's unfused
+   format (positions within the request); the corpus part is kept for step 3.
+2. ``forward_extend`` / ``forward_decode`` run SGLang's sparse kernel over the own part, keeping
+   the LSE SGLang drops (our ``_forward_flashmla_sparse`` / ``_forward_flashmla_kv``).
+3. The corpus part goes to corpusd (``CorpusLink.attend``); the two partials merge by LSE.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from functools import cache
+from typing import Any
+
+import torch
+from sglang.srt.layers.attention.nsa_backend import NativeSparseAttnBackend, NSAIndexerMetadata
+
+from corpusd.model.partial import partial_attention
+from indexer.scores import index_scores
+from indexer.select import select_topk
+from requester.sglang import lse as lse_mod
+from requester.sglang import topk
+from requester.sglang.binding import Binding
+from requester.sglang.link import CorpusLink
+from requester.sglang.positions import to_corpusd_layout
+
+
+@dataclass
+class CorpusBatch:
+    """What one forward batch knows of its corpora (built by the entry model per forward)."""
+
+    link: CorpusLink
+    bindings: list[Binding | None]  # per request
+    token_req: torch.Tensor  # int64 [N]: each token's request
+    corpus_len: torch.Tensor  # int64 [N]: each token's T (0 unbound)
+    ue8m0: bool
+    index_q: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    corpus_sel: dict[int, torch.Tensor] = field(default_factory=dict)  # layer → [N, k]
+
+
+@dataclass(frozen=True)
+class CorpusIndexerMetadata(NSAIndexerMetadata):
+    corpus: CorpusBatch | None = None
+    layer_id: int = -1
+
+    def topk_transform(
+        self, logits: torch.Tensor, topk_: int, ks: Any = None, **kw: Any
+    ) -> torch.Tensor:
+        cb = self.corpus
+        if cb is None or self.layer_id not in cb.index_q:
+            return super().topk_transform(logits, topk_, ks=ks, **kw)
+        chunked = ("cu_seqlens_q", "batch_idx_list", "topk_indices_offset_override")
+        if any(kw.get(a) is not None for a in chunked):
+            # _get_topk_ragged's chunked-logits path calls us once per chunk of rows.
+            raise NotImplementedError(
+                "corpusd plugin: chunked indexer logits (a very long prefill on a full GPU) are "
+                "not supported yet; lower --chunked-prefill-size"
+            )
+        q_fp8, w = cb.index_q.pop(self.layer_id)
+        n = logits.shape[0]
+        lengths = kw.get("ke_offset")
+        if lengths is None:
+            lengths = self.get_seqlens_expanded()
+        lengths = lengths[:n].to(torch.int64)
+        starts = ks[:n].to(torch.int64) if ks is not None else torch.zeros_like(lengths)
+        width = int(lengths.max()) if n else 0
+        cols = (starts[:, None] + torch.arange(width, device=logits.device)[None]).clamp(
+            max=logits.shape[1] - 1
+        )
+        own_scores = logits.gather(1, cols)
+        own_pos, own_s = topk.own_candidates(own_scores, lengths, topk_)
+        t = cb.corpus_len[:n].to(logits.device)
+        cpos = torch.full((n, topk_), -1, dtype=torch.int64, device=logits.device)
+        cscore = torch.full((n, topk_), -math.inf, device=logits.device)
+        req = cb.token_req[:n].to(logits.device)
+        for r, b in enumerate(cb.bindings):
+            rows = (req == r).nonzero().flatten()
+            if b is None or rows.numel() == 0:
+                continue
+            keys = cb.link.index_keys(b, self.layer_id, logits.device, cb.ue8m0)
+            s = index_scores(q_fp8[rows].float(), w[rows].float().reshape(len(rows), -1), keys, 1.0)
+            p = select_topk(s, topk_)
+            cpos[rows], cscore[rows] = p, s.gather(1, p.clamp(min=0)).masked_fill(p < 0, -math.inf)
+        logical = topk.combined_topk(own_pos, own_s, cpos, cscore, t, topk_)
+        corpus_part, own_part = topk.split_selection(logical, t)
+        cb.corpus_sel[self.layer_id] = corpus_part
+        return own_part.to(torch.int32)
+
+
+@cache
+def _sparse_lse_base2(device: str) -> bool:
+    """Whether this sgl_kernel build's ``flash_mla_sparse_fwd`` returns base-2 LSE (probe once
+    against the torch reference, as holder/flashmla.py does)."""
+    from sgl_kernel.flash_mla import flash_mla_sparse_fwd
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(2, 64, 576, generator=g, device=device).bfloat16()
+    kv = torch.randn(256, 576, generator=g, device=device).bfloat16()
+    idx = torch.randperm(256, generator=g, device=device)[:128].repeat(2, 1).int()
+    _, _, lse = flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], 576**-0.5, 512)
+    _, ref = partial_attention(q.float(), kv.float(), idx.long(), 576**-0.5, 512)
+    for base2 in (False, True):
+        if torch.allclose(lse_mod.to_natural(lse, base2), ref, rtol=1e-3, atol=1e-2):
+            return base2
+    raise RuntimeError("flash_mla_sparse_fwd's lse matches neither natural log nor base 2")
+
+
+class CorpusNSABackend(NativeSparseAttnBackend):
+    """SGLang's NSA backend; batches without a bound request take SGLang's path unchanged."""
+
+    _lse: torch.Tensor | None = None  # natural [n, h] of the last local partial
+
+    @staticmethod
+    def _corpus(forward_batch: Any) -> CorpusBatch | None:
+        cb = getattr(forward_batch, "corpusd", None)
+        return cb if cb is not None and any(b is not None for b in cb.bindings) else None
+
+    def set_nsa_prefill_impl(self, forward_batch: Any = None) -> None:
+        super().set_nsa_prefill_impl(forward_batch)
+        if forward_batch is not None and self._corpus(forward_batch) is not None:
+            self.use_mha = False  # the dense MHA path has neither sparse top-k nor an LSE
+
+    def get_indexer_metadata(self, layer_id: int, forward_batch: Any) -> Any:
+        md = super().get_indexer_metadata(layer_id, forward_batch)
+        cb = self._corpus(forward_batch)
+        if md is None or cb is None:
+            return md
+        base = {f.name: getattr(md, f.name) for f in fields(NSAIndexerMetadata)}
+        return CorpusIndexerMetadata(**base, corpus=cb, layer_id=layer_id)
+
+    def _forward_flashmla_sparse(
+        self,
+        q_all: torch.Tensor,
+        kv_cache: torch.Tensor,
+        v_head_dim: int,
+        page_table_1: torch.Tensor,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        from sgl_kernel.flash_mla import flash_mla_sparse_fwd
+
+        n, h, d = q_all.shape
+        pad = 128 if self.device_sm_major >= 10 else 64
+        q_in = (
+            q_all if h % pad == 0 else torch.cat([q_all, q_all.new_zeros(n, pad - h % pad, d)], 1)
+        )
+        o, _, raw = flash_mla_sparse_fwd(
+            q=q_in,
+            kv=kv_cache,
+            indices=page_table_1.unsqueeze(1),
+            sm_scale=sm_scale,
+            d_v=v_head_dim,
+        )
+        o, raw = o[:, :h], raw[:, :h]
+        empty = (page_table_1 < 0).all(dim=1)[:, None].expand(n, h)
+        self._lse = lse_mod.to_natural(raw, _sparse_lse_base2(str(q_all.device))).masked_fill(
+            empty, -math.inf
+        )
+        return o.masked_fill(empty[..., None], 0.0)
+
+    def _forward_flashmla_kv(
+        self,
+        q_all: torch.Tensor,
+        kv_cache: torch.Tensor,
+        v_head_dim: int,
+        sm_scale: float,
+        layer: Any,
+        metadata: Any,
+        page_table_1: Any,
+    ) -> torch.Tensor:
+        from sgl_kernel.flash_mla import flash_mla_with_kvcache
+        from sglang.srt.layers.attention.nsa.quant_k_cache import quantize_k_cache
+
+        q4 = q_all.view(-1, 1, layer.tp_q_head_num, layer.head_dim)
+        kv = kv_cache.view(-1, self.real_page_size, 1, self.kv_cache_dim)
+        if not self.nsa_kv_cache_store_fp8:
+            kv = quantize_k_cache(kv)
+        o, raw = flash_mla_with_kvcache(
+            q=q4,
+            k_cache=kv,
+            cache_seqlens=metadata.nsa_cache_seqlens_int32,
+            head_dim_v=v_head_dim,
+            tile_scheduler_metadata=metadata.flashmla_metadata.flashmla_metadata,
+            num_splits=metadata.flashmla_metadata.num_splits,
+            softmax_scale=sm_scale,
+            indices=page_table_1.unsqueeze(1),
+            block_table=torch.empty((q4.shape[0], 0), dtype=torch.int32, device=q4.device),
+            is_fp8_kvcache=True,
+        )
+        _, l_rows = lse_mod.decode_rows(o, raw)  # [b, 1, h, d] / [b, h, 1] → rows
+        empty = (page_table_1 < 0).all(dim=1)[:, None].expand_as(l_rows)
+        self._lse = lse_mod.to_natural(l_rows, base2=False).masked_fill(empty, -math.inf)
+        return o.masked_fill(empty.reshape(o.shape[0], 1, -1, 1), 0.0)
+
+    def _with_corpus(
+        self,
+        o: torch.Tensor,
+        q: torch.Tensor,
+        q_rope: torch.Tensor | None,
+        layer: Any,
+        cb: CorpusBatch,
+    ) -> torch.Tensor:
+        sel = cb.corpus_sel.pop(layer.layer_id, None)
+        assert sel is not None and self._lse is not None, (
+            f"layer {layer.layer_id}: no corpus selection or local LSE; the corpusd plugin "
+            f"supports --nsa-prefill-backend flashmla_sparse and --nsa-decode-backend "
+            f"flashmla_kv/flashmla_sparse with SGLANG_NSA_FUSE_TOPK=0"
+        )
+        h = layer.tp_q_head_num
+        q_all = (
+            torch.cat([q.view(-1, h, layer.v_head_dim), q_rope.view(-1, h, -1)], -1)
+            if q_rope is not None
+            else q.view(-1, h, layer.head_dim)
+        )
+        n = sel.shape[0]
+        o_loc = o.reshape(-1, h, layer.v_head_dim)[:n]
+        lse_loc = self._lse[:n]
+        o_cor = torch.zeros_like(o_loc, dtype=torch.float32)
+        l_cor = torch.full_like(lse_loc, -math.inf)
+        heads = _head_slice(layer)
+        req = cb.token_req[:n].to(sel.device)
+        for r, b in enumerate(cb.bindings):
+            rows = (req == r).nonzero().flatten()
+            if b is None or rows.numel() == 0:
+                continue
+            qf = to_corpusd_layout(q_all[rows]).bfloat16()  # bf16 on the wire, as SGLang's q
+            full = qf.new_zeros(len(rows), layer.tp_q_head_num * _tp_size(), qf.shape[-1])
+            full[:, heads] = qf  # the Agent API takes every head; this rank owns a slice
+            o_r, l_r = cb.link.attend(b, layer.layer_id, full.cpu(), sel[rows].cpu())
+            o_cor[rows] = o_r[:, heads].to(o_cor.device).float()
+            l_cor[rows] = l_r[:, heads].to(l_cor.device)
+        merged, _ = lse_mod.merge_local_corpus(o_loc, lse_loc, o_cor, l_cor)
+        out = o.clone().reshape(-1, h, layer.v_head_dim)
+        out[:n] = merged
+        return out.view_as(o)
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: Any,
+        v: Any,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+        q_rope: Any = None,
+        **kw: Any,
+    ) -> torch.Tensor:
+        cb = self._corpus(forward_batch)
+        self._lse = None
+        o = super().forward_extend(
+            q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope, **kw
+        )
+        return o if cb is None else self._with_corpus(o, q, q_rope, layer, cb)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: Any,
+        v: Any,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+        q_rope: Any = None,
+        **kw: Any,
+    ) -> torch.Tensor:
+        cb = self._corpus(forward_batch)
+        self._lse = None
+        o = super().forward_decode(
+            q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope, **kw
+        )
+        return o if cb is None else self._with_corpus(o, q, q_rope, layer, cb)
+
+
+def _tp_size() -> int:
+    from sglang.srt.layers.dp_attention import get_attention_tp_size
+
+    return int(get_attention_tp_size())
+
+
+def _head_slice(layer: Any) -> slice:
+    from sglang.srt.layers.dp_attention import get_attention_tp_rank
+
+    h = layer.tp_q_head_num
+    r = int(get_attention_tp_rank())
+    return slice(r * h, (r + 1) * h)
+
+
+def create_corpus_nsa_backend(runner: Any) -> CorpusNSABackend:
+    """The ``ATTENTION_BACKENDS["nsa"]`` factory (``attention_registry.create_nsa_backend``'s
+    signature)."""
+    return CorpusNSABackend(runner)

@@ -1,0 +1,107 @@
+"""Fetch integration: a HiCache storage backend that serves pinned corpora's pages to SGLang.
+
+Imports sglang; SGLang loads it with ``--enable-hierarchical-cache --hicache-storage-backend
+dynamic --hicache-storage-backend-extra-config '{"backend_name": "corpusd", "module_path":
+"requester.sglang.hicache", "class_name": "CorpusdHiCacheStorage", "interface_v1": 1,
+"corpusd_store": "/path/to/store"}'`` (``mem_cache/storage/backend_factory.py:
+_create_dynamic_backend`` calls ``cls(storage_config, kwargs)``; ``interface_v1`` selects the
+zero-copy ``batch_get_v1(keys, host_indices)`` path in ``managers/cache_controller.py``).
+
+Here the corpus *is* in the request's prompt (canonical positions 0..T−1, a stock DeepSeek-V3.2
+request); the backend only saves SGLang from prefilling it. Keys are SGLang's chained page
+hashes (:func:`..pagehash.page_hashes`) of every whole page of every ready corpus in the store
+pinned for this model. A page is written into the host pool in SGLang's layout: latent rows
+with the rope band interleaved (bf16 KV cache only), and — for ``NSATokenToKVPoolHost`` — the
+indexer page (fp8 keys + per-token scales) into ``index_k_with_scale_buffer``. Read-only: sets
+are refused (the corpus is immutable; SGLang's own pages stay in SGLang).
+
+Written against sglang 0.5.10.post1; **not yet run on a real server** (see NOTES.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from corpusd.model.checkpoint import fingerprint
+from requester.sglang.pages import CorpusPages
+
+log = logging.getLogger("corpusd.sglang")
+
+
+class CorpusdHiCacheStorage(HiCacheStorage):
+    def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        if "corpusd_store" not in extra:
+            raise ValueError(
+                'corpusd HiCache backend: set "corpusd_store" in '
+                "--hicache-storage-backend-extra-config"
+            )
+        # HiCacheStorageConfig.model_name is --served-model-name, which defaults to the model
+        # path; "model_path" in the extra config covers a server that renames its model.
+        model_fp = extra.get("model_fingerprint") or fingerprint(
+            extra.get("model_path") or storage_config.model_name
+        )
+        self.corpus_pages = CorpusPages(extra["corpusd_store"], model_fp)
+        log.info(
+            "corpusd HiCache backend: %d pages of pinned corpora", len(self.corpus_pages.pages)
+        )
+
+    def exists(self, key: str) -> bool:
+        return key in self.corpus_pages
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        return self.corpus_pages.prefix_hits(keys)
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        host = self.mem_pool_host
+        index_buf = getattr(host, "index_k_with_scale_buffer", None)  # NSA host pools only
+        out = []
+        for i, key in enumerate(keys):
+            if key not in self.corpus_pages:
+                out.append(False)
+                continue
+            at = int(host_indices[i * host.page_size])  # first host slot of the page
+            kv, index_pages = self.corpus_pages.host_page(key, host.layout, host.dtype)
+            host.set_from_flat_data_page(at, kv)
+            if index_buf is not None:
+                page = at // host.page_size  # NSATokenToKVPoolHost._get_indexer_page_indices
+                for li, data in enumerate(index_pages):
+                    if host.layout == "layer_first":
+                        index_buf[li][page] = data
+                    else:
+                        index_buf[page, li, 0] = data
+            out.append(True)
+        return out
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        return [False] * len(keys)  # read-only: corpora are pinned through corpusd
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        return None  # the v0 interface is not served; set "interface_v1": 1
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> Any:
+        return [None] * len(keys)
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        return False
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        return False

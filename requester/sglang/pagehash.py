@@ -1,0 +1,85 @@
+"""SGLang's page hashes and host page layout, so a pinned corpus can feed HiCache.
+
+:func:`page_hash` is ``sglang.srt.mem_cache.hicache_storage.get_hash_str`` (0.5.10.post1) for
+plain token ids: SHA-256 over the previous page's digest (raw 32 bytes) then each token id as 4
+little-endian unsigned bytes; the hex digest is the key. ``HiCacheController._storage_hit_query``
+(``managers/cache_controller.py``) chains it over ``page_size`` tokens per page from the root,
+and the radix cache (``mem_cache/radix_cache.py: compute_node_hash_values``) does the same, so
+page ``p`` of a prompt that starts with the corpus has key ``page_hashes(corpus)[p]``. Only
+whole pages have keys; the corpus's last partial page is recomputed by SGLang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from requester.sglang.positions import to_sglang_layout
+
+FP8_MAX = 448.0  # float8_e4m3fn
+
+
+def page_hash(tokens: Sequence[int], prior: str | None = None) -> str:
+    h = hashlib.sha256()
+    if prior:
+        h.update(bytes.fromhex(prior))
+    for t in tokens:
+        h.update(int(t).to_bytes(4, byteorder="little", signed=False))
+    return h.hexdigest()
+
+
+def page_hashes(tokens: Sequence[int], page_size: int = 64) -> list[str]:
+    """Chained keys of every whole page of ``tokens`` (from the root of the radix tree)."""
+    out: list[str] = []
+    prior: str | None = None
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        prior = page_hash(tokens[start : start + page_size], prior)
+        out.append(prior)
+    return out
+
+
+def host_kv_page(latent: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.Tensor:
+    """One page of corpusd's latent cache as ``MLATokenToKVPoolHost.get_data_page(flat=True)``
+    holds it (bf16 KV cache only; the fp8 ``656``-byte format is not produced here).
+
+    Args:
+        latent: ``[layers, page_size, 576]`` (``c_KV ‖ k_pe``, k_pe de-interleaved as corpusd
+            stores it).
+        layout: the host pool's ``--hicache-mem-layout``: ``layer_first`` (``[layer, token, 1,
+            576]``) or ``page_first`` / ``page_first_direct`` (``[token, layer, 1, 576]`` and
+            ``[1, layer, token, 1, 576]``).
+        dtype: the pool's dtype (``mem_pool_host.dtype``).
+
+    Returns:
+        flat ``[layers · page_size · 576]`` in ``dtype``, rope band interleaved.
+    """
+    rows = to_sglang_layout(latent).to(dtype)
+    if layout in ("layer_first", "page_first_direct"):
+        return rows.contiguous().flatten()
+    if layout == "page_first":
+        return rows.transpose(0, 1).contiguous().flatten()
+    raise ValueError(f"host layout {layout!r}: want layer_first, page_first or page_first_direct")
+
+
+def index_k_page(keys: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
+    """One page of index keys ``[page_size, 128]`` as an NSA ``index_k_with_scale_buffer`` page:
+    uint8 ``[page_size·128 + page_size·4]`` = the fp8 e4m3 keys, then one float32 scale per token
+    (``memory_pool.py: NSATokenToKVPool``: "buf[i, :page_size * head_dim] for fp8 data,
+    buf[i, page_size * head_dim:].view(float32) for scale"; 128-wide quant block = one scale per
+    token). ``scale = amax / 448``, rounded up to a power of two when ``ue8m0`` (the checkpoint's
+    ``scale_fmt``)."""
+    x = keys.float()
+    scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-10)
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return torch.cat([q.view(torch.uint8).flatten(), scale.flatten().view(torch.uint8)])
+
+
+def index_k_from_page(page: torch.Tensor, page_size: int = 64, dim: int = 128) -> torch.Tensor:
+    """Inverse of :func:`index_k_page` up to fp8 rounding: float32 ``[page_size, dim]``."""
+    q = page[: page_size * dim].view(torch.float8_e4m3fn).float().view(page_size, dim)
+    scale = page[page_size * dim :].contiguous().view(torch.float32).view(page_size, 1)
+    return q * scale

@@ -1,0 +1,56 @@
+"""Pinned corpora's pages by SGLang page hash, in SGLang's host layout (the fetch path's data).
+
+The HiCache backend (:mod:`.hicache`) is a thin adapter over this; this module imports no sglang,
+so CPU tests cover the index and the bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from corpusd.corpus.store import PageStore
+from requester.sglang.pagehash import host_kv_page, index_k_page, page_hashes
+
+
+class CorpusPages:
+    """Every whole page of every ready corpus in ``store`` pinned for ``model_fingerprint``,
+    keyed by its SGLang page hash (chained from the root: the corpus starts the prompt)."""
+
+    def __init__(self, store: str | Path, model_fingerprint: str) -> None:
+        self.store = PageStore(store)
+        self.pages: dict[str, tuple[str, int]] = {}  # page hash → (corpus id, page)
+        for cid in self.store.ids():
+            m = self.store.manifest(cid)
+            if m.state != "ready" or m.model_fingerprint != model_fingerprint:
+                continue
+            tokens = self.store.read_tokens(cid).tolist()
+            for p, h in enumerate(page_hashes(tokens, m.page_size)):
+                self.pages[h] = (cid, p)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.pages
+
+    def prefix_hits(self, keys: list[str]) -> int:
+        """How many leading keys are served (HiCache's ``batch_exists`` contract)."""
+        for i, k in enumerate(keys):
+            if k not in self.pages:
+                return i
+        return len(keys)
+
+    def read(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[layers, P, 576]`` latent (corpusd's layout) and ``[layers, P, 128]`` index keys of
+        the page ``key`` names. Raises KeyError for a key not served."""
+        cid, p = self.pages[key]
+        m = self.store.manifest(cid)
+        parts = [self.store.read_pages(cid, li, [p]) for li in range(m.n_layers)]
+        return torch.cat([lat for lat, _ in parts]), torch.cat([idx for _, idx in parts])
+
+    def host_page(
+        self, key: str, layout: str, dtype: torch.dtype, ue8m0: bool = True
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The page as SGLang's host pool holds it: the flat KV data page
+        (``set_from_flat_data_page``) and, per layer, the indexer page bytes."""
+        latent, keys = self.read(key)
+        return host_kv_page(latent, layout, dtype), [index_k_page(k.float(), ue8m0) for k in keys]

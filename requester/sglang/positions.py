@@ -1,0 +1,68 @@
+"""Positions and the rope band's layout at the SGLang boundary.
+
+The corpus sits at canonical positions ``0 … T−1`` and is not in the worker's KV pool, so a
+bound request's own tokens are prefilled at ``T, T+1, …``: SGLang computes positions from 0 for
+the tokens it holds, and :func:`shift_positions` adds each request's corpus length. The query
+for the corpus partial then needs no rotation: it already sits at its logical position and the
+corpus keys at their canonical ones (route with offset 0, DESIGN "Positions").
+
+Layout: SGLang's DeepSeek rope is GPT-J style (``is_neox_style=False``): the 64-wide band stays
+as interleaved pairs ``(x0, x1), (x2, x3), …`` after rotation. corpusd stores ``k_pe``
+de-interleaved after rotation (``[evens ‖ odds]``, transformers' layout). A dot product is
+unchanged when both sides go through the same permutation, so a query sent to corpusd has its
+band de-interleaved (:func:`to_corpusd_layout`), and a cache row served to SGLang's pool has its
+band re-interleaved (:func:`to_sglang_layout`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROPE_START, ROPE_WIDTH = 512, 64  # V3.2: c_KV 512 ‖ k_pe 64
+
+
+def shift_positions(
+    positions: torch.Tensor, corpus_len: torch.Tensor, tokens_per_request: torch.Tensor
+) -> torch.Tensor:
+    """``positions [N]`` (SGLang's, per token, requests back to back) + each token's request's
+    corpus length. ``corpus_len [B]`` (0 for an unbound request) and ``tokens_per_request [B]``
+    (extend lengths; all 1 in decode) must sum to N. Returns a new int64 tensor."""
+    assert corpus_len.shape == tokens_per_request.shape, (
+        f"{corpus_len.shape=} vs {tokens_per_request.shape=}"
+    )
+    n = int(tokens_per_request.sum())
+    assert positions.shape == (n,), f"{positions.shape=}, the requests hold {n} tokens"
+    offset = torch.repeat_interleave(
+        corpus_len.to(positions.device), tokens_per_request.to(positions.device)
+    )
+    return positions.to(torch.int64) + offset
+
+
+def deinterleave(band: torch.Tensor) -> torch.Tensor:
+    """``[…, d]`` pairs ``(x0, x1), (x2, x3), …`` → ``[x0, x2, … ‖ x1, x3, …]``."""
+    return torch.cat([band[..., 0::2], band[..., 1::2]], dim=-1)
+
+
+def interleave(band: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`deinterleave`."""
+    half = band.shape[-1] // 2
+    return torch.stack([band[..., :half], band[..., half:]], dim=-1).flatten(-2)
+
+
+def to_corpusd_layout(
+    x: torch.Tensor, start: int = ROPE_START, width: int = ROPE_WIDTH
+) -> torch.Tensor:
+    """A copy of ``x [..., start + width]`` (SGLang: absorbed q or a cache row) with its rope
+    band de-interleaved, as corpusd's holders expect."""
+    out = x.clone()
+    out[..., start : start + width] = deinterleave(x[..., start : start + width])
+    return out
+
+
+def to_sglang_layout(
+    x: torch.Tensor, start: int = ROPE_START, width: int = ROPE_WIDTH
+) -> torch.Tensor:
+    """A copy of corpusd's row(s) ``x`` with the rope band re-interleaved (SGLang's pool)."""
+    out = x.clone()
+    out[..., start : start + width] = interleave(x[..., start : start + width])
+    return out

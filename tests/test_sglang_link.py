@@ -1,0 +1,111 @@
+"""The SGLang plugin's corpusd side on CPU: binding against a real coordinator, the corpus's index
+keys from a real holder, and the HiCache page index over a real page store (no sglang needed)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import rel
+from coordinators import start_holders, synthetic_corpus
+
+from corpusd.coordinator.client import CoordinatorClient
+from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
+from corpusd.corpus.store import PageStore
+from corpusd.model import fingerprint
+from holder.launch import HolderProcess
+from requester.sglang.binding import CorpusBindingError
+from requester.sglang.link import CorpusLink
+from requester.sglang.pagehash import index_k_from_page, index_k_page, page_hashes
+from requester.sglang.pages import CorpusPages
+from requester.sglang.positions import to_corpusd_layout
+
+TOKENS = 200  # three whole pages and a partial one
+
+
+@dataclass
+class Cluster:
+    store: Path
+    corpus_id: str
+    coord: CoordinatorProcess
+    holders: list[HolderProcess]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("sglang-link")
+    store = tmp / "store"
+    cid = synthetic_corpus(store, tiny_dir, TOKENS, seed=7)
+    co = start_coordinator(tmp / "coord", store)
+    hs = start_holders(store, tmp, tiny_dir, co.address, 1)
+
+    async def pin() -> None:
+        async with CoordinatorClient(co.address) as c:
+            await c.wait_holders(1)
+            assert (await c.pin(cid)).corpus.state == "ready"
+
+    asyncio.run(pin())
+    yield Cluster(store, cid, co, hs)
+    assert [h.stop() for h in hs] == [0]
+    assert co.stop() == 0
+
+
+def test_link_binds_pinned_corpora_and_says_why_not(cluster: Cluster, tiny_dir: Path) -> None:
+    link = CorpusLink(cluster.coord.address, fingerprint(tiny_dir), 64)
+    try:
+        name = PageStore(cluster.store).manifest(cluster.corpus_id).name
+        b = link.bind(name)
+        assert (b.corpus_id, b.tokens, b.page_size) == (cluster.corpus_id, TOKENS, 64)
+        assert link.bind(cluster.corpus_id[:10]) == b
+        with pytest.raises(CorpusBindingError, match=f"unknown corpus 'nope'; pinned: {name}"):
+            link.bind("nope")
+    finally:
+        link.close()
+    other = CorpusLink(cluster.coord.address, "sha256:other", 64)
+    try:
+        with pytest.raises(CorpusBindingError, match="but this SGLang server runs sha256:other"):
+            other.bind(name)
+    finally:
+        other.close()
+    with pytest.raises(ValueError, match="CORPUSD_COORDINATOR"):
+        CorpusLink("", "x", 64)
+
+
+def test_link_index_keys_are_the_stores_at_sglang_fp8_precision(
+    cluster: Cluster, tiny_dir: Path
+) -> None:
+    link = CorpusLink(cluster.coord.address, fingerprint(tiny_dir), 64)
+    try:
+        b = link.bind(cluster.corpus_id)
+        got = link.index_keys(b, 1, torch.device("cpu"), ue8m0=True)
+    finally:
+        link.close()
+    ps = PageStore(cluster.store)
+    _, idx = ps.read_pages(cluster.corpus_id, 1, list(range(4)))
+    want = idx.reshape(-1, idx.shape[-1])[:TOKENS].float()
+    assert got.shape == want.shape
+    exact = torch.cat([index_k_from_page(index_k_page(p.float(), True)) for p in idx])[:TOKENS]
+    assert torch.equal(got, exact)  # the same fp8 round trip SGLang applies to its own keys
+    assert 0 < rel(got, want) < 0.06
+
+
+def test_corpus_pages_serve_a_prompt_that_starts_with_the_corpus(
+    cluster: Cluster, tiny_dir: Path
+) -> None:
+    ps = PageStore(cluster.store)
+    pages = CorpusPages(cluster.store, fingerprint(tiny_dir))
+    tokens = ps.read_tokens(cluster.corpus_id).tolist()
+    prompt = [*tokens, 1, 2, 3, *range(100)]  # corpus, then the request's own suffix
+    keys = page_hashes(prompt)
+    assert pages.prefix_hits(keys) == TOKENS // 64 == 3  # the partial 4th page is SGLang's
+    assert pages.prefix_hits(page_hashes([5, *prompt])) == 0  # shifted: other keys
+    assert CorpusPages(cluster.store, "sha256:other").prefix_hits(keys) == 0
+    kv, index_pages = pages.host_page(keys[2], "layer_first", torch.float32)
+    layers = ps.manifest(cluster.corpus_id).n_layers
+    lat = torch.stack([ps.read_pages(cluster.corpus_id, li, [2])[0][0] for li in range(layers)])
+    assert torch.equal(to_corpusd_layout(kv.view(layers, 64, 576)), lat.float())
+    assert len(index_pages) == layers and index_pages[0].shape == (64 * 128 + 64 * 4,)
