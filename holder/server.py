@@ -92,6 +92,13 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
         ]
     )
     holder_pb2_grpc.add_HolderServicer_to_server(svc, server)
+    endpoint_nv = None
+    if cfg.nvshmem_peers:
+        from corpusd.v1 import transport_pb2_grpc
+        from holder.nvshmem_endpoint import from_config
+
+        endpoint_nv = from_config(cfg, svc.pool, svc.kernel)
+        transport_pb2_grpc.add_TransportServicer_to_server(endpoint_nv, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
@@ -148,6 +155,8 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
     for task in tasks:
         task.cancel()
     svc.executor.shutdown(wait=True)
+    if endpoint_nv is not None and endpoint_nv.job is not None:
+        endpoint_nv.close()  # collective: the job's requesters close too
     log.info("%s stopped", holder_id)
 
 

@@ -17,6 +17,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -239,7 +240,7 @@ def part_tune(dev: torch.device) -> dict[str, Any]:
     for rows, h in ((1, 16), (64, 16), (64, 128)):
         q, i = random_request(g, rows, h, K, pool.shape[0], dev)
         if "flashmla" in fns:
-            t = med(graph_us(lambda q=q, i=i: fns["flashmla"](q, pool, i, D**-0.5, D_V)))
+            t = med(graph_us(partial(fns["flashmla"], q, pool, i, D**-0.5, D_V)))
             points.append({"rows": rows, "heads": h, "config": "flashmla", "us": t})
             print(f"tune rows={rows} h={h} flashmla {t:8.1f} us", flush=True)
         for bh in (16, 32, 64):
@@ -249,9 +250,7 @@ def part_tune(dev: torch.device) -> dict[str, Any]:
                     try:
                         t = med(
                             graph_us(
-                                lambda q=q, i=i, cfg=cfg: triton_partial_attention(
-                                    q, pool, i, D**-0.5, D_V, **cfg
-                                )
+                                partial(triton_partial_attention, q, pool, i, D**-0.5, D_V, **cfg)
                             )
                         )
                     except Exception as e:  # out of shared memory / registers: skip the config
@@ -292,9 +291,9 @@ def part_graphs(dev: torch.device, quick: bool) -> dict[str, Any]:
                 ref = fn(q, pool, i, scale, D_V)
                 got = buckets(q, i)
                 exact = bool(torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]))
-                eager = med(wall_us(lambda fn=fn, q=q, i=i: fn(q, pool, i, scale, D_V), reps))
-                graph = med(wall_us(lambda q=q, i=i, b=buckets: b(q, i), reps))
-                dev_us = 1e3 * med(device_ms(lambda q=q, i=i, b=buckets: b(q, i), reps))
+                eager = med(wall_us(partial(fn, q, pool, i, scale, D_V), reps))
+                graph = med(wall_us(partial(buckets, q, i), reps))
+                dev_us = 1e3 * med(device_ms(partial(buckets, q, i), reps))
                 points.append(
                     {
                         "what": f"partial/{name}",
@@ -327,9 +326,9 @@ def part_graphs(dev: torch.device, quick: bool) -> dict[str, Any]:
             torch.randn(n, h, D_V, device=dev, dtype=torch.bfloat16),
             torch.randn(n, h, device=dev),
         ] * 2
-        eager = med(wall_us(lambda a=args: merge2(*a), reps))
-        graph = med(wall_us(lambda a=args: mb(*a), reps))
-        dev_us = 1e3 * med(device_ms(lambda a=args: mb(*a), reps))
+        eager = med(wall_us(partial(merge2, *args), reps))
+        graph = med(wall_us(partial(mb, *args), reps))
+        dev_us = 1e3 * med(device_ms(partial(mb, *args), reps))
         points.append(
             {
                 "what": "merge2",
@@ -474,9 +473,24 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--out", type=Path, default=Path("bench/results/gpu-single.json"))
     s.add_argument("--quick", action="store_true", help="fewer repetitions")
     s.add_argument("--tune", action="store_true", help="also sweep Triton block configurations")
+    pr = sub.add_parser("pair", help="two GPUs: NVSHMEM/gRPC route, crossover, decode step")
+    pr.add_argument("--out", type=Path, default=Path("bench/results/gpu-pair.json"))
+    pr.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ph = sub.add_parser("pair-holder", help="(internal) the holder process of `pair`")
+    ph.add_argument("--port-file", type=Path, required=True)
+    ph.add_argument("--device", type=int, default=0)
+    ph.add_argument("--fetch-rows", type=int, default=65536)
     args = ap.parse_args(argv)
     if args.cmd == "single":
         single(args)
+    elif args.cmd == "pair":
+        from tools.bench_gpu_pair import pair
+
+        pair(args.out, args.quick)
+    else:
+        from tools.bench_gpu_pair import holder_main
+
+        holder_main(args.port_file, args.device, args.fetch_rows)
 
 
 if __name__ == "__main__":
