@@ -62,7 +62,7 @@ def padded_heads(h: int) -> int:
 def _raw(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pad heads and top-k, call the kernel: (O [n, h, 512], raw lse [n, h], valid [n, k])."""
+    """Pad heads and top-k, call the kernel: (O [n, h, 512], raw lse [n, h], valid count [n])."""
     n, h, d = q.shape
     hp = padded_heads(h)
     if hp != h:
@@ -71,11 +71,11 @@ def _raw(
         q = qp
     k = indices.shape[1]
     kp = max(TOPK_ALIGN, math.ceil(k / TOPK_ALIGN) * TOPK_ALIGN)
-    valid = (indices >= 0) & (indices < kv.shape[0])
-    idx = torch.full((n, 1, kp), -1, dtype=torch.int32, device=q.device)
-    idx[:, 0, :k] = torch.where(valid, indices, -1)
+    from holder.triton_mla import prep_sparse_indices
+
+    idx, count = prep_sparse_indices(indices, kv.shape[0], kp)
     out, _, lse = _sparse_fwd()(q, kv.view(kv.shape[0], 1, d), idx, scale, D_V)
-    return out[:, :h], lse[:, :h], valid
+    return out[:, :h], lse[:, :h], count
 
 
 @cache
@@ -122,8 +122,8 @@ def flashmla_partial_attention(
     if n == 0:
         return q.new_empty(0, h, D_V), torch.empty(0, h, device=q.device)
     factor = lse_to_natural(str(q.device))
-    out, lse, valid = _raw(q, kv, indices, scale)
-    empty = ~valid.any(dim=1)[:, None]  # [n, 1]
+    out, lse, count = _raw(q, kv, indices, scale)
+    empty = (count == 0)[:, None]  # [n, 1]
     lse = torch.where(empty, float("-inf"), lse.float() * factor)
-    out = torch.where(empty[..., None], 0.0, out)
-    return out.contiguous(), lse
+    out = out.contiguous()  # a copy only when heads were padded
+    return out.masked_fill_(empty[..., None], 0.0), lse

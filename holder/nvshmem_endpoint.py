@@ -45,6 +45,7 @@ class Plan:
     body: Body | None
     reply_bytes: int
     layers: int
+    direct: bool = False  # body writes the requester's reply slot through NVLink; signal only
 
 
 def from_config(cfg: HolderConfig, pool: FramePool, kernel: Kernel) -> NvshmemEndpoint:
@@ -79,7 +80,10 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
         self._streams: list[torch.cuda.Stream] = []
         self._row_ok: dict[str, torch.Tensor] = {}
         self._graph_cache: dict[int, dict[tuple[Any, ...], dict[tuple[int, int], Any]]] = {}
+        self._peer_reps: dict[int, torch.Tensor | None] = {}
+        self.stream_stats: list[dict[str, Any]] = []  # device time per announced stream
         self._graph_pools: list[Any] = []  # one per requester: their streams run concurrently
+        self._check_streams: list[Any] = []  # per requester: graph captures fork onto them
 
     # -- control plane ---------------------------------------------------------------------------
     async def Join(self, request: transport_pb2.JoinRequest, context: Any) -> Any:
@@ -114,6 +118,7 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
         self.job = nr.Job(self.uid, 0, self.ring.peers + 1, self.device.index or 0, self.ring)
         self._streams = [torch.cuda.Stream(self.device) for _ in range(self.ring.peers + 1)]
         self._graph_pools = [torch.cuda.graph_pool_handle() for _ in range(self.ring.peers + 1)]
+        self._check_streams = [torch.cuda.Stream(self.device) for _ in range(self.ring.peers + 1)]
         self._ready.set()
         log.info("NVSHMEM job %s up: %d requesters", self.job_id, self.ring.peers)
 
@@ -159,17 +164,19 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
     def _plan(self, req: transport_pb2.OpenStreamRequest) -> Plan:
         """Check an OpenStream and return what each of its requests does on the device."""
         g, geo = self.ring, self.pool.geo
+        if req.direct and self._peer_rep(req.rank) is None:
+            raise ValueError("direct needs the requester on this node (no NVLink peer mapping)")
         if req.mode == "echo":
             if req.echo_bytes > g.rep_bytes:
                 raise ValueError(f"echo_bytes {req.echo_bytes} > reply slot {g.rep_bytes}")
-            return Plan(("echo",), None, int(req.echo_bytes), 1)
+            return Plan(("echo", req.direct), None, int(req.echo_bytes), 1, req.direct)
         layers = max(1, req.layers)
         if req.layer + layers > geo.n_layers:
             raise ValueError(f"layers {req.layer}..{req.layer + layers - 1} past {geo.n_layers}")
         row_ok = self._row_mask(req.corpus_id)
         n_rows = row_ok.shape[0]
         n, h, k = req.rows, req.heads, req.topk
-        key = (req.mode, req.corpus_id, req.layer, layers, n, h, k, req.scale)
+        key = (req.mode, req.corpus_id, req.layer, layers, n, h, k, req.scale, req.direct)
 
         def bad(idx: torch.Tensor) -> torch.Tensor:
             used = idx >= 0
@@ -186,16 +193,23 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
             if not req.scale > 0:
                 raise ValueError(f"scale must be > 0, got {req.scale}")
 
+            side = self._check_streams[req.rank]
+
             def attend(rq: torch.Tensor, rp: torch.Tensor, layer: int) -> None:
                 q, idx = nr.attend_request_views(rq, n, h, k)
                 o_out, lse_out, status = nr.attend_reply_views(rp, n, h)
+                # the row check runs beside the kernel (a fork in the captured graph)
+                cur = torch.cuda.current_stream(self.device)
+                side.wait_stream(cur)
+                with torch.cuda.stream(side):
+                    nr.store(status, bad(idx).to(torch.int32).view(1))
                 o, lse = self.kernel.fn(q, self.pool.latent[req.layer + layer], idx, req.scale,
                                         nr.D_V)  # fmt: skip
-                o_out.copy_(o)
-                lse_out.copy_(lse)
-                status.copy_(bad(idx).to(torch.int32).view(1))
+                nr.store(o_out, o)
+                nr.store(lse_out, lse)
+                cur.wait_stream(side)
 
-            return Plan(key, attend, nr.attend_reply_bytes(n, h), layers)
+            return Plan(key, attend, nr.attend_reply_bytes(n, h), layers, req.direct)
         if req.mode == "fetch":
             if n * 4 > g.req_bytes or n * nr.D_QK * 2 + 16 > g.rep_bytes:
                 raise ValueError(f"fetch of {n} rows does not fit the ring")
@@ -205,10 +219,17 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
                 pages, status = nr.fetch_reply_views(rp, n)
                 pool = self.pool.latent[req.layer + layer]
                 torch.index_select(pool, 0, rows.clamp(0, n_rows - 1), out=pages)
-                status.copy_(bad(rows.view(1, n)).to(torch.int32).view(1))
+                nr.store(status, bad(rows.view(1, n)).to(torch.int32).view(1))
 
-            return Plan(key, fetch, n * nr.D_QK * 2 + 4, layers)
+            return Plan(key, fetch, n * nr.D_QK * 2 + 4, layers, req.direct)
         raise ValueError(f"mode must be attend, fetch or echo, got {req.mode!r}")
+
+    def _peer_rep(self, r: int) -> torch.Tensor | None:
+        """Requester r's reply ring mapped here (same node), cached; None across nodes."""
+        if r not in self._peer_reps:
+            assert self.job is not None
+            self._peer_reps[r] = self.job.peer(self.job.rep, r)
+        return self._peer_reps[r]
 
     def _graphs(self, r: int, plan: Plan, stream: torch.cuda.Stream) -> dict[tuple[int, int], Any]:
         """One CUDA graph per (ring slot, layer) of ``plan``'s body, captured once per shape: a
@@ -221,8 +242,10 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
         if plan.key in cache:
             return cache[plan.key]
         keys = [(slot, layer) for slot in range(job.ring.depth) for layer in range(plan.layers)]
+        reply = self._peer_rep(r) if plan.direct else job.rep
+        assert reply is not None
         for slot, layer in keys:  # warm-up outside capture: compile, lazy init (any slot data)
-            plan.body(job.req[r - 1, slot], job.rep[r - 1, slot], layer)
+            plan.body(job.req[r - 1, slot], reply[r - 1, slot], layer)
         stream.synchronize()  # (this stream only: its earlier requests were all answered)
         graphs = {}
         for slot, layer in keys:
@@ -231,7 +254,7 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self._graph_pools[r], capture_error_mode="thread_local")
             try:
-                plan.body(job.req[r - 1, slot], job.rep[r - 1, slot], layer)
+                plan.body(job.req[r - 1, slot], reply[r - 1, slot], layer)
             finally:
                 graph.capture_end()
             graphs[(slot, layer)] = graph
@@ -245,6 +268,7 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
         s = stream.cuda_stream
         depth = job.ring.depth
         done: list[torch.cuda.Event] = []
+        marks: list[tuple[torch.cuda.Event, ...]] = []  # (released, computed, replied)
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 graphs = self._graphs(r, plan, stream) if plan.body is not None else {}
@@ -253,12 +277,27 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
                         done.pop(0).synchronize()
                     slot = seq % depth
                     job.wait_ge(job.req_sig[r - 1 : r], seq, s)
+                    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                    ev[0].record(stream)
                     if graphs:
                         graphs[(slot, seq % plan.layers)].replay()
-                    rp = job.rep[r - 1, slot]
-                    job.put_signal(rp, plan.reply_bytes, job.rep_sig[r - 1 : r], seq, r, s)
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                    done.append(ev)
+                    ev[1].record(stream)
+                    if plan.direct:  # the body already wrote the requester's slot
+                        job.signal(job.rep_sig[r - 1 : r], seq, r, s)
+                    else:
+                        rp = job.rep[r - 1, slot]
+                        job.put_signal(rp, plan.reply_bytes, job.rep_sig[r - 1 : r], seq, r, s)
+                    ev[2].record(stream)
+                    done.append(ev[2])
+                    marks.append(tuple(ev))
+            if marks:
+                marks[-1][2].synchronize()
+                body = sorted(a.elapsed_time(b) * 1e3 for a, b, _ in marks)
+                put = sorted(b.elapsed_time(c) * 1e3 for _, b, c in marks)
+                self.stream_stats.append({
+                    "rank": r, "mode": str(plan.key[0]), "requests": count,
+                    "body_us_p50": body[len(body) // 2], "put_us_p50": put[len(put) // 2],
+                })  # fmt: skip
+                log.info("stream of requester %d: %s", r, self.stream_stats[-1])
         except Exception:
             log.exception("NVSHMEM stream of requester %d failed at enqueue", r)

@@ -15,6 +15,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -122,6 +123,10 @@ def save(out: Path, result: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
+
+
+def command() -> str:
+    return "python -m tools.bench_gpu " + " ".join(sys.argv[1:])
 
 
 def env_info(dev: torch.device) -> dict[str, Any]:
@@ -258,7 +263,19 @@ def part_tune(dev: torch.device) -> dict[str, Any]:
                         continue
                     points.append({"rows": rows, "heads": h, "config": cfg, "us": t})
                     print(f"tune rows={rows} h={h} triton {cfg} {t:8.1f} us", flush=True)
-    return {"points": points}
+    # Does a kernel's time depend on the pool it indexes into (not only on the rows it reads)?
+    pool_dep = []
+    for tokens in (1 << 14, 1 << 16, 1 << 18, 1 << 20):
+        big = random_pool(tokens, dev, seed=8)
+        q, i = random_request(g, 1, 64, K, tokens, dev)
+        for name, fn in fns.items():
+            if name == "torch":
+                continue
+            t = med(graph_us(partial(fn, q, big, i, D**-0.5, D_V)))
+            pool_dep.append({"pool_tokens": tokens, "kernel": name, "us": t})
+            print(f"tune pool={tokens:8d} rows=1 h=64 {name:8s} {t:8.1f} us", flush=True)
+        del big
+    return {"points": points, "pool_size": pool_dep}
 
 
 # -- CUDA-graph buckets ----------------------------------------------------------------------------
@@ -445,7 +462,7 @@ def single(args: argparse.Namespace) -> None:
     torch.cuda.set_device(dev)
     ceil = ceilings(dev)
     print(f"ceilings: {ceil}", flush=True)
-    result: dict[str, Any] = {"env": env_info(dev), "ceilings": ceil}
+    result: dict[str, Any] = {"command": command(), "env": env_info(dev), "ceilings": ceil}
     if args.tune:
         result["tune"] = part_tune(dev)
         save(args.out, result)

@@ -12,6 +12,7 @@ Transport over a 128k-token random corpus) and the requester in this process on 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tools.bench_gpu import D_V, D, K, env_info, graph_us, med, save
+from tools.bench_gpu import D_V, D, K, command, env_info, graph_us, med, save
 
 HOLDER_TOKENS = 1 << 17  # per GPU: 256k tokens over two
 PAGE = 64
@@ -98,11 +99,28 @@ def holder_main(port_file: Path, device: int, fetch_rows: int) -> None:
         await server.stop(1.0)
 
     asyncio.run(serve())
+    port_file.with_suffix(".stats").write_text(json.dumps(endpoint.stream_stats))
     endpoint.close()
     print("holder: closed", flush=True)
 
 
 # -- requester -------------------------------------------------------------------------------------
+
+
+def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``fn`` captured as a CUDA graph after two warm-up runs; returns (graph, its outputs)."""
+    cur = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    cur.wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def pctl(xs: list[float], q: float) -> float:
@@ -150,16 +168,24 @@ async def requester_main(
     idx[0] = -1  # an empty row
     idx[1, :4] = torch.tensor([0, HOLDER_TOKENS - 1, 1, HOLDER_TOKENS - 2], device=dev)
     p = await grpc_client.attend(CORPUS, 0, q.cpu(), idx.cpu(), scale)
-    await nv.open_stream("attend", 2, n, h, K, CORPUS, 0, 1, scale)
-    o_nv, lse_nv = nv.attend(q, idx).result(copy=True)
-    bad = idx.clone()
-    bad[5, 7] = HOLDER_TOKENS + 3  # a spare frame's row: not the corpus's
-    try:
-        nv.attend(q, bad).result()
-        rejected = False
-    except RemoteRowError:
-        rejected = True
-    equal = bool(torch.equal(p.o, o_nv.cpu()) and torch.equal(p.lse, lse_nv.cpu()))
+    exact: dict[str, Any] = {}
+    for direct in (False, True):
+        await nv.open_stream("attend", 2, n, h, K, CORPUS, 0, 1, scale, direct=direct)
+        o_nv, lse_nv = nv.attend(q, idx).result(copy=True)
+        bad = idx.clone()
+        bad[5, 7] = HOLDER_TOKENS + 3  # a spare frame's row: not the corpus's
+        try:
+            nv.attend(q, bad).result()
+            rejected = False
+        except RemoteRowError:
+            rejected = True
+        mode = "direct" if direct else "put"
+        exact[f"{mode}_equals_grpc_bitwise"] = bool(
+            torch.equal(p.o, o_nv.cpu()) and torch.equal(p.lse, lse_nv.cpu())
+        )
+        exact[f"{mode}_bad_rows_rejected"] = rejected
+    equal = exact["put_equals_grpc_bitwise"] and exact["direct_equals_grpc_bitwise"]
+    rejected = exact["put_bad_rows_rejected"] and exact["direct_bad_rows_rejected"]
     # reference: the holder's pool is seeded; rebuild it here to check against torch
     gh = torch.Generator(device=dev).manual_seed(11)
     pool_h = torch.randn(HOLDER_TOKENS, D, generator=gh, device=dev, dtype=torch.bfloat16)
@@ -167,6 +193,7 @@ async def requester_main(
     full = torch.isfinite(ref_lse)
     rel = float((o_nv.float() - ref_o)[full].norm() / ref_o[full].norm())
     out["exact"] = {
+        **exact,
         "nvshmem_equals_grpc_bitwise": equal,
         "bad_rows_rejected": rejected,
         "rel_err_vs_torch": rel,
@@ -188,14 +215,35 @@ async def requester_main(
                 times.append((time.perf_counter() - t) * 1e6)
         rtt[f"echo_h{heads}"] = {"bytes_out": qb, "bytes_back": rb, **stats(times)}
         qh = torch.randn(n, heads, D, generator=g, device=dev, dtype=torch.bfloat16)
-        await nv.open_stream("attend", reps + 5, n, heads, K, CORPUS, 0, 1, scale)
-        times = []
-        for i in range(reps + 5):
-            t = time.perf_counter()
-            nv.attend(qh, idx).result()
-            if i >= 5:
-                times.append((time.perf_counter() - t) * 1e6)
-        rtt[f"nvshmem_attend_h{heads}"] = stats(times)
+        for direct in (False, True):
+            mode = "direct" if direct else "put"
+            await nv.open_stream(
+                "attend", reps + 5, n, heads, K, CORPUS, 0, 1, scale, direct=direct
+            )
+            times = []
+            for i in range(reps + 5):
+                t = time.perf_counter()
+                nv.attend(qh, idx).result()
+                if i >= 5:
+                    times.append((time.perf_counter() - t) * 1e6)
+            rtt[f"nvshmem_{mode}_attend_h{heads}"] = stats(times)
+            # where the requester's stream spends a round trip: copy in, send, wait, status out
+            await nv.open_stream("attend", 25, n, heads, K, CORPUS, 0, 1, scale, direct=direct)
+            phases: list[list[float]] = [[] for _ in range(4)]
+            for i in range(25):
+                nv.trace = []
+                nv.attend(qh, idx).result()
+                ev = nv.trace
+                if i >= 5:
+                    for j in range(4):
+                        phases[j].append(ev[j].elapsed_time(ev[j + 1]) * 1e3)
+            nv.trace = None
+            key = f"requester_stream_{mode}_h{heads}_us"
+            rtt[key] = {
+                name: med(ph)
+                for name, ph in zip(("copy_in", "send", "wait", "status"), phases, strict=True)
+            }
+            print(f"requester stream {mode} h={heads}: {rtt[key]}", flush=True)
         kt = med(graph_us(partial(kernel, qh, pool_h, idx, scale, D_V)))
         rtt[f"kernel_h{heads}_us"] = kt
         times, holder_us = [], []
@@ -212,7 +260,8 @@ async def requester_main(
         print(
             f"route h={heads}: echo {rtt[f'echo_h{heads}']['p50']:.1f} us "
             f"({qb / 1e6:.2f} MB out, {rb / 1e6:.2f} MB back), kernel {kt:.1f} us, "
-            f"nvshmem attend {rtt[f'nvshmem_attend_h{heads}']['p50']:.1f} us "
+            f"nvshmem attend put {rtt[f'nvshmem_put_attend_h{heads}']['p50']:.1f} us, direct "
+            f"{rtt[f'nvshmem_direct_attend_h{heads}']['p50']:.1f} us "
             f"(target ≤ {budget:.1f}), grpc attend {rtt[f'grpc_attend_h{heads}']['p50']:.1f} us",
             flush=True,
         )
@@ -224,8 +273,9 @@ async def requester_main(
     q = torch.randn(n, h, D, generator=g, device=dev, dtype=torch.bfloat16)
     creps = max(10, reps // 4)
     for chunk in (64, 256, 1024, 4096, 16384, 65536):
-        idx_c = corpus_rows(g, n, K, chunk, dev)  # rows 0..chunk-1: the chunk's tokens
-        await nv.open_stream("attend", creps + 3, n, h, K, CORPUS, 0, 1, scale)
+        topk = max(128, min(K, chunk))  # the chunk's share of a row's top-k
+        idx_c = corpus_rows(g, n, topk, chunk, dev)  # rows 0..chunk-1: the chunk's tokens
+        await nv.open_stream("attend", creps + 3, n, h, topk, CORPUS, 0, 1, scale)
         times = []
         for i in range(creps + 3):
             t = time.perf_counter()
@@ -239,11 +289,12 @@ async def requester_main(
         for i in range(creps + 3):
             t = time.perf_counter()
             (pages,) = nv.fetch(rows).result()
-            local_fn(q, pages, idx_c, scale, D_V)
-            torch.cuda.synchronize()
             if i >= 3:
                 times.append((time.perf_counter() - t) * 1e6)
-        fetch = med(times)
+        fetch_rtt = med(times)
+        # after a fetch (or a local re-prefill) the requester runs the partial itself
+        splice = med(graph_us(partial(local_fn, q, pages, idx_c, scale, D_V)))
+        fetch = fetch_rtt + splice
         # local: re-prefill the chunk through one layer's active parameters, at the bf16 rate
         # this GPU reaches for that many rows (a lower bound: no attention, no MoE imbalance)
         m = max(chunk, 64)
@@ -251,21 +302,25 @@ async def requester_main(
         w = torch.randn(7168, 7168, device=dev, dtype=torch.bfloat16)
         gemm_us = med(graph_us(partial(torch.matmul, a, w), 4, 10))
         rate = 2 * m * 7168 * 7168 / (gemm_us * 1e-6)
-        local = 2 * chunk * LAYER_PARAMS / rate * 1e6
+        local = 2 * chunk * LAYER_PARAMS / rate * 1e6 + splice
         best = min(("route", route), ("fetch", fetch), ("local", local), key=lambda x: x[1])[0]
         cross.append(
             {
                 "chunk_tokens": chunk,
+                "topk": topk,
                 "route_us": route,
                 "fetch_us": fetch,
+                "fetch_rtt_us": fetch_rtt,
+                "splice_kernel_us": splice,
                 "local_us": local,
                 "fetch_bytes": chunk * D * 2,
+                "route_bytes": nr.attend_request_bytes(n, h, topk) + nr.attend_reply_bytes(n, h),
                 "best": best,
             }
         )
         print(
-            f"chunk {chunk:6d}: route {route:8.1f} us  fetch {fetch:8.1f} us  "
-            f"local {local:9.1f} us  → {best}",
+            f"chunk {chunk:6d} (k {topk:4d}): route {route:8.1f} us  fetch {fetch:8.1f} us "
+            f"(rtt {fetch_rtt:.1f} + kernel {splice:.1f})  local {local:9.1f} us  → {best}",
             flush=True,
         )
     out["crossover"] = {"rows": n, "heads": h, "k": K, "points": cross}
@@ -308,7 +363,43 @@ async def requester_main(
         if i >= 5:
             times.append((time.perf_counter() - t) * 1e6)
     mono = stats(times)
-    mono_dev = med(graph_us(lambda: mono_fn(qa, pool_all, sel, scale, D_V)))
+    mono_dev = med(graph_us(partial(mono_fn, qa, pool_all, sel, scale, D_V)))
+
+    # The same step with the requester's local partial and merge as CUDA graphs (the decode
+    # worker's steady state): host cost is one attend enqueue and two replays.
+    cur = torch.cuda.current_stream(dev)
+    g_local, lo_s = capture(partial(local_fn, qa, pool_local, idx_local, scale, D_V))
+    depth = nv.ring.depth
+    await nv.open_stream("attend", reps + 5 + depth, agents, h, K, CORPUS, 0, 1, scale)
+    merges = {}
+    for _ in range(depth):  # one merge graph per ring slot the reply can land in
+        pend = nv.attend(qa, idx_remote)
+        g_local.replay()
+        ro, rl = pend.result()
+        merges[ro.data_ptr()] = capture(partial(merge_partials, [lo_s, (ro, rl)]))
+    times = []
+    for i in range(reps + 5):
+        t = time.perf_counter()
+        pend = nv.attend(qa, idx_remote)
+        g_local.replay()
+        ro, rl = pend.wait_on(cur)
+        g_merge, merged = merges[ro.data_ptr()]
+        g_merge.replay()
+        torch.cuda.synchronize()
+        pend.check()
+        if i >= 5:
+            times.append((time.perf_counter() - t) * 1e6)
+    dist_graph = stats(times)
+    graph_equal = bool(torch.equal(merged[0], mo) and torch.equal(merged[1], ml))
+    g_mono, _ = capture(partial(mono_fn, qa, pool_all, sel, scale, D_V))
+    times = []
+    for i in range(reps + 5):
+        t = time.perf_counter()
+        g_mono.replay()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append((time.perf_counter() - t) * 1e6)
+    mono_graph = stats(times)
     layers, idx_bytes = 61, 128  # V3.2: 61 layers; index keys 128 fp8 bytes per token
     corpus_tokens = 2 * HOLDER_TOKENS
     per_token = layers * (D * 2 + idx_bytes)
@@ -321,6 +412,10 @@ async def requester_main(
         "monolithic_wall_us": mono,
         "monolithic_device_us": mono_dev,
         "ratio_p50": dist["p50"] / mono["p50"],
+        "distributed_graphed_wall_us": dist_graph,
+        "monolithic_graphed_wall_us": mono_graph,
+        "ratio_graphed_p50": dist_graph["p50"] / mono_graph["p50"],
+        "graphed_equals_eager_bitwise": graph_equal,
         "distributed_rel_err_vs_monolithic": dist_rel,
         "distributed_max_lse_diff": dist_lse,
         "capacity_bytes_per_gpu": {
@@ -332,7 +427,10 @@ async def requester_main(
     print(
         f"decode step (32 agents, 256k tokens, per layer): distributed {dist['p50']:.1f} us, "
         f"monolithic {mono['p50']:.1f} us wall / {mono_dev:.1f} us device, ratio "
-        f"{dist['p50'] / mono['p50']:.2f}; merge vs monolithic rel err {dist_rel:.1e}",
+        f"{dist['p50'] / mono['p50']:.2f}; graphed: distributed {dist_graph['p50']:.1f} us, "
+        f"monolithic {mono_graph['p50']:.1f} us, ratio "
+        f"{dist_graph['p50'] / mono_graph['p50']:.2f}; merge vs monolithic rel err "
+        f"{dist_rel:.1e}",
         flush=True,
     )
     await grpc_client.close()
@@ -360,10 +458,18 @@ def pair(out: Path, quick: bool) -> None:
             time.sleep(0.2)
         port, kname = port_file.read_text().split()
         dev = torch.device("cuda", 0)
-        result: dict[str, Any] = {"env": env_info(dev), "gpus": torch.cuda.device_count()}
+        result: dict[str, Any] = {
+            "command": command(),
+            "env": env_info(dev),
+            "gpus": torch.cuda.device_count(),
+        }
         result.update(
             asyncio.run(requester_main(f"127.0.0.1:{port}", kname, quick, holder.terminate))
         )
+        holder.wait(60)
+        stats_file = port_file.with_suffix(".stats")
+        if stats_file.exists():
+            result["holder_streams"] = json.loads(stats_file.read_text())
         save(out, result)
     finally:
         holder.terminate()

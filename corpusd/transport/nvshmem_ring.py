@@ -123,6 +123,15 @@ def attend_reply_views(slot: torch.Tensor, n: int, h: int) -> tuple[torch.Tensor
     return o, lse, status
 
 
+def store(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst = src`` with SM stores (an elementwise kernel, not a copy-engine memcpy): into a
+    peer mapping that is the fast way over NVLink, and exact (× 1 changes no value)."""
+    if dst.dtype.is_floating_point:
+        torch.mul(src, 1, out=dst)
+    else:
+        torch.add(src, 0, out=dst)
+
+
 def fetch_reply_views(slot: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     pb = n * D_QK * 2
     return slot[:pb].view(torch.bfloat16).view(n, D_QK), slot[pb : pb + 4].view(torch.int32)
@@ -182,6 +191,15 @@ class Job:
 
     def signal(self, sig: torch.Tensor, value: int, pe: int, s: int) -> None:
         _bindings().signal_op_on_stream(sig.data_ptr(), value, self._set, pe, s)
+
+    def peer(self, t: torch.Tensor, pe: int) -> torch.Tensor | None:
+        """PE ``pe``'s copy of symmetric ``t`` mapped into this process (NVLink, same node), or
+        None when it cannot be mapped (another node: use put_signal)."""
+        try:
+            view = _core().get_peer_tensor(t, pe)
+        except Exception:
+            return None
+        return view if view is not None and view.data_ptr() != 0 else None
 
     def close(self) -> None:
         core = _core()
