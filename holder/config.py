@@ -25,6 +25,11 @@ class HolderConfig:
     dtype: str = "float32"
     kernel: str = "auto"
     max_flows: int = 8
+    staging_streams: int = 8  # CUDA streams that stage outgoing partials / pages (GPU holders)
+    nvshmem_peers: int = 0  # > 0: offer an NVSHMEM job with this many requester slots (GPU only)
+    nvshmem_rows: int = 64  # ring slot: query rows × 128 heads × nvshmem_topk per request
+    nvshmem_topk: int = 2048
+    nvshmem_fetch_rows: int = 16384  # ring slot: pool rows per fetch reply
     max_queue: int = 1024
     queue_timeout_s: float = 10.0
     max_rows: int = 8192  # rows of one Attend / IndexTopK
@@ -39,13 +44,24 @@ class HolderConfig:
             raise ValueError("a holder needs a page store and a state directory")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for key in ("capacity_tokens", "page_size", "max_flows", "max_rows", "max_k"):
+        for key in (
+            "capacity_tokens",
+            "page_size",
+            "max_flows",
+            "staging_streams",
+            "max_rows",
+            "max_k",
+        ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {self.capacity_bytes}")
         if self.capacity_tokens < self.page_size:
             raise ValueError(f"capacity_tokens {self.capacity_tokens} is less than one page")
+        if self.nvshmem_peers < 0 or min(self.nvshmem_rows, self.nvshmem_topk) <= 0:
+            raise ValueError("nvshmem_peers must be >= 0, nvshmem_rows / nvshmem_topk > 0")
+        if self.nvshmem_peers and not self.device.startswith("cuda"):
+            raise ValueError("nvshmem_peers needs a cuda device")
         if not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
 

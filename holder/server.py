@@ -14,6 +14,7 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import torch
 
 from corpusd.corpus.store import PageStore
@@ -51,7 +52,7 @@ def build(cfg: HolderConfig, model_dir: Path) -> HolderService:
                 f"({geo.bytes_per_frame:,} bytes)"
             )
         geo = replace(geo, frames=frames)
-    kernel = choose(cfg.kernel, cfg.device)
+    kernel = choose(cfg.kernel, cfg.device, geo.dtype, geo.kv_dim, geo.kv_dim - 64)
     return HolderService(
         cfg, FramePool(geo), PageStore(cfg.store), kernel, fingerprint(model_dir), HolderMetrics()
     )
@@ -81,8 +82,21 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
     restored = await asyncio.get_running_loop().run_in_executor(None, svc.restore)
     svc.pool.check_integrity()
     limit = cfg.max_message_bytes + (1 << 20)
+    endpoint_nv = None
+    if cfg.nvshmem_peers:
+        from holder.nvshmem_endpoint import from_config
+
+        endpoint_nv = from_config(cfg, svc.pool, svc.kernel)
+
+    def add(server: grpc.aio.Server) -> None:
+        holder_pb2_grpc.add_HolderServicer_to_server(svc, server)
+        if endpoint_nv is not None:
+            from corpusd.v1 import transport_pb2_grpc
+
+            transport_pb2_grpc.add_TransportServicer_to_server(endpoint_nv, server)
+
     up = await listen(
-        lambda srv: holder_pb2_grpc.add_HolderServicer_to_server(svc, srv),
+        add,
         SERVICE,
         cfg.host,
         cfg.port,
@@ -135,6 +149,8 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
     for task in tasks:
         task.cancel()
     svc.executor.shutdown(wait=True)
+    if endpoint_nv is not None and endpoint_nv.job is not None:
+        endpoint_nv.close()  # collective: the job's requesters close too
     log.info("%s stopped", holder_id)
 
 

@@ -27,6 +27,7 @@ from holder.config import HolderConfig
 from holder.kernels import Kernel
 from holder.metrics import HolderMetrics, k_bucket, rows_bucket
 from holder.pool import FramePool, PoolFull, RowError
+from holder.staging import StagingPool
 from holder.state import AssignmentLog
 from indexer import index_scores, select_topk
 
@@ -92,6 +93,11 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         self._inflight: dict[str, int] = {}
         # corpus → (pool rows, positions) of its held tokens; dropped whenever its pages change
         self._rows_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.staging = (
+            StagingPool(cfg.staging_streams, pool.geo.device)
+            if pool.geo.device.startswith("cuda")
+            else None
+        )
         metrics.capacity.set(pool.geo.frames)
         metrics.kernel.labels(kernel.name, cfg.device).set(1)
 
@@ -179,7 +185,22 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         d_v = geo.kv_dim - 64
 
         def compute() -> tuple[torch.Tensor, torch.Tensor]:
-            return self.kernel.fn(q.to(pool.dtype), pool, rows.to(torch.int64), request.scale, d_v)
+            if self.staging is None:
+                return self.kernel.fn(
+                    q.to(pool.dtype), pool, rows.to(torch.int64), request.scale, d_v
+                )
+            with torch.cuda.device(pool.device):  # flows run on executor threads
+                o, lse = self.kernel.fn(
+                    q.to(pool.device, pool.dtype), pool, rows.to(pool.device), request.scale, d_v
+                )
+                # The partial goes to pinned host buffers on one of the K staging streams, so
+                # concurrent flows' copies overlap instead of queueing behind each other.
+                host = (
+                    torch.empty(o.shape, dtype=o.dtype, pin_memory=True),
+                    torch.empty(lse.shape, dtype=lse.dtype, pin_memory=True),
+                )
+                self.staging.copy([(o, host[0]), (lse, host[1])]).synchronize()
+            return host
 
         (o, lse), _, secs = await self._run(request.corpus_id, compute)
         self.metrics.partial.labels(rows_bucket(n), k_bucket(rows.shape[1])).observe(secs)

@@ -1,0 +1,254 @@
+"""Sparse absorbed-MLA partial attention in Triton, for any head count.
+
+Same contract as ``corpusd.model.partial.partial_attention``: every query row attends over its
+own selected pool rows; returns O and the natural-log LSE, with O = 0 and LSE = -inf for a row
+with no valid index. Where FlashMLA's kernel needs 64 or 128 heads and top-k a multiple of 128,
+this one takes h ≥ 1 and any k.
+
+Layout: one program per (row, block of ``BLOCK_H`` heads, split of the row's k indices). The
+gathered pool tile ``[BLOCK_N, d]`` is split into its value part ``[BLOCK_N, d_v]`` (c_KV, used
+for both q·k and p·v, so it is loaded once) and its rope part ``[BLOCK_N, d - d_v]``. The softmax
+is online in base 2. When one row alone cannot fill the GPU (decode: few rows, few heads) the
+k indices are split over several programs (flash-decoding) and a second kernel merges the
+splits by their LSE exactly as ``merge_partials`` does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies the raw bits of
+# bf16 operands in tl.dot; there the tiles are upcast to float32 first. Compiled kernels keep
+# bf16 operands and float32 accumulation.
+_DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _partial_kernel(
+    q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr,
+    n_kv, k, k_per_split, scale2, h,
+    s_qn, s_qh, s_kvn, s_in, s_on, s_os, s_oh, s_ln, s_ls,
+    D_V: tl.constexpr, D_PE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_PE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, OUT_BASE2: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < h
+    dv = tl.arange(0, BLOCK_V)
+    dp = tl.arange(0, BLOCK_PE)
+    vmask = dv < D_V
+    pmask = dp < D_PE
+
+    q_row = q_ptr + row * s_qn + heads[:, None] * s_qh
+    q_nope = tl.load(q_row + dv[None, :], mask=hmask[:, None] & vmask[None, :], other=0.0)
+    q_pe = tl.load(q_row + D_V + dp[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
+    if DOT_F32:
+        q_nope = q_nope.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    lo = split * k_per_split
+    for start in range(0, k_per_split, BLOCK_N):
+        cols = lo + start + tl.arange(0, BLOCK_N)
+        cmask = (cols < k) & (start + tl.arange(0, BLOCK_N) < k_per_split)
+        idx = tl.load(idx_ptr + row * s_in + cols, mask=cmask, other=-1).to(tl.int64)
+        # Out-of-range rows count as unused: the kernel never reads outside the pool.
+        valid = (idx >= 0) & (idx < n_kv)
+        kv_row = kv_ptr + tl.where(valid, idx, 0) * s_kvn
+        k_nope = tl.load(kv_row[:, None] + dv[None, :], mask=valid[:, None] & vmask[None, :],
+                         other=0.0)  # fmt: skip
+        k_pe = tl.load(kv_row[:, None] + D_V + dp[None, :], mask=valid[:, None] & pmask[None, :],
+                       other=0.0)  # fmt: skip
+        if DOT_F32:
+            k_nope = k_nope.to(tl.float32)
+            k_pe = k_pe.to(tl.float32)
+        s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))  # [BLOCK_H, BLOCK_N]
+        s = tl.where(valid[None, :], s * scale2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked so far: no NaN
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
+        m = m_new
+
+    empty = l_sum == 0.0
+    out = acc / tl.where(empty, 1.0, l_sum)[:, None]
+    lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l_sum)))
+    lse = lse2 if OUT_BASE2 else lse2 * 0.6931471805599453
+    o_addr = o_ptr + row * s_on + split * s_os + heads[:, None] * s_oh + dv[None, :]
+    tl.store(o_addr, out.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
+    tl.store(lse_ptr + row * s_ln + split * s_ls + heads, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_kernel(
+    o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, splits, h,
+    s_pn, s_ps, s_ph, s_ln, s_ls, s_on, s_oh,
+    D_V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    smask = sp < splits
+    lse2 = tl.load(lse_part_ptr + row * s_ln + sp * s_ls + head, mask=smask, other=float("-inf"))
+    mx = tl.max(lse2, 0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse2 - mx_safe)  # 0 for empty splits
+    total = tl.sum(w, 0)
+    empty = total == 0.0
+    w = w / tl.where(empty, 1.0, total)
+    dv = tl.arange(0, BLOCK_V)
+    vmask = dv < D_V
+    part = tl.load(
+        o_part_ptr + row * s_pn + sp[:, None] * s_ps + head * s_ph + dv[None, :],
+        mask=smask[:, None] & vmask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(part * w[:, None], 0)
+    lse2 = mx_safe + tl.log2(tl.where(empty, 1.0, total))
+    lse = tl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
+    tl.store(o_ptr + row * s_on + head * s_oh + dv, out.to(o_ptr.dtype.element_ty), mask=vmask)
+    tl.store(lse_ptr + row * h + head, lse)
+
+
+def _pow2(x: int, floor: int = 16) -> int:
+    return max(floor, 1 << max(0, math.ceil(math.log2(max(1, x)))))
+
+
+def plan(
+    n: int, h: int, k: int, sms: int, block_h: int | None = None, block_n: int = 64
+) -> tuple[int, int, int]:
+    """``(block_h, splits, k_per_split)`` for ``n`` rows of ``h`` heads over ``k`` indices on a
+    GPU with ``sms`` multiprocessors: split k until there are about two programs per SM, but
+    never below 256 indices per split (the merge and the partial writes would then dominate).
+    Head blocks of up to 64 (a wider block re-reads each gathered KV tile fewer times; on H200,
+    ``bench_gpu single --tune``: 64 rows × 128 heads, 205 µs at 64 vs 247 µs at 32)."""
+    bh = block_h or min(64, _pow2(h))
+    programs = n * triton.cdiv(h, bh)
+    splits = 1
+    while programs * splits * 2 <= 2 * sms and k // (splits * 2) >= 256:
+        splits *= 2
+    per = triton.cdiv(triton.cdiv(k, splits), block_n) * block_n
+    return bh, triton.cdiv(k, per), per
+
+
+def triton_partial_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    d_v: int,
+    *,
+    block_h: int | None = None,
+    block_n: int = 64,
+    splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse absorbed-MLA partial attention (the ``partial_attention`` contract).
+
+    Args:
+        q: ``[n, h, d]`` bf16/fp16/fp32, any h ≥ 1; last dim contiguous.
+        kv: ``[N, d]`` same dtype as q; the first ``d_v`` columns are the values.
+        indices: int32/int64 ``[n, k]``; ``-1`` (or any value outside ``[0, N)``) = unused.
+        scale: softmax scale; d_v: value width (512 for V3.2).
+        block_h / block_n / splits / num_warps / num_stages: tuning; ``None`` = ``plan``.
+
+    Returns:
+        O ``[n, h, d_v]`` in q's dtype and LSE ``[n, h]`` float32, natural log; rows with no
+        valid index get O = 0, LSE = -inf. Unlike the reference, an index ``>= N`` is not an
+        error here but an unused slot: the caller validates rows (``FramePool.check_rows``).
+    """
+    n, h, d = q.shape
+    assert kv.dim() == 2 and kv.shape[1] == d and kv.dtype == q.dtype, f"{kv.shape=} {q.shape=}"
+    assert indices.dim() == 2 and indices.shape[0] == n, f"{indices.shape=} vs {q.shape=}"
+    assert 0 < d_v < d, f"{d_v=} must be below the query width {d}"
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+    k = indices.shape[1]
+    o = torch.empty(n, h, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(n, h, dtype=torch.float32, device=q.device)
+    if n == 0 or h == 0:
+        return o, lse
+    if k == 0:
+        return o.zero_(), lse.fill_(float("-inf"))
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    bh, n_split, per = plan(n, h, k, sms, block_h, block_n)
+    if splits is not None:
+        per = triton.cdiv(triton.cdiv(k, splits), block_n) * block_n
+        n_split = triton.cdiv(k, per)
+    consts = {
+        "D_V": d_v,
+        "D_PE": d - d_v,
+        "BLOCK_V": _pow2(d_v),
+        "BLOCK_PE": _pow2(d - d_v),
+        "BLOCK_H": bh,
+        "BLOCK_N": block_n,
+        "num_warps": num_warps or (4 if bh == 32 else 8),  # the tuned optimum per block
+        "num_stages": num_stages,
+        "DOT_F32": _DOT_F32,
+    }
+    grid = (n, triton.cdiv(h, bh), n_split)
+    if n_split == 1:
+        _partial_kernel[grid](
+            q, kv, indices, o, lse, kv.shape[0], k, per, scale * _LOG2E, h,
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
+            o.stride(0), 0, o.stride(1), lse.stride(0), 0,
+            OUT_BASE2=False, **consts,
+        )  # fmt: skip
+        return o, lse
+    o_part = torch.empty(n, n_split, h, d_v, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(n, n_split, h, dtype=torch.float32, device=q.device)
+    _partial_kernel[grid](
+        q, kv, indices, o_part, lse_part, kv.shape[0], k, per, scale * _LOG2E, h,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
+        lse_part.stride(1), OUT_BASE2=True, **consts,
+    )  # fmt: skip
+    _merge_kernel[(n, h)](
+        o_part, lse_part, o, lse, n_split, h,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), o.stride(0), o.stride(1),
+        D_V=d_v, BLOCK_V=_pow2(d_v), BLOCK_S=_pow2(n_split, 2), num_warps=4,
+    )  # fmt: skip
+    return o, lse
+
+
+@triton.jit
+def _prep_kernel(idx_ptr, out_ptr, count_ptr, n_kv, k, kp, s_in, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    total = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, kp, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        v = tl.load(idx_ptr + row * s_in + cols, mask=cols < k, other=-1).to(tl.int64)
+        ok = (v >= 0) & (v < n_kv)
+        tl.store(out_ptr + row * kp + cols, tl.where(ok, v, -1).to(tl.int32), mask=cols < kp)
+        total += ok.to(tl.int32)
+    tl.store(count_ptr + row, tl.sum(total, 0))
+
+
+def prep_sparse_indices(indices: torch.Tensor, n_kv: int, kp: int) -> tuple[torch.Tensor, ...]:
+    """One launch instead of five for FlashMLA's index layout: ``indices [n, k]`` (any int) →
+    ``(idx [n, 1, kp] int32 with -1 for unused, padding and out-of-pool slots, valid count
+    [n] int32)``."""
+    n, k = indices.shape
+    assert kp >= k, f"{kp=} < {k=}"
+    indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+    out = torch.empty(n, 1, kp, dtype=torch.int32, device=indices.device)
+    count = torch.empty(n, dtype=torch.int32, device=indices.device)
+    if n:
+        _prep_kernel[(n,)](indices, out, count, n_kv, k, kp, indices.stride(0), BLOCK=512)
+    return out, count

@@ -1,0 +1,479 @@
+"""Two-GPU parts of ``tools/bench_gpu.py``: a holder process on GPU 1 (gRPC Holder + NVSHMEM
+Transport over a 128k-token random corpus) and the requester in this process on GPU 0.
+
+    python -m tools.bench_gpu pair --out bench/results/gpu-pair-h200x2.json
+
+(2) route round trip at the decode point over NVSHMEM and gRPC, next to the raw NVSHMEM floor
+    (echo of the same bytes) and the partial's kernel time; exactness against gRPC.
+(3) route vs fetch vs local per chunk size (64 … 64k tokens): the crossover map.
+(4) one distributed decode step (32 agents, 256k tokens split over 2 GPUs) vs monolithic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tools.bench_gpu import D_V, D, K, command, env_info, graph_us, med, save
+
+HOLDER_TOKENS = 1 << 17  # per GPU: 256k tokens over two
+PAGE = 64
+SPARE_FRAMES = 16  # frames past the corpus: rows there are not the corpus's (bad-row checks)
+CORPUS = "bench-corpus"
+LAYER_PARAMS = 37e9 / 61  # V3.2 active parameters per layer: the local (re-prefill) proxy
+
+
+def nv_env() -> None:
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "4G")
+
+
+# -- holder process --------------------------------------------------------------------------------
+
+
+def holder_main(port_file: Path, device: int, fetch_rows: int) -> None:
+    """Serve Holder (gRPC) and Transport (NVSHMEM) over a random corpus until SIGTERM."""
+    import signal
+
+    import grpc
+
+    from corpusd.corpus.store import PageStore
+    from corpusd.v1 import holder_pb2_grpc, transport_pb2_grpc
+    from holder.config import HolderConfig
+    from holder.kernels import choose
+    from holder.metrics import HolderMetrics
+    from holder.nvshmem_endpoint import NvshmemEndpoint
+    from holder.pool import FramePool, Geometry
+    from holder.service import HolderService
+
+    nv_env()
+    torch.cuda.set_device(device)
+    dev = f"cuda:{device}"
+    tmp = Path(tempfile.mkdtemp(prefix="bench-holder-"))
+    cfg = HolderConfig(
+        store=str(tmp / "store"), state_dir=str(tmp / "state"), device=dev, dtype="bfloat16",
+        capacity_tokens=HOLDER_TOKENS + SPARE_FRAMES * PAGE, max_rows=4096, nvshmem_peers=1,
+        metrics_port=-1,
+    )  # fmt: skip
+    geo = Geometry(1, PAGE, D, 128, torch.bfloat16, cfg.frames, dev)
+    pool = FramePool(geo)
+    n_pages = HOLDER_TOKENS // PAGE
+    pool.add_corpus(CORPUS, HOLDER_TOKENS, n_pages)
+    frames = pool.take_frames(n_pages)
+    g = torch.Generator(device=dev).manual_seed(11)
+    lat = torch.randn(HOLDER_TOKENS, D, generator=g, device=dev, dtype=torch.bfloat16)
+    keys = torch.zeros(PAGE, 128, device=dev, dtype=torch.bfloat16)
+    for page, frame in enumerate(frames):
+        pool.fill(CORPUS, page, frame, [lat[page * PAGE : (page + 1) * PAGE]], [keys])
+    kernel = choose("auto", dev, torch.bfloat16, D, D_V)
+    svc = HolderService(cfg, pool, PageStore(cfg.store), kernel, "bench", HolderMetrics())
+    from corpusd.transport.nvshmem_ring import RingGeometry
+
+    ring = RingGeometry.for_shapes(1, 2, 64, 128, K, fetch_rows)
+    endpoint = NvshmemEndpoint(pool, kernel, ring, f"bench:{os.getpid()}", "localhost")
+
+    async def serve() -> None:
+        limit = cfg.max_message_bytes + (1 << 20)
+        opts = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        server = grpc.aio.server(options=opts)
+        holder_pb2_grpc.add_HolderServicer_to_server(svc, server)
+        transport_pb2_grpc.add_TransportServicer_to_server(endpoint, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        port_file.write_text(f"{port} {kernel.name}")
+        await stop.wait()
+        await server.stop(1.0)
+
+    asyncio.run(serve())
+    port_file.with_suffix(".stats").write_text(json.dumps(endpoint.stream_stats))
+    endpoint.close()
+    print("holder: closed", flush=True)
+
+
+# -- requester -------------------------------------------------------------------------------------
+
+
+def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``fn`` captured as a CUDA graph after two warm-up runs; returns (graph, its outputs)."""
+    cur = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    cur.wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def pctl(xs: list[float], q: float) -> float:
+    return float(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))])
+
+
+def stats(xs: list[float]) -> dict[str, float]:
+    return {"p50": med(xs), "p10": pctl(xs, 0.1), "p90": pctl(xs, 0.9), "min": min(xs)}
+
+
+def corpus_rows(g: torch.Generator, n: int, k: int, span: int, dev: torch.device) -> torch.Tensor:
+    """``[n, k]`` int32 distinct-per-row pool rows in ``0 … span-1`` (-1 padded when span < k)."""
+    take = min(k, span)
+    rows = torch.argsort(torch.rand(n, span, generator=g, device=dev), dim=1)[:, :take]
+    out = torch.full((n, k), -1, dtype=torch.int32, device=dev)
+    out[:, :take] = rows.to(torch.int32)
+    return out
+
+
+async def requester_main(
+    address: str, holder_kernel: str, quick: bool, stop_holder: Callable[[], None]
+) -> dict[str, Any]:
+    from corpusd.model.partial import merge_partials, partial_attention
+    from holder.kernels import REGISTRY
+    from requester.holder_client import HolderClient
+    from requester.nvshmem_client import NvshmemClient, RemoteRowError
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    reps = 30 if quick else 200
+    kernel = REGISTRY[holder_kernel].fn
+    scale = D**-0.5
+    g = torch.Generator(device=dev).manual_seed(12)
+    grpc_client = HolderClient(address)
+    t0 = time.perf_counter()
+    nv = await NvshmemClient.join(address, "bench-requester", 0)
+    join_s = time.perf_counter() - t0
+    print(f"joined NVSHMEM job {nv.job_id} as rank {nv.rank} in {join_s:.2f} s", flush=True)
+    out: dict[str, Any] = {"join_s": join_s, "holder_kernel": holder_kernel}
+
+    # (2) exactness, bad rows, round trips
+    n, h = 64, 128
+    q = torch.randn(n, h, D, generator=g, device=dev, dtype=torch.bfloat16)
+    idx = corpus_rows(g, n, K, HOLDER_TOKENS, dev)
+    idx[0] = -1  # an empty row
+    idx[1, :4] = torch.tensor([0, HOLDER_TOKENS - 1, 1, HOLDER_TOKENS - 2], device=dev)
+    p = await grpc_client.attend(CORPUS, 0, q.cpu(), idx.cpu(), scale)
+    exact: dict[str, Any] = {}
+    for direct in (False, True):
+        await nv.open_stream("attend", 2, n, h, K, CORPUS, 0, 1, scale, direct=direct)
+        o_nv, lse_nv = nv.attend(q, idx).result(copy=True)
+        bad = idx.clone()
+        bad[5, 7] = HOLDER_TOKENS + 3  # a spare frame's row: not the corpus's
+        try:
+            nv.attend(q, bad).result()
+            rejected = False
+        except RemoteRowError:
+            rejected = True
+        mode = "direct" if direct else "put"
+        exact[f"{mode}_equals_grpc_bitwise"] = bool(
+            torch.equal(p.o, o_nv.cpu()) and torch.equal(p.lse, lse_nv.cpu())
+        )
+        exact[f"{mode}_bad_rows_rejected"] = rejected
+    equal = exact["put_equals_grpc_bitwise"] and exact["direct_equals_grpc_bitwise"]
+    rejected = exact["put_bad_rows_rejected"] and exact["direct_bad_rows_rejected"]
+    # reference: the holder's pool is seeded; rebuild it here to check against torch
+    gh = torch.Generator(device=dev).manual_seed(11)
+    pool_h = torch.randn(HOLDER_TOKENS, D, generator=gh, device=dev, dtype=torch.bfloat16)
+    ref_o, ref_lse = partial_attention(q.float(), pool_h.float(), idx.long(), scale, D_V)
+    full = torch.isfinite(ref_lse)
+    rel = float((o_nv.float() - ref_o)[full].norm() / ref_o[full].norm())
+    out["exact"] = {
+        **exact,
+        "nvshmem_equals_grpc_bitwise": equal,
+        "bad_rows_rejected": rejected,
+        "rel_err_vs_torch": rel,
+        "empty_row_lse": float(lse_nv[0, 0]),
+    }
+    print(f"exact: {out['exact']}", flush=True)
+
+    from corpusd.transport import nvshmem_ring as nr
+
+    rtt: dict[str, Any] = {}
+    for heads in (16, 128):
+        qb, rb = nr.attend_request_bytes(n, heads, K), nr.attend_reply_bytes(n, heads)
+        await nv.open_stream("echo", reps + 5, n, echo_bytes=rb)
+        times = []
+        for i in range(reps + 5):
+            t = time.perf_counter()
+            nv.echo(qb).result()
+            if i >= 5:
+                times.append((time.perf_counter() - t) * 1e6)
+        rtt[f"echo_h{heads}"] = {"bytes_out": qb, "bytes_back": rb, **stats(times)}
+        qh = torch.randn(n, heads, D, generator=g, device=dev, dtype=torch.bfloat16)
+        for direct in (False, True):
+            mode = "direct" if direct else "put"
+            await nv.open_stream(
+                "attend", reps + 5, n, heads, K, CORPUS, 0, 1, scale, direct=direct
+            )
+            times = []
+            for i in range(reps + 5):
+                t = time.perf_counter()
+                nv.attend(qh, idx).result()
+                if i >= 5:
+                    times.append((time.perf_counter() - t) * 1e6)
+            rtt[f"nvshmem_{mode}_attend_h{heads}"] = stats(times)
+            # where the requester's stream spends a round trip: copy in, send, wait, status out
+            await nv.open_stream("attend", 25, n, heads, K, CORPUS, 0, 1, scale, direct=direct)
+            phases: list[list[float]] = [[] for _ in range(4)]
+            for i in range(25):
+                nv.trace = []
+                nv.attend(qh, idx).result()
+                ev = nv.trace
+                if i >= 5:
+                    for j in range(4):
+                        phases[j].append(ev[j].elapsed_time(ev[j + 1]) * 1e3)
+            nv.trace = None
+            key = f"requester_stream_{mode}_h{heads}_us"
+            rtt[key] = {
+                name: med(ph)
+                for name, ph in zip(("copy_in", "send", "wait", "status"), phases, strict=True)
+            }
+            print(f"requester stream {mode} h={heads}: {rtt[key]}", flush=True)
+        kt = med(graph_us(partial(kernel, qh, pool_h, idx, scale, D_V)))
+        rtt[f"kernel_h{heads}_us"] = kt
+        times, holder_us = [], []
+        qc, ic = qh.cpu(), idx.cpu()
+        for i in range(min(reps, 40) + 3):
+            t = time.perf_counter()
+            reply = await grpc_client.attend(CORPUS, 0, qc, ic, scale)
+            if i >= 3:
+                times.append((time.perf_counter() - t) * 1e6)
+                holder_us.append(reply.compute_us)
+        rtt[f"grpc_attend_h{heads}"] = {**stats(times), "holder_compute_p50": med(holder_us)}
+        budget = kt + 1.5 * rtt[f"echo_h{heads}"]["p50"]
+        rtt[f"target_h{heads}_us"] = budget
+        print(
+            f"route h={heads}: echo {rtt[f'echo_h{heads}']['p50']:.1f} us "
+            f"({qb / 1e6:.2f} MB out, {rb / 1e6:.2f} MB back), kernel {kt:.1f} us, "
+            f"nvshmem attend put {rtt[f'nvshmem_put_attend_h{heads}']['p50']:.1f} us, direct "
+            f"{rtt[f'nvshmem_direct_attend_h{heads}']['p50']:.1f} us "
+            f"(target ≤ {budget:.1f}), grpc attend {rtt[f'grpc_attend_h{heads}']['p50']:.1f} us",
+            flush=True,
+        )
+    out["route"] = rtt
+
+    # (3) route vs fetch vs local per chunk
+    local_fn = REGISTRY["flashmla"].fn if REGISTRY["flashmla"].available(str(dev)) else kernel
+    cross = []
+    q = torch.randn(n, h, D, generator=g, device=dev, dtype=torch.bfloat16)
+    creps = max(10, reps // 4)
+    for chunk in (64, 256, 1024, 4096, 16384, 65536):
+        topk = max(128, min(K, chunk))  # the chunk's share of a row's top-k
+        idx_c = corpus_rows(g, n, topk, chunk, dev)  # rows 0..chunk-1: the chunk's tokens
+        await nv.open_stream("attend", creps + 3, n, h, topk, CORPUS, 0, 1, scale)
+        times = []
+        for i in range(creps + 3):
+            t = time.perf_counter()
+            nv.attend(q, idx_c).result()
+            if i >= 3:
+                times.append((time.perf_counter() - t) * 1e6)
+        route = med(times)
+        rows = torch.arange(chunk, dtype=torch.int32, device=dev)
+        await nv.open_stream("fetch", creps + 3, chunk, corpus_id=CORPUS)
+        times = []
+        for i in range(creps + 3):
+            t = time.perf_counter()
+            (pages,) = nv.fetch(rows).result()
+            if i >= 3:
+                times.append((time.perf_counter() - t) * 1e6)
+        fetch_rtt = med(times)
+        # after a fetch (or a local re-prefill) the requester runs the partial itself
+        splice = med(graph_us(partial(local_fn, q, pages, idx_c, scale, D_V)))
+        fetch = fetch_rtt + splice
+        # local: re-prefill the chunk through one layer's active parameters, at the bf16 rate
+        # this GPU reaches for that many rows (a lower bound: no attention, no MoE imbalance)
+        m = max(chunk, 64)
+        a = torch.randn(m, 7168, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(7168, 7168, device=dev, dtype=torch.bfloat16)
+        gemm_us = med(graph_us(partial(torch.matmul, a, w), 4, 10))
+        rate = 2 * m * 7168 * 7168 / (gemm_us * 1e-6)
+        local = 2 * chunk * LAYER_PARAMS / rate * 1e6 + splice
+        best = min(("route", route), ("fetch", fetch), ("local", local), key=lambda x: x[1])[0]
+        cross.append(
+            {
+                "chunk_tokens": chunk,
+                "topk": topk,
+                "route_us": route,
+                "fetch_us": fetch,
+                "fetch_rtt_us": fetch_rtt,
+                "splice_kernel_us": splice,
+                "local_us": local,
+                "fetch_bytes": chunk * D * 2,
+                "route_bytes": nr.attend_request_bytes(n, h, topk) + nr.attend_reply_bytes(n, h),
+                "best": best,
+            }
+        )
+        print(
+            f"chunk {chunk:6d} (k {topk:4d}): route {route:8.1f} us  fetch {fetch:8.1f} us "
+            f"(rtt {fetch_rtt:.1f} + kernel {splice:.1f})  local {local:9.1f} us  → {best}",
+            flush=True,
+        )
+    out["crossover"] = {"rows": n, "heads": h, "k": K, "points": cross}
+
+    # (4) distributed decode step vs monolithic
+    agents = 32
+    gl = torch.Generator(device=dev).manual_seed(13)
+    pool_local = torch.randn(HOLDER_TOKENS, D, generator=gl, device=dev, dtype=torch.bfloat16)
+    pool_all = torch.cat([pool_local, pool_h])  # positions 0..128k local, 128k..256k remote
+    qa = torch.randn(agents, h, D, generator=g, device=dev, dtype=torch.bfloat16)
+    sel = corpus_rows(g, agents, K, 2 * HOLDER_TOKENS, dev)  # global top-k positions
+    is_local = sel < HOLDER_TOKENS
+    idx_local = torch.where(is_local, sel, -1)
+    idx_remote = torch.where(~is_local & (sel >= 0), sel - HOLDER_TOKENS, -1)
+    mono_fn = local_fn
+    ref = mono_fn(qa, pool_all, sel, scale, D_V)
+    await nv.open_stream("attend", reps + 6, agents, h, K, CORPUS, 0, 1, scale)
+    pend = nv.attend(qa, idx_remote)
+    lo = local_fn(qa, pool_local, idx_local, scale, D_V)
+    ro, rl = pend.result()
+    mo, ml = merge_partials([lo, (ro, rl)])
+    dist_rel = float((mo.float() - ref[0].float()).norm() / ref[0].float().norm())
+    dist_lse = float((ml - ref[1]).abs().max())
+    times = []
+    for i in range(reps + 5):
+        t = time.perf_counter()
+        pend = nv.attend(qa, idx_remote)
+        lo = local_fn(qa, pool_local, idx_local, scale, D_V)
+        ro, rl = pend.result()
+        mo, ml = merge_partials([lo, (ro, rl)])
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append((time.perf_counter() - t) * 1e6)
+    dist = stats(times)
+    times = []
+    for i in range(reps + 5):
+        t = time.perf_counter()
+        mono_fn(qa, pool_all, sel, scale, D_V)
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append((time.perf_counter() - t) * 1e6)
+    mono = stats(times)
+    mono_dev = med(graph_us(partial(mono_fn, qa, pool_all, sel, scale, D_V)))
+
+    # The same step with the requester's local partial and merge as CUDA graphs (the decode
+    # worker's steady state): host cost is one attend enqueue and two replays.
+    cur = torch.cuda.current_stream(dev)
+    g_local, lo_s = capture(partial(local_fn, qa, pool_local, idx_local, scale, D_V))
+    depth = nv.ring.depth
+    await nv.open_stream("attend", reps + 5 + depth, agents, h, K, CORPUS, 0, 1, scale)
+    merges = {}
+    for _ in range(depth):  # one merge graph per ring slot the reply can land in
+        pend = nv.attend(qa, idx_remote)
+        g_local.replay()
+        ro, rl = pend.result()
+        merges[ro.data_ptr()] = capture(partial(merge_partials, [lo_s, (ro, rl)]))
+    times = []
+    for i in range(reps + 5):
+        t = time.perf_counter()
+        pend = nv.attend(qa, idx_remote)
+        g_local.replay()
+        ro, rl = pend.wait_on(cur)
+        g_merge, merged = merges[ro.data_ptr()]
+        g_merge.replay()
+        torch.cuda.synchronize()
+        pend.check()
+        if i >= 5:
+            times.append((time.perf_counter() - t) * 1e6)
+    dist_graph = stats(times)
+    graph_equal = bool(torch.equal(merged[0], mo) and torch.equal(merged[1], ml))
+    g_mono, _ = capture(partial(mono_fn, qa, pool_all, sel, scale, D_V))
+    times = []
+    for i in range(reps + 5):
+        t = time.perf_counter()
+        g_mono.replay()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append((time.perf_counter() - t) * 1e6)
+    mono_graph = stats(times)
+    layers, idx_bytes = 61, 128  # V3.2: 61 layers; index keys 128 fp8 bytes per token
+    corpus_tokens = 2 * HOLDER_TOKENS
+    per_token = layers * (D * 2 + idx_bytes)
+    out["decode_step"] = {
+        "agents": agents,
+        "corpus_tokens": corpus_tokens,
+        "heads": h,
+        "k": K,
+        "distributed_wall_us": dist,
+        "monolithic_wall_us": mono,
+        "monolithic_device_us": mono_dev,
+        "ratio_p50": dist["p50"] / mono["p50"],
+        "distributed_graphed_wall_us": dist_graph,
+        "monolithic_graphed_wall_us": mono_graph,
+        "ratio_graphed_p50": dist_graph["p50"] / mono_graph["p50"],
+        "graphed_equals_eager_bitwise": graph_equal,
+        "distributed_rel_err_vs_monolithic": dist_rel,
+        "distributed_max_lse_diff": dist_lse,
+        "capacity_bytes_per_gpu": {
+            "monolithic": corpus_tokens * per_token,
+            "distributed_2gpu": corpus_tokens * per_token // 2,
+        },
+        "note": "per layer; bf16 latent + fp8 index keys for 61 layers in the capacity numbers",
+    }
+    print(
+        f"decode step (32 agents, 256k tokens, per layer): distributed {dist['p50']:.1f} us, "
+        f"monolithic {mono['p50']:.1f} us wall / {mono_dev:.1f} us device, ratio "
+        f"{dist['p50'] / mono['p50']:.2f}; graphed: distributed {dist_graph['p50']:.1f} us, "
+        f"monolithic {mono_graph['p50']:.1f} us, ratio "
+        f"{dist_graph['p50'] / mono_graph['p50']:.2f}; merge vs monolithic rel err "
+        f"{dist_rel:.1e}",
+        flush=True,
+    )
+    await grpc_client.close()
+    stop_holder()  # its endpoint closes the job: a collective barrier with ours
+    await nv.close()
+    return out
+
+
+def pair(out: Path, quick: bool) -> None:
+    assert torch.cuda.device_count() >= 2, "the pair bench needs two GPUs"
+    nv_env()
+    port_file = Path(tempfile.mkdtemp(prefix="bench-pair-")) / "port"
+    # The holder sees only GPU 1 (as its cuda:0), so every thread of it (gRPC flows, NVSHMEM
+    # enqueue threads) launches on its GPU without per-thread device guards.
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "tools.bench_gpu", "pair-holder", "--port-file", str(port_file),
+         "--device", "0"],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 180
+        while not port_file.exists() or not port_file.read_text().strip():
+            if holder.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"holder process did not come up (exit {holder.poll()})")
+            time.sleep(0.2)
+        port, kname = port_file.read_text().split()
+        dev = torch.device("cuda", 0)
+        result: dict[str, Any] = {
+            "command": command(),
+            "env": env_info(dev),
+            "gpus": torch.cuda.device_count(),
+        }
+        result.update(
+            asyncio.run(requester_main(f"127.0.0.1:{port}", kname, quick, holder.terminate))
+        )
+        holder.wait(60)
+        stats_file = port_file.with_suffix(".stats")
+        if stats_file.exists():
+            result["holder_streams"] = json.loads(stats_file.read_text())
+        save(out, result)
+    finally:
+        holder.terminate()
+        try:
+            holder.wait(60)
+        except subprocess.TimeoutExpired:
+            holder.kill()
