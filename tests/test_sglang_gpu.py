@@ -1,7 +1,7 @@
 """The SGLang glue on a GPU with sglang 0.5.10.post1 installed (``pytest -m sglang``).
 
-Skipped elsewhere with the reason. **None of these has run yet**: the session that wrote them had
-no device time. The end-to-end server test (a tiny DeepSeek-V3.2 served by SGLang with this
+Skipped elsewhere with the reason. They passed on one H200 (sglang 0.5.10.post1 from
+.sglang-deps/). The end-to-end server test (a tiny DeepSeek-V3.2 served by SGLang with this
 plugin, tokens compared with corpusd's own agents) is not written yet; see
 requester/sglang/NOTES.md.
 """
