@@ -7,7 +7,9 @@ metrics port) in its state directory once it listens; its log goes to ``<role>.l
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -73,6 +75,22 @@ class Listening:
     health: HealthServicer
     port: int
     metrics_port: int  # -1: none
+
+    async def until_signal(
+        self, name: str, drain_s: float, tasks: Sequence[asyncio.Task[Any]] = ()
+    ) -> None:
+        """Serve until SIGTERM or SIGINT, then drain: health turns NOT_SERVING, new RPCs are
+        refused, running ones get ``drain_s``; the daemon's background ``tasks`` are cancelled."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        logging.getLogger("corpusd").info("%s draining (up to %.1f s)", name, drain_s)
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(drain_s)
+        for task in tasks:
+            task.cancel()
 
 
 async def listen(

@@ -1,4 +1,5 @@
-"""What servicers share: a refusal with its gRPC status, and wire decoding that refuses."""
+"""What servicers and clients share: a refusal with its gRPC status, wire decoding that
+refuses, and the error a client raises for a refused call."""
 
 from __future__ import annotations
 
@@ -10,6 +11,14 @@ import grpc
 from corpusd.wire import WireError
 
 T = TypeVar("T")
+
+
+class StatusError(Exception):
+    """A remote call refused or failed; ``code`` is its gRPC status, ``detail`` its message."""
+
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(f"{code.name}: {detail}")
+        self.code, self.detail = code, detail
 
 
 class Reject(Exception):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -104,7 +103,7 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
         svc.metrics.registry,
         [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
     )
-    server, health, port, metrics_port = up.server, up.health, up.port, up.metrics_port
+    port, metrics_port = up.port, up.metrics_port
     holder_id = cfg.holder_id or _stable_id(Path(cfg.state_dir), f"holder-{port}")
     svc.cfg = cfg = replace(cfg, holder_id=holder_id)
     write_endpoint(
@@ -132,22 +131,13 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
         metrics_port,
     )
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     checker = asyncio.create_task(_integrity_loop(svc))
     tasks = [checker]
     if cfg.coordinator:
         tasks.append(
             asyncio.create_task(keep_registered(svc, cfg.coordinator, f"{cfg.host}:{port}"))
         )
-    await stop.wait()
-    log.info("%s draining (up to %.1f s)", holder_id, cfg.drain_s)
-    await health.enter_graceful_shutdown()
-    await server.stop(cfg.drain_s)
-    for task in tasks:
-        task.cancel()
+    await up.until_signal(holder_id, cfg.drain_s, tasks)
     svc.executor.shutdown(wait=True)
     if endpoint_nv is not None and endpoint_nv.job is not None:
         endpoint_nv.close()  # collective: the job's requesters close too

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -228,13 +229,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 )
             s.gen.manual_seed(params.seed)
             # The budget counts from this call: tokens generated before it do not use it up.
-            s.params = SamplingParams(
-                max_tokens=len(s.generated) + params.max_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                stop_token_ids=params.stop_token_ids,
-                seed=params.seed,
-            )
+            s.params = replace(params, max_tokens=len(s.generated) + params.max_tokens)
             text, last = _TextStream(self.tok), t0
             first = True
             async for tok in self.scheduler.generate(s):
@@ -350,15 +345,19 @@ def _match(corpora: list[CorpusStatus], name: str) -> CorpusStatus:
 
 class _TextStream:
     """Incremental detokenisation: the text each new token adds, holding back a trailing
-    partial UTF-8 character until it completes."""
+    partial UTF-8 character until it completes. Each push decodes only the tokens since the
+    last emitted text (plus the one before, for tokenizers whose spacing depends on it), so a
+    long answer costs linear, not quadratic, decoding."""
 
     def __init__(self, tok: Tokenizer) -> None:
-        self.tok, self.ids, self.sent = tok, list[int](), 0
+        self.tok, self.ids = tok, list[int]()
+        self.prefix = self.read = 0  # ids[prefix:read] decode to text already sent
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tok.decode(self.ids)
+        text = self.tok.decode(self.ids[self.prefix :])
         if text.endswith("\ufffd"):
             return ""
-        out, self.sent = text[self.sent :], len(text)
-        return out
+        sent = self.tok.decode(self.ids[self.prefix : self.read])
+        self.prefix, self.read = max(self.read - 1, 0), len(self.ids)
+        return text[len(sent) :]

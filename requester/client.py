@@ -21,16 +21,13 @@ import grpc
 import torch
 
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
+from corpusd.rpc import StatusError
 from corpusd.v1 import agent_pb2, agent_pb2_grpc
 from corpusd.wire import from_proto, to_proto
 
 
-class AgentError(Exception):
+class AgentError(StatusError):
     """The agent (or the coordinator choosing one) refused; ``code`` is the gRPC status."""
-
-    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
-        super().__init__(f"{code.name}: {detail}")
-        self.code, self.detail = code, detail
 
 
 @dataclass(frozen=True, slots=True)

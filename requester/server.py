@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from pathlib import Path
 
 import torch
@@ -81,7 +80,7 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
         worker.metrics.registry,
         options,
     )
-    server, health, metrics_port = up.server, up.health, up.metrics_port
+    metrics_port = up.metrics_port
     address = f"{cfg.host}:{up.port}"
     worker_id = cfg.worker_id or f"agent-{up.port}"
     write_endpoint(
@@ -103,20 +102,11 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
         f"coordinator {cfg.coordinator}" if coord else f"holders {', '.join(holders) or 'none'}",
         metrics_port,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     tasks = []
     if coord is not None:
         url = f"http://{cfg.host}:{metrics_port}/metrics" if metrics_port >= 0 else ""
         tasks.append(asyncio.create_task(report_load(svc, worker_id, address, url)))
-    await stop.wait()
-    log.info("%s draining (up to %.1f s)", worker_id, cfg.drain_s)
-    await health.enter_graceful_shutdown()
-    await server.stop(cfg.drain_s)
-    for task in tasks:
-        task.cancel()
+    await up.until_signal(worker_id, cfg.drain_s, tasks)
     await svc.close()
     await worker.close()
     if coord is not None:

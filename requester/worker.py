@@ -584,26 +584,24 @@ class Worker:
         st.dead.add(g.holder)
         try:
             st.view = st.view.failover(st.dead)
+            to = "replica"
         except CorpusUnavailable:
             if st.tokens is None:
                 raise
-            log.warning(
-                "holder %s failed (%s: %s); recomputing its rows here",
-                failed,
-                e.code().name,
-                e.details(),
-            )
-            self.metrics.fallbacks.labels(pick, "local").inc()
-            return await self._execute(st, layer, q, off, g, "local", scale)
+            to = "local"
         log.warning(
-            "holder %s failed (%s: %s); its pages are served by replicas from now on",
+            "holder %s failed (%s: %s); %s",
             failed,
             e.code().name,
             e.details(),
+            "its pages are served by replicas from now on"
+            if to == "replica"
+            else "recomputing its rows here",
         )
-        self.metrics.fallbacks.labels(pick, "replica").inc()
-        qg, og = q[g.keep], off[g.keep]
-        return await self._route_all(st, layer, qg, og, g.canon, scale)
+        self.metrics.fallbacks.labels(pick, to).inc()
+        if to == "local":
+            return await self._execute(st, layer, q, off, g, "local", scale)
+        return await self._route_all(st, layer, q[g.keep], off[g.keep], g.canon, scale)
 
     async def _route_all(
         self,

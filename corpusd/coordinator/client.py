@@ -14,18 +14,15 @@ from typing import Any, TypeVar
 
 import grpc
 
+from corpusd.rpc import StatusError
 from corpusd.v1 import coordinator_pb2 as pb
 from corpusd.v1 import coordinator_pb2_grpc
 
 T = TypeVar("T")
 
 
-class CoordinatorError(Exception):
+class CoordinatorError(StatusError):
     """The coordinator refused or could not be reached; ``code`` is the gRPC status."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code, self.detail = code, message
 
 
 @dataclass(frozen=True, slots=True)

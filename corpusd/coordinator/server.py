@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 from pathlib import Path
 
 from corpusd.coordinator.buckets import CpBuckets
@@ -60,7 +59,7 @@ async def serve(cfg: CoordinatorConfig) -> None:
         cfg.metrics_port,
         metrics.registry,
     )
-    server, health, metrics_port = up.server, up.health, up.metrics_port
+    metrics_port = up.metrics_port
     address = f"{cfg.host}:{up.port}"
     write_endpoint(
         state_dir, {"address": address, "metrics_port": metrics_port, "pid": os.getpid()}
@@ -77,16 +76,8 @@ async def serve(cfg: CoordinatorConfig) -> None:
         metrics_port,
     )
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     retry = asyncio.create_task(_retry_queue(pub, cfg.retry_s))
-    await stop.wait()
-    log.info("coordinator draining (up to %.1f s)", cfg.drain_s)
-    await health.enter_graceful_shutdown()
-    await server.stop(cfg.drain_s)
-    retry.cancel()
+    await up.until_signal("coordinator", cfg.drain_s, [retry])
     await links.close()
     state.close()
     log.info("coordinator stopped")

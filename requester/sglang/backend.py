@@ -244,6 +244,25 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         out[:n] = merged
         return out.view_as(o)
 
+    def _forward(
+        self,
+        base: Any,
+        q: torch.Tensor,
+        k: Any,
+        v: Any,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool,
+        q_rope: Any,
+        kw: dict[str, Any],
+    ) -> torch.Tensor:
+        """SGLang's own attention (``base``, its LSE kept), then the corpus merged in for a
+        batch bound to a corpus."""
+        cb = self._corpus(forward_batch)
+        self._lse = None
+        o = base(q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope, **kw)
+        return o if cb is None else self._with_corpus(o, q, q_rope, layer, cb)
+
     def forward_extend(
         self,
         q: torch.Tensor,
@@ -255,12 +274,8 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         q_rope: Any = None,
         **kw: Any,
     ) -> torch.Tensor:
-        cb = self._corpus(forward_batch)
-        self._lse = None
-        o = super().forward_extend(
-            q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope, **kw
-        )
-        return o if cb is None else self._with_corpus(o, q, q_rope, layer, cb)
+        base = super().forward_extend
+        return self._forward(base, q, k, v, layer, forward_batch, save_kv_cache, q_rope, kw)
 
     def forward_decode(
         self,
@@ -273,12 +288,8 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         q_rope: Any = None,
         **kw: Any,
     ) -> torch.Tensor:
-        cb = self._corpus(forward_batch)
-        self._lse = None
-        o = super().forward_decode(
-            q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope, **kw
-        )
-        return o if cb is None else self._with_corpus(o, q, q_rope, layer, cb)
+        base = super().forward_decode
+        return self._forward(base, q, k, v, layer, forward_batch, save_kv_cache, q_rope, kw)
 
 
 def _tp_size() -> int:
