@@ -180,8 +180,14 @@ def cmd_model_init(a: argparse.Namespace) -> int:
     out = Path(a.dir)
     if (out / "config.json").exists() and not a.force:
         raise ValueError(f"{out} already holds a model; pass --force to overwrite it")
-    init_tiny(out, seed=a.seed)
-    print(f"wrote the tiny DeepSeek-V3.2 checkpoint (seed {a.seed}) to {out}")
+    overrides: dict[str, object] = {}
+    if a.heads is not None:
+        overrides.update(num_attention_heads=a.heads)
+    if a.index_topk is not None:
+        overrides.update(index_topk=a.index_topk)
+    init_tiny(out, seed=a.seed, **overrides)
+    what = "".join(f", {k} {v}" for k, v in overrides.items())
+    print(f"wrote the tiny DeepSeek-V3.2 checkpoint (seed {a.seed}{what}) to {out}")
     return 0
 
 
@@ -281,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     pi.add_argument("dir")
     pi.add_argument("--seed", type=int, default=0)
     pi.add_argument("--force", action="store_true")
+    pi.add_argument("--heads", type=int, choices=(64, 128), help="attention heads (default: 64)")
+    pi.add_argument(
+        "--index-topk",
+        type=int,
+        help="keys the indexer selects per query (default: 128; SGLang's NSA kernels need 2048)",
+    )
     pi.set_defaults(func=cmd_model_init)
     return p
 

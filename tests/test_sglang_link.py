@@ -16,8 +16,9 @@ from coordinators import start_holders, synthetic_corpus
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
 from corpusd.corpus.store import PageStore
-from corpusd.model import fingerprint
+from corpusd.model import ModelConfig, fingerprint, partial_attention
 from holder.launch import HolderProcess
+from requester.launch import AgentProcess, start_agent
 from requester.sglang.binding import CorpusBindingError
 from requester.sglang.link import CorpusLink
 from requester.sglang.pagehash import index_k_from_page, index_k_page, page_hashes
@@ -33,6 +34,7 @@ class Cluster:
     corpus_id: str
     coord: CoordinatorProcess
     holders: list[HolderProcess]
+    agent: AgentProcess
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterato
             assert (await c.pin(cid)).corpus.state == "ready"
 
     asyncio.run(pin())
-    yield Cluster(store, cid, co, hs)
+    agent = start_agent(store, tmp / "agent", tiny_dir, "--coordinator", co.address)
+    yield Cluster(store, cid, co, hs, agent)
+    assert agent.stop() == 0
     assert [h.stop() for h in hs] == [0]
     assert co.stop() == 0
 
@@ -91,6 +95,30 @@ def test_link_index_keys_are_the_stores_at_sglang_fp8_precision(
     exact = torch.cat([index_k_from_page(index_k_page(p.float(), True)) for p in idx])[:TOKENS]
     assert torch.equal(got, exact)  # the same fp8 round trip SGLang applies to its own keys
     assert 0 < rel(got, want) < 0.06
+
+
+def test_link_attend_is_the_corpus_partial_from_inside_a_sync_caller(
+    cluster: Cluster, tiny_dir: Path
+) -> None:
+    """SGLang's forward is synchronous: the link runs corpusd's asyncio client on its own loop
+    thread. Two calls in a row, so the client made by the first is reused on its loop."""
+    cfg = ModelConfig.from_dir(tiny_dir)
+    ps = PageStore(cluster.store)
+    lat, _ = ps.read_pages(cluster.corpus_id, 1, list(range(4)))
+    rows = lat.reshape(-1, cfg.kv_dim)[:TOKENS]
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, cfg.num_attention_heads, cfg.kv_dim, generator=g).bfloat16()
+    pos = torch.randint(-1, TOKENS, (3, 40), generator=g)
+    link = CorpusLink(cluster.coord.address, fingerprint(tiny_dir), 64)
+    try:
+        b = link.bind(cluster.corpus_id)
+        first = link.attend(b, 1, q, pos)
+        o, lse = link.attend(b, 1, q, pos)
+    finally:
+        link.close()
+    assert torch.equal(first[0], o) and torch.equal(first[1], lse)
+    ro, rl = partial_attention(q.float(), rows, pos, cfg.softmax_scale, cfg.kv_lora_rank)
+    assert rel(o.float(), ro) < 1e-2 and torch.allclose(lse, rl, atol=1e-3)
 
 
 def test_corpus_pages_serve_a_prompt_that_starts_with_the_corpus(

@@ -235,5 +235,15 @@ class ModelConfig:
             attention_bias=False,
             tie_word_embeddings=False,
             torch_dtype="bfloat16",
+            # Read by SGLang's DeepSeek-V3 family loader, which has no defaults for them; they
+            # restate what this config already means (sigmoid-scored, bias-corrected routing;
+            # no MTP layer).
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            num_nextn_predict_layers=0,
         )
+        n_dense = self.first_k_dense_replace
+        sparse_after = ("dense",) * n_dense + ("sparse",) * (self.num_hidden_layers - n_dense)
+        if self.mlp_layer_types == sparse_after:
+            d["moe_layer_freq"] = 1  # SGLang's way of saying "every layer from k on is sparse"
         return d

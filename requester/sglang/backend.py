@@ -218,9 +218,15 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         )
         h = layer.tp_q_head_num
         q_all = (
-            torch.cat([q.view(-1, h, layer.v_head_dim), q_rope.view(-1, h, -1)], -1)
+            torch.cat(
+                [
+                    q.reshape(-1, h, layer.v_head_dim),
+                    q_rope.reshape(-1, h, layer.head_dim - layer.v_head_dim),
+                ],
+                -1,
+            )
             if q_rope is not None
-            else q.view(-1, h, layer.head_dim)
+            else q.reshape(-1, h, layer.head_dim)
         )
         n = sel.shape[0]
         o_loc = o.reshape(-1, h, layer.v_head_dim)[:n]
@@ -229,9 +235,16 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         l_cor = torch.full_like(lse_loc, -math.inf)
         heads = _head_slice(layer)
         req = cb.token_req[:n].to(sel.device)
+        # One Agent API call per corpus and layer: every row of the batch bound to that corpus.
+        by_corpus: dict[str, list[int]] = {}
         for r, b in enumerate(cb.bindings):
-            rows = (req == r).nonzero().flatten()
-            if b is None or rows.numel() == 0:
+            if b is not None:
+                by_corpus.setdefault(b.corpus_id, []).append(r)
+        for reqs in by_corpus.values():
+            b = cb.bindings[reqs[0]]
+            assert b is not None
+            rows = torch.isin(req, torch.tensor(reqs, device=req.device)).nonzero().flatten()
+            if rows.numel() == 0:
                 continue
             qf = to_corpusd_layout(q_all[rows]).bfloat16()  # bf16 on the wire, as SGLang's q
             full = qf.new_zeros(len(rows), layer.tp_q_head_num * _tp_size(), qf.shape[-1])

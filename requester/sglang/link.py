@@ -105,6 +105,11 @@ class CorpusLink:
         """Merged ``(O [n, h, 512], LSE [n, h] natural, -inf empty)`` of ``q [n, h, 576]``
         (corpusd's rope layout, full head count) over canonical ``positions [n, k]`` (-1 unused),
         through an agent worker the coordinator picks (``requester.Client.attend``)."""
-        if self._client is None:
+        return self._run(self._attend(b.corpus_id, layer, q, positions))
+
+    async def _attend(
+        self, corpus_id: str, layer: int, q: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._client is None:  # made on the link's loop: its channels belong to that loop
             self._client = Client(coordinator=self.coordinator, timeout=self.timeout)
-        return self._run(self._client.attend(b.corpus_id, layer, q, positions=positions))
+        return await self._client.attend(corpus_id, layer, q, positions=positions)

@@ -1,0 +1,475 @@
+"""A real SGLang server with corpusd: stock vs route vs fetch on one GPU (issue 7).
+
+One pinned corpus (longer than the indexer's top-k) and 8 requests of corpus + a different
+question each, served three ways by ``python -m sglang.launch_server`` (sglang 0.5.10.post1):
+
+- ``stock``: plain SGLang given the full prompts (the corpus prefilled into its KV pool);
+- ``route``: SGLang with the corpusd plugin (``SGLANG_EXTERNAL_MODEL_PACKAGE=requester.sglang``)
+  given only the questions; attention over the corpus goes to corpusd's holders;
+- ``fetch``: plain SGLang given the full prompts, with corpusd's HiCache storage backend serving
+  the corpus's pages (no corpus prefill, the pages move into SGLang's pool).
+
+Correctness: greedy tokens of route and fetch against stock, position by position, and the
+first step's full log-softmax over the vocabulary (SGLang's ``token_ids_logprob``). Speed and
+memory: 8 concurrent streams, time to first token and inter-token time (client-side), and the
+peak of SGLang's ``sglang:num_used_tokens`` (tokens held in its KV pool) while they run.
+
+Run on a GPU machine with sglang installed (the device recipe is in the README)::
+
+    python -m tools.bench_sglang --out bench/results/sglang-h200.json
+
+It starts its own corpusd (coordinator, holders, one agent) and tiny model under ``--work``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from corpusd.coordinator.launch import start_coordinator
+from corpusd.corpus.store import PageStore
+from corpusd.daemon import Daemon
+from corpusd.tokenizer import ByteTokenizer
+from holder.launch import start_holder
+from requester.launch import start_agent
+from requester.sglang.binding import request_fields
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = [
+    "What does the coordinator store, and where?",
+    "How are two partial attentions merged exactly?",
+    "Which process holds the pinned pages?",
+    "What happens when a holder dies mid-answer?",
+    "How does a sub-agent name its corpus?",
+    "Where does the indexer's top-k come from?",
+    "What is sent to a holder at each decode step?",
+    "How is the README's first command run?",
+]
+SGLANG_ENV = {
+    # No 10-minute DeepGEMM JIT warm-up; prefill stays off the FA3 path the deps omit; one top-k
+    # code path (unfused) in every mode, which the plugin needs.
+    "SGLANG_ENABLE_JIT_DEEPGEMM": "0",
+    "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "0",
+    "SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
+    "SGLANG_NSA_FUSE_TOPK": "0",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+}
+SGLANG_FLAGS = [
+    "--attention-backend", "nsa", "--page-size", "64",
+    "--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse",
+    "--kv-cache-dtype", "auto", "--skip-tokenizer-init", "--disable-cuda-graph",
+    "--grammar-backend", "none", "--enable-metrics", "--context-length", "16384",
+    "--enable-fp32-lm-head",
+    "--mem-fraction-static", "0.3", "--max-total-tokens", "65536", "--log-level", "info",
+]  # fmt: skip
+
+
+@dataclass
+class Corpusd:
+    daemons: list[Daemon]
+    coordinator: str
+    store: Path
+    tokens: dict[str, list[int]]  # corpus name → its tokens
+
+    def stop(self) -> None:
+        for d in reversed(self.daemons):
+            try:
+                d.stop(timeout=20)
+            except subprocess.TimeoutExpired:
+                d.kill()
+
+
+def corpus_source(out: Path, n_bytes: int, first: str) -> Path:
+    """A directory with ``n_bytes`` of this repo's text, starting at the file ``first``."""
+    files = [ROOT / "README.md", *sorted((ROOT / "corpusd" / "model").glob("*.py"))]
+    files = sorted(files, key=lambda p: p.name != first)
+    text = "".join(p.read_text() for p in files)[:n_bytes]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "notes.md").write_text(text)
+    return out
+
+
+def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], holders: int,
+                  device: str) -> Corpusd:  # fmt: skip
+    """A coordinator, ``holders`` holders and an agent; each of ``corpora`` (name → bytes, first
+    file) pinned through them."""
+    store = work / "store"
+    daemons: list[Daemon] = []
+    try:
+        coord = start_coordinator(work / "coordinator", store)
+        daemons.append(coord)
+        extra = ["--coordinator", coord.address, "--capacity-tokens", "16384", "--device", device]
+        if device != "cpu":  # bf16 pages (as SGLang's pool), our Triton sparse-MLA kernel
+            extra += ["--dtype", "bfloat16", "--kernel", "triton"]
+        for i in range(holders):
+            daemons.append(start_holder(store, work / f"holder-{i}", model, *extra))
+        daemons.append(start_agent(store, work / "agent", model, "--coordinator", coord.address))
+        tokens = {}
+        for name, (n_bytes, first) in corpora.items():
+            src = corpus_source(work / "src" / name, n_bytes, first)
+            pin = [sys.executable, "-m", "corpusd", "pin", "--corpus", str(src), "--name", name]
+            pin += ["--model", str(model), "--store", str(store), "--coordinator", coord.address]
+            subprocess.run(pin, check=True)
+            ps = PageStore(store)
+            tokens[name] = ps.read_tokens(ps.resolve(name)).tolist()
+        return Corpusd(daemons, coord.address, store, tokens)
+    except BaseException:
+        for d in reversed(daemons):
+            d.kill()
+        raise
+
+
+# -- one SGLang server ---------------------------------------------------------------------------
+class Server:
+    def __init__(self, mode: str, model: Path, port: int, cd: Corpusd, log: Path) -> None:
+        env = {**os.environ, **SGLANG_ENV}
+        flags = ["--model-path", str(model), "--port", str(port), *SGLANG_FLAGS]
+        if mode == "route":
+            env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "requester.sglang"
+            env["CORPUSD_COORDINATOR"] = cd.coordinator
+        if mode == "fetch":
+            extra = {
+                "backend_name": "corpusd",
+                "module_path": "requester.sglang.hicache",
+                "class_name": "CorpusdHiCacheStorage",
+                "interface_v1": 1,
+                "corpusd_store": str(cd.store),
+                "model_path": str(model),
+            }
+            flags += [
+                "--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
+                "--hicache-storage-backend-extra-config", json.dumps(extra),
+                "--hicache-storage-prefetch-policy", "wait_complete",
+                "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "kernel",
+                "--hicache-size", "2",
+            ]  # fmt: skip
+        self.mode, self.url, self.log = mode, f"http://127.0.0.1:{port}", log
+        self._log = log.open("w")
+        cmd = [sys.executable, "-m", "sglang.launch_server", *flags]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = 420) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.mode}: sglang exited ({self.proc.returncode}):\n{self.tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{self.mode}: sglang not healthy in {timeout}s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        self._log.flush()
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+    def post(self, body: dict[str, Any], timeout: float = 600) -> Any:
+        req = urllib.request.Request(
+            self.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def stream(self, body: dict[str, Any], timeout: float = 600) -> list[float]:
+        """Arrival times (monotonic) of each streamed chunk that carries new tokens."""
+        req = urllib.request.Request(
+            self.url + "/generate",
+            json.dumps({**body, "stream": True}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        times: list[float] = []
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for line in r:
+                if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
+                    times.append(time.monotonic())
+        return times
+
+    def used_tokens(self) -> float:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        vals = [float(m) for m in re.findall(r"^sglang:num_used_tokens\{[^}]*\} (\S+)", text, re.M)]
+        return max(vals, default=math.nan)
+
+
+def request(
+    prompt: list[int], n: int, mode: str, corpus: str, i: int, vocab: int, logprobs: bool
+) -> dict:
+    body: dict[str, Any] = {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True},
+    }
+    if logprobs:
+        body.update(
+            return_logprob=True,
+            logprob_start_len=len(prompt),
+            token_ids_logprob=list(range(vocab)),
+        )
+    if mode == "route":
+        body.update(request_fields(corpus, f"{mode}-{i}-{time.monotonic_ns()}"))
+    return body
+
+
+def vectors(meta: dict[str, Any], vocab: int) -> list[list[float]]:
+    """Per output position, the log-softmax over the whole vocabulary."""
+    out = []
+    for step in meta["output_token_ids_logprobs"]:
+        v = [math.nan] * vocab
+        for lp, tok, *_ in step:
+            v[int(tok)] = float(lp)
+        out.append(v)
+    return out
+
+
+def measure(
+    server: Server, mode: str, corpus: str, corpus_tokens: list[int], suffixes: list[list[int]],
+    n_tokens: int, vocab: int, teacher: list[list[int]] | None, timed: bool, forced_steps: int,
+) -> dict[str, Any]:  # fmt: skip
+    """(1) Free-running greedy answers; (2) teacher-forced steps: for every position of the
+    reference answers (``teacher``, stock's; this mode's own when None), the log-softmax of the
+    next token given the same context, so noise at one step does not change the context of the
+    next; (3) if ``timed``, 8 concurrent streams, timed, with SGLang's KV-pool use sampled."""
+    prompts = [s if mode == "route" else corpus_tokens + s for s in suffixes]
+    greedy = []
+    for i, p in enumerate(prompts):
+        r = server.post(request(p, n_tokens, mode, corpus, i, vocab, logprobs=False))
+        greedy.append(
+            {"tokens": r["output_ids"], "cached_tokens": r["meta_info"].get("cached_tokens")}
+        )
+    ref = teacher or [g["tokens"] for g in greedy]
+
+    def forced(i: int) -> list[list[float]]:
+        out = []
+        for j in range(min(n_tokens, forced_steps)):
+            body = request(prompts[i] + ref[i][:j], 1, mode, corpus, i, vocab, logprobs=True)
+            out.append(vectors(server.post(body)["meta_info"], vocab)[0])
+        return out
+
+    with ThreadPoolExecutor(len(prompts)) as pool:  # one thread per prompt
+        steps = list(pool.map(forced, range(len(prompts))))
+    result: dict[str, Any] = {"greedy": greedy, "forced": steps}
+    if not timed:
+        return result
+    peak = [server.used_tokens()]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak.append(server.used_tokens())
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        t0 = time.monotonic()
+        futs = [
+            pool.submit(server.stream, request(p, n_tokens, mode, corpus, 100 + i, vocab, False))
+            for i, p in enumerate(prompts)
+        ]
+        arrivals = [f.result() for f in futs]
+    stop.set()
+    sampler.join()
+    gaps = [b - a for t in arrivals for a, b in itertools.pairwise(t)]
+    ttft = [t[0] - t0 for t in arrivals if t]
+    result["concurrent"] = {
+        "streams": len(prompts),
+        "tokens_each": n_tokens,
+        "ttft_p50_ms": 1e3 * statistics.median(ttft),
+        "inter_token_p50_ms": 1e3 * statistics.median(gaps),
+        "inter_token_p90_ms": 1e3 * statistics.quantiles(gaps, n=10)[-1],
+        "kv_pool_peak_tokens": max(v for v in peak if not math.isnan(v)),
+    }
+    return result
+
+
+def argmax(v: list[float]) -> int:
+    return max(range(len(v)), key=v.__getitem__)
+
+
+def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    """Free-running greedy agreement position by position; teacher-forced argmax agreement and
+    log-softmax differences (entries above −30 in both) at every step and at the first."""
+    same = total = 0
+    first_div = []
+    for a, b in zip(ref["greedy"], got["greedy"], strict=True):
+        ta, tb = a["tokens"], b["tokens"]
+        same += sum(x == y for x, y in zip(ta, tb, strict=True))
+        total += len(ta)
+        first_div.append(
+            next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
+        )
+    agree = steps = 0
+    diffs: list[float] = []
+    first: list[float] = []
+    margins = []
+    for ra, rb in zip(ref["forced"], got["forced"], strict=True):
+        for j, (va, vb) in enumerate(zip(ra, rb, strict=True)):
+            steps += 1
+            if argmax(va) == argmax(vb):
+                agree += 1
+            else:
+                top = sorted(va, reverse=True)
+                margins.append(top[0] - top[1])
+            d = [abs(x - y) for x, y in zip(va, vb, strict=True) if x > -30 and y > -30]
+            diffs += d
+            if j == 0:
+                first += d
+    return {
+        "greedy_agree": same / total,
+        "first_divergence": first_div,
+        "forced_agree": agree / steps,
+        "forced_steps": steps,
+        "ref_top2_margin_where_forced_differs": margins,
+        "logprob_max_abs_diff": max(diffs),
+        "logprob_mean_abs_diff": statistics.fmean(diffs),
+        "first_step_logprob_max_abs_diff": max(first),
+        "first_step_logprob_mean_abs_diff": statistics.fmean(first),
+    }
+
+
+REGIMES = {
+    # corpus + question + answer < index_topk: every key attended, no top-k selection anywhere
+    "dense": (1900, "layers.py"),
+    # corpus > index_topk: the indexer's top-k selects 2048 keys of the corpus and the request
+    "sparse": (3600, "README.md"),
+}
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / "model"
+    if not (model / "config.json").exists():
+        cmd = [sys.executable, "-m", "corpusd", "model", "init", str(model), "--index-topk", "2048"]
+        subprocess.run(cmd, check=True)
+    cfg = json.loads((model / "config.json").read_text())
+    vocab, topk = int(cfg["vocab_size"]), int(cfg["index_topk"])
+    modes = a.modes.split(",")
+    assert modes[0] == "stock", "stock runs first: it is the reference"
+    regimes = {r: REGIMES[r] for r in a.regimes.split(",")}
+    cd = start_corpusd(work, model, regimes, a.holders, a.holder_device)
+    tok = ByteTokenizer()
+    suffixes = [tok.encode(f"\n\nQ: {q}\nA:") for q in QUESTIONS[: a.requests]]
+    runs: dict[str, dict[str, Any]] = {r: {} for r in regimes}
+    failed: dict[str, str] = {}
+    try:
+        for mode in modes:
+            print(f"== {mode}", flush=True)
+            server = Server(mode, model, a.port, cd, work / f"sglang-{mode}.log")
+            try:
+                start_s = server.wait()
+                for r in regimes:
+                    teacher = None
+                    if mode != "stock":
+                        teacher = [g["tokens"] for g in runs[r]["stock"]["greedy"]]
+                    m = measure(
+                        server, mode, r, cd.tokens[r], suffixes, a.tokens, vocab, teacher,
+                        timed=r == "sparse", forced_steps=a.forced_steps,
+                    )  # fmt: skip
+                    runs[r][mode] = {"server_start_s": start_s, **m}
+            except Exception as e:  # the other modes still run; the result says what failed
+                failed[mode] = f"{type(e).__name__}: {e}"[:2000]
+                print(
+                    f"{mode} failed: {failed[mode]}\n{server.tail()}", file=sys.stderr, flush=True
+                )
+                if mode == "stock":
+                    raise
+            finally:
+                server.stop()
+    finally:
+        cd.stop()
+    out: dict[str, Any] = {
+        "index_topk": topk,
+        "requests": len(suffixes),
+        "tokens_each": a.tokens,
+        "holders": a.holders,
+        "holder_device": a.holder_device,
+        "sglang_flags": SGLANG_FLAGS,
+        "sglang_env": SGLANG_ENV,
+        "failed": failed,
+        "regimes": {},
+    }
+    for r, by_mode in runs.items():
+        out["regimes"][r] = {
+            "corpus_tokens": len(cd.tokens[r]),
+            "prompt_tokens_max": len(cd.tokens[r]) + max(map(len, suffixes)) + a.tokens,
+            "tokens": {m: [g["tokens"] for g in v["greedy"]] for m, v in by_mode.items()},
+            "cached_tokens": {
+                m: [g["cached_tokens"] for g in v["greedy"]] for m, v in by_mode.items()
+            },
+            "concurrent": {m: v["concurrent"] for m, v in by_mode.items() if "concurrent" in v},
+            "vs_stock": {
+                m: compare(by_mode["stock"], v) for m, v in by_mode.items() if m != "stock"
+            },
+        }
+        if "route" in by_mode and "fetch" in by_mode:
+            out["regimes"][r]["route_vs_fetch"] = compare(by_mode["fetch"], by_mode["route"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default="bench/results/sglang-h200.json")
+    ap.add_argument("--work", default="/tmp/corpusd-bench-sglang")
+    ap.add_argument("--modes", default="stock,route,fetch")
+    ap.add_argument("--regimes", default="dense,sparse")
+    ap.add_argument("--tokens", type=int, default=32, help="generated per request")
+    ap.add_argument("--forced-steps", type=int, default=16, help="teacher-forced per request")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--holders", type=int, default=2)
+    ap.add_argument("--holder-device", default="cpu")
+    ap.add_argument("--port", type=int, default=30123)
+    a = ap.parse_args(argv)
+    out = run(a)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    print(f"{'regime':<7} {'vs':<11} {'greedy':>6} {'forced':>6} {'lp max':>7} {'lp mean':>8}")
+    for r, v in out["regimes"].items():
+        pairs = {f"{m}/stock": c for m, c in v["vs_stock"].items()}
+        if "route_vs_fetch" in v:
+            pairs["route/fetch"] = v["route_vs_fetch"]
+        for name, c in pairs.items():
+            print(
+                f"{r:<7} {name:<11} {c['greedy_agree']:>6.3f} {c['forced_agree']:>6.3f} "
+                f"{c['logprob_max_abs_diff']:>7.4f} {c['logprob_mean_abs_diff']:>8.5f}"
+            )
+    print(f"{'mode':<6} {'ttft ms':>8} {'itl p50 ms':>10} {'kv tokens':>9}  (sparse, 8 streams)")
+    for m, c in out["regimes"].get("sparse", {}).get("concurrent", {}).items():
+        print(
+            f"{m:<6} {c['ttft_p50_ms']:>8.1f} {c['inter_token_p50_ms']:>10.1f} "
+            f"{c['kv_pool_peak_tokens']:>9.0f}"
+        )
+    return 1 if out["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
