@@ -60,6 +60,7 @@ class Client:
         self.coordinator = CoordinatorClient(coordinator, timeout=timeout) if coordinator else None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, agent_pb2_grpc.AgentStub] = {}
+        self._attend_at = ""  # the worker chosen for Attend calls
 
     async def __aenter__(self) -> Client:
         return self
@@ -171,8 +172,17 @@ class Client:
         if index_q is not None and index_weights is not None:
             req.index_q.CopyFrom(to_proto(index_q))
             req.index_weights.CopyFrom(to_proto(index_weights))
-        stub = self._stub(address or self.agent or await self._where(0))
-        r: Any = await self._call(stub.Attend(req, timeout=self.timeout))
+        if not (address or self.agent or self._attend_at):
+            # Attend is stateless: one worker choice serves every later call (each choice counts
+            # as a session at the coordinator until the worker's next report).
+            self._attend_at = await self._where(0)
+        stub = self._stub(address or self.agent or self._attend_at)
+        try:
+            r: Any = await self._call(stub.Attend(req, timeout=self.timeout))
+        except AgentError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE:
+                self._attend_at = ""  # that worker is gone: choose again next call
+            raise
         floats = (torch.float32, torch.bfloat16, torch.float16)
         return (
             from_proto(r.o, "o", dtypes=floats, rank=3),

@@ -51,7 +51,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterato
             assert (await c.pin(cid)).corpus.state == "ready"
 
     asyncio.run(pin())
-    agent = start_agent(store, tmp / "agent", tiny_dir, "--coordinator", co.address)
+    agent = start_agent(
+        store, tmp / "agent", tiny_dir, "--coordinator", co.address, "--max-batch", "4"
+    )
     yield Cluster(store, cid, co, hs, agent)
     assert agent.stop() == 0
     assert [h.stop() for h in hs] == [0]
@@ -101,7 +103,9 @@ def test_link_attend_is_the_corpus_partial_from_inside_a_sync_caller(
     cluster: Cluster, tiny_dir: Path
 ) -> None:
     """SGLang's forward is synchronous: the link runs corpusd's asyncio client on its own loop
-    thread. Two calls in a row, so the client made by the first is reused on its loop."""
+    thread. Many calls in a row (one per layer and step in a server), more than the agent's batch
+    limit: the client made by the first is reused on its loop, and Attend, which opens no
+    session, does not use up the worker's session room at the coordinator."""
     cfg = ModelConfig.from_dir(tiny_dir)
     ps = PageStore(cluster.store)
     lat, _ = ps.read_pages(cluster.corpus_id, 1, list(range(4)))
@@ -113,7 +117,8 @@ def test_link_attend_is_the_corpus_partial_from_inside_a_sync_caller(
     try:
         b = link.bind(cluster.corpus_id)
         first = link.attend(b, 1, q, pos)
-        o, lse = link.attend(b, 1, q, pos)
+        for _ in range(40):
+            o, lse = link.attend(b, 1, q, pos)
     finally:
         link.close()
     assert torch.equal(first[0], o) and torch.equal(first[1], lse)

@@ -125,6 +125,7 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
             src = corpus_source(work / "src" / name, n_bytes, first)
             pin = [sys.executable, "-m", "corpusd", "pin", "--corpus", str(src), "--name", name]
             pin += ["--model", str(model), "--store", str(store), "--coordinator", coord.address]
+            pin += ["--dtype", "float32" if device == "cpu" else "bfloat16"]  # the holders' dtype
             subprocess.run(pin, check=True)
             ps = PageStore(store)
             tokens[name] = ps.read_tokens(ps.resolve(name)).tolist()
