@@ -397,6 +397,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         timed=r == "sparse", forced_steps=a.forced_steps,
                     )  # fmt: skip
                     runs[r][mode] = {"server_start_s": start_s, **m}
+                    # after every step, so a run cut short by a time limit keeps what it measured
+                    save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
             except Exception as e:  # the other modes still run; the result says what failed
                 failed[mode] = f"{type(e).__name__}: {e}"[:2000]
                 print(
@@ -406,8 +408,23 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     raise
             finally:
                 server.stop()
+            save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
     finally:
         cd.stop()
+    return summarize(a, cd, runs, failed, topk, suffixes)
+
+
+def save(path: str, out: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1))
+    tmp.replace(path)
+
+
+def summarize(
+    a: argparse.Namespace, cd: Corpusd, runs: dict[str, dict[str, Any]], failed: dict[str, str],
+    topk: int, suffixes: list[list[int]],
+) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {
         "index_topk": topk,
         "requests": len(suffixes),
@@ -420,6 +437,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "regimes": {},
     }
     for r, by_mode in runs.items():
+        if "stock" not in by_mode:
+            continue
         out["regimes"][r] = {
             "corpus_tokens": len(cd.tokens[r]),
             "prompt_tokens_max": len(cd.tokens[r]) + max(map(len, suffixes)) + a.tokens,
@@ -451,8 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=30123)
     a = ap.parse_args(argv)
     out = run(a)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
+    save(a.out, out)
     print(f"{'regime':<7} {'vs':<11} {'greedy':>6} {'forced':>6} {'lp max':>7} {'lp mean':>8}")
     for r, v in out["regimes"].items():
         pairs = {f"{m}/stock": c for m, c in v["vs_stock"].items()}
