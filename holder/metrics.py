@@ -56,6 +56,14 @@ class HolderMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.attend_stage = Histogram(
+            p + "attend_stage_seconds",
+            "where an Attend's time goes: decode (wire → tensors, checks), queue (for a flow "
+            "slot), compute (copies in, kernel, copies out), encode (tensors → wire)",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.bytes_in = Counter(p + "bytes_in", "request payload bytes", ["method"], registry=r)
         self.bytes_out = Counter(p + "bytes_out", "response payload bytes", ["method"], registry=r)
         self.pages = Gauge(p + "pages_resident", "pages held in the pool", registry=r)
