@@ -62,6 +62,10 @@ class HolderConfig:
             raise ValueError("nvshmem_peers must be >= 0, nvshmem_rows / nvshmem_topk > 0")
         if self.nvshmem_peers and not self.device.startswith("cuda"):
             raise ValueError("nvshmem_peers needs a cuda device")
+        if self.nvshmem_peers and self.dtype != "bfloat16":
+            # the ring carries q and O in bf16: a float32 pool would answer other bits than its
+            # gRPC Attend does
+            raise ValueError("nvshmem_peers needs --dtype bfloat16 (the ring is bf16)")
         if not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
 

@@ -72,6 +72,12 @@ class HolderMetrics:
         self.requests = Counter(
             p + "requests", "requests by method and status", ["method", "code"], registry=r
         )
+        self.transport = Gauge(
+            p + "transport_info",
+            "data-plane transports offered (1) to requesters: grpc, nvshmem",
+            ["transport"],
+            registry=r,
+        )
         self.kernel = Gauge(
             p + "kernel_info", "partial-attention kernel in use", ["kernel", "device"], registry=r
         )

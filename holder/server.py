@@ -86,6 +86,18 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
         from holder.nvshmem_endpoint import from_config
 
         endpoint_nv = from_config(cfg, svc.pool, svc.kernel)
+        g = endpoint_nv.ring
+        log.info(
+            "offering NVSHMEM job %s: %d requester slot(s), ring depth %d, %d / %d bytes per "
+            "request / reply slot",
+            endpoint_nv.job_id,
+            g.peers,
+            g.depth,
+            g.req_bytes,
+            g.rep_bytes,
+        )
+    svc.metrics.transport.labels("grpc").set(1)
+    svc.metrics.transport.labels("nvshmem").set(1 if endpoint_nv is not None else 0)
 
     def add(server: grpc.aio.Server) -> None:
         holder_pb2_grpc.add_HolderServicer_to_server(svc, server)

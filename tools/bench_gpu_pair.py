@@ -99,7 +99,7 @@ def holder_main(port_file: Path, device: int, fetch_rows: int) -> None:
         await server.stop(1.0)
 
     asyncio.run(serve())
-    port_file.with_suffix(".stats").write_text(json.dumps(endpoint.stream_stats))
+    port_file.with_suffix(".stats").write_text(json.dumps(list(endpoint.stream_stats)))
     endpoint.close()
     print("holder: closed", flush=True)
 
