@@ -105,8 +105,9 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
                         f"the NVSHMEM job of this holder is up with its {self.ring.peers} "
                         "requester(s); it cannot take another member: use the gRPC transport",
                     )
-                rank = len(self._joined) + 1
-                self._joined[request.requester_id] = rank
+                if not rank:  # (a requester that asks again before init keeps its rank)
+                    rank = len(self._joined) + 1
+                    self._joined[request.requester_id] = rank
                 log.info("requester %s (%s) joins as rank %d", request.requester_id,
                          request.host, rank)  # fmt: skip
                 if len(self._joined) == self.ring.peers:
@@ -154,14 +155,14 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
         self._workers[r].submit(self._enqueue, r, first, request.count, plan)
         return transport_pb2.OpenStreamResponse(first_seq=first)
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = 10.0) -> bool:
         """Leave the job (collective with the requesters, so bounded by ``timeout_s``: a
         requester that is gone, or a stream parked on a request that never came, must not keep
-        the holder from exiting)."""
+        the holder from exiting). False: the job was abandoned, and the process should end
+        with ``os._exit`` (NVSHMEM's teardown at exit would wait for the same members)."""
         for w in self._workers:
             w.shutdown(wait=False, cancel_futures=True)
-        if self.job is not None:
-            self.job.close(timeout_s)
+        return self.job.close(timeout_s) if self.job is not None else True
 
     # -- data plane ------------------------------------------------------------------------------
     def _plan(self, req: transport_pb2.OpenStreamRequest) -> Plan:

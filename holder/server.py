@@ -151,9 +151,13 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
         )
     await up.until_signal(holder_id, cfg.drain_s, tasks)
     svc.executor.shutdown(wait=True)
+    left = True
     if endpoint_nv is not None and endpoint_nv.job is not None:
-        endpoint_nv.close()  # collective: the job's requesters close too
+        left = endpoint_nv.close()  # collective: bounded, since requesters may be gone
     log.info("%s stopped", holder_id)
+    if not left:
+        logging.shutdown()
+        os._exit(0)
 
 
 def run(cfg: HolderConfig, model_dir: Path) -> None:

@@ -258,8 +258,8 @@ class HolderService(holder_pb2_grpc.HolderServicer):
                 rd = rows.to(dev, non_blocking=True)
                 mask = self.pool.row_mask(corpus, dev)
                 n_rows = mask.shape[0]
-                used = rd >= 0
-                wrong = (rd < -1) | (used & ((rd >= n_rows) | ~mask[rd.clamp(0, n_rows - 1)]))
+                owned = mask[rd.clamp(0, n_rows - 1).long()]
+                wrong = (rd < -1) | ((rd >= 0) & ((rd >= n_rows) | ~owned))
                 bad = torch.stack((~torch.isfinite(qd).all(), wrong.any()))
                 o, lse = kernel.fn(qd.to(pool.dtype), pool, rd, scale, pool.shape[1] - 64)
                 host = (
