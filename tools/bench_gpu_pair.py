@@ -268,7 +268,7 @@ async def requester_main(
         rtt[f"kernel_h{heads}"] = kernel.name
         kt = med(graph_us(partial(kernel.fn, qh, pool_h, idx, scale, D_V)))
         rtt[f"kernel_h{heads}_us"] = kt
-        b = await breakdown(address, CORPUS, qh.cpu(), idx.cpu(), scale, 10 if quick else 40)
+        b = await breakdown(address, CORPUS, qh.cpu(), idx.cpu(), scale, 10 if quick else 20)
         rtt[f"grpc_breakdown_h{heads}"] = b
         rtt[f"grpc_attend_h{heads}"] = {
             "p50": b["requester_ms_p50"]["wall"] * 1e3,
