@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import time
+from contextlib import nullcontext
 from typing import Protocol
 
 import grpc
@@ -106,8 +107,9 @@ class NvshmemRoute:
         job = self.client.job
         assert job is not None
         t0 = time.perf_counter()
+        guard = torch.cuda.device(job.device) if job.device.type == "cuda" else nullcontext()
         async with self.lock:
-            with torch.cuda.device(job.device):
+            with guard:
                 qd = q.to(job.device, torch.bfloat16)
                 idx = rows.to(job.device, torch.int32)
                 outs = []
