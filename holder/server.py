@@ -75,8 +75,8 @@ def _stable_id(state_dir: Path, fresh: str) -> str:
 
 
 async def serve(cfg: HolderConfig, model_dir: Path) -> None:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if cfg.host_threads:
+        torch.set_num_threads(cfg.host_threads)
     svc = build(cfg, model_dir)
     restored = await asyncio.get_running_loop().run_in_executor(None, svc.restore)
     svc.pool.check_integrity()

@@ -79,6 +79,7 @@ def holder_main(port_file: Path, device: int, fetch_rows: int) -> None:
     for page, frame in enumerate(frames):
         pool.fill(CORPUS, page, frame, [lat[page * PAGE : (page + 1) * PAGE]], [keys])
     kernel = choose("auto", dev, torch.bfloat16, D, D_V)
+    torch.set_num_threads(cfg.host_threads)  # as `corpusd holder` does
     svc = HolderService(cfg, pool, PageStore(cfg.store), kernel, "bench", HolderMetrics())
     from corpusd.transport.nvshmem_ring import RingGeometry
 
