@@ -46,17 +46,23 @@ class Daemon:
 
 
 def spawn(
-    role: str, command: str, args: list[str], state_dir: Path, timeout: float
+    role: str,
+    command: str,
+    args: list[str],
+    state_dir: Path,
+    timeout: float,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], Path, str, int]:
-    """Run ``corpusd <command> --state-dir state_dir <args>``; returns once its endpoint file
-    appears. Raises RuntimeError (with the log's tail) if it exits or times out."""
+    """Run ``corpusd <command> --state-dir state_dir <args>`` (with ``env``, default this
+    process's); returns once its endpoint file appears. Raises RuntimeError (with the log's
+    tail) if it exits or times out."""
     state_dir.mkdir(parents=True, exist_ok=True)
     endpoint = state_dir / "endpoint.json"
     endpoint.unlink(missing_ok=True)
     log_path = state_dir / f"{role}.log"
     cmd = [sys.executable, "-m", "corpusd", command, "--state-dir", str(state_dir), *args]
     with log_path.open("ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout
     while not endpoint.exists():
         if proc.poll() is not None or time.monotonic() > deadline:

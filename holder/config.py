@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16")
+GPU_HOST_THREADS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +36,7 @@ class HolderConfig:
     max_rows: int = 8192  # rows of one Attend / IndexTopK
     max_k: int = 16384  # selected rows per query row
     max_message_bytes: int = 256 << 20
-    threads: int = 0  # torch intra-op threads per flow; 0: torch's default
+    threads: int = 0  # torch intra-op threads per flow; 0: torch's default (CPU), 2 (GPU)
     drain_s: float = 5.0
     coordinator: str = ""  # host:port: register there on start and heartbeat within the lease
 
@@ -62,8 +63,21 @@ class HolderConfig:
             raise ValueError("nvshmem_peers must be >= 0, nvshmem_rows / nvshmem_topk > 0")
         if self.nvshmem_peers and not self.device.startswith("cuda"):
             raise ValueError("nvshmem_peers needs a cuda device")
+        if self.nvshmem_peers and self.dtype != "bfloat16":
+            # the ring carries q and O in bf16: a float32 pool would answer other bits than its
+            # gRPC Attend does
+            raise ValueError("nvshmem_peers needs --dtype bfloat16 (the ring is bf16)")
         if not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
+
+    @property
+    def host_threads(self) -> int:
+        """torch intra-op threads: a GPU holder's requests do no host compute (checks and the
+        kernel run on the device), and every flow thread that calls an OpenMP-parallel op keeps
+        a team of this many threads, which on a shared host oversubscribes the cores."""
+        if self.threads:
+            return self.threads
+        return GPU_HOST_THREADS if self.device.startswith("cuda") else 0
 
     @property
     def frames(self) -> int:

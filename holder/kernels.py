@@ -6,6 +6,11 @@ everywhere; ``flashmla`` (FlashMLA's bf16 sparse kernel: SM90, bf16, d 576 / d_v
 ``triton`` (ours: any head count, bf16/fp32) run on CUDA devices and win "auto" there, in that
 order, when the pool's dtype and widths fit them. Their modules import lazily, so a CPU-only
 install never loads Triton or sgl_kernel.
+
+Where both GPU kernels fit, "auto" returns ``flashmla|triton``: each request runs the one that
+measured faster at its row and head count (``prefer_triton``). The choice depends on the request's
+shape only, so the gRPC and NVSHMEM paths run the same kernel on the same request and return the
+same bits.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ class Kernel:
     available: Callable[[str], bool]  # device string → usable here?
     priority: int  # higher wins in "auto"
     fits: Callable[[torch.dtype, int, int], bool] = lambda dtype, d, d_v: True  # pool dtype, widths
+    pick: Callable[[int, int], Kernel] | None = None  # per request: (rows, heads) → kernel to run
+
+    def resolve(self, rows: int, heads: int) -> Kernel:
+        """The kernel that runs a request of ``rows`` query rows and ``heads`` heads."""
+        return self if self.pick is None else self.pick(rows, heads)
 
 
 REGISTRY: dict[str, Kernel] = {}
@@ -70,6 +80,49 @@ register(
 )
 
 
+# Per-request choice between FlashMLA and Triton, from bench/results/gpu-single-h200.json (H200,
+# k 2048; device µs). FlashMLA pads heads to 64 or 128 and has a ~65 µs floor per call; Triton
+# runs the real head count:
+# - h = 16: Triton 18 vs 68 at 1 row, 55 vs 90 at 64 rows, and within 6 % of FlashMLA up to
+#   952 rows (643 vs 690 batched): Triton at h ≤ 16, whatever the rows.
+# - h = 64: Triton 28 vs 65 at 1 row; FlashMLA 82 vs 112 at 38 rows (the lines cross near 20):
+#   Triton below 16 rows.
+# - h = 128: FlashMLA wins at every measured point (38 rows up: 85 vs 196); nothing was measured
+#   below 38 rows at h = 128, so FlashMLA there.
+TRITON_MAX_HEADS = 16
+TRITON_BELOW_ROWS = 16  # for 16 < h ≤ 64
+FLASHMLA_ONLY_ABOVE_HEADS = 64
+
+
+def prefer_triton(rows: int, heads: int) -> bool:
+    """Whether Triton beats (zero-padded) FlashMLA for a request of this shape on SM90."""
+    if heads <= TRITON_MAX_HEADS:
+        return True
+    return heads <= FLASHMLA_ONLY_ABOVE_HEADS and rows < TRITON_BELOW_ROWS
+
+
+def per_request(fast_wide: Kernel, fast_narrow: Kernel) -> Kernel:
+    """A kernel that runs ``fast_narrow`` (Triton) where ``prefer_triton`` says so, else
+    ``fast_wide`` (FlashMLA); named ``"<wide>|<narrow>"``."""
+
+    def pick(rows: int, heads: int) -> Kernel:
+        return fast_narrow if prefer_triton(rows, heads) else fast_wide
+
+    def fn(
+        q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return pick(q.shape[0], q.shape[1]).fn(q, kv, indices, scale, d_v)
+
+    return Kernel(
+        f"{fast_wide.name}|{fast_narrow.name}",
+        fn,
+        lambda device: fast_wide.available(device) and fast_narrow.available(device),
+        max(fast_wide.priority, fast_narrow.priority),
+        lambda dtype, d, d_v: fast_wide.fits(dtype, d, d_v) and fast_narrow.fits(dtype, d, d_v),
+        pick,
+    )
+
+
 def choose(
     name: str,
     device: str,
@@ -79,15 +132,17 @@ def choose(
 ) -> Kernel:
     """``name`` = a registered kernel or "auto": the highest-priority kernel available on
     ``device`` that fits the pool (``dtype``, query width ``d``, value width ``d_v``; skipped when
-    not given). Raises ValueError naming the choices when the named kernel is unknown,
-    unavailable, or does not fit the pool."""
+    not given), or both GPU kernels chosen per request where both fit. Raises ValueError naming
+    the choices when the named kernel is unknown, unavailable, or does not fit the pool."""
 
     def fits(k: Kernel) -> bool:
         return dtype is None or d is None or d_v is None or k.fits(dtype, d, d_v)
 
     if name == "auto":
-        usable = [k for k in REGISTRY.values() if k.available(device) and fits(k)]
-        return max(usable, key=lambda k: k.priority)
+        usable = {k.name: k for k in REGISTRY.values() if k.available(device) and fits(k)}
+        if "flashmla" in usable and "triton" in usable:
+            return per_request(usable["flashmla"], usable["triton"])
+        return max(usable.values(), key=lambda k: k.priority)
     kernel = REGISTRY.get(name)
     if kernel is None:
         raise ValueError(f"unknown kernel {name!r}; registered: {sorted(REGISTRY)}")

@@ -56,6 +56,14 @@ class HolderMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.attend_stage = Histogram(
+            p + "attend_stage_seconds",
+            "where an Attend's time goes: decode (wire → tensors, checks), queue (for a flow "
+            "slot), compute (copies in, kernel, copies out), encode (tensors → wire)",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.bytes_in = Counter(p + "bytes_in", "request payload bytes", ["method"], registry=r)
         self.bytes_out = Counter(p + "bytes_out", "response payload bytes", ["method"], registry=r)
         self.pages = Gauge(p + "pages_resident", "pages held in the pool", registry=r)
@@ -63,6 +71,12 @@ class HolderMetrics:
         self.capacity = Gauge(p + "capacity_frames", "frames in the pool", registry=r)
         self.requests = Counter(
             p + "requests", "requests by method and status", ["method", "code"], registry=r
+        )
+        self.transport = Gauge(
+            p + "transport_info",
+            "data-plane transports offered (1) to requesters: grpc, nvshmem",
+            ["transport"],
+            registry=r,
         )
         self.kernel = Gauge(
             p + "kernel_info", "partial-attention kernel in use", ["kernel", "device"], registry=r

@@ -12,6 +12,7 @@ holder.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import socket
@@ -24,6 +25,7 @@ from typing import Any
 import grpc
 import torch
 
+from corpusd.rpc import Reject
 from corpusd.transport import nvshmem_ring as nr
 from corpusd.v1 import transport_pb2, transport_pb2_grpc
 from holder.config import HolderConfig
@@ -33,6 +35,8 @@ from holder.pool import FramePool
 log = logging.getLogger("corpusd.holder.nvshmem")
 
 STATUS_OK, STATUS_BAD_ROWS = 0, 1
+BAD = grpc.StatusCode.INVALID_ARGUMENT
+GRAPH_CACHE = 64  # captured plans kept per requester
 Body = Callable[[torch.Tensor, torch.Tensor, int], None]  # (req slot, rep slot, layer)
 
 
@@ -78,44 +82,57 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
         self._next_seq = [1] * (ring.peers + 1)
         self._workers = [ThreadPoolExecutor(1, f"nvshmem-r{r}") for r in range(ring.peers + 1)]
         self._streams: list[torch.cuda.Stream] = []
-        self._row_ok: dict[str, torch.Tensor] = {}
         self._graph_cache: dict[int, dict[tuple[Any, ...], dict[tuple[int, int], Any]]] = {}
+        self._seen: dict[int, set[tuple[Any, ...]]] = {}
         self._peer_reps: dict[int, torch.Tensor | None] = {}
-        self.stream_stats: list[dict[str, Any]] = []  # device time per announced stream
+        # device time per announced stream (the latest ones: the worker opens one per call)
+        self.stream_stats: collections.deque[dict[str, Any]] = collections.deque(maxlen=1000)
         self._graph_pools: list[Any] = []  # one per requester: their streams run concurrently
         self._check_streams: list[Any] = []  # per requester: graph captures fork onto them
 
     # -- control plane ---------------------------------------------------------------------------
     async def Join(self, request: transport_pb2.JoinRequest, context: Any) -> Any:
-        with self._lock:
-            rank = self._joined.get(request.requester_id)
-            if rank is None:
-                if len(self._joined) == self.ring.peers:
+        rank = 0
+        if not request.probe:
+            with self._lock:
+                rank = self._joined.get(request.requester_id, 0)
+                if self._init_thread is not None:
+                    # init is collective and done once: members cannot change afterwards
                     await context.abort(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"the NVSHMEM job of this holder has {self.ring.peers} requester slots, "
-                        "all taken; use the gRPC transport",
+                        grpc.StatusCode.FAILED_PRECONDITION
+                        if rank
+                        else grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"the NVSHMEM job of this holder is up with its {self.ring.peers} "
+                        "requester(s); it cannot take another member: use the gRPC transport",
                     )
-                rank = len(self._joined) + 1
-                self._joined[request.requester_id] = rank
-            if len(self._joined) == self.ring.peers and self._init_thread is None:
-                # init and ring allocation are collective: rank 0 joins once every peer has
-                # its id, in a thread, since it blocks until all of them call init too.
-                self._init_thread = threading.Thread(target=self._init, daemon=True)
-                self._init_thread.start()
+                if not rank:  # (a requester that asks again before init keeps its rank)
+                    rank = len(self._joined) + 1
+                    self._joined[request.requester_id] = rank
+                log.info("requester %s (%s) joins as rank %d", request.requester_id,
+                         request.host, rank)  # fmt: skip
+                if len(self._joined) == self.ring.peers:
+                    # init and ring allocation are collective: rank 0 joins once every peer
+                    # has its id, in a thread, since it blocks until all of them call init too.
+                    self._init_thread = threading.Thread(target=self._init, daemon=True)
+                    self._init_thread.start()
         g = self.ring
         return transport_pb2.JoinResponse(
-            uid=self.uid,
+            uid=self.uid if rank else b"",
             rank=rank,
             nranks=g.peers + 1,
             job_id=self.job_id,
             ring=transport_pb2.RingGeometry(
                 peers=g.peers, depth=g.depth, req_bytes=g.req_bytes, rep_bytes=g.rep_bytes
             ),
+            host=self.host,
         )
 
     def _init(self) -> None:
-        self.job = nr.Job(self.uid, 0, self.ring.peers + 1, self.device.index or 0, self.ring)
+        try:
+            self.job = nr.Job(self.uid, 0, self.ring.peers + 1, self.device.index or 0, self.ring)
+        except Exception:
+            log.exception("NVSHMEM job %s failed to come up; requesters use gRPC", self.job_id)
+            return
         self._streams = [torch.cuda.Stream(self.device) for _ in range(self.ring.peers + 1)]
         self._graph_pools = [torch.cuda.graph_pool_handle() for _ in range(self.ring.peers + 1)]
         self._check_streams = [torch.cuda.Stream(self.device) for _ in range(self.ring.peers + 1)]
@@ -131,52 +148,50 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "NVSHMEM job did not come up")
         try:
             plan = self._plan(request)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Reject as e:
+            await context.abort(e.code, str(e))
         first = self._next_seq[r]
         self._next_seq[r] += request.count
         self._workers[r].submit(self._enqueue, r, first, request.count, plan)
         return transport_pb2.OpenStreamResponse(first_seq=first)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Leave the job (collective with the requesters, so bounded by ``timeout_s``: a
+        requester that is gone, or a stream parked on a request that never came, must not keep
+        the holder from exiting). False: the job was abandoned, and the process should end
+        with ``os._exit`` (NVSHMEM's teardown at exit would wait for the same members)."""
         for w in self._workers:
-            w.shutdown(wait=True)
-        if self.job is not None:
-            self.job.close()
+            w.shutdown(wait=False, cancel_futures=True)
+        return self.job.close(timeout_s) if self.job is not None else True
 
     # -- data plane ------------------------------------------------------------------------------
-    def _row_mask(self, corpus_id: str) -> torch.Tensor:
-        """bool ``[pool rows]`` on the device: rows that hold a token of ``corpus_id``."""
-        cached = self._row_ok.get(corpus_id)
-        if cached is None:
-            held = self.pool.held(corpus_id)
-            if held is None:
-                raise ValueError(f"corpus {corpus_id!r} is not held by this holder")
-            p = self.pool.geo.page_size
-            owned = (self.pool.owner == held.handle).repeat_interleave(p)
-            slot_ok = torch.arange(p).repeat(
-                self.pool.geo.frames
-            ) < self.pool.valid.repeat_interleave(p)
-            cached = (owned & slot_ok).to(self.device)
-            self._row_ok[corpus_id] = cached
-        return cached
-
     def _plan(self, req: transport_pb2.OpenStreamRequest) -> Plan:
         """Check an OpenStream and return what each of its requests does on the device."""
         g, geo = self.ring, self.pool.geo
         if req.direct and self._peer_rep(req.rank) is None:
-            raise ValueError("direct needs the requester on this node (no NVLink peer mapping)")
+            raise Reject(BAD, "direct needs the requester on this node (no NVLink peer mapping)")
         if req.mode == "echo":
             if req.echo_bytes > g.rep_bytes:
-                raise ValueError(f"echo_bytes {req.echo_bytes} > reply slot {g.rep_bytes}")
+                raise Reject(BAD, f"echo_bytes {req.echo_bytes} > reply slot {g.rep_bytes}")
             return Plan(("echo", req.direct), None, int(req.echo_bytes), 1, req.direct)
         layers = max(1, req.layers)
         if req.layer + layers > geo.n_layers:
-            raise ValueError(f"layers {req.layer}..{req.layer + layers - 1} past {geo.n_layers}")
-        row_ok = self._row_mask(req.corpus_id)
+            raise Reject(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"layers {req.layer}..{req.layer + layers - 1} out of range: the model has layers "
+                f"0..{geo.n_layers - 1}",
+            )
+        if self.pool.held(req.corpus_id) is None:
+            raise Reject(
+                grpc.StatusCode.NOT_FOUND, f"corpus {req.corpus_id!r} is not held by this holder"
+            )
+        # the pool's version is in the key: graphs captured against an older row mask are not
+        # replayed once pages were assigned or released
+        row_ok = self.pool.row_mask(req.corpus_id, self.device)
         n_rows = row_ok.shape[0]
         n, h, k = req.rows, req.heads, req.topk
-        key = (req.mode, req.corpus_id, req.layer, layers, n, h, k, req.scale, req.direct)
+        key = (req.mode, req.corpus_id, req.layer, layers, n, h, k, req.scale, req.direct,
+               self.pool.version)  # fmt: skip
 
         def bad(idx: torch.Tensor) -> torch.Tensor:
             used = idx >= 0
@@ -189,9 +204,9 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
                 or nr.attend_reply_bytes(n, h) > g.rep_bytes
                 or not 0 < h <= 128
             ):
-                raise ValueError(f"attend rows {n} × heads {h} × topk {k} does not fit the ring")
+                raise Reject(BAD, f"attend rows {n} × heads {h} × topk {k} does not fit the ring")
             if not req.scale > 0:
-                raise ValueError(f"scale must be > 0, got {req.scale}")
+                raise Reject(BAD, f"scale must be > 0, got {req.scale}")
 
             side = self._check_streams[req.rank]
 
@@ -212,7 +227,7 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
             return Plan(key, attend, nr.attend_reply_bytes(n, h), layers, req.direct)
         if req.mode == "fetch":
             if n * 4 > g.req_bytes or n * nr.D_QK * 2 + 16 > g.rep_bytes:
-                raise ValueError(f"fetch of {n} rows does not fit the ring")
+                raise Reject(BAD, f"fetch of {n} rows does not fit the ring")
 
             def fetch(rq: torch.Tensor, rp: torch.Tensor, layer: int) -> None:
                 rows = rq[: n * 4].view(torch.int32)
@@ -222,7 +237,7 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
                 nr.store(status, bad(rows.view(1, n)).to(torch.int32).view(1))
 
             return Plan(key, fetch, n * nr.D_QK * 2 + 4, layers, req.direct)
-        raise ValueError(f"mode must be attend, fetch or echo, got {req.mode!r}")
+        raise Reject(BAD, f"mode must be attend, fetch or echo, got {req.mode!r}")
 
     def _peer_rep(self, r: int) -> torch.Tensor | None:
         """Requester r's reply ring mapped here (same node), cached; None across nodes."""
@@ -240,7 +255,10 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
         assert job is not None and plan.body is not None
         cache = self._graph_cache.setdefault(r, {})
         if plan.key in cache:
+            cache[plan.key] = cache.pop(plan.key)  # most recently used last
             return cache[plan.key]
+        while len(cache) >= GRAPH_CACHE:  # shapes vary per decode step: bound the memory
+            cache.pop(next(iter(cache)))
         keys = [(slot, layer) for slot in range(job.ring.depth) for layer in range(plan.layers)]
         reply = self._peer_rep(r) if plan.direct else job.rep
         assert reply is not None
@@ -271,7 +289,16 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
         marks: list[tuple[torch.cuda.Event, ...]] = []  # (released, computed, replied)
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                graphs = self._graphs(r, plan, stream) if plan.body is not None else {}
+                # a one-off shape runs eagerly (the decode worker's shapes vary per step); a
+                # stream of several requests, or a shape seen before, replays graphs
+                seen = self._seen.setdefault(r, set())
+                if len(seen) > 16 * GRAPH_CACHE:
+                    seen.clear()
+                graphed = plan.body is not None and (count > 1 or plan.key in seen)
+                seen.add(plan.key)
+                graphs = self._graphs(r, plan, stream) if graphed else {}
+                reply = self._peer_rep(r) if plan.direct else job.rep
+                assert reply is not None
                 for seq in range(first, first + count):
                     if len(done) >= 2 * depth:  # keep the host a bounded distance ahead
                         done.pop(0).synchronize()
@@ -279,8 +306,11 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
                     job.wait_ge(job.req_sig[r - 1 : r], seq, s)
                     ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
                     ev[0].record(stream)
+                    layer = (seq - first) % plan.layers
                     if graphs:
-                        graphs[(slot, seq % plan.layers)].replay()
+                        graphs[(slot, layer)].replay()
+                    elif plan.body is not None:
+                        plan.body(job.req[r - 1, slot], reply[r - 1, slot], layer)
                     ev[1].record(stream)
                     if plan.direct:  # the body already wrote the requester's slot
                         job.signal(job.rep_sig[r - 1 : r], seq, r, s)
@@ -298,6 +328,6 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
                     "rank": r, "mode": str(plan.key[0]), "requests": count,
                     "body_us_p50": body[len(body) // 2], "put_us_p50": put[len(put) // 2],
                 })  # fmt: skip
-                log.info("stream of requester %d: %s", r, self.stream_stats[-1])
+                log.debug("stream of requester %d: %s", r, self.stream_stats[-1])
         except Exception:
             log.exception("NVSHMEM stream of requester %d failed at enqueue", r)

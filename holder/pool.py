@@ -3,7 +3,8 @@
 A frame holds one page (``page_size`` rows). Pool row ``frame * page_size + slot`` is what
 requesters address. The pool owns the free list, the frame table ``frame → (corpus, page)``,
 and per frame its owner (a small corpus handle) and number of valid rows, so a request's rows
-can be checked against the corpus it names in one vectorised pass.
+can be checked against the corpus it names in one vectorised pass (on the host,
+``check_rows``; on the device, against ``row_mask``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class FramePool:
         self.corpora: dict[str, HeldCorpus] = {}
         self._free = list(range(geo.frames - 1, -1, -1))  # pop() hands out the lowest frame
         self._next_handle = 0
+        self.version = 0  # bumped whenever a frame changes owner or valid rows
+        self._masks: dict[tuple[str, str], tuple[int, torch.Tensor]] = {}
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -102,6 +105,22 @@ class FramePool:
         if bool(past.any()):
             raise RowError(f"row {int(used[past][0])} is past the corpus's last token")
 
+    def row_mask(self, corpus_id: str, device: torch.device | str) -> torch.Tensor:
+        """bool ``[frames · page_size]`` on ``device``: True at the pool rows that hold a token of
+        ``corpus_id`` (what ``check_rows`` accepts), rebuilt after any change of the pool.
+        Raises KeyError when the corpus is not held."""
+        key = (corpus_id, str(device))
+        cached = self._masks.get(key)
+        if cached is not None and cached[0] == self.version:
+            return cached[1]
+        held = self.corpora[corpus_id]
+        p = self.geo.page_size
+        owned = (self.owner == held.handle).repeat_interleave(p)
+        in_page = torch.arange(p).repeat(self.geo.frames) < self.valid.repeat_interleave(p)
+        mask = (owned & in_page).to(device)
+        self._masks[key] = (self.version, mask)
+        return mask
+
     # -- mutation ---------------------------------------------------------------------------------
     def add_corpus(self, corpus_id: str, token_count: int, n_pages: int) -> HeldCorpus:
         held = self.corpora.get(corpus_id)
@@ -129,6 +148,7 @@ class FramePool:
             self.owner[f] = -1
             self.valid[f] = 0
             self.table.pop(f, None)
+        self.version += 1
         self._free.extend(frames)
         self._free.sort(reverse=True)
 
@@ -151,6 +171,7 @@ class FramePool:
         self.owner[frame] = held.handle
         self.table[frame] = (corpus_id, page)
         held.pages[page] = frame
+        self.version += 1
 
     def drop_if_empty(self, corpus_id: str) -> None:
         held = self.corpora.get(corpus_id)
@@ -166,6 +187,7 @@ class FramePool:
         self.return_frames(frames)
         if not held.pages:
             del self.corpora[corpus_id]
+            self._masks = {k: v for k, v in self._masks.items() if k[0] != corpus_id}
         return len(frames)
 
     def check_integrity(self) -> None:

@@ -75,8 +75,8 @@ def _stable_id(state_dir: Path, fresh: str) -> str:
 
 
 async def serve(cfg: HolderConfig, model_dir: Path) -> None:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if cfg.host_threads:
+        torch.set_num_threads(cfg.host_threads)
     svc = build(cfg, model_dir)
     restored = await asyncio.get_running_loop().run_in_executor(None, svc.restore)
     svc.pool.check_integrity()
@@ -86,6 +86,18 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
         from holder.nvshmem_endpoint import from_config
 
         endpoint_nv = from_config(cfg, svc.pool, svc.kernel)
+        g = endpoint_nv.ring
+        log.info(
+            "offering NVSHMEM job %s: %d requester slot(s), ring depth %d, %d / %d bytes per "
+            "request / reply slot",
+            endpoint_nv.job_id,
+            g.peers,
+            g.depth,
+            g.req_bytes,
+            g.rep_bytes,
+        )
+    svc.metrics.transport.labels("grpc").set(1)
+    svc.metrics.transport.labels("nvshmem").set(1 if endpoint_nv is not None else 0)
 
     def add(server: grpc.aio.Server) -> None:
         holder_pb2_grpc.add_HolderServicer_to_server(svc, server)
@@ -139,9 +151,13 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
         )
     await up.until_signal(holder_id, cfg.drain_s, tasks)
     svc.executor.shutdown(wait=True)
+    left = True
     if endpoint_nv is not None and endpoint_nv.job is not None:
-        endpoint_nv.close()  # collective: the job's requesters close too
+        left = endpoint_nv.close()  # collective: bounded, since requesters may be gone
     log.info("%s stopped", holder_id)
+    if not left:
+        logging.shutdown()
+        os._exit(0)
 
 
 def run(cfg: HolderConfig, model_dir: Path) -> None:

@@ -37,15 +37,20 @@ _FLOATS = (torch.float32, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
 
 
-def rpc(method: str) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:
-    """Count the call by status, and turn Reject / unexpected errors into gRPC statuses."""
+def rpc(
+    method: str, sized: bool = True
+) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:
+    """Count the call by status, and turn Reject / unexpected errors into gRPC statuses.
+    ``sized``: count the messages' bytes here (``ByteSize`` serialises the message, a copy of
+    its payload: methods with tensor payloads count their tensors' bytes themselves)."""
 
     def deco(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         @functools.wraps(fn)
         async def wrapper(
             self: HolderService, request: Any, context: grpc.aio.ServicerContext
         ) -> Any:
-            self.metrics.bytes_in.labels(method).inc(request.ByteSize())
+            if sized:
+                self.metrics.bytes_in.labels(method).inc(request.ByteSize())
             count = self.metrics.requests.labels
             # Counted before the status goes out, so a client that sees it can also scrape it.
             try:
@@ -65,7 +70,8 @@ def rpc(method: str) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., 
                 log.exception("%s failed", method)
                 count(method, code.name).inc()
                 await context.abort(code, f"internal error in {method}: {type(e).__name__}: {e}")
-            self.metrics.bytes_out.labels(method).inc(reply.ByteSize())
+            if sized:
+                self.metrics.bytes_out.labels(method).inc(reply.ByteSize())
             count(method, "OK").inc()
             return reply
 
@@ -109,9 +115,16 @@ class HolderService(holder_pb2_grpc.HolderServicer):
             )
 
     def _tensor(
-        self, msg: Any, name: str, dtypes: tuple[torch.dtype, ...], rank: int, finite: bool = False
+        self,
+        msg: Any,
+        name: str,
+        dtypes: tuple[torch.dtype, ...],
+        rank: int,
+        finite: bool = False,
+        copy: bool = True,
     ) -> torch.Tensor:
-        """Decode one request tensor; a malformed one is INVALID_ARGUMENT naming the field."""
+        """Decode one request tensor; a malformed one is INVALID_ARGUMENT naming the field.
+        ``copy=False``: a read-only view of the request's bytes."""
         return _wire(
             lambda: from_proto(
                 msg,
@@ -120,6 +133,7 @@ class HolderService(holder_pb2_grpc.HolderServicer):
                 rank=rank,
                 finite=finite,
                 max_bytes=self.cfg.max_message_bytes,
+                copy=copy,
             )
         )
 
@@ -152,15 +166,19 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         self.metrics.resident_bytes.set(self.pool.used_frames * self.pool.geo.bytes_per_frame)
 
     # -- route -------------------------------------------------------------------------------------
-    @rpc("Attend")
+    @rpc("Attend", sized=False)
     async def Attend(
         self, request: holder_pb2.AttendRequest, context: Any
     ) -> holder_pb2.AttendResponse:
+        t0 = time.perf_counter()
         geo, cfg = self.pool.geo, self.cfg
         self._held(request.corpus_id)
         self._layer(request.layer)
-        q = self._tensor(request.q, "q", _FLOATS, 3, finite=True)
-        rows = self._tensor(request.rows, "rows", _INTS, 2)
+        # A GPU holder checks q's values and the rows on the device, beside the kernel, and
+        # reads the payload in place (it only copies it to the device); a CPU holder checks here.
+        gpu = self.staging is not None
+        q = self._tensor(request.q, "q", _FLOATS, 3, finite=not gpu, copy=not gpu)
+        rows = self._tensor(request.rows, "rows", _INTS, 2, copy=not gpu)
         n, h, d = q.shape
         if d != geo.kv_dim or not 0 < h <= 128 or n > cfg.max_rows:
             raise Reject(
@@ -177,39 +195,82 @@ class HolderService(holder_pb2_grpc.HolderServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"scale must be finite and > 0, got {request.scale}",
             )
+        if not gpu:
+            self._check_rows(request.corpus_id, rows)
+        kernel = self.kernel.resolve(n, h)
+        args = (kernel, q, rows, request.corpus_id, request.layer, request.scale)
+        compute = functools.partial(self._partial_gpu if gpu else self._partial_cpu, *args)
+        t1 = time.perf_counter()
+        (o, lse, bad), waited, secs = await self._run(request.corpus_id, compute)
+        t2 = time.perf_counter()
+        if bad is not None and bool(bad.any()):
+            if bool(bad[0]):
+                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, "q: contains NaN or infinite values")
+            self._check_rows(request.corpus_id, rows)  # raises with the first bad row named
+            raise AssertionError("the device found bad rows that check_rows accepts")
+        self.metrics.partial.labels(rows_bucket(n), k_bucket(rows.shape[1])).observe(secs)
+        reply = holder_pb2.AttendResponse(
+            o=to_proto(o.to(q.dtype)),
+            lse=to_proto(lse.float()),
+            kernel=kernel.name,
+            compute_us=secs * 1e6,
+        )
+        t3 = time.perf_counter()
+        stage = self.metrics.attend_stage.labels
+        stage("decode").observe(t1 - t0)
+        stage("queue").observe(waited)
+        stage("compute").observe(secs)
+        stage("encode").observe(t3 - t2)
+        elt = q.element_size()
+        self.metrics.bytes_in.labels("Attend").inc(q.numel() * elt + rows.numel() * 4)
+        self.metrics.bytes_out.labels("Attend").inc(o.numel() * elt + lse.numel() * 4)
+        return reply
+
+    def _check_rows(self, corpus_id: str, rows: torch.Tensor) -> None:
         try:
-            self.pool.check_rows(request.corpus_id, rows)
+            self.pool.check_rows(corpus_id, rows)
         except RowError as e:
             raise Reject(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
-        pool = self.pool.latent[request.layer]
-        d_v = geo.kv_dim - 64
 
-        def compute() -> tuple[torch.Tensor, torch.Tensor]:
-            if self.staging is None:
-                return self.kernel.fn(
-                    q.to(pool.dtype), pool, rows.to(torch.int64), request.scale, d_v
-                )
-            with torch.cuda.device(pool.device):  # flows run on executor threads
-                o, lse = self.kernel.fn(
-                    q.to(pool.device, pool.dtype), pool, rows.to(pool.device), request.scale, d_v
-                )
-                # The partial goes to pinned host buffers on one of the K staging streams, so
-                # concurrent flows' copies overlap instead of queueing behind each other.
+    def _partial_cpu(
+        self, kernel: Kernel, q: torch.Tensor, rows: torch.Tensor, corpus: str, layer: int,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, None]:  # fmt: skip
+        pool = self.pool.latent[layer]
+        o, lse = kernel.fn(q.to(pool.dtype), pool, rows.to(torch.int64), scale, pool.shape[1] - 64)
+        return o, lse, None
+
+    def _partial_gpu(
+        self, kernel: Kernel, q: torch.Tensor, rows: torch.Tensor, corpus: str, layer: int,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Copy in, check, compute and copy out on one staging stream, with one host sync:
+        ``(O, LSE)`` in pinned host memory and ``bad [2]`` (q not finite, rows not the
+        corpus's). The kernel never reads outside the pool, so bad rows cost a wasted kernel,
+        never a wrong read."""
+        assert self.staging is not None
+        pool = self.pool.latent[layer]
+        dev = pool.device
+        with torch.cuda.device(dev):  # flows run on executor threads
+            stream = self.staging.stream()
+            with torch.cuda.stream(stream):
+                qd = q.to(dev, non_blocking=True)
+                rd = rows.to(dev, non_blocking=True)
+                mask = self.pool.row_mask(corpus, dev)
+                n_rows = mask.shape[0]
+                owned = mask[rd.clamp(0, n_rows - 1).long()]
+                wrong = (rd < -1) | ((rd >= 0) & ((rd >= n_rows) | ~owned))
+                bad = torch.stack((~torch.isfinite(qd).all(), wrong.any()))
+                o, lse = kernel.fn(qd.to(pool.dtype), pool, rd, scale, pool.shape[1] - 64)
                 host = (
                     torch.empty(o.shape, dtype=o.dtype, pin_memory=True),
                     torch.empty(lse.shape, dtype=lse.dtype, pin_memory=True),
+                    torch.empty(2, dtype=torch.bool, pin_memory=True),
                 )
-                self.staging.copy([(o, host[0]), (lse, host[1])]).synchronize()
-            return host
-
-        (o, lse), _, secs = await self._run(request.corpus_id, compute)
-        self.metrics.partial.labels(rows_bucket(n), k_bucket(rows.shape[1])).observe(secs)
-        return holder_pb2.AttendResponse(
-            o=to_proto(o.to(q.dtype)),
-            lse=to_proto(lse.float()),
-            kernel=self.kernel.name,
-            compute_us=secs * 1e6,
-        )
+                for src, dst in zip((o, lse, bad), host, strict=True):
+                    dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+        return host
 
     # -- move the cache ----------------------------------------------------------------------------
     def _frames_of(self, corpus_id: str, pages: list[int]) -> list[int]:

@@ -23,7 +23,8 @@ class StagingPool:
         self._next = itertools.count()
         self._lock = threading.Lock()
 
-    def _stream(self) -> torch.cuda.Stream:
+    def stream(self) -> torch.cuda.Stream:
+        """The next staging stream, round robin."""
         with self._lock:
             return self.streams[next(self._next) % len(self.streams)]
 
@@ -31,7 +32,7 @@ class StagingPool:
         """``dst.copy_(src)`` for every ``(src, dst)`` on one staging stream, after the caller's
         current stream's work; returns the event that marks them done. Host destinations should
         be pinned, or the copy is synchronous."""
-        stream = self._stream()
+        stream = self.stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for src, dst in pairs:
@@ -46,7 +47,7 @@ class StagingPool:
     ) -> torch.cuda.Event:
         """``dst = src[rows]`` (a fetch's pages into a device send buffer), then, when ``host`` is
         given, ``host.copy_(dst)`` (to a pinned buffer for gRPC), all on one staging stream."""
-        stream = self._stream()
+        stream = self.stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             torch.index_select(src, 0, rows, out=dst)

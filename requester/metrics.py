@@ -54,6 +54,12 @@ class RequesterMetrics:
         self.errors = Counter(
             p + "errors", "failed holder calls by gRPC status", ["kind"], registry=r
         )
+        self.transport = Gauge(
+            p + "transport_info",
+            "how routes to each holder travel (1: in use): grpc or nvshmem",
+            ["holder", "transport"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             p + "fallbacks",
             "groups recomputed another way after a failure",

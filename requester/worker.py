@@ -29,6 +29,8 @@ from corpusd.model import DeepseekV32, KVCache
 from corpusd.model.mla import Projections
 from corpusd.model.partial import merge_partials, partial_attention
 from corpusd.model.rope import shift_band
+from corpusd.rpc import StatusError
+from corpusd.transport import nvshmem_ring
 from indexer import index_scores
 from indexer.modes import select_distributed, select_replica
 from indexer.select import merge_topk, select_topk
@@ -36,6 +38,7 @@ from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.holder_client import HolderClient
 from requester.metrics import RequesterMetrics
 from requester.predicate import PRIMITIVES, Decision, Group, Predicate, Profile
+from requester.routes import TRANSPORTS, Route, connect, requester_id
 from requester.sampling import SamplingParams, sample
 from requester.session import Session
 from requester.sources import LocalRows, PageCache, attend_canonical
@@ -64,6 +67,17 @@ class WorkerConfig:
     fetch_cache_bytes: int = field(default=1 << 30, metadata={"help": "fetched-page cache"})
     rpc_timeout_s: float = field(default=60.0, metadata={"help": "per holder call"})
     profile: str = field(default="", metadata={"help": "calibration profile JSON"})
+    transport: str = field(
+        default="auto",
+        metadata={
+            "help": "routes to a holder: nvshmem when both ends share an NVSHMEM job (auto), "
+            "or force one",
+            "choices": TRANSPORTS,
+        },
+    )
+    nvshmem_device: int = field(
+        default=0, metadata={"help": "the CUDA device this worker's NVSHMEM transport runs on"}
+    )
     trace: bool = field(default=False, metadata={"help": "keep every decision in .trace"})
 
     def __post_init__(self) -> None:
@@ -73,6 +87,10 @@ class WorkerConfig:
             raise ValueError(f"primitive must be auto or one of {PRIMITIVES}")
         if self.fetch_cache_bytes < 0 or not self.rpc_timeout_s > 0:
             raise ValueError("fetch_cache_bytes must be >= 0 and rpc_timeout_s > 0")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport == "nvshmem" and not nvshmem_ring.available():
+            raise ValueError("transport nvshmem needs a CUDA GPU and nvshmem4py (.gpu-deps)")
 
 
 def load_profile(path: str) -> Profile:
@@ -122,6 +140,13 @@ class GroupWork:
     canon: torch.Tensor
 
 
+def _failure(e: grpc.aio.AioRpcError | StatusError) -> tuple[grpc.StatusCode, str]:
+    """The status and message of a failed holder call, whichever transport it went over."""
+    if isinstance(e, StatusError):
+        return e.code, e.detail
+    return e.code(), e.details() or ""
+
+
 def compact(mask: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Rows of ``mask [m, k]`` with any True, and each value's True entries moved to the front
     (``-1`` after), trimmed to the widest row."""
@@ -151,6 +176,8 @@ class Worker:
         self.predicate = Predicate(profile or load_profile(self.cfg.profile), self.cfg.primitive)
         self.metrics = metrics or RequesterMetrics()
         self.clients: dict[str, HolderClient] = {}
+        self.routes: dict[str, Route] = {}  # holder address → how its routes travel
+        self._connecting: dict[str, asyncio.Lock] = {}
         self.corpora: dict[str, CorpusState] = {}
         self.sessions: dict[str, Session] = {}
         self.executor = ThreadPoolExecutor(4, thread_name_prefix="requester")
@@ -171,7 +198,29 @@ class Worker:
             self.clients[address] = HolderClient(address)
         return self.clients[address]
 
+    async def route(self, address: str) -> Route:
+        """The holder's route transport (``cfg.transport``; chosen once, logged and exported as
+        ``corpusd_requester_transport_info{holder,transport}``). Raises ValueError when a forced
+        transport cannot work for it."""
+        if address in self.routes:
+            return self.routes[address]
+        async with self._connecting.setdefault(address, asyncio.Lock()):
+            if address not in self.routes:
+                r = await connect(
+                    address,
+                    self.client(address),
+                    self.cfg.transport,
+                    self.cfg.nvshmem_device,
+                    f"{requester_id()}:{id(self):x}",
+                )
+                self.routes[address] = r
+                for name in TRANSPORTS[1:]:
+                    self.metrics.transport.labels(address, name).set(int(name == r.name))
+        return self.routes[address]
+
     async def close(self) -> None:
+        for r in self.routes.values():
+            await r.close()
         for c in self.clients.values():
             await c.close()
         self.executor.shutdown(wait=False)
@@ -189,6 +238,8 @@ class Worker:
 
     async def _attach_view(self, view: CorpusView) -> CorpusState:
         corpus_id = view.corpus_id
+        for address in view.holders:  # transports are chosen (NVSHMEM joined) before decoding
+            await self.route(address)
         st = CorpusState(view, PageCache(view.page_size, self.cfg.fetch_cache_bytes))
         if self.store is not None and corpus_id in self.store.ids():
             st.tokens = self.store.read_tokens(corpus_id).to(torch.int64)
@@ -560,8 +611,9 @@ class Worker:
         t0 = time.perf_counter()
         try:
             result = await self._execute(st, layer, q, off, g, decision.pick, scale)
-        except grpc.aio.AioRpcError as e:
-            self.metrics.errors.labels(e.code().name).inc()
+        except (grpc.aio.AioRpcError, StatusError) as e:  # gRPC or NVSHMEM: the same path
+            code, _ = _failure(e)
+            self.metrics.errors.labels(code.name).inc()
             return await self._recover(st, layer, q, off, g, scale, decision.pick, e)
         self._record(layer, st, g, decision, time.perf_counter() - t0)
         return result
@@ -575,7 +627,7 @@ class Worker:
         g: GroupWork,
         scale: float,
         pick: str,
-        e: grpc.aio.AioRpcError,
+        e: grpc.aio.AioRpcError | StatusError,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A holder failed: serve its rows from replicas on the other holders (and bind the
         corpus to those from now on); pages with no other replica are recomputed here from the
@@ -589,11 +641,12 @@ class Worker:
             if st.tokens is None:
                 raise
             to = "local"
+        code, detail = _failure(e)
         log.warning(
             "holder %s failed (%s: %s); %s",
             failed,
-            e.code().name,
-            e.details(),
+            code.name,
+            detail,
             "its pages are served by replicas from now on"
             if to == "replica"
             else "recomputing its rows here",
@@ -643,7 +696,7 @@ class Worker:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         qg, og = q[g.keep], off[g.keep]
         if pick == "route":
-            part = await self.client(st.view.holders[g.holder]).attend(
+            part = await (await self.route(st.view.holders[g.holder])).attend(
                 st.view.corpus_id,
                 layer,
                 self._canonical(qg, og, self.mcfg.kv_lora_rank),

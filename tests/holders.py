@@ -11,8 +11,9 @@ from holder.launch import HolderProcess
 from holder.launch import start_holder as _start
 
 
-def pin_sample(tmp: Path, model_dir: Path, tokens: int = 1000) -> str:
-    """Pin ~``tokens`` byte tokens of text into ``tmp/store``; returns the corpus id."""
+def pin_sample(tmp: Path, model_dir: Path, tokens: int = 1000, dtype: str = "float32") -> str:
+    """Pin ~``tokens`` byte tokens of text into ``tmp/store`` (cache in ``dtype``); returns the
+    corpus id."""
     body = "".join(f"line {i}: the quick brown fox {i * 7919 % 1000}\n" for i in range(tokens))[
         :tokens
     ]
@@ -23,10 +24,13 @@ def pin_sample(tmp: Path, model_dir: Path, tokens: int = 1000) -> str:
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
     r = pin(
-        PinConfig(corpus=str(src), model=str(model_dir), store=str(tmp / "store")), io.StringIO()
+        PinConfig(corpus=str(src), model=str(model_dir), store=str(tmp / "store"), dtype=dtype),
+        io.StringIO(),
     )
     return r.manifest.corpus_id
 
 
-def start_holder(store: Path, state_dir: Path, model_dir: Path, *extra: str) -> HolderProcess:
-    return _start(store, state_dir, model_dir, "--threads", "1", *extra)
+def start_holder(
+    store: Path, state_dir: Path, model_dir: Path, *extra: str, env: dict[str, str] | None = None
+) -> HolderProcess:
+    return _start(store, state_dir, model_dir, "--threads", "1", *extra, env=env)

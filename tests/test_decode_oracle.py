@@ -12,6 +12,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from conftest import rel
@@ -20,6 +21,8 @@ from holders import pin_sample, start_holder
 from corpusd.corpus.store import PageStore
 from corpusd.model import KVCache, forward_tokens
 from corpusd.model.rope import shift_band
+from corpusd.rpc import StatusError
+from corpusd.transport import nvshmem_ring
 from holder.launch import HolderProcess
 from requester.holder_client import HolderClient
 from requester.sampling import SamplingParams
@@ -325,3 +328,52 @@ def test_dead_holder_falls_back_to_local_and_stop_tokens_stop(  # type: ignore[n
         assert w.metrics.errors.labels("UNAVAILABLE")._value.get() == fell
     finally:
         doomed.stop()
+
+
+class _FailingRoute:
+    """What an NVSHMEM route raises when its holder fails mid-call (a StatusError, not a gRPC
+    error): the worker must take the same failover path as for gRPC."""
+
+    name = "nvshmem"
+
+    async def attend(self, *args: object, **kwargs: object) -> object:
+        raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, "no NVSHMEM reply (test)")
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_failing_nvshmem_route_fails_over_like_grpc(  # type: ignore[no-untyped-def]
+    tiny_model, corpus, holders, oracle
+) -> None:
+    tmp, cid = corpus
+    store = PageStore(tmp / "store")
+    place(cid, holders[:2], store.manifest(cid).n_pages, 1, seed=3)
+
+    async def run() -> tuple[list[int], Worker]:
+        w = Worker(tiny_model, WorkerConfig(primitive="route"), store=store)
+        try:
+            await w.attach(cid, [h.address for h in holders[:2]])
+            # on CPU "auto" picks gRPC for both, without asking the holders
+            assert {r.name for r in w.routes.values()} == {"grpc"}
+            w.routes[holders[1].address] = _FailingRoute()
+            s = w.open(cid, list(SUFFIXES[0].encode()), params=SamplingParams(max_tokens=6))
+            await w.generate([s])
+            return s.generated, w
+        finally:
+            await w.close()
+
+    tokens, w = asyncio.run(run())
+    assert tokens == oracle[0][0][:6]
+    assert w.metrics.fallbacks.labels("route", "local")._value.get() > 0
+    assert w.metrics.errors.labels("DEADLINE_EXCEEDED")._value.get() > 0
+    info = w.metrics.transport.labels(holders[0].address, "grpc")._value.get()
+    assert info == 1 and w.metrics.transport.labels(holders[0].address, "nvshmem")._value.get() == 0
+
+
+def test_transport_flag_is_checked_at_construction() -> None:
+    with pytest.raises(ValueError, match="transport must be one of"):
+        WorkerConfig(transport="rdma")
+    if not nvshmem_ring.available():
+        with pytest.raises(ValueError, match="needs a CUDA GPU and nvshmem4py"):
+            WorkerConfig(transport="nvshmem")

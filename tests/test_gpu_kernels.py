@@ -95,9 +95,16 @@ def test_flashmla_lse_base_is_detected() -> None:
 
 @pytest.mark.gpu
 @cuda
-def test_auto_prefers_flashmla_for_bf16_and_triton_otherwise() -> None:
+def test_auto_picks_per_request_for_bf16_and_triton_otherwise() -> None:
     _flashmla_or_skip()
-    assert choose("auto", "cuda:0", torch.bfloat16, D, D_V).name == "flashmla"
+    auto = choose("auto", "cuda:0", torch.bfloat16, D, D_V)
+    assert auto.name == "flashmla|triton"
+    g = torch.Generator().manual_seed(torch.seed() % (1 << 31))
+    for n, h, want in ((64, 128, "flashmla"), (64, 16, "triton"), (4, 64, "triton")):
+        assert auto.resolve(n, h).name == want, f"{n=}, {h=}"
+        q, kv, idx = inputs(g, n, h, 5000, 256, D, torch.bfloat16, "cuda")
+        got, ref = auto.fn(q, kv, idx, D**-0.5, D_V), REGISTRY[want].fn(q, kv, idx, D**-0.5, D_V)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True)), f"{n=}, {h=}"
     assert choose("auto", "cuda:0", torch.float32, D, D_V).name == "triton"
     with pytest.raises(ValueError, match="does not fit"):
         choose("flashmla", "cuda:0", torch.float32, D, D_V)

@@ -31,6 +31,34 @@ def _fill(pool: FramePool, cid: str, pages: list[int], tokens: int) -> dict[int,
     return dict(zip(pages, frames, strict=True))
 
 
+def test_row_mask_accepts_exactly_what_check_rows_accepts_and_follows_changes() -> None:
+    pool = _pool()
+    a = _fill(pool, "a", [0, 2], tokens=10)  # page 2 (the last) holds 2 valid rows
+    _fill(pool, "b", [0], tokens=4)
+
+    def accepted(cid: str) -> set[int]:
+        ok = set()
+        for row in range(24):
+            try:
+                pool.check_rows(cid, torch.tensor([[row]]))
+                ok.add(row)
+            except RowError:
+                pass
+        return ok
+
+    mask = pool.row_mask("a", "cpu")
+    assert set(mask.nonzero().squeeze(1).tolist()) == accepted("a")
+    assert pool.row_mask("a", "cpu") is mask, "cached while the pool is unchanged"
+    _fill(pool, "a", [1], tokens=10)  # a new page of a: the mask must grow
+    assert set(pool.row_mask("a", "cpu").nonzero().squeeze(1).tolist()) == accepted("a")
+    pool.release("a", [0])
+    rows = set(pool.row_mask("a", "cpu").nonzero().squeeze(1).tolist())
+    assert rows == accepted("a") and not rows & set(range(4 * a[0], 4 * a[0] + 4))
+    pool.release("a")
+    with pytest.raises(KeyError):
+        pool.row_mask("a", "cpu")
+
+
 def test_pool_bookkeeping_and_integrity() -> None:
     pool = _pool()
     a = _fill(pool, "a", [0, 1, 2], tokens=10)  # last page holds 2 valid rows

@@ -57,6 +57,7 @@ def holder_main(port_file: Path, device: int, fetch_rows: int) -> None:
     from holder.nvshmem_endpoint import NvshmemEndpoint
     from holder.pool import FramePool, Geometry
     from holder.service import HolderService
+    from tools.bench_gpu_grpc import add_probe
 
     nv_env()
     torch.cuda.set_device(device)
@@ -78,6 +79,7 @@ def holder_main(port_file: Path, device: int, fetch_rows: int) -> None:
     for page, frame in enumerate(frames):
         pool.fill(CORPUS, page, frame, [lat[page * PAGE : (page + 1) * PAGE]], [keys])
     kernel = choose("auto", dev, torch.bfloat16, D, D_V)
+    torch.set_num_threads(cfg.host_threads)  # as `corpusd holder` does
     svc = HolderService(cfg, pool, PageStore(cfg.store), kernel, "bench", HolderMetrics())
     from corpusd.transport.nvshmem_ring import RingGeometry
 
@@ -90,6 +92,7 @@ def holder_main(port_file: Path, device: int, fetch_rows: int) -> None:
         server = grpc.aio.server(options=opts)
         holder_pb2_grpc.add_HolderServicer_to_server(svc, server)
         transport_pb2_grpc.add_TransportServicer_to_server(endpoint, server)
+        add_probe(server, svc)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         stop = asyncio.Event()
@@ -99,7 +102,7 @@ def holder_main(port_file: Path, device: int, fetch_rows: int) -> None:
         await server.stop(1.0)
 
     asyncio.run(serve())
-    port_file.with_suffix(".stats").write_text(json.dumps(endpoint.stream_stats))
+    port_file.with_suffix(".stats").write_text(json.dumps(list(endpoint.stream_stats)))
     endpoint.close()
     print("holder: closed", flush=True)
 
@@ -141,30 +144,48 @@ def corpus_rows(g: torch.Generator, n: int, k: int, span: int, dev: torch.device
 
 
 async def requester_main(
-    address: str, holder_kernel: str, quick: bool, stop_holder: Callable[[], None]
+    address: str,
+    holder_kernel: str,
+    quick: bool,
+    stop_holder: Callable[[], None],
+    checkpoint: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
     from corpusd.model.partial import merge_partials, partial_attention
-    from holder.kernels import REGISTRY
+    from holder.kernels import REGISTRY, choose
     from requester.holder_client import HolderClient
     from requester.nvshmem_client import NvshmemClient, RemoteRowError
+    from tools.bench_gpu import part_choice
+    from tools.bench_gpu_grpc import breakdown
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     reps = 30 if quick else 200
-    kernel = REGISTRY[holder_kernel].fn
+    # the holder's "auto" kernel, resolved per request shape as the holder resolves it
+    auto = choose("auto", str(dev), torch.bfloat16, D, D_V)
+    assert auto.name == holder_kernel, f"holder runs {holder_kernel}, this process {auto.name}"
     scale = D**-0.5
     g = torch.Generator(device=dev).manual_seed(12)
     grpc_client = HolderClient(address)
+    out: dict[str, Any] = {"holder_kernel": holder_kernel}
+    n = 64
+    idx = corpus_rows(g, n, K, HOLDER_TOKENS, dev)
+    if not quick:  # (2b) gRPC Attend before any NVSHMEM init in either process
+        out["grpc_before_join"] = {}
+        for heads in (16, 128):
+            qh = torch.randn(n, heads, D, generator=g, device=dev, dtype=torch.bfloat16)
+            b = await breakdown(address, CORPUS, qh.cpu(), idx.cpu(), scale, 10)
+            out["grpc_before_join"][f"h{heads}"] = b
+            print(f"gRPC before join h={heads}: {json.dumps(b)}", flush=True)
+        checkpoint(out)
     t0 = time.perf_counter()
     nv = await NvshmemClient.join(address, "bench-requester", 0)
     join_s = time.perf_counter() - t0
     print(f"joined NVSHMEM job {nv.job_id} as rank {nv.rank} in {join_s:.2f} s", flush=True)
-    out: dict[str, Any] = {"join_s": join_s, "holder_kernel": holder_kernel}
+    out["join_s"] = join_s
 
     # (2) exactness, bad rows, round trips
-    n, h = 64, 128
+    h = 128
     q = torch.randn(n, h, D, generator=g, device=dev, dtype=torch.bfloat16)
-    idx = corpus_rows(g, n, K, HOLDER_TOKENS, dev)
     idx[0] = -1  # an empty row
     idx[1, :4] = torch.tensor([0, HOLDER_TOKENS - 1, 1, HOLDER_TOKENS - 2], device=dev)
     p = await grpc_client.attend(CORPUS, 0, q.cpu(), idx.cpu(), scale)
@@ -244,17 +265,17 @@ async def requester_main(
                 for name, ph in zip(("copy_in", "send", "wait", "status"), phases, strict=True)
             }
             print(f"requester stream {mode} h={heads}: {rtt[key]}", flush=True)
-        kt = med(graph_us(partial(kernel, qh, pool_h, idx, scale, D_V)))
+        kernel = auto.resolve(n, heads)
+        rtt[f"kernel_h{heads}"] = kernel.name
+        kt = med(graph_us(partial(kernel.fn, qh, pool_h, idx, scale, D_V)))
         rtt[f"kernel_h{heads}_us"] = kt
-        times, holder_us = [], []
-        qc, ic = qh.cpu(), idx.cpu()
-        for i in range(min(reps, 40) + 3):
-            t = time.perf_counter()
-            reply = await grpc_client.attend(CORPUS, 0, qc, ic, scale)
-            if i >= 3:
-                times.append((time.perf_counter() - t) * 1e6)
-                holder_us.append(reply.compute_us)
-        rtt[f"grpc_attend_h{heads}"] = {**stats(times), "holder_compute_p50": med(holder_us)}
+        b = await breakdown(address, CORPUS, qh.cpu(), idx.cpu(), scale, 10 if quick else 20)
+        rtt[f"grpc_breakdown_h{heads}"] = b
+        rtt[f"grpc_attend_h{heads}"] = {
+            "p50": b["requester_ms_p50"]["wall"] * 1e3,
+            "holder_compute_p50": b["holder_stage_ms_mean"]["compute"] * 1e3,
+        }
+        print(f"gRPC after join h={heads}: {json.dumps(b)}", flush=True)
         budget = kt + 1.5 * rtt[f"echo_h{heads}"]["p50"]
         rtt[f"target_h{heads}_us"] = budget
         print(
@@ -266,9 +287,13 @@ async def requester_main(
             flush=True,
         )
     out["route"] = rtt
+    checkpoint(out)
+    if not quick:
+        out["kernel_choice"] = part_choice(dev)
+        checkpoint(out)
 
     # (3) route vs fetch vs local per chunk
-    local_fn = REGISTRY["flashmla"].fn if REGISTRY["flashmla"].available(str(dev)) else kernel
+    local_fn = REGISTRY["flashmla"].fn if REGISTRY["flashmla"].available(str(dev)) else auto.fn
     cross = []
     q = torch.randn(n, h, D, generator=g, device=dev, dtype=torch.bfloat16)
     creps = max(10, reps // 4)
@@ -324,6 +349,7 @@ async def requester_main(
             flush=True,
         )
     out["crossover"] = {"rows": n, "heads": h, "k": K, "points": cross}
+    checkpoint(out)
 
     # (4) distributed decode step vs monolithic
     agents = 32
@@ -433,10 +459,57 @@ async def requester_main(
         f"{dist_rel:.1e}",
         flush=True,
     )
+    checkpoint(out)
+    out["route_graphed"] = await graphed_route(nv, g, idx, reps, scale, rtt)
     await grpc_client.close()
     stop_holder()  # its endpoint closes the job: a collective barrier with ours
     await nv.close()
     return out
+
+
+async def graphed_route(
+    nv: Any, g: torch.Generator, idx: torch.Tensor, reps: int, scale: float, rtt: dict[str, Any]
+) -> dict[str, Any]:
+    """(2c) The route with the requester's store + signal + wait + status copy captured as one
+    CUDA graph per ring slot (``NvshmemClient.graphed``), against the eager route above and the
+    target (kernel + 1.5 × echo); the graph's reply must equal the eager one bit for bit."""
+    dev = idx.device
+    n = idx.shape[0]
+    res: dict[str, Any] = {}
+    for heads in (16, 128):
+        qh = torch.randn(n, heads, D, generator=g, device=dev, dtype=torch.bfloat16)
+        for direct in (False, True):
+            mode = "direct" if direct else "put"
+            await nv.open_stream("attend", 1, n, heads, K, CORPUS, 0, 1, scale, direct=direct)
+            ref = nv.attend(qh, idx).result(copy=True)
+            await nv.open_stream(
+                "attend", reps + 6, n, heads, K, CORPUS, 0, 1, scale, direct=direct
+            )
+            try:
+                send = nv.graphed(qh, idx)
+            except Exception as e:  # the stream's requests still have to go out
+                res["capture_error"] = f"{type(e).__name__}: {e}"
+                print(f"graph capture failed: {res['capture_error']}", flush=True)
+                for _ in range(reps + 6):
+                    nv.attend(qh, idx).result()
+                return res
+            first = send().result(copy=True)
+            equal = all(torch.equal(a, b) for a, b in zip(first, ref, strict=True))
+            times = []
+            for i in range(reps + 5):
+                t = time.perf_counter()
+                send().result()
+                if i >= 5:
+                    times.append((time.perf_counter() - t) * 1e6)
+            key = f"nvshmem_{mode}_graph_attend_h{heads}"
+            res[key] = {**stats(times), "equals_eager_bitwise": equal}
+            print(
+                f"graphed route {mode} h={heads}: p50 {res[key]['p50']:.1f} us (eager "
+                f"{rtt[f'nvshmem_{mode}_attend_h{heads}']['p50']:.1f}, target "
+                f"{rtt[f'target_h{heads}_us']:.1f}), equals eager: {equal}",
+                flush=True,
+            )
+    return res
 
 
 def pair(out: Path, quick: bool) -> None:
@@ -463,8 +536,14 @@ def pair(out: Path, quick: bool) -> None:
             "env": env_info(dev),
             "gpus": torch.cuda.device_count(),
         }
+
+        def checkpoint(part: dict[str, Any]) -> None:  # a crash later keeps what was measured
+            save(out, {**result, **part, "partial": True})
+
         result.update(
-            asyncio.run(requester_main(f"127.0.0.1:{port}", kname, quick, holder.terminate))
+            asyncio.run(
+                requester_main(f"127.0.0.1:{port}", kname, quick, holder.terminate, checkpoint)
+            )
         )
         holder.wait(60)
         stats_file = port_file.with_suffix(".stats")

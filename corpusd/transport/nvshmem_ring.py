@@ -28,7 +28,9 @@ Across nodes the same code runs over IBGDA; only the environment changes (see th
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,15 @@ ENV_DEFAULTS = {
     "NVSHMEM_REMOTE_TRANSPORT": "none",  # one node; set ibrc (+ IBGDA) across nodes
     "NVSHMEM_SYMMETRIC_SIZE": "4G",
 }
+
+
+log = logging.getLogger("corpusd.nvshmem")
+
+
+def setup_env() -> None:
+    """NVSHMEM's environment defaults (an explicit setting wins); before any NVSHMEM call."""
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
 
 
 def _core():
@@ -67,6 +78,7 @@ def available() -> bool:
 
 def new_uid() -> bytes:
     """A fresh unique id (rank 0 only), as the raw bytes that travel over the control plane."""
+    setup_env()
     uid = _core().get_unique_id()
     return ctypes.string_at(uid.ptr, UID_BYTES)
 
@@ -147,8 +159,7 @@ class Job:
     def __init__(self, uid: bytes, rank: int, nranks: int, device: int, ring: RingGeometry) -> None:
         from cuda.core import Device
 
-        for key, value in ENV_DEFAULTS.items():
-            os.environ.setdefault(key, value)
+        setup_env()
         assert len(uid) == UID_BYTES, f"uid must be {UID_BYTES} bytes, got {len(uid)}"
         assert 0 <= rank < nranks and nranks == ring.peers + 1, f"{rank=} {nranks=} {ring=}"
         core = _core()
@@ -173,24 +184,35 @@ class Job:
         torch.cuda.synchronize(self.device)
         b = _bindings()
         self._set = int(b.Signal_op.SIGNAL_SET)
+        self._add = int(b.Signal_op.SIGNAL_ADD)
         self._ge = int(b.Cmp_type.CMP_GE)
 
     # -- stream-ordered primitives ---------------------------------------------------------------
     def put_signal(
-        self, dst_src: torch.Tensor, nbytes: int, sig: torch.Tensor, value: int, pe: int, s: int
+        self,
+        dst_src: torch.Tensor,
+        nbytes: int,
+        sig: torch.Tensor,
+        value: int,
+        pe: int,
+        s: int,
+        add: bool = False,
     ) -> None:
         """Put ``nbytes`` of our copy of symmetric ``dst_src`` into PE ``pe``'s copy, then set
-        its ``sig`` to ``value`` (delivery of the bytes precedes the signal)."""
+        its ``sig`` to ``value`` (``add``: add ``value``); the bytes land before the signal."""
         assert nbytes <= dst_src.numel() * dst_src.element_size(), f"{nbytes=} past the slot"
         p = dst_src.data_ptr()
-        _bindings().putmem_signal_on_stream(p, p, nbytes, sig.data_ptr(), value, self._set, pe, s)
+        op = self._add if add else self._set
+        _bindings().putmem_signal_on_stream(p, p, nbytes, sig.data_ptr(), value, op, pe, s)
 
     def wait_ge(self, sig: torch.Tensor, value: int, s: int) -> None:
         """Stream ``s`` waits until our copy of ``sig`` ≥ ``value``."""
         _bindings().signal_wait_until_on_stream(sig.data_ptr(), self._ge, value, s)
 
-    def signal(self, sig: torch.Tensor, value: int, pe: int, s: int) -> None:
-        _bindings().signal_op_on_stream(sig.data_ptr(), value, self._set, pe, s)
+    def signal(self, sig: torch.Tensor, value: int, pe: int, s: int, add: bool = False) -> None:
+        """Set (``add``: add to) PE ``pe``'s copy of ``sig``, in stream order."""
+        op = self._add if add else self._set
+        _bindings().signal_op_on_stream(sig.data_ptr(), value, op, pe, s)
 
     def peer(self, t: torch.Tensor, pe: int) -> torch.Tensor | None:
         """PE ``pe``'s copy of symmetric ``t`` mapped into this process (NVLink, same node), or
@@ -201,11 +223,29 @@ class Job:
             return None
         return view if view is not None and view.data_ptr() != 0 else None
 
-    def close(self) -> None:
-        core = _core()
-        torch.cuda.synchronize(self.device)
-        core.barrier_all(stream=torch.cuda.current_stream(self.device))
-        torch.cuda.synchronize(self.device)
-        for t in (self.req, self.rep, self.req_sig, self.rep_sig):
-            core.free_tensor(t)
-        core.finalize()
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Free the ring and finalise: collective, so it returns once every member closed too.
+        With ``timeout_s``, give up waiting after that long (a member that died, or streams
+        parked on requests that never came) and return False: the job is abandoned, and the
+        process should exit rather than use NVSHMEM again."""
+
+        def teardown() -> None:
+            core = _core()
+            torch.cuda.synchronize(self.device)
+            core.barrier_all(stream=torch.cuda.current_stream(self.device))
+            torch.cuda.synchronize(self.device)
+            for t in (self.req, self.rep, self.req_sig, self.rep_sig):
+                core.free_tensor(t)
+            core.finalize()
+
+        if timeout_s is None:
+            teardown()
+            return True
+        t = threading.Thread(target=teardown, name="nvshmem-close", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if t.is_alive():
+            log.warning("NVSHMEM job not closed within %.0f s (a member is gone?); abandoned",
+                        timeout_s)  # fmt: skip
+            return False
+        return True

@@ -6,12 +6,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("requester_id", "host")
+    __slots__ = ("requester_id", "host", "probe")
     REQUESTER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     requester_id: str
     host: str
-    def __init__(self, requester_id: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+    probe: bool
+    def __init__(self, requester_id: _Optional[str] = ..., host: _Optional[str] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class RingGeometry(_message.Message):
     __slots__ = ("peers", "depth", "req_bytes", "rep_bytes")
@@ -26,18 +28,20 @@ class RingGeometry(_message.Message):
     def __init__(self, peers: _Optional[int] = ..., depth: _Optional[int] = ..., req_bytes: _Optional[int] = ..., rep_bytes: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("uid", "rank", "nranks", "job_id", "ring")
+    __slots__ = ("uid", "rank", "nranks", "job_id", "ring", "host")
     UID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     NRANKS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     uid: bytes
     rank: int
     nranks: int
     job_id: str
     ring: RingGeometry
-    def __init__(self, uid: _Optional[bytes] = ..., rank: _Optional[int] = ..., nranks: _Optional[int] = ..., job_id: _Optional[str] = ..., ring: _Optional[_Union[RingGeometry, _Mapping]] = ...) -> None: ...
+    host: str
+    def __init__(self, uid: _Optional[bytes] = ..., rank: _Optional[int] = ..., nranks: _Optional[int] = ..., job_id: _Optional[str] = ..., ring: _Optional[_Union[RingGeometry, _Mapping]] = ..., host: _Optional[str] = ...) -> None: ...
 
 class OpenStreamRequest(_message.Message):
     __slots__ = ("rank", "mode", "corpus_id", "layer", "layers", "rows", "heads", "topk", "scale", "count", "echo_bytes", "direct")

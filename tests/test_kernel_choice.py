@@ -1,0 +1,83 @@
+"""The per-request kernel choice (``holder.kernels.prefer_triton``), on CPU: against the GPU bench
+numbers it was derived from, and the ``auto`` registry entry that dispatches on it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from holder import kernels
+from holder.kernels import REGISTRY, choose, prefer_triton
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench" / "results" / "gpu-single-h200.json"
+SLACK = 1.10  # the chosen kernel may be this much slower than the faster one (bench noise)
+
+
+def measured_pairs() -> list[tuple[int, int, float, float]]:
+    """(rows, heads, flashmla µs, triton µs) at every point where both kernels were measured."""
+    d = json.loads(BENCH.read_text())
+    out: dict[tuple[int, int], dict[str, float]] = {}
+    for p in d["tune"]["points"]:  # triton: its best block configuration
+        name = "flashmla" if p["config"] == "flashmla" else "triton"
+        cur = out.setdefault((p["rows"], p["heads"]), {})
+        cur[name] = min(cur.get(name, float("inf")), p["us"])
+    for p in d["tune"]["pool_size"]:  # 1 row, 64 heads, per pool size
+        out.setdefault((1, 64), {})[p["kernel"]] = min(
+            out.get((1, 64), {}).get(p["kernel"], float("inf")), p["us"]
+        )
+    for p in d["fanin"]["points"]:  # one batched call over every requester's rows
+        if p["kernel"] in ("flashmla", "triton"):
+            out.setdefault((p["rows"], p["heads"]), {})[p["kernel"]] = p["batched_ms"] * 1e3
+    return [(r, h, v["flashmla"], v["triton"]) for (r, h), v in sorted(out.items()) if len(v) == 2]
+
+
+def test_choice_is_the_faster_kernel_at_every_measured_point() -> None:
+    pairs = measured_pairs()
+    assert len(pairs) >= 15, f"expected the tune and fan-in points of {BENCH.name}, got {pairs}"
+    for rows, heads, fl, tr in pairs:
+        chosen = tr if prefer_triton(rows, heads) else fl
+        assert chosen <= SLACK * min(fl, tr), (
+            f"{rows=}, {heads=}: chose {'triton' if chosen == tr else 'flashmla'} at {chosen:.0f} "
+            f"µs; flashmla {fl:.0f}, triton {tr:.0f}"
+        )
+
+
+def test_choice_edges() -> None:
+    assert prefer_triton(952, 16) and prefer_triton(1, 1)  # few heads: always Triton
+    assert prefer_triton(15, 64) and not prefer_triton(16, 64)  # 17…64 heads: Triton below 16 rows
+    assert not prefer_triton(1, 128) and not prefer_triton(64, 100)  # h > 64: FlashMLA
+
+
+def _fake(name: str, calls: list[str]) -> kernels.Kernel:
+    def fn(
+        q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, d_v: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(name)
+        return q.new_zeros(q.shape[0], q.shape[1], d_v), torch.zeros(q.shape[:2])
+
+    return replace(REGISTRY[name], fn=fn, available=lambda device: True)
+
+
+def test_auto_dispatches_per_request_where_both_gpu_kernels_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setitem(REGISTRY, "flashmla", _fake("flashmla", calls))
+    monkeypatch.setitem(REGISTRY, "triton", _fake("triton", calls))
+    k = choose("auto", "cuda:0", torch.bfloat16, 576, 512)
+    assert k.name == "flashmla|triton"
+    assert k.resolve(64, 128).name == "flashmla" and k.resolve(64, 16).name == "triton"
+    kv, idx = torch.zeros(8, 576), torch.zeros(4, 128, dtype=torch.int32)
+    for rows, heads in ((4, 128), (4, 16), (4, 64), (32, 64)):
+        k.fn(torch.zeros(rows, heads, 576), kv, idx[:rows], 0.1, 512)
+    assert calls == ["flashmla", "triton", "triton", "flashmla"]
+    # a float32 pool: only Triton fits, and it runs every request
+    t = choose("auto", "cuda:0", torch.float32, 576, 512)
+    assert t.name == "triton" and t.resolve(64, 128) is t
+    # a named kernel is never swapped per request
+    assert choose("flashmla", "cuda:0", torch.bfloat16, 576, 512).resolve(1, 16).name == "flashmla"
