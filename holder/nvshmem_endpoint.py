@@ -30,7 +30,7 @@ from corpusd.transport import nvshmem_ring as nr
 from corpusd.v1 import transport_pb2, transport_pb2_grpc
 from holder.config import HolderConfig
 from holder.kernels import Kernel
-from holder.pool import FramePool
+from holder.pool import FramePool, rows_outside
 
 log = logging.getLogger("corpusd.holder.nvshmem")
 
@@ -194,9 +194,7 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
                self.pool.version)  # fmt: skip
 
         def bad(idx: torch.Tensor) -> torch.Tensor:
-            used = idx >= 0
-            ok = ~used | ((idx < n_rows) & row_ok[idx.clamp(0, n_rows - 1).long()])
-            return ((idx < -1) | ~ok).any()
+            return rows_outside(row_ok, idx)
 
         if req.mode == "attend":
             if (

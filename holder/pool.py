@@ -206,3 +206,13 @@ class FramePool:
             assert held is not None and held.pages.get(page) == frame, f"{frame=} {cid=} {page=}"
             assert handles.get(int(self.owner[frame])) == cid, f"{frame=} owner mismatch"
         assert bool((self.owner[sorted(free)] == -1).all()) if free else True, "free frame owned"
+
+
+def rows_outside(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """0-dim bool on ``rows``' device: some entry of ``rows`` is neither −1 (unused) nor a row
+    ``mask`` (``FramePool.row_mask``) accepts. Tensor ops only, no host sync, so it can run
+    beside a kernel or inside a captured CUDA graph."""
+    n_rows = mask.shape[0]
+    used = rows >= 0
+    owned = mask[rows.clamp(0, n_rows - 1).long()]
+    return ((rows < -1) | (used & ((rows >= n_rows) | ~owned))).any()

@@ -26,7 +26,7 @@ from holder.admission import Admission, Overloaded
 from holder.config import HolderConfig
 from holder.kernels import Kernel
 from holder.metrics import HolderMetrics, k_bucket, rows_bucket
-from holder.pool import FramePool, PoolFull, RowError
+from holder.pool import FramePool, PoolFull, RowError, rows_outside
 from holder.staging import StagingPool
 from holder.state import AssignmentLog
 from indexer import index_scores, select_topk
@@ -256,11 +256,8 @@ class HolderService(holder_pb2_grpc.HolderServicer):
             with torch.cuda.stream(stream):
                 qd = q.to(dev, non_blocking=True)
                 rd = rows.to(dev, non_blocking=True)
-                mask = self.pool.row_mask(corpus, dev)
-                n_rows = mask.shape[0]
-                owned = mask[rd.clamp(0, n_rows - 1).long()]
-                wrong = (rd < -1) | ((rd >= 0) & ((rd >= n_rows) | ~owned))
-                bad = torch.stack((~torch.isfinite(qd).all(), wrong.any()))
+                wrong = rows_outside(self.pool.row_mask(corpus, dev), rd)
+                bad = torch.stack((~torch.isfinite(qd).all(), wrong))
                 o, lse = kernel.fn(qd.to(pool.dtype), pool, rd, scale, pool.shape[1] - 64)
                 host = (
                     torch.empty(o.shape, dtype=o.dtype, pin_memory=True),

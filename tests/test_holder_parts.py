@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from holder.admission import Admission, Overloaded
-from holder.pool import FramePool, Geometry, PoolFull, RowError
+from holder.pool import FramePool, Geometry, PoolFull, RowError, rows_outside
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,6 +57,22 @@ def test_row_mask_accepts_exactly_what_check_rows_accepts_and_follows_changes() 
     pool.release("a")
     with pytest.raises(KeyError):
         pool.row_mask("a", "cpu")
+
+
+def test_rows_outside_rejects_exactly_what_check_rows_rejects() -> None:
+    """The device-side check (GPU gRPC Attend, NVSHMEM requests) against the host one."""
+    pool = _pool()
+    _fill(pool, "a", [0, 2], tokens=10)
+    _fill(pool, "b", [0], tokens=4)
+    mask = pool.row_mask("a", "cpu")
+    for row in range(-3, 30):
+        rows = torch.tensor([[-1, row]])
+        try:
+            pool.check_rows("a", rows)
+            host_ok = True
+        except RowError:
+            host_ok = False
+        assert bool(rows_outside(mask, rows)) is not host_ok, row
 
 
 def test_pool_bookkeeping_and_integrity() -> None:

@@ -401,6 +401,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
             except Exception as e:  # the other modes still run; the result says what failed
                 failed[mode] = f"{type(e).__name__}: {e}"[:2000]
+                save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
                 print(
                     f"{mode} failed: {failed[mode]}\n{server.tail()}", file=sys.stderr, flush=True
                 )
@@ -408,7 +409,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     raise
             finally:
                 server.stop()
-            save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
     finally:
         cd.stop()
     return summarize(a, cd, runs, failed, topk, suffixes)
