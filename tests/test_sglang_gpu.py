@@ -8,28 +8,19 @@ requester/sglang/NOTES.md.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 import torch
-from conftest import rel
+from conftest import rel, why_no_sglang_gpu
 
 from corpusd.model.partial import partial_attention
 from requester.sglang import lse as lse_mod
 
-
-def _why_not() -> str:
-    if importlib.util.find_spec("sglang") is None:
-        return "sglang is not installed (pip install 'corpusd[sglang]', or .sglang-deps/)"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if torch.cuda.get_device_capability()[0] != 9:
-        return f"FlashMLA sparse needs SM90; this is SM{torch.cuda.get_device_capability()}"
-    return ""
-
-
-pytestmark = [pytest.mark.sglang, pytest.mark.skipif(bool(_why_not()), reason=_why_not())]
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(bool(why_no_sglang_gpu()), reason=why_no_sglang_gpu()),
+]
 
 
 def test_package_registers_entry_class_and_nsa_backend() -> None:
