@@ -1,9 +1,9 @@
 """The SGLang glue on a GPU with sglang 0.5.10.post1 installed (``pytest -m sglang``).
 
 Skipped elsewhere with the reason. They passed on one H200 (sglang 0.5.10.post1 from
-.sglang-deps/). The end-to-end server test (a tiny DeepSeek-V3.2 served by SGLang with this
-plugin, tokens compared with corpusd's own agents) is not written yet; see
-requester/sglang/NOTES.md.
+.sglang-deps/). The end-to-end check (a tiny DeepSeek-V3.2 served by a live SGLang server stock,
+through this plugin and through the HiCache backend, outputs compared) is
+``tests/test_sglang_server.py``, which runs ``tools/bench_sglang.py``.
 """
 
 from __future__ import annotations

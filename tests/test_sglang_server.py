@@ -1,0 +1,139 @@
+"""A live SGLang server with corpusd, end to end (issue 7; ``pytest -m sglang``).
+
+Runs ``tools/bench_sglang.py`` in a subprocess with short settings. The script pins a dense and a
+sparse corpus on GPU holders and serves the tiny DeepSeek-V3.2 three ways in turn, each with a
+real ``sglang.launch_server``: stock, route (the plugin) and fetch (the HiCache backend). This
+test holds the script's JSON to what the issue claims:
+
+- dense regime (every key attended, no top-k selection anywhere, so every mode attends exactly
+  the same keys): route and fetch predict what stock SGLang predicts, within bf16 noise;
+- sparse regime: route and fetch run without error. Their distance from stock there comes from
+  the pin's fp32 indexer against SGLang's fp8 one (README, "SGLang workers"), not from the
+  plugin, so no bound is asserted.
+
+Skipped with the reason without sglang or an SM90 GPU; it never runs in CPU CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import why_no_sglang_gpu
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(bool(why_no_sglang_gpu()), reason=why_no_sglang_gpu()),
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUESTS, TOKENS, FORCED = 8, 16, 8  # the script's --requests, --tokens, --forced-steps
+PAGE = 64  # the script's --page-size
+TIMEOUT_S = 1500  # three server starts (~30 s each on an H200) and a few hundred requests
+
+# Dense bounds. The three modes attend the same keys, so only bf16 rounding separates them
+# (corpusd's bf16 pages and Triton kernel against SGLang's own prefill and FlashMLA). Measured
+# on an H200, fetch vs stock: 0.042 max / 0.007 mean log-softmax abs diff, 128 of 128
+# teacher-forced argmaxes equal. A bound of 0.25 (a 28 % probability ratio) leaves 6× room over
+# that noise and is still 12× under the sparse regime's 3.11, where other keys are attended;
+# the mean bound likewise sits 7× over 0.007 and 7× under sparse's 0.365.
+MIN_FORCED_AGREE = 0.99
+MAX_LOGPROB_DIFF = 0.25
+MAX_MEAN_LOGPROB_DIFF = 0.05
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: Path, n: int = 80) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
+
+
+def run_bench(tmp_path: Path) -> tuple[int, dict[str, Any], str]:
+    """The script's exit code, its JSON and the tail of its output."""
+    out, log = tmp_path / "sglang.json", tmp_path / "bench.log"
+    cmd = [
+        sys.executable, "-m", "tools.bench_sglang", "--out", str(out),
+        "--work", str(tmp_path / "work"), "--regimes", "dense,sparse",
+        "--requests", str(REQUESTS), "--tokens", str(TOKENS), "--forced-steps", str(FORCED),
+        "--holder-device", "cuda:0", "--port", str(_free_port()),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as f:
+        # Its own session, so whatever it leaves behind (servers, holders) can be ended by group.
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = proc.wait(TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)  # its finally blocks stop the servers and daemons
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(120)
+            code = -1
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    tail = f"{_tail(log)}\n(server logs: {tmp_path / 'work'}/sglang-<mode>.log)"
+    if code == -1:
+        pytest.fail(f"bench_sglang ran past {TIMEOUT_S} s:\n{tail}")
+    if not out.exists():
+        pytest.fail(f"bench_sglang wrote no {out.name} (exit {code}):\n{tail}")
+    return code, json.loads(out.read_text()), tail
+
+
+def _check_ran(regime: dict[str, Any], name: str) -> None:
+    """Every mode produced what the comparison needs, so the bounds cannot hold vacuously."""
+    assert set(regime["vs_stock"]) == {"route", "fetch"}, f"{name}: {regime['vs_stock'].keys()}"
+    assert "route_vs_fetch" in regime, name
+    assert set(regime["tokens"]) == {"stock", "route", "fetch"}, (
+        f"{name}: {regime['tokens'].keys()}"
+    )
+    for mode, tokens in regime["tokens"].items():
+        assert [len(t) for t in tokens] == [TOKENS] * REQUESTS, f"{name=}, {mode=}: {tokens}"
+    for mode, c in regime["vs_stock"].items():
+        assert c["forced_steps"] == REQUESTS * FORCED, f"{name=}, {mode=}: {c['forced_steps']=}"
+    # Fetch given the full prompt equals stock trivially if the HiCache backend served nothing;
+    # SGLang's cached_tokens shows the corpus's whole pages loaded, on the first request too.
+    whole = regime["corpus_tokens"] // PAGE * PAGE
+    cached = regime["cached_tokens"]["fetch"]
+    assert whole > 0 and all(c is not None and c >= whole for c in cached), f"{name}: {cached=}"
+
+
+def test_live_server_route_and_fetch_equal_stock_when_every_key_is_attended(
+    tmp_path: Path,
+) -> None:
+    code, res, tail = run_bench(tmp_path)
+    assert res["failed"] == {}, f"{res['failed']}\n{tail}"
+    assert code == 0, tail
+    assert set(res["regimes"]) == {"dense", "sparse"}, res["regimes"].keys()
+    topk = res["index_topk"]
+    dense, sparse = res["regimes"]["dense"], res["regimes"]["sparse"]
+    # the regimes are what their names say, or the bounds below test the wrong thing
+    assert dense["prompt_tokens_max"] <= topk < sparse["corpus_tokens"], (topk, dense, sparse)
+    _check_ran(dense, "dense")
+    _check_ran(sparse, "sparse")
+    assert set(sparse["concurrent"]) == {"stock", "route", "fetch"}, sparse["concurrent"].keys()
+
+    # Route is given only the questions: it can agree with stock only by attending the corpus
+    # through the holders.
+    for mode in ("route", "fetch"):
+        c = dense["vs_stock"][mode]
+        summary = {k: v for k, v in c.items() if k != "first_divergence"}
+        assert c["forced_agree"] >= MIN_FORCED_AGREE, f"dense, {mode=} vs stock: {summary}"
+        assert c["logprob_max_abs_diff"] <= MAX_LOGPROB_DIFF, f"dense, {mode=} vs stock: {summary}"
+        assert c["logprob_mean_abs_diff"] <= MAX_MEAN_LOGPROB_DIFF, (
+            f"dense, {mode=} vs stock: {summary}"
+        )
