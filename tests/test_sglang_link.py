@@ -1,12 +1,16 @@
 """The SGLang plugin's corpusd side on CPU: binding against a real coordinator, the corpus's index
-keys from a real holder, and the HiCache page index over a real page store (no sglang needed)."""
+keys from a real holder, and the HiCache page index and backend over a real page store (no sglang
+needed)."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -142,3 +146,49 @@ def test_corpus_pages_serve_a_prompt_that_starts_with_the_corpus(
     lat = torch.stack([ps.read_pages(cluster.corpus_id, li, [2])[0][0] for li in range(layers)])
     assert torch.equal(to_corpusd_layout(kv.view(layers, 64, 576)), lat.float())
     assert len(index_pages) == layers and index_pages[0].shape == (64 * 128 + 64 * 4,)
+
+
+def _load_hicache(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """``requester/sglang/hicache.py`` under a private name. Without sglang (CPU CI), its one
+    sglang import, the ``HiCacheStorage`` base class, is an empty stand-in: the methods under test
+    are all the backend's own."""
+    if importlib.util.find_spec("sglang") is None:
+        base = ModuleType("sglang.srt.mem_cache.hicache_storage")
+        base.HiCacheStorage = type("HiCacheStorage", (), {})  # type: ignore[attr-defined]
+        for name in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
+            monkeypatch.setitem(sys.modules, name, ModuleType(name))
+        monkeypatch.setitem(sys.modules, base.__name__, base)
+    path = Path(__file__).resolve().parent.parent / "requester" / "sglang" / "hicache.py"
+    spec = importlib.util.spec_from_file_location("_corpusd_hicache_under_test", path)
+    assert spec is not None and spec.loader is not None, path
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_hicache_backend_acknowledges_writes_of_held_pages_and_writes_nothing(
+    cluster: Cluster, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang offers every page it computed back to storage, counting any False as a failed write
+    (``cache_controller._page_backup``). The corpus's own pages are held already (a key is the
+    chained hash of the page's tokens and all before them): those succeed; others fail."""
+    hicache = _load_hicache(monkeypatch)
+    extra = {"corpusd_store": str(cluster.store), "model_path": str(tiny_dir)}
+    backend = hicache.CorpusdHiCacheStorage(SimpleNamespace(extra_config=extra, model_name="x"))
+    backend.mem_pool_host = None  # a set that read the host pool would raise
+    tokens = PageStore(cluster.store).read_tokens(cluster.corpus_id).tolist()
+    keys = page_hashes([*tokens, *range(60)])  # 3 corpus pages; the 4th ends in the request's
+    assert len(keys) == 4 and backend.batch_exists(keys) == 3
+
+    def files() -> dict[Path, tuple[int, int]]:
+        return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in cluster.store.rglob("*")}
+
+    before = files()
+    assert backend.batch_set_v1(keys, torch.arange(4 * 64)) == [True, True, True, False]
+    assert backend.batch_set_v1(keys[3:], torch.arange(64)) == [False]
+    pages = [torch.zeros(1)] * 4  # the v0 interface passes the host's data pages
+    assert backend.batch_set(keys[:3], pages[:3]) is True
+    assert backend.batch_set(keys, pages) is False
+    assert backend.set(keys[0], pages[0]) is True and backend.set(keys[3], pages[3]) is False
+    assert files() == before, "a set wrote to the page store"
+    assert backend.batch_exists(keys) == 3  # and nothing joined the index

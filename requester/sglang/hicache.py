@@ -12,10 +12,16 @@ request); the backend only saves SGLang from prefilling it. Keys are SGLang's ch
 hashes (:func:`..pagehash.page_hashes`) of every whole page of every ready corpus in the store
 pinned for this model. A page is written into the host pool in SGLang's layout: latent rows
 with the rope band interleaved (bf16 KV cache only), and — for ``NSATokenToKVPoolHost`` — the
-indexer page (fp8 keys + per-token scales) into ``index_k_with_scale_buffer``. Read-only: sets
-are refused (the corpus is immutable; SGLang's own pages stay in SGLang).
+indexer page (fp8 keys + per-token scales) into ``index_k_with_scale_buffer``.
 
-Written against sglang 0.5.10.post1; **not yet run on a real server** (see NOTES.md).
+Read-only: a set never writes. SGLang offers every page it computed back to storage and counts a
+False as a failed write ("Write page to storage: N pages failed", ``cache_controller.
+_page_backup``). A key is the chained hash of its page's tokens and all tokens before them, so a
+key we serve names a page the corpus already holds, for the same tokens and model: that set
+succeeds with nothing to do, as ``HiCacheFile.set`` does for a key it has. Any other key's set
+fails; SGLang's own pages stay in SGLang.
+
+Written against sglang 0.5.10.post1; ran in a live server (``tools/bench_sglang.py``, fetch mode).
 """
 
 from __future__ import annotations
@@ -82,7 +88,8 @@ class CorpusdHiCacheStorage(HiCacheStorage):
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
-        return [False] * len(keys)  # read-only: corpora are pinned through corpusd
+        """Per key, whether the page is stored (held already); writes nothing (module docstring)."""
+        return [key in self.corpus_pages for key in keys]
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         return None  # the v0 interface is not served; set "interface_v1": 1
@@ -95,7 +102,7 @@ class CorpusdHiCacheStorage(HiCacheStorage):
     def set(
         self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
     ) -> bool:
-        return False
+        return key in self.corpus_pages  # held already, or refused: never written
 
     def batch_set(
         self,
@@ -104,4 +111,4 @@ class CorpusdHiCacheStorage(HiCacheStorage):
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        return False
+        return all(key in self.corpus_pages for key in keys)
