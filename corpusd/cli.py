@@ -185,6 +185,8 @@ def cmd_model_init(a: argparse.Namespace) -> int:
         overrides.update(num_attention_heads=a.heads)
     if a.index_topk is not None:
         overrides.update(index_topk=a.index_topk)
+    if a.index_arith != "exact":
+        overrides.update(index_arith=a.index_arith)
     init_tiny(out, seed=a.seed, **overrides)
     what = "".join(f", {k} {v}" for k, v in overrides.items())
     print(f"wrote the tiny DeepSeek-V3.2 checkpoint (seed {a.seed}{what}) to {out}")
@@ -292,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--index-topk",
         type=int,
         help="keys the indexer selects per query (default: 128; SGLang's NSA kernels need 2048)",
+    )
+    pi.add_argument(
+        "--index-arith",
+        choices=("exact", "fp8"),
+        default="exact",
+        help="the indexer's arithmetic: exact float32 (transformers; default) or fp8 "
+        "(Hadamard + ue8m0 float8, as SGLang and DeepSeek's inference code: pin for SGLang)",
     )
     pi.set_defaults(func=cmd_model_init)
     return p

@@ -30,6 +30,7 @@ from holder.pool import FramePool, PoolFull, RowError, rows_outside
 from holder.staging import StagingPool
 from holder.state import AssignmentLog
 from indexer import index_scores, select_topk
+from indexer.scores import ARITHS
 
 log = logging.getLogger("corpusd.holder")
 T = TypeVar("T")
@@ -347,18 +348,21 @@ class HolderService(holder_pb2_grpc.HolderServicer):
             or tuple(w.shape) != tuple(q.shape[:2])
             or tuple(limit.shape) != (n,)
             or not 0 < request.k <= cfg.max_k
+            or request.arith not in ("", *ARITHS)
         ):
             raise Reject(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"need q [n, H_I, {geo.index_dim}], weights [n, H_I], limit [n], 0 < k ≤ "
-                f"{cfg.max_k}; got q {list(q.shape)}, weights {list(w.shape)}, "
-                f"limit {list(limit.shape)}, k {request.k}",
+                f"{cfg.max_k}, arith in {ARITHS}; got q {list(q.shape)}, weights {list(w.shape)}, "
+                f"limit {list(limit.shape)}, k {request.k}, arith {request.arith!r}",
             )
         rows, pos = self._corpus_rows(request.corpus_id)
         keys = self.pool.index_keys[request.layer]
 
+        arith = request.arith or "exact"
+
         def compute() -> tuple[torch.Tensor, torch.Tensor]:
-            scores = index_scores(q, w, keys[rows], geo.index_dim**-0.5)
+            scores = index_scores(q, w, keys[rows], geo.index_dim**-0.5, arith)
             scores = scores.masked_fill(pos[None, :] >= limit[:, None], float("-inf"))
             cols = select_topk(scores, int(request.k))
             picked = torch.where(cols >= 0, pos[cols.clamp(min=0)], -1)

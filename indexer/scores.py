@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import torch
 
+from indexer.fp8 import fp8_view
+
+ARITHS = ("exact", "fp8")
+
 # Key blocks bound the [n · H_I, block] intermediate (256 rows × 64 heads × 1024 keys = 64 MiB),
 # allocated once per call: fresh multi-MiB temporaries per block cost page faults (sys time).
 _KEY_BLOCK = 1024
 
 
 def index_scores(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    scale: float,
+    arith: str = "exact",
 ) -> torch.Tensor:
     """Score every key for every query row.
 
@@ -19,6 +27,8 @@ def index_scores(
         weights: ``[n, H_I]`` per-row head weights (the model's ``weights_proj · H_I**-0.5``).
         keys: ``[T, D]`` index keys.
         scale: ``D ** -0.5`` (> 0); applied before the ReLU, as the model does.
+        arith: ``"exact"`` (float32, as transformers) or ``"fp8"``: q and keys as the fp8
+            indexer of DeepSeek's inference code and SGLang sees them (:mod:`indexer.fp8`).
 
     Returns:
         float32 ``[n, T]``. No masking: the caller decides which keys a row may see.
@@ -27,6 +37,9 @@ def index_scores(
     assert scale > 0, f"{scale=}"
     assert weights.shape == (n, heads), f"{weights.shape=} vs {q.shape=}"
     assert keys.dim() == 2 and keys.shape[1] == d, f"{keys.shape=} vs {q.shape=}"
+    assert arith in ARITHS, f"{arith=}"
+    if arith == "fp8":
+        q, keys = fp8_view(q, ue8m0=True), fp8_view(keys, ue8m0=False)
     # relu(s·x) == s·relu(x) for s > 0 up to rounding; scaling q once saves a pass over the
     # [n·H_I, block] product, which (with the ReLU) is memory-bound on CPU.
     qf = (q.float() * scale).reshape(n * heads, d)

@@ -84,6 +84,7 @@ class HolderClient:
         weights: torch.Tensor,
         limit: torch.Tensor,
         k: int,
+        arith: str = "exact",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         r = await self.stub.IndexTopK(
             holder_pb2.IndexTopKRequest(
@@ -93,6 +94,7 @@ class HolderClient:
                 weights=to_proto(weights),
                 limit=to_proto(limit.to(torch.int64)),
                 k=k,
+                arith=arith,
             )
         )
         return _t(r.positions, "positions", 2), _t(r.scores, "scores", 2)

@@ -475,11 +475,14 @@ class Worker:
         iq, iw = iq.to(self.dtype), iw.to(self.dtype)
         if st.keys is not None:
             keys = st.keys[layer]
-            return await self._off(lambda: select_topk(index_scores(iq, iw, keys, scale), k))
+            arith = self.mcfg.index_arith
+            return await self._off(lambda: select_topk(index_scores(iq, iw, keys, scale, arith), k))
         limit = torch.full((len(iq),), st.view.token_count, dtype=torch.int64)
         parts = await asyncio.gather(
             *(
-                self.client(a).index_topk(st.view.corpus_id, layer, iq, iw, limit, k)
+                self.client(a).index_topk(
+                    st.view.corpus_id, layer, iq, iw, limit, k, self.mcfg.index_arith
+                )
                 for i, a in enumerate(st.view.holders)
                 if i not in st.dead
             )
@@ -507,7 +510,10 @@ class Worker:
         s = rows.sessions[i]
         keys = s.cache.index_keys[layer][: rows.ends[i]]
         r = ridx[mask]
-        return index_scores(proj.index_q[r], proj.index_w[r], keys, self.mcfg.index_head_dim**-0.5)
+        c = self.mcfg
+        return index_scores(
+            proj.index_q[r], proj.index_w[r], keys, c.index_head_dim**-0.5, c.index_arith
+        )
 
     async def _select(
         self, st: CorpusState, layer: int, proj: Projections, rows: StepRows, ridx: torch.Tensor
@@ -524,7 +530,7 @@ class Worker:
 
             def replica() -> torch.Tensor:
                 assert st.keys is not None
-                corpus = index_scores(iq_c, iw, st.keys[layer], scale)
+                corpus = index_scores(iq_c, iw, st.keys[layer], scale, c.index_arith)
                 out = torch.full((len(ridx), k), -1, dtype=torch.int64)
                 for i, m in members:
                     ps = self._private_scores(layer, proj, rows, ridx, i, m)
@@ -535,7 +541,7 @@ class Worker:
 
         limit = (pos - off + 1).clamp(0, st.view.token_count)
         calls = [
-            self.client(a).index_topk(st.view.corpus_id, layer, iq_c, iw, limit, k)
+            self.client(a).index_topk(st.view.corpus_id, layer, iq_c, iw, limit, k, c.index_arith)
             for i, a in enumerate(st.view.holders)
             if i not in st.dead
         ]

@@ -153,8 +153,9 @@ def test_fetch_returns_the_exact_pinned_bytes(
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("arith", ["exact", "fp8"])
 def test_distributed_index_topk_merges_to_the_exact_global_topk(
-    holders: list[HolderProcess], corpus: tuple[Path, str]
+    holders: list[HolderProcess], corpus: tuple[Path, str], arith: str
 ) -> None:
     store, cid = corpus
     ps = PageStore(store)
@@ -170,7 +171,9 @@ def test_distributed_index_topk_merges_to_the_exact_global_topk(
         clients = [HolderClient(h.address) for h in holders[:2]]
         await clients[0].assign(cid, list(range(0, 16, 2)))
         await clients[1].assign(cid, list(range(1, 16, 2)))
-        local = await asyncio.gather(*(c.index_topk(cid, 1, q, w, limit, k) for c in clients))
+        local = await asyncio.gather(
+            *(c.index_topk(cid, 1, q, w, limit, k, arith) for c in clients)
+        )
         pos = torch.cat([p for p, _ in local], dim=1)
         sc = torch.cat([s for _, s in local], dim=1)
         # Merge: top-k of the union by (score desc, position asc).
@@ -179,8 +182,11 @@ def test_distributed_index_topk_merges_to_the_exact_global_topk(
             ok = pos[r] >= 0
             full[r, pos[r][ok]] = sc[r][ok]
         merged = select_topk(full, k, limit)
-        ref = select_topk(index_scores(q, w, keys, 128**-0.5), k, limit)
+        ref = select_topk(index_scores(q, w, keys, 128**-0.5, arith), k, limit)
         assert torch.equal(merged, ref)
+        if arith == "fp8":  # the holders did not score exactly: fp8 rounding moved the cut
+            exact = select_topk(index_scores(q, w, keys, 128**-0.5), k, limit)
+            assert not torch.equal(merged, exact)
         for c in clients:
             await c.release(cid)
             await c.close()
@@ -266,6 +272,11 @@ def test_bad_input_gets_a_status_and_the_holder_keeps_serving(
             cid, 0, torch.zeros(2, 64, 128), torch.zeros(3, 64), torch.ones(2), 8
         )
         assert (await _status(bad_topk))[0] == S.INVALID_ARGUMENT
+        bad_arith = c.index_topk(
+            cid, 0, torch.zeros(2, 64, 128), torch.zeros(2, 64), torch.ones(2), 8, "fp4"
+        )
+        code, msg = await _status(bad_arith)
+        assert code == S.INVALID_ARGUMENT and "arith 'fp4'" in msg, msg
         # ... and a good request still works
         q, pos = _queries(5, 2, 1000, 16)
         good = await c.attend(cid, 0, q, _pool_rows(pos, frames), SCALE)

@@ -74,3 +74,57 @@ def test_sglang_merge_state_on_our_conventions_equals_our_merge() -> None:
     )
     want_o, want_l = lse_mod.merge_local_corpus(oa, la, ob, lb)
     assert rel(o, want_o) < 1e-5 and torch.equal(torch.isinf(l_m), torch.isinf(want_l))
+
+
+def test_fp8_indexer_arithmetic_is_sglangs() -> None:
+    """indexer/fp8.py and the corpus's index-key pages against SGLang's own kernels: its
+    Hadamard rotation, act_quant (queries, ue8m0) and the index-key store (keys)."""
+    from sglang.jit_kernel.fused_store_index_cache import (
+        can_use_nsa_fused_store,
+        fused_store_index_k_cache,
+    )
+    from sglang.srt.layers.attention.nsa.nsa_indexer import rotate_activation
+    from sglang.srt.layers.attention.nsa.triton_kernel import act_quant
+
+    from indexer import fp8
+    from requester.sglang.pagehash import index_k_page, sglang_key_scales_ue8m0
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    spread = torch.logspace(-3, 2, 256, device="cuda")[:, None]
+    x = (torch.randn(256, 128, generator=g, device="cuda") * spread).bfloat16()
+    rot = rotate_activation(x)
+    same_rot = float((rot.cpu() == fp8.rotate_round(x.cpu())).float().mean())
+    assert same_rot >= 0.999, f"rotation: {same_rot:.5f} of bf16 values equal"
+
+    # queries: act_quant at ue8m0, from the same rotated values: bitwise
+    qv, qs = act_quant(rot.contiguous(), 128, "ue8m0")
+    mv, ms = fp8.quantize(rot.cpu(), ue8m0=True)
+    assert torch.equal(qs.cpu().view(-1), ms.view(-1))
+    assert torch.equal(qv.cpu().view(torch.uint8), mv.view(torch.uint8))
+
+    # keys: what this server stores, page bytes
+    fused = can_use_nsa_fused_store(torch.bfloat16, torch.int64, 64)
+    assert sglang_key_scales_ue8m0(64) == (not fused)
+    buf = torch.zeros(4, 64 * 132, dtype=torch.uint8, device="cuda")
+    if fused:
+        loc = torch.arange(256, device="cuda", dtype=torch.int64)
+        fused_store_index_k_cache(rot.contiguous(), buf, loc, 64)
+    else:
+        kv, ks = act_quant(rot.contiguous(), 128, "ue8m0")
+        for p in range(4):
+            rows = slice(64 * p, 64 * (p + 1))
+            buf[p] = torch.cat(
+                [kv[rows].view(torch.uint8).flatten(), ks[rows].view(torch.uint8).flatten()]
+            )
+    theirs = buf.cpu()
+    ue8m0 = not fused
+    mine = torch.stack([index_k_page(x[64 * p : 64 * (p + 1)].cpu(), ue8m0) for p in range(4)])
+    exact = torch.stack(
+        [
+            torch.cat([v.view(torch.uint8).flatten(), s.view(torch.uint8).flatten()])
+            for v, s in (fp8.quantize(rot[64 * p : 64 * (p + 1)].cpu(), ue8m0) for p in range(4))
+        ]
+    )
+    assert torch.equal(exact, theirs), "same rotated keys, different page bytes"
+    same_page = float((mine == theirs).float().mean())
+    assert same_page >= 0.999, f"index_k_page: {same_page:.5f} of bytes equal (fused={fused})"

@@ -371,8 +371,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     model = work / "model"
     if not (model / "config.json").exists():
         cmd = [sys.executable, "-m", "corpusd", "model", "init", str(model), "--index-topk", "2048"]
-        subprocess.run(cmd, check=True)
+        # fp8: the pin prefill selects with SGLang's indexer arithmetic (indexer/fp8.py)
+        subprocess.run([*cmd, "--index-arith", a.index_arith], check=True)
     cfg = json.loads((model / "config.json").read_text())
+    got = cfg.get("index_arith", "exact")
+    assert got == a.index_arith, f"{model} has index_arith {got}; use another --work"
     vocab, topk = int(cfg["vocab_size"]), int(cfg["index_topk"])
     modes = a.modes.split(",")
     assert modes[0] == "stock", "stock runs first: it is the reference"
@@ -427,6 +430,7 @@ def summarize(
 ) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {
         "index_topk": topk,
+        "index_arith": a.index_arith,
         "requests": len(suffixes),
         "tokens_each": a.tokens,
         "holders": a.holders,
@@ -468,6 +472,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--holders", type=int, default=2)
     ap.add_argument("--holder-device", default="cpu")
     ap.add_argument("--port", type=int, default=30123)
+    ap.add_argument(
+        "--index-arith",
+        choices=("exact", "fp8"),
+        default="fp8",
+        help="the pinned model's indexer arithmetic (fp8: as SGLang computes it)",
+    )
     a = ap.parse_args(argv)
     out = run(a)
     save(a.out, out)

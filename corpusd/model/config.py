@@ -69,8 +69,21 @@ class ModelConfig:
     eos_token_id: int | None = 1
     rope: RopeConfig = field(default_factory=RopeConfig)
     quant_block: tuple[int, int] | None = None
+    # The indexer's arithmetic: "exact" (float32, transformers) or "fp8" (Hadamard-rotated,
+    # ue8m0-scaled float8, as DeepSeek's inference code and SGLang; indexer/fp8.py). corpusd's
+    # own key, written to config.json only when not "exact".
+    index_arith: str = "exact"
 
     def __post_init__(self) -> None:
+        if self.index_arith not in ("exact", "fp8"):
+            raise ModelConfigError(
+                f"index_arith must be 'exact' or 'fp8', got {self.index_arith!r}"
+            )
+        if self.index_arith == "fp8" and self.index_head_dim % 128:
+            raise ModelConfigError(
+                "index_arith 'fp8' quantises 128-wide blocks; "
+                f"index_head_dim is {self.index_head_dim}"
+            )
         if self.qk_rope_head_dim % 2:
             raise ModelConfigError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.index_head_dim < self.qk_rope_head_dim:
@@ -190,6 +203,7 @@ class ModelConfig:
                 eos_token_id=eos[0] if isinstance(eos, list) else eos,
                 rope=rope,
                 quant_block=(int(block[0]), int(block[1])) if block else None,
+                index_arith=str(d.get("index_arith", "exact")),
             )
         except KeyError as e:
             raise ModelConfigError(f"config.json lacks required key {e.args[0]!r}") from None
@@ -225,6 +239,8 @@ class ModelConfig:
         d = asdict(self)
         for k in ("rope", "quant_block"):
             d.pop(k)
+        if self.index_arith == "exact":
+            d.pop("index_arith")  # transformers' config, unchanged
         d["mlp_layer_types"] = list(self.mlp_layer_types)
         d.update(
             model_type=SUPPORTED_MODEL_TYPE,

@@ -110,7 +110,7 @@ def select_rows(
         pos = torch.arange(visible, device=positions.device)
         return torch.where(pos[None, :] < limit[:, None], pos[None, :], -1)
     scores = index_scores(
-        proj.index_q, proj.index_w, index_keys[:visible], cfg.index_head_dim**-0.5
+        proj.index_q, proj.index_w, index_keys[:visible], cfg.index_head_dim**-0.5, cfg.index_arith
     )
     return select_topk(scores, cfg.index_topk, limit)
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from corpusd.v1 import tensor_pb2 as corpusd_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63orpusd/v1/holder.proto\x12\ncorpusd.v1\x1a\x17\x63orpusd/v1/tensor.proto\"\x81\x01\n\rAttendRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x1d\n\x01q\x18\x03 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12 \n\x04rows\x18\x04 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12\r\n\x05scale\x18\x05 \x01(\x02\"t\n\x0e\x41ttendResponse\x12\x1d\n\x01o\x18\x01 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12\x1f\n\x03lse\x18\x02 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12\x0e\n\x06kernel\x18\x03 \x01(\t\x12\x12\n\ncompute_us\x18\x04 \x01(\x01\"T\n\x0c\x46\x65tchRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12\r\n\x05pages\x18\x03 \x03(\r\x12\x12\n\nindex_keys\x18\x04 \x01(\x08\"[\n\rFetchResponse\x12\"\n\x06latent\x18\x01 \x03(\x0b\x32\x12.corpusd.v1.Tensor\x12&\n\nindex_keys\x18\x02 \x03(\x0b\x32\x12.corpusd.v1.Tensor\"\xa6\x01\n\x10IndexTopKRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x1d\n\x01q\x18\x03 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12#\n\x07weights\x18\x04 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12!\n\x05limit\x18\x05 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12\t\n\x01k\x18\x06 \x01(\r\"^\n\x11IndexTopKResponse\x12%\n\tpositions\x18\x01 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12\"\n\x06scores\x18\x02 \x01(\x0b\x32\x12.corpusd.v1.Tensor\"4\n\x10IndexKeysRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\"A\n\x0eIndexKeysChunk\x12\r\n\x05pages\x18\x01 \x03(\r\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.corpusd.v1.Tensor\"1\n\rAssignRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x03(\r\"(\n\tPageFrame\x12\x0c\n\x04page\x18\x01 \x01(\r\x12\r\n\x05\x66rame\x18\x02 \x01(\r\"J\n\x0e\x41ssignResponse\x12%\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x15.corpusd.v1.PageFrame\x12\x11\n\tpage_size\x18\x02 \x01(\r\"2\n\x0eReleaseRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x03(\r\" \n\x0fReleaseResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\r\"\r\n\x0bInfoRequest\"V\n\nCorpusHeld\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12%\n\x06\x66rames\x18\x02 \x03(\x0b\x32\x15.corpusd.v1.PageFrame\x12\x0e\n\x06tokens\x18\x03 \x01(\r\"\x84\x02\n\x0cInfoResponse\x12\x11\n\tholder_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0e\n\x06kernel\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x10\n\x08n_layers\x18\x05 \x01(\r\x12\x17\n\x0f\x63\x61pacity_frames\x18\x06 \x01(\r\x12\x13\n\x0bused_frames\x18\x07 \x01(\r\x12\x14\n\x0c\x61\x63tive_flows\x18\x08 \x01(\r\x12\x14\n\x0cqueued_flows\x18\t \x01(\r\x12\'\n\x07\x63orpora\x18\n \x03(\x0b\x32\x16.corpusd.v1.CorpusHeld\x12\x19\n\x11model_fingerprint\x18\x0b \x01(\t2\xda\x03\n\x06Holder\x12?\n\x06\x41ttend\x12\x19.corpusd.v1.AttendRequest\x1a\x1a.corpusd.v1.AttendResponse\x12<\n\x05\x46\x65tch\x12\x18.corpusd.v1.FetchRequest\x1a\x19.corpusd.v1.FetchResponse\x12H\n\tIndexTopK\x12\x1c.corpusd.v1.IndexTopKRequest\x1a\x1d.corpusd.v1.IndexTopKResponse\x12G\n\tIndexKeys\x12\x1c.corpusd.v1.IndexKeysRequest\x1a\x1a.corpusd.v1.IndexKeysChunk0\x01\x12?\n\x06\x41ssign\x12\x19.corpusd.v1.AssignRequest\x1a\x1a.corpusd.v1.AssignResponse\x12\x42\n\x07Release\x12\x1a.corpusd.v1.ReleaseRequest\x1a\x1b.corpusd.v1.ReleaseResponse\x12\x39\n\x04Info\x12\x17.corpusd.v1.InfoRequest\x1a\x18.corpusd.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63orpusd/v1/holder.proto\x12\ncorpusd.v1\x1a\x17\x63orpusd/v1/tensor.proto\"\x81\x01\n\rAttendRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x1d\n\x01q\x18\x03 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12 \n\x04rows\x18\x04 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12\r\n\x05scale\x18\x05 \x01(\x02\"t\n\x0e\x41ttendResponse\x12\x1d\n\x01o\x18\x01 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12\x1f\n\x03lse\x18\x02 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12\x0e\n\x06kernel\x18\x03 \x01(\t\x12\x12\n\ncompute_us\x18\x04 \x01(\x01\"T\n\x0c\x46\x65tchRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12\r\n\x05pages\x18\x03 \x03(\r\x12\x12\n\nindex_keys\x18\x04 \x01(\x08\"[\n\rFetchResponse\x12\"\n\x06latent\x18\x01 \x03(\x0b\x32\x12.corpusd.v1.Tensor\x12&\n\nindex_keys\x18\x02 \x03(\x0b\x32\x12.corpusd.v1.Tensor\"\xb5\x01\n\x10IndexTopKRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x1d\n\x01q\x18\x03 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12#\n\x07weights\x18\x04 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12!\n\x05limit\x18\x05 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12\t\n\x01k\x18\x06 \x01(\r\x12\r\n\x05\x61rith\x18\x07 \x01(\t\"^\n\x11IndexTopKResponse\x12%\n\tpositions\x18\x01 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12\"\n\x06scores\x18\x02 \x01(\x0b\x32\x12.corpusd.v1.Tensor\"4\n\x10IndexKeysRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\"A\n\x0eIndexKeysChunk\x12\r\n\x05pages\x18\x01 \x03(\r\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.corpusd.v1.Tensor\"1\n\rAssignRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x03(\r\"(\n\tPageFrame\x12\x0c\n\x04page\x18\x01 \x01(\r\x12\r\n\x05\x66rame\x18\x02 \x01(\r\"J\n\x0e\x41ssignResponse\x12%\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x15.corpusd.v1.PageFrame\x12\x11\n\tpage_size\x18\x02 \x01(\r\"2\n\x0eReleaseRequest\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x03(\r\" \n\x0fReleaseResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\r\"\r\n\x0bInfoRequest\"V\n\nCorpusHeld\x12\x11\n\tcorpus_id\x18\x01 \x01(\t\x12%\n\x06\x66rames\x18\x02 \x03(\x0b\x32\x15.corpusd.v1.PageFrame\x12\x0e\n\x06tokens\x18\x03 \x01(\r\"\x84\x02\n\x0cInfoResponse\x12\x11\n\tholder_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0e\n\x06kernel\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x10\n\x08n_layers\x18\x05 \x01(\r\x12\x17\n\x0f\x63\x61pacity_frames\x18\x06 \x01(\r\x12\x13\n\x0bused_frames\x18\x07 \x01(\r\x12\x14\n\x0c\x61\x63tive_flows\x18\x08 \x01(\r\x12\x14\n\x0cqueued_flows\x18\t \x01(\r\x12\'\n\x07\x63orpora\x18\n \x03(\x0b\x32\x16.corpusd.v1.CorpusHeld\x12\x19\n\x11model_fingerprint\x18\x0b \x01(\t2\xda\x03\n\x06Holder\x12?\n\x06\x41ttend\x12\x19.corpusd.v1.AttendRequest\x1a\x1a.corpusd.v1.AttendResponse\x12<\n\x05\x46\x65tch\x12\x18.corpusd.v1.FetchRequest\x1a\x19.corpusd.v1.FetchResponse\x12H\n\tIndexTopK\x12\x1c.corpusd.v1.IndexTopKRequest\x1a\x1d.corpusd.v1.IndexTopKResponse\x12G\n\tIndexKeys\x12\x1c.corpusd.v1.IndexKeysRequest\x1a\x1a.corpusd.v1.IndexKeysChunk0\x01\x12?\n\x06\x41ssign\x12\x19.corpusd.v1.AssignRequest\x1a\x1a.corpusd.v1.AssignResponse\x12\x42\n\x07Release\x12\x1a.corpusd.v1.ReleaseRequest\x1a\x1b.corpusd.v1.ReleaseResponse\x12\x39\n\x04Info\x12\x17.corpusd.v1.InfoRequest\x1a\x18.corpusd.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,29 +41,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FETCHRESPONSE']._serialized_start=400
   _globals['_FETCHRESPONSE']._serialized_end=491
   _globals['_INDEXTOPKREQUEST']._serialized_start=494
-  _globals['_INDEXTOPKREQUEST']._serialized_end=660
-  _globals['_INDEXTOPKRESPONSE']._serialized_start=662
-  _globals['_INDEXTOPKRESPONSE']._serialized_end=756
-  _globals['_INDEXKEYSREQUEST']._serialized_start=758
-  _globals['_INDEXKEYSREQUEST']._serialized_end=810
-  _globals['_INDEXKEYSCHUNK']._serialized_start=812
-  _globals['_INDEXKEYSCHUNK']._serialized_end=877
-  _globals['_ASSIGNREQUEST']._serialized_start=879
-  _globals['_ASSIGNREQUEST']._serialized_end=928
-  _globals['_PAGEFRAME']._serialized_start=930
-  _globals['_PAGEFRAME']._serialized_end=970
-  _globals['_ASSIGNRESPONSE']._serialized_start=972
-  _globals['_ASSIGNRESPONSE']._serialized_end=1046
-  _globals['_RELEASEREQUEST']._serialized_start=1048
-  _globals['_RELEASEREQUEST']._serialized_end=1098
-  _globals['_RELEASERESPONSE']._serialized_start=1100
-  _globals['_RELEASERESPONSE']._serialized_end=1132
-  _globals['_INFOREQUEST']._serialized_start=1134
-  _globals['_INFOREQUEST']._serialized_end=1147
-  _globals['_CORPUSHELD']._serialized_start=1149
-  _globals['_CORPUSHELD']._serialized_end=1235
-  _globals['_INFORESPONSE']._serialized_start=1238
-  _globals['_INFORESPONSE']._serialized_end=1498
-  _globals['_HOLDER']._serialized_start=1501
-  _globals['_HOLDER']._serialized_end=1975
+  _globals['_INDEXTOPKREQUEST']._serialized_end=675
+  _globals['_INDEXTOPKRESPONSE']._serialized_start=677
+  _globals['_INDEXTOPKRESPONSE']._serialized_end=771
+  _globals['_INDEXKEYSREQUEST']._serialized_start=773
+  _globals['_INDEXKEYSREQUEST']._serialized_end=825
+  _globals['_INDEXKEYSCHUNK']._serialized_start=827
+  _globals['_INDEXKEYSCHUNK']._serialized_end=892
+  _globals['_ASSIGNREQUEST']._serialized_start=894
+  _globals['_ASSIGNREQUEST']._serialized_end=943
+  _globals['_PAGEFRAME']._serialized_start=945
+  _globals['_PAGEFRAME']._serialized_end=985
+  _globals['_ASSIGNRESPONSE']._serialized_start=987
+  _globals['_ASSIGNRESPONSE']._serialized_end=1061
+  _globals['_RELEASEREQUEST']._serialized_start=1063
+  _globals['_RELEASEREQUEST']._serialized_end=1113
+  _globals['_RELEASERESPONSE']._serialized_start=1115
+  _globals['_RELEASERESPONSE']._serialized_end=1147
+  _globals['_INFOREQUEST']._serialized_start=1149
+  _globals['_INFOREQUEST']._serialized_end=1162
+  _globals['_CORPUSHELD']._serialized_start=1164
+  _globals['_CORPUSHELD']._serialized_end=1250
+  _globals['_INFORESPONSE']._serialized_start=1253
+  _globals['_INFORESPONSE']._serialized_end=1513
+  _globals['_HOLDER']._serialized_start=1516
+  _globals['_HOLDER']._serialized_end=1990
 # @@protoc_insertion_point(module_scope)

@@ -54,20 +54,22 @@ class FetchResponse(_message.Message):
     def __init__(self, latent: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., index_keys: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ...) -> None: ...
 
 class IndexTopKRequest(_message.Message):
-    __slots__ = ("corpus_id", "layer", "q", "weights", "limit", "k")
+    __slots__ = ("corpus_id", "layer", "q", "weights", "limit", "k", "arith")
     CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
+    ARITH_FIELD_NUMBER: _ClassVar[int]
     corpus_id: str
     layer: int
     q: _tensor_pb2.Tensor
     weights: _tensor_pb2.Tensor
     limit: _tensor_pb2.Tensor
     k: int
-    def __init__(self, corpus_id: _Optional[str] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., limit: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
+    arith: str
+    def __init__(self, corpus_id: _Optional[str] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., limit: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k: _Optional[int] = ..., arith: _Optional[str] = ...) -> None: ...
 
 class IndexTopKResponse(_message.Message):
     __slots__ = ("positions", "scores")

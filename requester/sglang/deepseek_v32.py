@@ -29,6 +29,7 @@ from corpusd.model.checkpoint import fingerprint
 from requester.sglang.backend import CorpusBatch, create_corpus_nsa_backend
 from requester.sglang.binding import corpora_of_batch
 from requester.sglang.link import CorpusLink
+from requester.sglang.pagehash import sglang_key_scales_ue8m0
 from requester.sglang.positions import shift_positions
 
 log = logging.getLogger("corpusd.sglang")
@@ -83,10 +84,15 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         for ix in self.corpusd_indexers:
             _hook_indexer(ix, self)
         self._cp_default = [ix.nsa_enable_prefill_cp for ix in self.corpusd_indexers]
+        # The corpus's index keys must be quantised as this server quantises its own.
+        fmts = {getattr(ix, "scale_fmt", None) for ix in self.corpusd_indexers} or {None}
+        assert len(fmts) == 1, f"indexers disagree on scale_fmt: {fmts}"
+        self.corpusd_key_ue8m0 = sglang_key_scales_ue8m0(args.page_size, fmts.pop())
         log.info(
-            "corpusd plugin: %d NSA layers hooked, coordinator %s",
+            "corpusd plugin: %d NSA layers hooked, coordinator %s, index key scales %s",
             len(self.corpusd_indexers),
             self.corpusd_link.coordinator,
+            "ue8m0" if self.corpusd_key_ue8m0 else "fp32",
         )
 
     def _corpus_batch(self, forward_batch: Any, n_tokens: int) -> CorpusBatch | None:
@@ -107,7 +113,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         corpus_len = torch.cat(
             [torch.repeat_interleave(t, per_req), torch.zeros(pad, dtype=torch.int64)]
         )
-        ue8m0 = all(getattr(ix, "scale_fmt", None) == "ue8m0" for ix in self.corpusd_indexers)
+        ue8m0 = self.corpusd_key_ue8m0
         return CorpusBatch(self.corpusd_link, bindings, token_req, corpus_len, ue8m0)
 
     def forward(

@@ -33,6 +33,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from corpusd.model.checkpoint import fingerprint
+from requester.sglang.pagehash import sglang_key_scales_ue8m0
 from requester.sglang.pages import CorpusPages
 
 log = logging.getLogger("corpusd.sglang")
@@ -52,6 +53,7 @@ class CorpusdHiCacheStorage(HiCacheStorage):
             extra.get("model_path") or storage_config.model_name
         )
         self.corpus_pages = CorpusPages(extra["corpusd_store"], model_fp)
+        self._key_ue8m0: bool | None = None  # how this server scales index keys (first read)
         log.info(
             "corpusd HiCache backend: %d pages of pinned corpora", len(self.corpus_pages.pages)
         )
@@ -73,7 +75,11 @@ class CorpusdHiCacheStorage(HiCacheStorage):
                 out.append(False)
                 continue
             at = int(host_indices[i * host.page_size])  # first host slot of the page
-            kv, index_pages = self.corpus_pages.host_page(key, host.layout, host.dtype)
+            if self._key_ue8m0 is None:
+                self._key_ue8m0 = sglang_key_scales_ue8m0(host.page_size)
+            kv, index_pages = self.corpus_pages.host_page(
+                key, host.layout, host.dtype, self._key_ue8m0
+            )
             host.set_from_flat_data_page(at, kv)
             if index_buf is not None:
                 page = at // host.page_size  # NSATokenToKVPoolHost._get_indexer_page_indices

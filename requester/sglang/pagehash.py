@@ -16,9 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from indexer import fp8
 from requester.sglang.positions import to_sglang_layout
-
-FP8_MAX = 448.0  # float8_e4m3fn
 
 
 def page_hash(tokens: Sequence[int], prior: str | None = None) -> str:
@@ -63,23 +62,33 @@ def host_kv_page(latent: torch.Tensor, layout: str, dtype: torch.dtype) -> torch
     raise ValueError(f"host layout {layout!r}: want layer_first, page_first or page_first_direct")
 
 
+def sglang_key_scales_ue8m0(page_size: int, scale_fmt: str | None = "ue8m0") -> bool:
+    """Whether this SGLang stores index keys with power-of-two scales. On CUDA it stores them
+    with its fused JIT kernel (plain fp32 scales) when that loads, else through ``act_quant`` at
+    the indexer's ``scale_fmt`` (``"ue8m0"`` for DeepSeek-V3.2): ``nsa_indexer.py:
+    _store_index_k_cache``. Imports sglang: call it in an SGLang process."""
+    from sglang.jit_kernel.fused_store_index_cache import can_use_nsa_fused_store
+
+    if can_use_nsa_fused_store(torch.bfloat16, torch.int64, page_size):
+        return False
+    return scale_fmt == "ue8m0"
+
+
 def index_k_page(keys: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
     """One page of index keys ``[page_size, 128]`` as an NSA ``index_k_with_scale_buffer`` page:
     uint8 ``[page_size·128 + page_size·4]`` = the fp8 e4m3 keys, then one float32 scale per token
     (``memory_pool.py: NSATokenToKVPool``: "buf[i, :page_size * head_dim] for fp8 data,
     buf[i, page_size * head_dim:].view(float32) for scale"; 128-wide quant block = one scale per
-    token). ``scale = amax / 448``, rounded up to a power of two when ``ue8m0`` (the checkpoint's
-    ``scale_fmt``)."""
-    x = keys.float()
-    scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-10)
-    if ue8m0:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    token). What SGLang stores is the key after its Hadamard rotation (``rotate_activation``), in
+    bf16, quantised with plain fp32 scales, or power-of-two ones under ``ue8m0`` (see
+    :func:`sglang_key_scales_ue8m0`); :mod:`indexer.fp8` does the same."""
+    q, scale = fp8.quantize(fp8.rotate_round(keys), ue8m0)
     return torch.cat([q.view(torch.uint8).flatten(), scale.flatten().view(torch.uint8)])
 
 
 def index_k_from_page(page: torch.Tensor, page_size: int = 64, dim: int = 128) -> torch.Tensor:
-    """Inverse of :func:`index_k_page` up to fp8 rounding: float32 ``[page_size, dim]``."""
-    q = page[: page_size * dim].view(torch.float8_e4m3fn).float().view(page_size, dim)
+    """The keys of an :func:`index_k_page` page as SGLang's indexer scores them: rotated and
+    dequantised, float32 ``[page_size, dim]``."""
+    q = page[: page_size * dim].view(torch.float8_e4m3fn).view(page_size, dim)
     scale = page[page_size * dim :].contiguous().view(torch.float32).view(page_size, 1)
-    return q * scale
+    return fp8.dequantize(q, scale, block=dim)

@@ -48,7 +48,7 @@ class CorpusPages:
         return torch.cat([lat for lat, _ in parts]), torch.cat([idx for _, idx in parts])
 
     def host_page(
-        self, key: str, layout: str, dtype: torch.dtype, ue8m0: bool = True
+        self, key: str, layout: str, dtype: torch.dtype, ue8m0: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The page as SGLang's host pool holds it: the flat KV data page
         (``set_from_flat_data_page``) and, per layer, the indexer page bytes."""
