@@ -80,25 +80,23 @@ register(
 )
 
 
-# Per-request choice between FlashMLA and Triton, from bench/results/gpu-single-h200.json (H200,
-# k 2048; device µs). FlashMLA pads heads to 64 or 128 and has a ~65 µs floor per call; Triton
-# runs the real head count:
+# Per-request choice between FlashMLA and Triton, from bench/results/gpu-single-h200.json and
+# the 1–64-row sweep in gpu-pair-h200x2.json (`kernel_choice`; H200, k 2048; device µs).
+# FlashMLA pads heads to 64 or 128 and has a ~65 µs floor per call; Triton runs the real heads:
 # - h = 16: Triton 18 vs 68 at 1 row, 55 vs 90 at 64 rows, and within 6 % of FlashMLA up to
 #   952 rows (643 vs 690 batched): Triton at h ≤ 16, whatever the rows.
-# - h = 64: Triton 28 vs 65 at 1 row; FlashMLA 82 vs 112 at 38 rows (the lines cross near 20):
-#   Triton below 16 rows.
-# - h = 128: FlashMLA wins at every measured point (38 rows up: 85 vs 196); nothing was measured
-#   below 38 rows at h = 128, so FlashMLA there.
+# - h = 64: Triton 28 vs 66 at 1 row, 39 vs 70 at 16; even at 32 (77 vs 77); FlashMLA 82 vs
+#   112 at 38 rows.
+# - h = 128: Triton 28 vs 66 at 1 row, 34 vs 67 at 8; even at 16 (72 vs 72); FlashMLA 79 vs
+#   117 at 32 rows and at every point above.
+# So: Triton at h ≤ 16, or at ≤ 16 rows; FlashMLA otherwise.
 TRITON_MAX_HEADS = 16
-TRITON_BELOW_ROWS = 16  # for 16 < h ≤ 64
-FLASHMLA_ONLY_ABOVE_HEADS = 64
+TRITON_MAX_ROWS = 16  # for h > 16
 
 
 def prefer_triton(rows: int, heads: int) -> bool:
     """Whether Triton beats (zero-padded) FlashMLA for a request of this shape on SM90."""
-    if heads <= TRITON_MAX_HEADS:
-        return True
-    return heads <= FLASHMLA_ONLY_ABOVE_HEADS and rows < TRITON_BELOW_ROWS
+    return heads <= TRITON_MAX_HEADS or rows <= TRITON_MAX_ROWS
 
 
 def per_request(fast_wide: Kernel, fast_narrow: Kernel) -> Kernel:
