@@ -12,6 +12,7 @@ from corpusd.model import merge_partials, partial_attention
 from corpusd.model.rope import Rotary, apply_interleaved
 from corpusd.model.tiny import TINY
 from indexer import select_topk
+from indexer.fp8 import hadamard
 from requester.sglang import binding, lse, pagehash, positions, topk
 from requester.sglang.binding import CorpusBindingError, PinnedCorpus
 
@@ -304,7 +305,7 @@ def test_index_k_page_bytes(ue8m0: bool) -> None:
     page = pagehash.index_k_page(keys, ue8m0)
     assert page.dtype == torch.uint8 and page.shape == (64 * 128 + 64 * 4,)
     back = pagehash.index_k_from_page(page)
-    rotated = keys @ _hadamard(128)  # SGLang stores the key after rotate_activation
+    rotated = hadamard(keys)  # SGLang stores the key after rotate_activation
     assert rel(back, rotated) < 0.04  # fp8 e4m3: 3 mantissa bits
     assert rel(back, keys) > 0.5, "the page holds unrotated keys"
     scales = page[64 * 128 :].view(torch.float32)
@@ -313,10 +314,3 @@ def test_index_k_page_bytes(ue8m0: bool) -> None:
     amax = rotated.abs().amax(1)
     assert torch.allclose(scales, amax / 448, rtol=2e-2 if not ue8m0 else 1.0)
     assert bool((scales >= amax / 448 * 0.99).all())
-
-
-def _hadamard(d: int) -> torch.Tensor:
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / d**0.5
