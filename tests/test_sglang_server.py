@@ -7,9 +7,9 @@ test holds the script's JSON to what the issue claims:
 
 - dense regime (every key attended, no top-k selection anywhere, so every mode attends exactly
   the same keys): route and fetch predict what stock SGLang predicts, within bf16 noise;
-- sparse regime: route and fetch run without error. Their distance from stock there comes from
-  the pin's fp32 indexer against SGLang's fp8 one (README, "SGLang workers"), not from the
-  plugin, so no bound is asserted.
+- sparse regime (top-2048 of 3,626 corpus keys): the corpus is pinned with SGLang's fp8 indexer
+  arithmetic (``--index-arith fp8``, the script's default), so route and fetch select SGLang's
+  keys and their teacher-forced next tokens agree with stock's, bar indexer near-ties.
 
 Skipped with the reason without sglang or an SM90 GPU; it never runs in CPU CI.
 """
@@ -43,11 +43,14 @@ TIMEOUT_S = 1500  # three server starts (~30 s each on an H200) and a few hundre
 # (corpusd's bf16 pages and Triton kernel against SGLang's own prefill and FlashMLA). Measured
 # on an H200, fetch vs stock: 0.042 max / 0.007 mean log-softmax abs diff, 128 of 128
 # teacher-forced argmaxes equal. A bound of 0.25 (a 28 % probability ratio) leaves 6× room over
-# that noise and is still 12× under the sparse regime's 3.11, where other keys are attended;
-# the mean bound likewise sits 7× over 0.007 and 7× under sparse's 0.365.
+# that noise and is still 12× under the 3.11 measured when other keys were attended (the
+# sparse regime with an exact pin); the mean bound sits 7× over 0.007 and 7× under its 0.365.
 MIN_FORCED_AGREE = 0.99
 MAX_LOGPROB_DIFF = 0.25
 MAX_MEAN_LOGPROB_DIFF = 0.05
+# Sparse: measured on an H200 with fp8 pinning, teacher-forced 64 of 64 (route) and 62 of 64
+# (fetch) against stock; with the exact fp32 pin it was 56 %. 0.9 separates the two.
+MIN_SPARSE_FORCED_AGREE = 0.9
 
 
 def _free_port() -> int:
@@ -112,7 +115,7 @@ def _check_ran(regime: dict[str, Any], name: str) -> None:
     assert whole > 0 and all(c is not None and c >= whole for c in cached), f"{name}: {cached=}"
 
 
-def test_live_server_route_and_fetch_equal_stock_when_every_key_is_attended(
+def test_live_server_route_and_fetch_predict_what_stock_predicts(
     tmp_path: Path,
 ) -> None:
     code, res, tail = run_bench(tmp_path)
@@ -137,3 +140,7 @@ def test_live_server_route_and_fetch_equal_stock_when_every_key_is_attended(
         assert c["logprob_mean_abs_diff"] <= MAX_MEAN_LOGPROB_DIFF, (
             f"dense, {mode=} vs stock: {summary}"
         )
+        c = sparse["vs_stock"][mode]
+        summary = {k: v for k, v in c.items() if k != "first_divergence"}
+        assert res["index_arith"] == "fp8"
+        assert c["forced_agree"] >= MIN_SPARSE_FORCED_AGREE, f"sparse, {mode=} vs stock: {summary}"
