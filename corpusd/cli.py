@@ -22,6 +22,7 @@ from corpusd.corpus.ingest import CorpusError
 from corpusd.corpus.pin import DEMO_FILES, PinConfig, PinResult, default_model, pin, sample_repo
 from corpusd.corpus.store import StoreError
 from corpusd.model import CheckpointError, ModelConfigError
+from indexer import ARITHS
 from requester.client import AgentError
 
 _USER_ERRORS = (CorpusError, ModelConfigError, CheckpointError, StoreError, ValueError)
@@ -297,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pi.add_argument(
         "--index-arith",
-        choices=("exact", "fp8"),
+        choices=ARITHS,
         default="exact",
         help="the indexer's arithmetic: exact float32 (transformers; default) or fp8 "
         "(Hadamard + ue8m0 float8, as SGLang and DeepSeek's inference code: pin for SGLang)",

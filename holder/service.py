@@ -29,8 +29,7 @@ from holder.metrics import HolderMetrics, k_bucket, rows_bucket
 from holder.pool import FramePool, PoolFull, RowError, rows_outside
 from holder.staging import StagingPool
 from holder.state import AssignmentLog
-from indexer import index_scores, select_topk
-from indexer.scores import ARITHS
+from indexer import ARITHS, index_scores, select_topk
 
 log = logging.getLogger("corpusd.holder")
 T = TypeVar("T")

@@ -45,6 +45,7 @@ from corpusd.corpus.store import PageStore
 from corpusd.daemon import Daemon
 from corpusd.tokenizer import ByteTokenizer
 from holder.launch import start_holder
+from indexer import ARITHS
 from requester.launch import start_agent
 from requester.sglang.binding import request_fields
 
@@ -474,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=30123)
     ap.add_argument(
         "--index-arith",
-        choices=("exact", "fp8"),
+        choices=ARITHS,
         default="fp8",
         help="the pinned model's indexer arithmetic (fp8: as SGLang computes it)",
     )

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from indexer import ARITHS
+
 SUPPORTED_MODEL_TYPE = "deepseek_v32"
 
 
@@ -75,7 +77,7 @@ class ModelConfig:
     index_arith: str = "exact"
 
     def __post_init__(self) -> None:
-        if self.index_arith not in ("exact", "fp8"):
+        if self.index_arith not in ARITHS:
             raise ModelConfigError(
                 f"index_arith must be 'exact' or 'fp8', got {self.index_arith!r}"
             )

@@ -17,10 +17,10 @@ from typing import Any, TypeVar
 import torch
 
 from corpusd.coordinator.client import CoordinatorClient
+from indexer.fp8 import fp8_view
 from requester.client import Client
 from requester.holder_client import HolderClient
 from requester.sglang.binding import Binding, PinnedCorpus, resolve
-from requester.sglang.pagehash import index_k_from_page, index_k_page
 
 T = TypeVar("T")
 
@@ -71,18 +71,14 @@ class CorpusLink:
             ]
 
     def index_keys(self, b: Binding, layer: int, device: torch.device, ue8m0: bool) -> torch.Tensor:
-        """float32 ``[T, 128]`` on ``device``: the corpus's index keys for ``layer`` after an fp8
-        round trip in SGLang's per-token format (cached)."""
+        """float32 ``[T, 128]`` on ``device``: the corpus's index keys for ``layer`` as SGLang's
+        indexer scores its own (rotated, fp8 round trip, per-token scales; cached). The same
+        values as its pages (:func:`..pagehash.index_k_page`), without the bytes."""
         key = (b.corpus_id, layer)
         if key not in self._keys:
             pages = self._run(self._fetch_keys(b.corpus_id, layer))
-            rows = [
-                index_k_from_page(
-                    index_k_page(pages[p].float(), ue8m0), b.page_size, pages[p].shape[1]
-                )
-                for p in sorted(pages)
-            ]
-            self._keys[key] = torch.cat(rows)[: b.tokens].to(device)
+            keys = torch.cat([pages[p] for p in sorted(pages)])[: b.tokens]
+            self._keys[key] = fp8_view(keys, ue8m0).to(device)
         return self._keys[key]
 
     async def _fetch_keys(self, corpus_id: str, layer: int) -> dict[int, torch.Tensor]:

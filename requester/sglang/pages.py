@@ -53,4 +53,4 @@ class CorpusPages:
         """The page as SGLang's host pool holds it: the flat KV data page
         (``set_from_flat_data_page``) and, per layer, the indexer page bytes."""
         latent, keys = self.read(key)
-        return host_kv_page(latent, layout, dtype), [index_k_page(k.float(), ue8m0) for k in keys]
+        return host_kv_page(latent, layout, dtype), [index_k_page(k, ue8m0) for k in keys]
