@@ -159,6 +159,37 @@ def compact(mask: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, li
     return keep, out
 
 
+def holder_groups(view: CorpusView, canon: torch.Tensor) -> list[GroupWork]:
+    """The rows of canonical positions ``canon [n, k]`` (-1 unused) grouped by the holder of
+    each position's page under ``view``."""
+    holder, prow = view.pool_rows(canon)
+    groups = []
+    for hi in holder.unique().tolist():
+        if hi >= 0:
+            keep, (pr, cn) = compact(holder == hi, prow, canon)
+            groups.append(GroupWork(hi, keep, pr, cn))
+    return groups
+
+
+def merge_groups(
+    q: torch.Tensor,
+    d_v: int,
+    groups: Sequence[GroupWork],
+    results: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact merge of each group's ``(O, LSE)`` over its rows: ``(O [n, h, d_v]`` in ``q``'s
+    dtype and device, ``LSE [n, h])``; rows no group served are empty (O 0, LSE -inf)."""
+    n, h = q.shape[:2]
+    empty = torch.full((n, h), float("-inf"), device=q.device)
+    parts = [(q.new_zeros(n, h, d_v), empty)]
+    for g, (o_g, lse_g) in zip(groups, results, strict=True):
+        o, lse = q.new_zeros(n, h, d_v), empty.clone()
+        keep = g.keep.to(q.device)
+        o[keep], lse[keep] = o_g.to(q), lse_g.to(lse)
+        parts.append((o, lse))
+    return merge_partials(parts)
+
+
 class Worker:
     """Hosts sessions and steps them. Create and use it inside one running event loop."""
 
@@ -673,22 +704,10 @@ class Worker:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(O, LSE)`` of rows ``q`` over canonical corpus positions ``canon [n, k]``: grouped
         by holder under the current view, each group served (predicate's pick), merged."""
-        holder, prow = st.view.pool_rows(canon)
-        groups = []
-        for hi in holder.unique().tolist():
-            if hi >= 0:
-                keep, (pr, cn) = compact(holder == hi, prow, canon)
-                groups.append(GroupWork(hi, keep, pr, cn))
+        groups = holder_groups(st.view, canon)
         self.metrics.fanout.observe(len(groups))
         results = await asyncio.gather(*(self._group(st, layer, q, off, g, scale) for g in groups))
-        n, h = q.shape[:2]
-        parts = [(q.new_zeros(n, h, self.mcfg.kv_lora_rank), torch.full((n, h), float("-inf")))]
-        for g, (o_g, lse_g) in zip(groups, results, strict=True):
-            o = q.new_zeros(n, h, self.mcfg.kv_lora_rank)
-            lse = torch.full((n, h), float("-inf"))
-            o[g.keep], lse[g.keep] = o_g.to(q.dtype), lse_g
-            parts.append((o, lse))
-        return merge_partials(parts)
+        return merge_groups(q, self.mcfg.kv_lora_rank, groups, results)
 
     async def _execute(
         self,

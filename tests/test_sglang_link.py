@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import socket
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -108,10 +109,9 @@ def test_link_index_keys_are_the_stores_at_sglang_fp8_precision(
 def test_link_attend_is_the_corpus_partial_from_inside_a_sync_caller(
     cluster: Cluster, tiny_dir: Path
 ) -> None:
-    """SGLang's forward is synchronous: the link runs corpusd's asyncio client on its own loop
-    thread. Many calls in a row (one per layer and step in a server), more than the agent's batch
-    limit: the client made by the first is reused on its loop, and Attend, which opens no
-    session, does not use up the worker's session room at the coordinator."""
+    """SGLang's forward is synchronous: the link runs corpusd's asyncio clients on its own loop
+    thread and calls the holders straight. Many calls in a row (one per layer and step in a
+    server): the clients made by the first are reused on its loop."""
     cfg = ModelConfig.from_dir(tiny_dir)
     ps = PageStore(cluster.store)
     lat, _ = ps.read_pages(cluster.corpus_id, 1, list(range(4)))
@@ -122,14 +122,44 @@ def test_link_attend_is_the_corpus_partial_from_inside_a_sync_caller(
     link = CorpusLink(cluster.coord.address, fingerprint(tiny_dir), 64)
     try:
         b = link.bind(cluster.corpus_id)
-        first = link.attend(b, 1, q, pos)
+        first = link.attend(b, 1, q, pos, cfg.softmax_scale)
         for _ in range(40):
-            o, lse = link.attend(b, 1, q, pos)
+            o, lse = link.attend(b, 1, q, pos, cfg.softmax_scale)
     finally:
         link.close()
     assert torch.equal(first[0], o) and torch.equal(first[1], lse)
     ro, rl = partial_attention(q.float(), rows, pos, cfg.softmax_scale, cfg.kv_lora_rank)
-    assert rel(o.float(), ro) < 1e-2 and torch.allclose(lse, rl, atol=1e-3)
+    assert rel(o, ro) < 1e-2 and torch.allclose(lse, rl, atol=1e-3)
+
+
+def test_link_attend_goes_through_an_agent_when_a_holder_call_fails(
+    cluster: Cluster, tiny_dir: Path
+) -> None:
+    """A page table that names a holder that is gone (as after a re-placement): the holder call
+    fails, the link drops the table and serves the call through an agent worker, with the same
+    result; the next call reads the page table anew and goes straight again."""
+    cfg = ModelConfig.from_dir(tiny_dir)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, cfg.num_attention_heads, cfg.kv_dim, generator=g).bfloat16()
+    pos = torch.randint(-1, TOKENS, (2, 30), generator=g)
+    link = CorpusLink(cluster.coord.address, fingerprint(tiny_dir), 64)
+    try:
+        b = link.bind(cluster.corpus_id)
+        want = link.attend(b, 0, q, pos, cfg.softmax_scale)
+        view = link._views[cluster.corpus_id]
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            gone = f"127.0.0.1:{s.getsockname()[1]}"
+        link._views[cluster.corpus_id] = replace(view, holders=(gone,) * len(view.holders))
+        via_agent = link.attend(b, 0, q, pos, cfg.softmax_scale)
+        assert cluster.corpus_id not in link._views and link._client is not None
+        again = link.attend(b, 0, q, pos, cfg.softmax_scale)
+        assert link._views[cluster.corpus_id].holders == view.holders
+    finally:
+        link.close()
+    # the agent returns O in q's dtype (bf16); the straight path merges in float32
+    assert rel(via_agent[0], want[0]) < 1e-2 and torch.allclose(via_agent[1], want[1], atol=1e-4)
+    assert torch.equal(again[0], want[0]) and torch.equal(again[1], want[1])
 
 
 def test_corpus_pages_serve_a_prompt_that_starts_with_the_corpus(

@@ -202,19 +202,23 @@ class Server:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
-    def stream(self, body: dict[str, Any], timeout: float = 600) -> list[float]:
-        """Arrival times (monotonic) of each streamed chunk that carries new tokens."""
+    def stream(self, body: dict[str, Any], timeout: float = 600) -> tuple[list[float], list[int]]:
+        """Arrival times (monotonic) of each streamed chunk that carries new tokens, and the
+        tokens (SGLang's chunks carry every token so far, unless --incremental-streaming-output).
+        """
         req = urllib.request.Request(
             self.url + "/generate",
             json.dumps({**body, "stream": True}).encode(),
             {"Content-Type": "application/json"},
         )
         times: list[float] = []
+        tokens: list[int] = []
         with urllib.request.urlopen(req, timeout=timeout) as r:
             for line in r:
                 if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
                     times.append(time.monotonic())
-        return times
+                    tokens = json.loads(line[5:])["output_ids"]
+        return times, tokens
 
     def used_tokens(self) -> float:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
@@ -254,12 +258,13 @@ def vectors(meta: dict[str, Any], vocab: int) -> list[list[float]]:
 
 def measure(
     server: Server, mode: str, corpus: str, corpus_tokens: list[int], suffixes: list[list[int]],
-    n_tokens: int, vocab: int, teacher: list[list[int]] | None, timed: bool, forced_steps: int,
+    n_tokens: int, vocab: int, teacher: list[list[int]] | None, forced_steps: int,
 ) -> dict[str, Any]:  # fmt: skip
-    """(1) Free-running greedy answers; (2) teacher-forced steps: for every position of the
-    reference answers (``teacher``, stock's; this mode's own when None), the log-softmax of the
-    next token given the same context, so noise at one step does not change the context of the
-    next; (3) if ``timed``, 8 concurrent streams, timed, with SGLang's KV-pool use sampled."""
+    """(1) Free-running greedy answers, one request at a time; (2) teacher-forced steps: for
+    every position of the reference answers (``teacher``, stock's; this mode's own when None),
+    the log-softmax of the next token given the same context, so noise at one step does not
+    change the context of the next; (3) the same requests as 8 concurrent streams, timed, with
+    SGLang's KV-pool use sampled; their tokens are (1)'s computed in one batch."""
     prompts = [s if mode == "route" else corpus_tokens + s for s in suffixes]
     greedy = []
     for i, p in enumerate(prompts):
@@ -279,8 +284,6 @@ def measure(
     with ThreadPoolExecutor(len(prompts)) as pool:  # one thread per prompt
         steps = list(pool.map(forced, range(len(prompts))))
     result: dict[str, Any] = {"greedy": greedy, "forced": steps}
-    if not timed:
-        return result
     peak = [server.used_tokens()]
     stop = threading.Event()
 
@@ -297,7 +300,7 @@ def measure(
             pool.submit(server.stream, request(p, n_tokens, mode, corpus, 100 + i, vocab, False))
             for i, p in enumerate(prompts)
         ]
-        arrivals = [f.result() for f in futs]
+        arrivals, batched = zip(*(f.result() for f in futs), strict=True)
     stop.set()
     sampler.join()
     gaps = [b - a for t in arrivals for a, b in itertools.pairwise(t)]
@@ -309,6 +312,7 @@ def measure(
         "inter_token_p50_ms": 1e3 * statistics.median(gaps),
         "inter_token_p90_ms": 1e3 * statistics.quantiles(gaps, n=10)[-1],
         "kv_pool_peak_tokens": max(v for v in peak if not math.isnan(v)),
+        "tokens": list(batched),
     }
     return result
 
@@ -317,18 +321,23 @@ def argmax(v: list[float]) -> int:
     return max(range(len(v)), key=v.__getitem__)
 
 
-def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
-    """Free-running greedy agreement position by position; teacher-forced argmax agreement and
-    log-softmax differences (entries above −30 in both) at every step and at the first."""
+def free_running(ref: list[list[int]], got: list[list[int]]) -> dict[str, Any]:
+    """Greedy tokens equal position by position, and each request's first differing step."""
     same = total = 0
     first_div = []
-    for a, b in zip(ref["greedy"], got["greedy"], strict=True):
-        ta, tb = a["tokens"], b["tokens"]
+    for ta, tb in zip(ref, got, strict=True):
         same += sum(x == y for x, y in zip(ta, tb, strict=True))
         total += len(ta)
         first_div.append(
             next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
         )
+    return {"greedy_agree": same / total, "first_divergence": first_div}
+
+
+def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    """Free-running greedy agreement position by position; teacher-forced argmax agreement and
+    log-softmax differences (entries above −30 in both) at every step and at the first."""
+    free = free_running([g["tokens"] for g in ref["greedy"]], [g["tokens"] for g in got["greedy"]])
     agree = steps = 0
     diffs: list[float] = []
     first: list[float] = []
@@ -346,8 +355,7 @@ def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
             if j == 0:
                 first += d
     return {
-        "greedy_agree": same / total,
-        "first_divergence": first_div,
+        **free,
         "forced_agree": agree / steps,
         "forced_steps": steps,
         "ref_top2_margin_where_forced_differs": margins,
@@ -398,7 +406,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         teacher = [g["tokens"] for g in runs[r]["stock"]["greedy"]]
                     m = measure(
                         server, mode, r, cd.tokens[r], suffixes, a.tokens, vocab, teacher,
-                        timed=r == "sparse", forced_steps=a.forced_steps,
+                        forced_steps=a.forced_steps,
                     )  # fmt: skip
                     runs[r][mode] = {"server_start_s": start_s, **m}
                     # after every step, so a run cut short by a time limit keeps what it measured
@@ -455,6 +463,13 @@ def summarize(
             "vs_stock": {
                 m: compare(by_mode["stock"], v) for m, v in by_mode.items() if m != "stock"
             },
+            # Each mode against itself: the same requests one at a time and as one batch of 8.
+            # Stock's is SGLang's own noise floor for free-running greedy agreement.
+            "batched_vs_sequential": {
+                m: free_running([g["tokens"] for g in v["greedy"]], v["concurrent"]["tokens"])
+                for m, v in by_mode.items()
+                if "concurrent" in v
+            },
         }
         if "route" in by_mode and "fetch" in by_mode:
             out["regimes"][r]["route_vs_fetch"] = compare(by_mode["fetch"], by_mode["route"])
@@ -492,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r:<7} {name:<11} {c['greedy_agree']:>6.3f} {c['forced_agree']:>6.3f} "
                 f"{c['logprob_max_abs_diff']:>7.4f} {c['logprob_mean_abs_diff']:>8.5f}"
             )
+        for m, c in v["batched_vs_sequential"].items():
+            print(f"{r:<7} {m + ' b8/b1':<11} {c['greedy_agree']:>6.3f}")
     print(f"{'mode':<6} {'ttft ms':>8} {'itl p50 ms':>10} {'kv tokens':>9}  (sparse, 8 streams)")
     for m, c in out["regimes"].get("sparse", {}).get("concurrent", {}).items():
         print(

@@ -235,7 +235,7 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         l_cor = torch.full_like(lse_loc, -math.inf)
         heads = _head_slice(layer)
         req = cb.token_req[:n].to(sel.device)
-        # One Agent API call per corpus and layer: every row of the batch bound to that corpus.
+        # One link call per corpus and layer (a call per holder): every row bound to that corpus.
         by_corpus: dict[str, list[int]] = {}
         for r, b in enumerate(cb.bindings):
             if b is not None:
@@ -249,8 +249,8 @@ class CorpusNSABackend(NativeSparseAttnBackend):
             qf = to_corpusd_layout(q_all[rows]).bfloat16()  # bf16 on the wire, as SGLang's q
             full = qf.new_zeros(len(rows), layer.tp_q_head_num * _tp_size(), qf.shape[-1])
             full[:, heads] = qf  # the Agent API takes every head; this rank owns a slice
-            o_r, l_r = cb.link.attend(b, layer.layer_id, full.cpu(), sel[rows].cpu())
-            o_cor[rows] = o_r[:, heads].to(o_cor.device).float()
+            o_r, l_r = cb.link.attend(b, layer.layer_id, full.cpu(), sel[rows].cpu(), layer.scaling)
+            o_cor[rows] = o_r[:, heads].to(o_cor.device)
             l_cor[rows] = l_r[:, heads].to(l_cor.device)
         merged, _ = lse_mod.merge_local_corpus(o_loc, lse_loc, o_cor, l_cor)
         out = o.clone().reshape(-1, h, layer.v_head_dim)

@@ -10,17 +10,24 @@ so the corpus's keys score at the precision of the request's own keys).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import grpc
 import torch
 
 from corpusd.coordinator.client import CoordinatorClient
 from indexer.fp8 import fp8_view
 from requester.client import Client
+from requester.corpus_view import CorpusView
 from requester.holder_client import HolderClient
 from requester.sglang.binding import Binding, PinnedCorpus, resolve
+from requester.sglang.positions import ROPE_START  # = kv_lora_rank: O's width
+from requester.worker import holder_groups, merge_groups
+
+log = logging.getLogger("corpusd.sglang")
 
 T = TypeVar("T")
 
@@ -43,6 +50,8 @@ class CorpusLink:
         self._bindings: dict[str, Binding] = {}
         self._keys: dict[tuple[str, int], torch.Tensor] = {}
         self._client: Client | None = None
+        self._views: dict[str, CorpusView] = {}
+        self._holders: dict[str, HolderClient] = {}
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self.timeout)
@@ -50,6 +59,8 @@ class CorpusLink:
     def close(self) -> None:
         if self._client is not None:
             self._run(self._client.close())
+        for h in self._holders.values():
+            self._run(h.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 
@@ -96,16 +107,52 @@ class CorpusLink:
         return out
 
     def attend(
-        self, b: Binding, layer: int, q: torch.Tensor, positions: torch.Tensor
+        self, b: Binding, layer: int, q: torch.Tensor, positions: torch.Tensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Merged ``(O [n, h, 512], LSE [n, h] natural, -inf empty)`` of ``q [n, h, 576]``
+        """Merged ``(O [n, h, 512] float32, LSE [n, h] natural, -inf empty)`` of ``q [n, h, 576]``
         (corpusd's rope layout, full head count) over canonical ``positions [n, k]`` (-1 unused),
-        through an agent worker the coordinator picks (``requester.Client.attend``)."""
-        return self._run(self._attend(b.corpus_id, layer, q, positions))
+        scores scaled by ``scale`` (SGLang's ``layer.scaling``).
+
+        Straight to the holders (one call per holder holding selected pages, concurrently,
+        merged here). If a holder call fails, the page table is dropped and this call goes
+        through an agent worker the coordinator picks (``requester.Client.attend``), which
+        serves a failed holder's rows from replicas."""
+        return self._run(self._attend(b.corpus_id, layer, q, positions, scale))
 
     async def _attend(
-        self, corpus_id: str, layer: int, q: torch.Tensor, positions: torch.Tensor
+        self, corpus_id: str, layer: int, q: torch.Tensor, positions: torch.Tensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            view = await self._view(corpus_id)
+            groups = holder_groups(view, positions)
+            results = await asyncio.gather(
+                *(
+                    self._holder(view.holders[g.holder]).attend(
+                        corpus_id, layer, q[g.keep], g.prow, scale
+                    )
+                    for g in groups
+                )
+            )
+            return merge_groups(q.float(), ROPE_START, groups, [(p.o, p.lse) for p in results])
+        except grpc.aio.AioRpcError as e:
+            log.warning(
+                "corpusd plugin: a holder call failed (%s: %s); through an agent worker",
+                e.code().name,
+                e.details(),
+            )
+            self._views.pop(corpus_id, None)
         if self._client is None:  # made on the link's loop: its channels belong to that loop
             self._client = Client(coordinator=self.coordinator, timeout=self.timeout)
-        return await self._client.attend(corpus_id, layer, q, positions=positions)
+        o, lse = await self._client.attend(corpus_id, layer, q, positions=positions, scale=scale)
+        return o.float(), lse
+
+    async def _view(self, corpus_id: str) -> CorpusView:
+        if corpus_id not in self._views:
+            async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:
+                self._views[corpus_id] = CorpusView.from_page_table(await c.page_table(corpus_id))
+        return self._views[corpus_id]
+
+    def _holder(self, address: str) -> HolderClient:
+        if address not in self._holders:  # made on the link's loop, as the client
+            self._holders[address] = HolderClient(address)
+        return self._holders[address]
