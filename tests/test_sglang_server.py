@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +36,9 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUESTS, TOKENS, FORCED = 8, 16, 8  # the script's --requests, --tokens, --forced-steps
+# the script's --requests, --tokens, --forced-steps: those of bench/results/sglang-h200.json, so
+# one run is both this test and the committed result (CORPUSD_SGLANG_JSON keeps its JSON)
+REQUESTS, TOKENS, FORCED = 8, 32, 8
 PAGE = 64  # the script's --page-size
 TIMEOUT_S = 1500  # three server starts (~30 s each on an H200) and a few hundred requests
 
@@ -94,6 +97,9 @@ def run_bench(tmp_path: Path) -> tuple[int, dict[str, Any], str]:
         pytest.fail(f"bench_sglang ran past {TIMEOUT_S} s:\n{tail}")
     if not out.exists():
         pytest.fail(f"bench_sglang wrote no {out.name} (exit {code}):\n{tail}")
+    if keep := os.environ.get("CORPUSD_SGLANG_JSON"):
+        shutil.copyfile(out, keep)
+        shutil.copyfile(log, Path(keep).with_suffix(".log"))
     return code, json.loads(out.read_text()), tail
 
 
@@ -128,7 +134,9 @@ def test_live_server_route_and_fetch_predict_what_stock_predicts(
     assert dense["prompt_tokens_max"] <= topk < sparse["corpus_tokens"], (topk, dense, sparse)
     _check_ran(dense, "dense")
     _check_ran(sparse, "sparse")
-    assert set(sparse["concurrent"]) == {"stock", "route", "fetch"}, sparse["concurrent"].keys()
+    for name, regime in (("dense", dense), ("sparse", sparse)):
+        assert set(regime["concurrent"]) == {"stock", "route", "fetch"}, (name, regime.keys())
+        assert set(regime["batched_vs_sequential"]) == {"stock", "route", "fetch"}, name
 
     # Route is given only the questions: it can agree with stock only by attending the corpus
     # through the holders.
