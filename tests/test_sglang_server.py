@@ -44,16 +44,27 @@ TIMEOUT_S = 1500  # three server starts (~30 s each on an H200) and a few hundre
 
 # Dense bounds. The three modes attend the same keys, so only bf16 rounding separates them
 # (corpusd's bf16 pages and Triton kernel against SGLang's own prefill and FlashMLA). Measured
-# on an H200, fetch vs stock: 0.042 max / 0.007 mean log-softmax abs diff, 128 of 128
-# teacher-forced argmaxes equal. A bound of 0.25 (a 28 % probability ratio) leaves 6× room over
-# that noise and is still 12× under the 3.11 measured when other keys were attended (the
-# sparse regime with an exact pin); the mean bound sits 7× over 0.007 and 7× under its 0.365.
-MIN_FORCED_AGREE = 0.99
+# on an H200, fetch vs stock: 0.038 max / 0.007 mean log-softmax abs diff. A bound of 0.25 (a
+# 28 % probability ratio) leaves 6× room over that noise and is still 12× under the 3.11
+# measured when other keys were attended (the sparse regime with an exact pin); the mean bound
+# sits 7× over 0.007 and 7× under its 0.365.
 MAX_LOGPROB_DIFF = 0.25
 MAX_MEAN_LOGPROB_DIFF = 0.05
-# Sparse: measured on an H200 with fp8 pinning, teacher-forced 64 of 64 (route) and 62 of 64
-# (fetch) against stock; with the exact fp32 pin it was 56 %. 0.9 separates the two.
+# A teacher-forced argmax may differ from stock's only at a near-tie: where stock's top two
+# log-probs are closer than twice the measured noise (each moves by at most the max abs diff, so
+# only such a pair can swap). Measured on an H200: 63 or 64 of 64 equal per mode; the one
+# differing step had a margin of 0.0016 (dense) and 0.0046 (sparse), against noise of 0.04–0.1.
+MIN_FORCED_AGREE = 0.95
+# Sparse: with the exact fp32 pin (unlike SGLang's fp8 indexer), 56 % of teacher-forced steps
+# agreed; with the fp8 pin 63–64 of 64. 0.9 separates the two.
 MIN_SPARSE_FORCED_AGREE = 0.9
+
+
+def _near_ties_only(c: dict[str, Any], where: str) -> None:
+    """Every teacher-forced argmax that differs from stock's is a near-tie the noise explains."""
+    margins = c["ref_top2_margin_where_forced_differs"]
+    noise = c["logprob_max_abs_diff"]
+    assert all(m < 2 * noise for m in margins), f"{where}: margins {margins}, noise {noise}"
 
 
 def _free_port() -> int:
@@ -144,6 +155,7 @@ def test_live_server_route_and_fetch_predict_what_stock_predicts(
         c = dense["vs_stock"][mode]
         summary = {k: v for k, v in c.items() if k != "first_divergence"}
         assert c["forced_agree"] >= MIN_FORCED_AGREE, f"dense, {mode=} vs stock: {summary}"
+        _near_ties_only(c, f"dense, {mode=} vs stock")
         assert c["logprob_max_abs_diff"] <= MAX_LOGPROB_DIFF, f"dense, {mode=} vs stock: {summary}"
         assert c["logprob_mean_abs_diff"] <= MAX_MEAN_LOGPROB_DIFF, (
             f"dense, {mode=} vs stock: {summary}"
@@ -152,3 +164,4 @@ def test_live_server_route_and_fetch_predict_what_stock_predicts(
         summary = {k: v for k, v in c.items() if k != "first_divergence"}
         assert res["index_arith"] == "fp8"
         assert c["forced_agree"] >= MIN_SPARSE_FORCED_AGREE, f"sparse, {mode=} vs stock: {summary}"
+        _near_ties_only(c, f"sparse, {mode=} vs stock")
