@@ -19,6 +19,7 @@ Per layer of a batch with corpus-bound requests (state in ``forward_batch.corpus
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field, fields
 from functools import cache
 from typing import Any
@@ -45,8 +46,29 @@ class CorpusBatch:
     token_req: torch.Tensor  # int64 [N]: each token's request
     corpus_len: torch.Tensor  # int64 [N]: each token's T (0 unbound)
     ue8m0: bool
+    mode: str  # "decode" or "extend": the timings' label
     index_q: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     corpus_sel: dict[int, torch.Tensor] = field(default_factory=dict)  # layer → [N, k]
+    _rows: dict[tuple[int, str], list[tuple[Binding, torch.Tensor]]] = field(default_factory=dict)
+
+    def rows_by_corpus(self, n: int, device: torch.device) -> list[tuple[Binding, torch.Tensor]]:
+        """Each corpus of the batch with its token rows among the first ``n`` (int64 on
+        ``device``); worked out once per forward (the same for every layer)."""
+        key = (n, str(device))
+        if key not in self._rows:
+            req = self.token_req[:n]
+            groups: dict[str, list[int]] = {}
+            for r, b in enumerate(self.bindings):
+                if b is not None:
+                    groups.setdefault(b.corpus_id, []).append(r)
+            out = []
+            for reqs in groups.values():
+                rows = torch.isin(req, torch.tensor(reqs)).nonzero().flatten()
+                b = self.bindings[reqs[0]]
+                if b is not None and rows.numel():
+                    out.append((b, rows.to(device)))
+            self._rows[key] = out
+        return self._rows[key]
 
 
 @dataclass(frozen=True)
@@ -67,6 +89,7 @@ class CorpusIndexerMetadata(NSAIndexerMetadata):
                 "corpusd plugin: chunked indexer logits (a very long prefill on a full GPU) are "
                 "not supported yet; lower --chunked-prefill-size"
             )
+        t0 = time.perf_counter()
         q_fp8, w = cb.index_q.pop(self.layer_id)
         n = logits.shape[0]
         lengths = kw.get("ke_offset")
@@ -83,11 +106,7 @@ class CorpusIndexerMetadata(NSAIndexerMetadata):
         t = cb.corpus_len[:n].to(logits.device)
         cpos = torch.full((n, topk_), -1, dtype=torch.int64, device=logits.device)
         cscore = torch.full((n, topk_), -math.inf, device=logits.device)
-        req = cb.token_req[:n].to(logits.device)
-        for r, b in enumerate(cb.bindings):
-            rows = (req == r).nonzero().flatten()
-            if b is None or rows.numel() == 0:
-                continue
+        for b, rows in cb.rows_by_corpus(n, logits.device):  # one scoring per corpus
             keys = cb.link.index_keys(b, self.layer_id, logits.device, cb.ue8m0)
             s = index_scores(q_fp8[rows].float(), w[rows].float().reshape(len(rows), -1), keys, 1.0)
             p = select_topk(s, topk_)
@@ -95,7 +114,9 @@ class CorpusIndexerMetadata(NSAIndexerMetadata):
         logical = topk.combined_topk(own_pos, own_s, cpos, cscore, t, topk_)
         corpus_part, own_part = topk.split_selection(logical, t)
         cb.corpus_sel[self.layer_id] = corpus_part
-        return own_part.to(torch.int32)
+        own = own_part.to(torch.int32)
+        cb.link.timings.add(f"corpus top-k ({cb.mode})", time.perf_counter() - t0)
+        return own
 
 
 @cache
@@ -210,6 +231,7 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         layer: Any,
         cb: CorpusBatch,
     ) -> torch.Tensor:
+        t0 = time.perf_counter()
         sel = cb.corpus_sel.pop(layer.layer_id, None)
         assert sel is not None and self._lse is not None, (
             f"layer {layer.layer_id}: no corpus selection or local LSE; the corpusd plugin "
@@ -234,27 +256,20 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         o_cor = torch.zeros_like(o_loc, dtype=torch.float32)
         l_cor = torch.full_like(lse_loc, -math.inf)
         heads = _head_slice(layer)
-        req = cb.token_req[:n].to(sel.device)
         # One link call per corpus and layer (a call per holder): every row bound to that corpus.
-        by_corpus: dict[str, list[int]] = {}
-        for r, b in enumerate(cb.bindings):
-            if b is not None:
-                by_corpus.setdefault(b.corpus_id, []).append(r)
-        for reqs in by_corpus.values():
-            b = cb.bindings[reqs[0]]
-            assert b is not None
-            rows = torch.isin(req, torch.tensor(reqs, device=req.device)).nonzero().flatten()
-            if rows.numel() == 0:
-                continue
+        for b, rows in cb.rows_by_corpus(n, sel.device):
             qf = to_corpusd_layout(q_all[rows]).bfloat16()  # bf16 on the wire, as SGLang's q
             full = qf.new_zeros(len(rows), layer.tp_q_head_num * _tp_size(), qf.shape[-1])
-            full[:, heads] = qf  # the Agent API takes every head; this rank owns a slice
+            full[:, heads] = qf  # corpusd takes every head; this rank owns a slice
+            t1 = time.perf_counter()
             o_r, l_r = cb.link.attend(b, layer.layer_id, full.cpu(), sel[rows].cpu(), layer.scaling)
+            cb.link.timings.add(f"holders ({cb.mode})", time.perf_counter() - t1)
             o_cor[rows] = o_r[:, heads].to(o_cor.device)
             l_cor[rows] = l_r[:, heads].to(l_cor.device)
         merged, _ = lse_mod.merge_local_corpus(o_loc, lse_loc, o_cor, l_cor)
         out = o.clone().reshape(-1, h, layer.v_head_dim)
         out[:n] = merged
+        cb.link.timings.add(f"corpus attention ({cb.mode})", time.perf_counter() - t0)
         return out.view_as(o)
 
     def _forward(

@@ -113,8 +113,9 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         corpus_len = torch.cat(
             [torch.repeat_interleave(t, per_req), torch.zeros(pad, dtype=torch.int64)]
         )
+        mode = "extend" if forward_batch.forward_mode.is_extend() else "decode"
         ue8m0 = self.corpusd_key_ue8m0
-        return CorpusBatch(self.corpusd_link, bindings, token_req, corpus_len, ue8m0)
+        return CorpusBatch(self.corpusd_link, bindings, token_req, corpus_len, ue8m0, mode)
 
     def forward(
         self,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -30,6 +31,29 @@ from requester.worker import holder_groups, merge_groups
 log = logging.getLogger("corpusd.sglang")
 
 T = TypeVar("T")
+
+
+class Timings:
+    """Where the plugin's time goes, logged every ``every_s`` seconds as mean ms per call of each
+    stage (the SGLang log is where a user looks; SGLang's own metrics time the whole step)."""
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        self.every_s = every_s
+        self._since = time.monotonic()
+        self._sums: dict[str, list[float]] = {}
+
+    def add(self, stage: str, seconds: float) -> None:
+        acc = self._sums.setdefault(stage, [0.0, 0.0])
+        acc[0] += seconds
+        acc[1] += 1
+        if time.monotonic() - self._since >= self.every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._sums:
+            parts = [f"{k} {1e3 * s / n:.2f} ms × {n:.0f}" for k, (s, n) in self._sums.items()]
+            log.info("corpusd plugin, per call: %s", ", ".join(parts))
+        self._sums, self._since = {}, time.monotonic()
 
 
 class CorpusLink:
@@ -51,6 +75,7 @@ class CorpusLink:
         self._keys: dict[tuple[str, int], torch.Tensor] = {}
         self._client: Client | None = None
         self._views: dict[str, CorpusView] = {}
+        self.timings = Timings()
         self._holders: dict[str, HolderClient] = {}
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
