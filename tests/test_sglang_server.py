@@ -39,6 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # the script's --requests, --tokens, --forced-steps: those of bench/results/sglang-h200.json, so
 # one run is both this test and the committed result (CORPUSD_SGLANG_JSON keeps its JSON)
 REQUESTS, TOKENS, FORCED = 8, 32, 8
+# The tiny checkpoint fitted to this repo's text first (--fit-steps, on the GPU: seconds), so its
+# logits are decisive as a trained model's are; a random one's near-ties flip under any noise.
+FIT_STEPS = 200
 PAGE = 64  # the script's --page-size
 TIMEOUT_S = 1500  # three server starts (~30 s each on an H200) and a few hundred requests
 
@@ -84,7 +87,7 @@ def run_bench(tmp_path: Path) -> tuple[int, dict[str, Any], str]:
         sys.executable, "-m", "tools.bench_sglang", "--out", str(out),
         "--work", str(tmp_path / "work"), "--regimes", "dense,sparse",
         "--requests", str(REQUESTS), "--tokens", str(TOKENS), "--forced-steps", str(FORCED),
-        "--holder-device", "cuda:0", "--port", str(_free_port()),
+        "--holder-device", "cuda:0", "--port", str(_free_port()), "--fit-steps", str(FIT_STEPS),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("w") as f:

@@ -379,9 +379,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     model = work / "model"
     if not (model / "config.json").exists():
-        cmd = [sys.executable, "-m", "corpusd", "model", "init", str(model), "--index-topk", "2048"]
+        init = work / "model-init" if a.fit_steps else model
+        cmd = [sys.executable, "-m", "corpusd", "model", "init", str(init), "--index-topk", "2048"]
         # fp8: the pin prefill selects with SGLang's indexer arithmetic (indexer/fp8.py)
         subprocess.run([*cmd, "--index-arith", a.index_arith], check=True)
+        if a.fit_steps:  # decisive logits: near-ties no longer flip free-running greedy tokens
+            fit = [sys.executable, "-m", "tools.fit_tiny", "--src", str(init), "--out", str(model)]
+            fit += ["--steps", str(a.fit_steps), "--device", a.fit_device or a.holder_device]
+            subprocess.run([*fit, "--log-every", "50"], check=True)
     cfg = json.loads((model / "config.json").read_text())
     got = cfg.get("index_arith", "exact")
     assert got == a.index_arith, f"{model} has index_arith {got}; use another --work"
@@ -440,6 +445,7 @@ def summarize(
     out: dict[str, Any] = {
         "index_topk": topk,
         "index_arith": a.index_arith,
+        "fit_steps": a.fit_steps,
         "requests": len(suffixes),
         "tokens_each": a.tokens,
         "holders": a.holders,
@@ -488,6 +494,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--holders", type=int, default=2)
     ap.add_argument("--holder-device", default="cpu")
     ap.add_argument("--port", type=int, default=30123)
+    ap.add_argument(
+        "--fit-steps",
+        type=int,
+        default=0,
+        help="fit the tiny model to this repo's text first (tools/fit_tiny.py); 0: random weights",
+    )
+    ap.add_argument("--fit-device", default="", help="where to fit (default: --holder-device)")
     ap.add_argument(
         "--index-arith",
         choices=ARITHS,

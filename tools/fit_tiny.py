@@ -1,0 +1,229 @@
+"""Fit a tiny checkpoint to text: a few minutes of next-token training on CPU (seconds on a GPU).
+
+The random tiny model's logits are flat: many greedy steps have a top-2 margin of a few
+hundredths of a nat, bf16/fp8 noise flips them, and one flip changes every later token, so
+free-running greedy agreement between two correct serving paths says little. A model fitted to
+text has decisive logits (``tools/flip_proxy.py`` measures both).
+
+Training runs our own modules with autograd: ``layer.project`` → causal attention over the
+sequence's own latent rows → ``layer.finish`` → ``model.logits``, with sequences no longer than
+``index_topk`` so that every position attends to all earlier ones, exactly as ``forward_tokens``
+does in that regime (the test holds the two to the same logits). The indexer is then unused:
+its weights get no gradient and are written back unchanged, as are the router's score-correction
+biases. The output directory has the layout and ``config.json`` of ``corpusd model init``'s,
+weights in bf16.
+
+    python -m tools.fit_tiny --src MODEL_DIR --out OUT_DIR [--steps 200] [--minutes 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from corpusd.cli import add_dataclass_flags
+from corpusd.corpus.layout import FILE_HEADER
+from corpusd.model import DeepseekV32, load_model, save_checkpoint
+from corpusd.tokenizer import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+_GENERATED = ("corpusd/v1/",)  # protobuf output: serialized descriptors, not text worth fitting
+
+
+def default_text_files(root: Path = ROOT) -> list[Path]:
+    """README.md, corpusd/**/*.py and holder/**/*.py (generated code left out), sorted."""
+    files = [p for d in ("corpusd", "holder") for p in sorted((root / d).rglob("*.py"))]
+    files = [p for p in files if not p.relative_to(root).as_posix().startswith(_GENERATED)]
+    return [root / "README.md", *files]
+
+
+def text_tokens(files: list[Path], root: Path = ROOT) -> torch.Tensor:
+    """The files as a pinned corpus renders them (``FILE_HEADER`` with the path, the text ending
+    in a newline), concatenated and byte-tokenized: int64 ``[n]``. No BOS: each training
+    sequence gets its own."""
+    parts = []
+    for p in files:
+        text = p.read_text(encoding="utf-8")
+        path = p.resolve().relative_to(root) if p.resolve().is_relative_to(root) else p.name
+        parts.append(FILE_HEADER.format(path=path) + text + ("" if text.endswith("\n") else "\n"))
+    return torch.tensor(ByteTokenizer().encode("".join(parts)), dtype=torch.int64)
+
+
+def causal_attention(q: torch.Tensor, rows: torch.Tensor, scale: float, d_v: int) -> torch.Tensor:
+    """Dense causal absorbed-MLA attention of a sequence over its own latent rows.
+
+    ``q [n, h, d_qk]``, ``rows [n, d_qk]`` (position i sees rows 0..i) → ``[n, h, d_v]``.
+    The same math as ``partial_attention`` with indices ``0..i`` per row, without its gather of
+    ``[n, n, d_qk]`` rows, which autograd would keep for the backward pass.
+    """
+    n = q.shape[0]
+    s = torch.einsum("nhd,kd->nhk", q.float(), rows.float()) * scale
+    future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+    p = s.masked_fill(future[:, None, :], float("-inf")).softmax(dim=-1)
+    return torch.einsum("nhk,kv->nhv", p, rows[:, :d_v].float()).to(q.dtype)
+
+
+def train_logits(model: DeepseekV32, tokens: torch.Tensor) -> torch.Tensor:
+    """Differentiable forward of one sequence from position 0: int ``[n]`` → float32
+    ``[n, vocab]``. Needs ``n <= index_topk`` (dense selection); equals ``forward_tokens``
+    on an empty cache there."""
+    cfg = model.cfg
+    n = tokens.shape[0]
+    assert n <= cfg.index_topk, f"{n=} > {cfg.index_topk=}: the indexer would select"
+    cos, sin = model.rotary.cos_sin(torch.arange(n, device=tokens.device))
+    x = model.model.embed_tokens(tokens)
+    for layer in model.layers:
+        proj = layer.project(x, cos, sin)
+        o = causal_attention(proj.q, proj.cache_row, cfg.softmax_scale, cfg.kv_lora_rank)
+        x = layer.finish(x, o)
+    return model.logits(x)
+
+
+def trainable(model: DeepseekV32) -> list[torch.nn.Parameter]:
+    """Every parameter that the dense forward differentiates: all but the indexer's."""
+    return [
+        p for name, p in model.named_parameters() if p.requires_grad and ".indexer." not in name
+    ]
+
+
+def _opt(default: object, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True, slots=True)
+class FitConfig:
+    """One fit. CLI flags come from these fields (``--seq-len`` …)."""
+
+    src: str = field(metadata={"help": "checkpoint directory written by `corpusd model init`"})
+    out: str = field(metadata={"help": "where to write the fitted checkpoint"})
+    text: tuple[str, ...] = ()  # files to fit; empty: default_text_files()
+    steps: int = _opt(200, "optimizer steps")
+    minutes: float = _opt(12.0, "wall-clock cap: training stops at this or --steps, first")
+    seq_len: int = _opt(512, "tokens per sequence (BOS + text), at most 1024 and index_topk")
+    batch: int = _opt(1, "sequences per step (gradients accumulated)")
+    lr: float = _opt(3e-3, "AdamW peak learning rate")
+    warmup: int = _opt(10, "linear warm-up steps, then cosine decay to 10 %% of --lr")
+    weight_decay: float = _opt(0.01, "AdamW weight decay")
+    seed: int = _opt(0, "torch seed and the sequence sampler's")
+    log_every: int = _opt(10, "print the loss every this many steps")
+    device: str = _opt("cpu", "where to train (cuda:0 fits 200 steps in seconds)")
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.seq_len <= 1024:
+            raise ValueError(f"--seq-len must be in 2..1024, got {self.seq_len}")
+        for key in ("steps", "batch", "log_every"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"--{key.replace('_', '-')} must be > 0")
+        if not (self.minutes > 0 and self.lr > 0):
+            raise ValueError("--minutes and --lr must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class FitResult:
+    steps: int
+    wall_s: float
+    losses: list[float]  # mean training loss (nats/token) per step
+    text_tokens: int
+
+
+def lr_at(step: int, cfg: FitConfig) -> float:
+    """Linear warm-up, then cosine decay to 10 % at ``cfg.steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def fit(cfg: FitConfig) -> FitResult:
+    """Train ``cfg.src`` on the text and write ``cfg.out``. Raises ValueError when the sequence
+    length exceeds the model's ``index_topk`` or the text is shorter than one sequence."""
+    torch.manual_seed(cfg.seed)
+    model = load_model(cfg.src, dtype=torch.float32).to(cfg.device).train()
+    if cfg.seq_len > model.cfg.index_topk:
+        raise ValueError(
+            f"--seq-len {cfg.seq_len} > index_topk {model.cfg.index_topk}: training attends "
+            "densely, so sequences must fit in the top-k; lower --seq-len"
+        )
+    tokens = text_tokens([Path(t) for t in cfg.text] if cfg.text else default_text_files())
+    tokens = tokens.to(cfg.device)
+    if tokens.numel() <= cfg.seq_len:
+        raise ValueError(f"the text has {tokens.numel()} tokens, not more than --seq-len")
+    params = trainable(model)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    bos_id = model.cfg.bos_token_id
+    bos = torch.tensor([] if bos_id is None else [bos_id], dtype=torch.int64, device=cfg.device)
+    losses: list[float] = []
+    t0 = time.monotonic()
+    for step in range(cfg.steps):
+        if time.monotonic() - t0 > 60 * cfg.minutes:
+            print(f"stopping at step {step}: --minutes {cfg.minutes} spent", flush=True)
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        starts = torch.randint(0, tokens.numel() - cfg.seq_len, (cfg.batch,), generator=gen)
+        total = 0.0
+        for s in starts.tolist():
+            # BOS first, as a pinned corpus starts
+            seq = torch.cat([bos, tokens[s : s + cfg.seq_len + 1 - bos.numel()]])
+            loss = F.cross_entropy(train_logits(model, seq[:-1]), seq[1:]) / cfg.batch
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            recent = losses[-cfg.log_every :]
+            print(
+                f"step {step:4d}  loss {total:.3f}  (mean of last {len(recent)}: "
+                f"{sum(recent) / len(recent):.3f})  lr {lr_at(step, cfg):.2e}  "
+                f"{time.monotonic() - t0:6.1f}s",
+                flush=True,
+            )
+    wall = time.monotonic() - t0
+    write_like(model.cpu().eval(), Path(cfg.src), Path(cfg.out))
+    return FitResult(len(losses), wall, losses, int(tokens.numel()))
+
+
+def write_like(model: DeepseekV32, src: Path, out: Path) -> None:
+    """Save ``model`` as bf16 shards + index, with ``src``'s own config.json (byte for byte)."""
+    save_checkpoint(model, out, dtype=torch.bfloat16)
+    written = json.loads((out / "config.json").read_text())
+    assert written == json.loads((src / "config.json").read_text()), (
+        f"config.json of {out} differs from {src}'s: the model's config did not round-trip"
+    )
+    shutil.copyfile(src / "config.json", out / "config.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_dataclass_flags(p, FitConfig, skip=("text",))
+    p.add_argument("--text", nargs="+", default=[], help="files to fit (default: README.md, "
+                   "corpusd/**/*.py and holder/**/*.py, generated code left out)")  # fmt: skip
+    a = p.parse_args(argv)
+    cfg = FitConfig(**{**vars(a), "text": tuple(a.text)})
+    if Path(cfg.out).resolve() == Path(cfg.src).resolve():
+        p.error("--out must differ from --src")
+    r = fit(cfg)
+    head = sum(r.losses[:10]) / min(10, len(r.losses))
+    tail = sum(r.losses[-10:]) / min(10, len(r.losses))
+    print(
+        f"fitted {r.steps} steps × {cfg.batch} × {cfg.seq_len} tokens of a "
+        f"{r.text_tokens}-token text in {r.wall_s:.0f}s: loss {head:.3f} → {tail:.3f} "
+        f"(mean of first/last 10 steps); wrote {cfg.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

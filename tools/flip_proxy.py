@@ -1,0 +1,197 @@
+"""CPU proxy of the greedy-flip problem: float32 vs bfloat16 runs of one checkpoint.
+
+The SGLang comparison (``tools/bench_sglang.py``) decodes 32 greedy tokens per prompt with and
+without corpusd and counts agreeing positions; with flat logits a near-tie flips under bf16
+noise and every later token differs. This runs the same prompts (the corpus bench_sglang pins,
+as corpusd renders it, + each question) through our model on CPU twice: float32 weights and
+cache (the reference) and bfloat16 weights and cache (the perturbation), and reports
+
+- ``greedy_agree``: free-running greedy tokens equal position by position;
+- ``forced_agree``: the bf16 argmax given the reference's own prefix equals the reference token;
+- the reference's top-2 logit margins (nats) at its greedy steps: median, share below 0.05;
+- ``corpus_nll``: the reference's mean next-token loss on the corpus tokens (nats).
+
+    python -m tools.flip_proxy MODEL_DIR [MODEL_DIR …] [--regimes dense] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from corpusd.corpus.ingest import ingest
+from corpusd.corpus.layout import render
+from corpusd.model import DeepseekV32, KVCache, forward_tokens, load_model
+from corpusd.tokenizer import ByteTokenizer
+from tools.bench_sglang import QUESTIONS, REGIMES, corpus_source
+
+NEAR_TIE = 0.05  # nats: margins below this flipped under bf16/fp8 noise on SGLang
+CHUNK = 256  # prefill chunk, as `corpusd pin`
+
+
+def corpus_tokens(regime: str) -> list[int]:
+    """The token stream bench_sglang pins for ``regime``: BOS, file header, text."""
+    n_bytes, first = REGIMES[regime]
+    with tempfile.TemporaryDirectory() as tmp:
+        src = corpus_source(Path(tmp) / regime, n_bytes, first)
+        return list(render(ingest(src), ByteTokenizer(), 1 << 20).tokens)
+
+
+def prefill(model: DeepseekV32, tokens: list[int], capacity: int, dtype: torch.dtype) -> tuple[
+    KVCache, torch.Tensor
+]:  # fmt: skip
+    """The cache after ``tokens`` and the float32 logits ``[len(tokens), vocab]``."""
+    cache = KVCache(model.cfg, capacity, dtype)
+    t = torch.tensor(tokens)
+    logits = [forward_tokens(model, t[i : i + CHUNK], cache) for i in range(0, len(t), CHUNK)]
+    return cache, torch.cat([x for x in logits if x is not None])
+
+
+def greedy(
+    model: DeepseekV32, cache: KVCache, suffix: list[int], n: int
+) -> tuple[list[int], list[float]]:
+    """``n`` free-running greedy tokens after ``suffix`` and each step's top-2 margin (nats).
+    Mutates ``cache``."""
+    logits = forward_tokens(model, torch.tensor(suffix), cache)
+    assert logits is not None
+    last = logits[-1]
+    tokens: list[int] = []
+    margins: list[float] = []
+    for _ in range(n):
+        top = last.topk(2).values
+        margins.append(float(top[0] - top[1]))
+        tokens.append(int(last.argmax()))
+        if len(tokens) == n:
+            break
+        step = forward_tokens(model, torch.tensor(tokens[-1:]), cache)
+        assert step is not None
+        last = step[-1]
+    return tokens, margins
+
+
+def forced(model: DeepseekV32, cache: KVCache, suffix: list[int], ref: list[int]) -> list[int]:
+    """Argmax at each step given ``suffix + ref[:j]`` (teacher forcing). Mutates ``cache``."""
+    logits = forward_tokens(model, torch.tensor(suffix + ref[:-1]), cache)
+    assert logits is not None
+    return logits[len(suffix) - 1 :].argmax(-1).tolist()
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    model: str
+    regime: str
+    prompts: int
+    corpus_tokens: int
+    corpus_nll: float
+    greedy_agree: float
+    forced_agree: float
+    margin_median: float
+    margin_below_near_tie: float
+    margin_min: float
+    first_divergence: list[int]
+    greedy_text: list[str]  # the float32 run's answers, to see what the model does
+    seconds: float
+
+
+def measure(model_dir: str, regime: str, prompts: int, n: int) -> Row:
+    t0 = time.monotonic()
+    corpus = corpus_tokens(regime)
+    suffixes = [ByteTokenizer().encode(f"\n\nQ: {q}\nA:") for q in QUESTIONS[:prompts]]
+    capacity = len(corpus) + max(map(len, suffixes)) + n
+    ref_model = load_model(model_dir, dtype=torch.float32)
+    low_model = load_model(model_dir, dtype=torch.bfloat16)
+    ref_cache, logits = prefill(ref_model, corpus, capacity, torch.float32)
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(corpus[1:]))
+    low_cache, _ = prefill(low_model, corpus, capacity, torch.bfloat16)
+    same = agree = total = 0
+    margins: list[float] = []
+    first_div: list[int] = []
+    texts: list[str] = []
+    for suffix in suffixes:
+        ref, m = greedy(ref_model, copy.deepcopy(ref_cache), suffix, n)
+        low, _ = greedy(low_model, copy.deepcopy(low_cache), suffix, n)
+        teacher = forced(low_model, copy.deepcopy(low_cache), suffix, ref)
+        same += sum(a == b for a, b in zip(ref, low, strict=True))
+        agree += sum(a == b for a, b in zip(ref, teacher, strict=True))
+        total += n
+        margins += m
+        diverged = [i for i, (a, b) in enumerate(zip(ref, low, strict=True)) if a != b]
+        first_div.append(diverged[0] if diverged else n)
+        texts.append(ByteTokenizer().decode(ref))
+    return Row(
+        model=model_dir,
+        regime=regime,
+        prompts=len(suffixes),
+        corpus_tokens=len(corpus),
+        corpus_nll=float(nll),
+        greedy_agree=same / total,
+        forced_agree=agree / total,
+        margin_median=statistics.median(margins),
+        margin_below_near_tie=sum(x < NEAR_TIE for x in margins) / len(margins),
+        margin_min=min(margins),
+        first_divergence=first_div,
+        greedy_text=texts,
+        seconds=time.monotonic() - t0,
+    )
+
+
+def table(rows: list[Row]) -> str:
+    head = (
+        f"{'model':<28} {'regime':<7} {'nll':>6} {'greedy':>7} {'forced':>7} {'margin med':>10} "
+        f"{f'<{NEAR_TIE}':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{Path(r.model).name[:28]:<28} {r.regime:<7} {r.corpus_nll:6.3f} "
+            f"{r.greedy_agree:7.1%} {r.forced_agree:7.1%} {r.margin_median:10.3f} "
+            f"{r.margin_below_near_tie:7.1%}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("models", nargs="+", help="checkpoint directories")
+    p.add_argument("--regimes", default="dense", help=f"comma-separated, of {sorted(REGIMES)}")
+    p.add_argument("--prompts", type=int, default=8, help=f"questions, 1..{len(QUESTIONS)}")
+    p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    p.add_argument("--out", help="write the rows as JSON here")
+    a = p.parse_args(argv)
+    regimes = a.regimes.split(",")
+    if not set(regimes) <= set(REGIMES):
+        p.error(f"--regimes: unknown {sorted(set(regimes) - set(REGIMES))}")
+    if not (1 <= a.prompts <= len(QUESTIONS) and a.tokens >= 1):
+        p.error(f"--prompts must be in 1..{len(QUESTIONS)} and --tokens >= 1")
+    rows = []
+    for m in a.models:
+        for r in regimes:
+            rows.append(measure(m, r, a.prompts, a.tokens))
+            print(f"{m} {r}: {rows[-1].seconds:.0f}s", flush=True)
+    print(table(rows))
+    if a.out:
+        out: dict[str, Any] = {
+            "what": "float32 vs bfloat16 weights+cache, our model on CPU (tools/flip_proxy.py)",
+            "host": platform.node(),
+            "torch": torch.__version__,
+            "tokens_per_prompt": a.tokens,
+            "near_tie_nats": NEAR_TIE,
+            "rows": [asdict(r) for r in rows],
+        }
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
