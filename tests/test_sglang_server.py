@@ -5,6 +5,8 @@ sparse corpus on GPU holders and serves the tiny DeepSeek-V3.2 three ways in tur
 real ``sglang.launch_server``: stock, route (the plugin) and fetch (the HiCache backend). This
 test holds the script's JSON to what the issue claims:
 
+- the tiny checkpoint is fitted to this repo's text first (``--fit-steps``), so its logits are
+  decisive and free-running greedy answers can agree on >= 99 % of positions, as the issue asks;
 - dense regime (every key attended, no top-k selection anywhere, so every mode attends exactly
   the same keys): route and fetch predict what stock SGLang predicts, within bf16 noise;
 - sparse regime (top-2048 of 3,626 corpus keys): the corpus is pinned with SGLang's fp8 indexer
@@ -61,6 +63,11 @@ MIN_FORCED_AGREE = 0.95
 # Sparse: with the exact fp32 pin (unlike SGLang's fp8 indexer), 56 % of teacher-forced steps
 # agreed; with the fp8 pin 63–64 of 64. 0.9 separates the two.
 MIN_SPARSE_FORCED_AGREE = 0.9
+# The issue's bound on free-running greedy tokens (each flip compounds). Measured on an H200 with
+# the fitted checkpoint: 256 of 256 equal for route and fetch in both regimes, and stock against
+# itself (batched vs one at a time) too; with random weights stock agreed with itself on only
+# 89 % (dense) and 73 % (sparse), so this bound needs the fitted model's decisive logits.
+MIN_GREEDY_AGREE = 0.99
 
 
 def _near_ties_only(c: dict[str, Any], where: str) -> None:
@@ -168,3 +175,10 @@ def test_live_server_route_and_fetch_predict_what_stock_predicts(
         assert res["index_arith"] == "fp8"
         assert c["forced_agree"] >= MIN_SPARSE_FORCED_AGREE, f"sparse, {mode=} vs stock: {summary}"
         _near_ties_only(c, f"sparse, {mode=} vs stock")
+        for name, regime in (("dense", dense), ("sparse", sparse)):
+            c = regime["vs_stock"][mode]
+            assert c["greedy_agree"] >= MIN_GREEDY_AGREE, (
+                f"{name}, {mode=} vs stock, free-running: {c['greedy_agree']} (first "
+                f"divergences {c['first_divergence']}; stock vs itself "
+                f"{regime['batched_vs_sequential']['stock']['greedy_agree']})"
+            )
