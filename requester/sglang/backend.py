@@ -1,7 +1,8 @@
 """The ``nsa`` attention backend with a pinned corpus: SGLang's NSA backend, plus the corpus.
 
 Imports sglang: loaded only inside an SGLang process (through :mod:`.deepseek_v32`) or by the
-GPU tests. Written against sglang 0.5.10.post1; **not yet run on a real server** (see NOTES.md).
+GPU tests. Written against sglang 0.5.10.post1 and run in a live server (``pytest -m sglang``;
+NOTES.md).
 
 Per layer of a batch with corpus-bound requests (state in ``forward_batch.corpusd``, a
 :class:`CorpusBatch` set by the entry model):

@@ -4,7 +4,7 @@ worker's KV pool. Imports sglang; SGLang imports this module through
 each scheduler process before ``ModelRunner.init_attention_backend`` reads
 ``ATTENTION_BACKENDS`` — so importing this module also installs the ``nsa`` override.
 
-Written against sglang 0.5.10.post1; **not yet run on a real server** (see NOTES.md).
+Written against sglang 0.5.10.post1 and run in a live server (``pytest -m sglang``; NOTES.md).
 
 Per forward: read each request's corpus from its rid (:mod:`.binding`), resolve it once
 (coordinator; CorpusBindingError with what to do), shift the own tokens' positions by the

@@ -2,9 +2,10 @@
 
 SGLang's model forward is synchronous; corpusd's clients are asyncio. The link runs one event
 loop on a daemon thread and blocks the caller on each call (``run_coroutine_threadsafe``), with a
-timeout. Per corpus it caches the binding (resolved once against the coordinator) and, per layer,
-the corpus's index keys (streamed once from its holders, then put through SGLang's fp8 format
-so the corpus's keys score at the precision of the request's own keys).
+timeout. Per corpus it caches the binding (resolved once against the coordinator), the page
+table (which holder holds which page: attention calls go straight to those holders) and, per
+layer, the corpus's index keys (streamed once from its holders, then put through SGLang's fp8
+format so the corpus's keys score at the precision of the request's own keys).
 """
 
 from __future__ import annotations
