@@ -1,9 +1,10 @@
 """Fit a tiny checkpoint to text: a few minutes of next-token training on CPU (seconds on a GPU).
 
-The random tiny model's logits are flat: many greedy steps have a top-2 margin of a few
-hundredths of a nat, bf16/fp8 noise flips them, and one flip changes every later token, so
-free-running greedy agreement between two correct serving paths says little. A model fitted to
-text has decisive logits (``tools/flip_proxy.py`` measures both).
+The random tiny model's logits are flat: about one greedy step in ten has a top-2 margin under
+0.05 nats, bf16/fp8 noise flips it, and one flip changes every later token, so free-running
+greedy agreement between two correct serving paths says little. A fitted model's margins are
+decisive, but after minutes of training its free-running answers are a loop (e.g. spaces) the
+same for every prompt; ``tools/flip_proxy.py`` measures both, on the answers and on real text.
 
 Training runs our own modules with autograd: ``layer.project`` → causal attention over the
 sequence's own latent rows → ``layer.finish`` → ``model.logits``, with sequences no longer than

@@ -9,7 +9,10 @@ cache (the reference) and bfloat16 weights and cache (the perturbation), and rep
 - ``greedy_agree``: free-running greedy tokens equal position by position;
 - ``forced_agree``: the bf16 argmax given the reference's own prefix equals the reference token;
 - the reference's top-2 logit margins (nats) at its greedy steps: median, share below 0.05;
-- ``corpus_nll``: the reference's mean next-token loss on the corpus tokens (nats).
+- ``corpus_nll``: the reference's mean next-token loss on the corpus tokens (nats), and on
+  those real-text positions the same two margin statistics and the fp32/bf16 argmax agreement
+  (``corpus_*``): free-running answers of a briefly fitted model collapse into a loop (all
+  prompts the same answer, ``distinct_answers``), which is robust but tests little.
 
     python -m tools.flip_proxy MODEL_DIR [MODEL_DIR …] [--regimes dense] [--out FILE.json]
 """
@@ -93,12 +96,16 @@ class Row:
     prompts: int
     corpus_tokens: int
     corpus_nll: float
+    corpus_argmax_agree: float
+    corpus_margin_median: float
+    corpus_margin_below_near_tie: float
     greedy_agree: float
     forced_agree: float
     margin_median: float
     margin_below_near_tie: float
     margin_min: float
     first_divergence: list[int]
+    distinct_answers: int
     greedy_text: list[str]  # the float32 run's answers, to see what the model does
     seconds: float
 
@@ -112,11 +119,14 @@ def measure(model_dir: str, regime: str, prompts: int, n: int) -> Row:
     low_model = load_model(model_dir, dtype=torch.bfloat16)
     ref_cache, logits = prefill(ref_model, corpus, capacity, torch.float32)
     nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(corpus[1:]))
-    low_cache, _ = prefill(low_model, corpus, capacity, torch.bfloat16)
+    low_cache, low_logits = prefill(low_model, corpus, capacity, torch.bfloat16)
+    top2 = logits.topk(2, dim=-1).values
+    corpus_margins = (top2[:, 0] - top2[:, 1]).tolist()
     same = agree = total = 0
     margins: list[float] = []
     first_div: list[int] = []
     texts: list[str] = []
+    answers: set[tuple[int, ...]] = set()
     for suffix in suffixes:
         ref, m = greedy(ref_model, copy.deepcopy(ref_cache), suffix, n)
         low, _ = greedy(low_model, copy.deepcopy(low_cache), suffix, n)
@@ -128,34 +138,42 @@ def measure(model_dir: str, regime: str, prompts: int, n: int) -> Row:
         diverged = [i for i, (a, b) in enumerate(zip(ref, low, strict=True)) if a != b]
         first_div.append(diverged[0] if diverged else n)
         texts.append(ByteTokenizer().decode(ref))
+        answers.add(tuple(ref))
     return Row(
         model=model_dir,
         regime=regime,
         prompts=len(suffixes),
         corpus_tokens=len(corpus),
         corpus_nll=float(nll),
+        corpus_argmax_agree=float((logits.argmax(-1) == low_logits.argmax(-1)).float().mean()),
+        corpus_margin_median=statistics.median(corpus_margins),
+        corpus_margin_below_near_tie=sum(x < NEAR_TIE for x in corpus_margins) / len(corpus),
         greedy_agree=same / total,
         forced_agree=agree / total,
         margin_median=statistics.median(margins),
         margin_below_near_tie=sum(x < NEAR_TIE for x in margins) / len(margins),
         margin_min=min(margins),
         first_divergence=first_div,
+        distinct_answers=len(answers),
         greedy_text=texts,
         seconds=time.monotonic() - t0,
     )
 
 
 def table(rows: list[Row]) -> str:
+    tie = f"<{NEAR_TIE}"
     head = (
-        f"{'model':<28} {'regime':<7} {'nll':>6} {'greedy':>7} {'forced':>7} {'margin med':>10} "
-        f"{f'<{NEAR_TIE}':>7}"
+        f"{'model':<16} {'regime':<7} {'nll':>6} {'greedy':>7} {'forced':>7} {'margin med':>10} "
+        f"{tie:>6} {'answers':>7} | {'corpus: agree':>13} {'margin med':>10} {tie:>6}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{Path(r.model).name[:28]:<28} {r.regime:<7} {r.corpus_nll:6.3f} "
+            f"{Path(r.model).name[:16]:<16} {r.regime:<7} {r.corpus_nll:6.3f} "
             f"{r.greedy_agree:7.1%} {r.forced_agree:7.1%} {r.margin_median:10.3f} "
-            f"{r.margin_below_near_tie:7.1%}"
+            f"{r.margin_below_near_tie:6.1%} {r.distinct_answers:>7} | "
+            f"{r.corpus_argmax_agree:13.1%} {r.corpus_margin_median:10.3f} "
+            f"{r.corpus_margin_below_near_tie:6.1%}"
         )
     return "\n".join(lines)
 
