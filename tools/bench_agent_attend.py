@@ -80,12 +80,8 @@ async def measure(
         table = await cc.page_table(corpus.corpus_id)
     t = corpus.tokens
     # the holder with the most pages, and the positions it holds (the direct call's rows)
-    by_holder: dict[str, dict[int, int]] = {}
-    for page, reps in enumerate(table.pages):
-        holder_id, frame = reps[0]
-        by_holder.setdefault(holder_id, {})[page] = frame
-    holder_id = max(by_holder, key=lambda h: len(by_holder[h]))
-    frames = by_holder[holder_id]
+    holder_id = max(table.holders, key=lambda h: len(table.frames_on(h)))
+    frames = table.frames_on(holder_id)
     page = table.corpus.page_size
     held = torch.tensor(
         [p * page + i for p in sorted(frames) for i in range(page) if p * page + i < t]

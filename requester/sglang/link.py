@@ -119,16 +119,11 @@ class CorpusLink:
         return self._keys[key]
 
     async def _fetch_keys(self, corpus_id: str, layer: int) -> dict[int, torch.Tensor]:
-        async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:
-            table = await c.page_table(corpus_id)
+        view = await self._view(corpus_id)
         out: dict[int, torch.Tensor] = {}
-        for holder_id in {h for page in table.pages for h, _ in page}:
-            hc = HolderClient(table.address(holder_id))
-            try:
-                out.update(await hc.index_keys(corpus_id, layer))
-            finally:
-                await hc.close()
-        missing = len(table.pages) - len(out)
+        for address in view.holders:
+            out.update(await self._holder(address).index_keys(corpus_id, layer))
+        missing = view.n_pages - len(out)
         assert missing == 0, f"corpus {corpus_id}: index keys of {missing} pages missing"
         return out
 
