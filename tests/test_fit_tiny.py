@@ -3,6 +3,7 @@ it writes loads in our loader and in the transformers oracle with the same logit
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,16 @@ from conftest import rel
 
 from corpusd.model import KVCache, forward_tokens, load_model
 from corpusd.model.checkpoint import read_state_dict
-from tools.fit_tiny import FitConfig, fit, text_tokens, train_logits
+from indexer import index_scores
+from tools.fit_tiny import (
+    FitConfig,
+    fit,
+    index_kl,
+    index_log_probs,
+    text_tokens,
+    train_forward,
+    train_logits,
+)
 
 
 def test_train_forward_matches_forward_tokens(tiny_model) -> None:  # type: ignore[no-untyped-def]
@@ -26,6 +36,63 @@ def test_train_forward_matches_forward_tokens(tiny_model) -> None:  # type: igno
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+def test_index_distribution_is_the_inference_indexers_score(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """The indexer is trained on the score it selects by at inference (``indexer.index_scores``,
+    exact arithmetic), softmaxed over each row's causal keys."""
+    n = 40
+    toks = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(5))
+    cos, sin = tiny_model.rotary.cos_sin(torch.arange(n))
+    x = tiny_model.model.embed_tokens(toks)
+    layer = tiny_model.layers[0]
+    with torch.no_grad():
+        proj = layer.project(x, cos, sin)
+        scale = tiny_model.cfg.index_head_dim**-0.5
+        ref = index_scores(proj.index_q, proj.index_w, proj.index_key, scale, "exact")
+        future = torch.ones(n, n, dtype=torch.bool).triu(1)
+        ref = ref.masked_fill(future, float("-inf")).log_softmax(-1)
+        got = index_log_probs(proj.index_q, proj.index_w, proj.index_key, scale)
+    assert torch.equal(got.isinf(), future)
+    assert rel(got[~future], ref[~future]) <= 1e-5
+
+
+def test_index_loss_trains_the_indexer_alone(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """As in DSA's warm-up: the KL reaches only the indexer's weights, next-token loss all but
+    them; the KL is zero exactly when the indexer's distribution is the attention's."""
+    model = copy.deepcopy(tiny_model).train()
+    toks = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(7))
+    logits, kl = train_forward(model, toks, index_loss=True)
+    assert kl is not None and kl.item() > 0
+    kl.backward()
+    for name, p in model.named_parameters():
+        got = p.grad is not None and bool(p.grad.abs().sum() > 0)
+        assert got == (".indexer." in name), f"{name}: {'a' if got else 'no'} KL gradient"
+        p.grad = None
+    F.cross_entropy(logits[:-1], toks[1:]).backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if ".indexer." in n)
+
+    index = [p for n, p in model.named_parameters() if ".indexer." in n]
+    opt = torch.optim.Adam(index, lr=1e-2)
+    kls = []
+    for _ in range(20):  # the main model fixed: the indexer alone fits its attention
+        _, kl = train_forward(model, toks, index_loss=True)
+        assert kl is not None
+        kls.append(kl.item())
+        opt.zero_grad()
+        kl.backward()
+        opt.step()
+    assert kls[-1] < 0.5 * kls[0], kls
+
+    layer, n = model.layers[0], 8
+    cos, sin = model.rotary.cos_sin(torch.arange(n))
+    x = model.model.embed_tokens(toks[:n])
+    attn = layer.self_attn
+    with torch.no_grad():  # the indexer's own distribution as the target: KL 0
+        h = layer.input_layernorm(x)
+        iq, iw, ik = attn.indexer.project(h, attn.q_a_layernorm(attn.q_a_proj(h)), cos, sin)
+        own = index_log_probs(iq, iw, ik, attn.indexer.scale).exp()
+        assert abs(float(index_kl(layer, x, cos, sin, own[:, None, :]))) <= 1e-5
+
+
 def test_fit_lowers_loss_and_writes_a_loadable_checkpoint(tiny_dir: Path, tmp_path: Path) -> None:
     text = tmp_path / "notes.md"
     text.write_text("The holder keeps the pinned pages; the requester merges partials.\n" * 8)
@@ -34,7 +101,8 @@ def test_fit_lowers_loss_and_writes_a_loadable_checkpoint(tiny_dir: Path, tmp_pa
                     warmup=1, log_every=100)  # fmt: skip
     tokens = text_tokens([text])
     before = load_model(tiny_dir)
-    fit(cfg)
+    r = fit(cfg)
+    assert len(r.index_kl) == 6, r.index_kl  # its fall is tested alone: here the target moves
     after = load_model(out)
     seq = tokens[:65]
     with torch.no_grad():
@@ -47,7 +115,7 @@ def test_fit_lowers_loss_and_writes_a_loadable_checkpoint(tiny_dir: Path, tmp_pa
     assert old.keys() == new.keys()
     for name in old:
         same = torch.equal(old[name], new[name])
-        kept = ".indexer." in name or name.endswith("e_score_correction_bias")
+        kept = name.endswith("e_score_correction_bias")
         assert same == kept, f"{name}: {'changed' if kept else 'unchanged'} by the fit"
 
     transformers = pytest.importorskip("transformers", reason="transformers is the test oracle")

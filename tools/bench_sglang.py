@@ -273,6 +273,14 @@ def measure(
             {"tokens": r["output_ids"], "cached_tokens": r["meta_info"].get("cached_tokens")}
         )
     ref = teacher or [g["tokens"] for g in greedy]
+    result: dict[str, Any] = {"greedy": greedy}
+    if mode == "stock":  # BOS + question alone: do the answers depend on the corpus at all?
+        result["bare"] = [
+            server.post(request(corpus_tokens[:1] + s, n_tokens, mode, corpus, i, vocab, False))[
+                "output_ids"
+            ]
+            for i, s in enumerate(suffixes)
+        ]
 
     def forced(i: int) -> list[list[float]]:
         out = []
@@ -283,7 +291,7 @@ def measure(
 
     with ThreadPoolExecutor(len(prompts)) as pool:  # one thread per prompt
         steps = list(pool.map(forced, range(len(prompts))))
-    result: dict[str, Any] = {"greedy": greedy, "forced": steps}
+    result["forced"] = steps
     peak = [server.used_tokens()]
     stop = threading.Event()
 
@@ -477,6 +485,16 @@ def summarize(
                 if "concurrent" in v
             },
         }
+        stock = [g["tokens"] for g in by_mode["stock"]["greedy"]]
+        out["regimes"][r]["stock_answers"] = {
+            # free-running agreement tests the corpus attention only if the answers differ per
+            # question and change when the corpus is dropped
+            "distinct": len({tuple(t) for t in stock}),
+            "corpus_dependent": sum(
+                b != t for b, t in zip(by_mode["stock"]["bare"], stock, strict=True)
+            ),
+            "text": [ByteTokenizer().decode(t) for t in stock],
+        }
         if "route" in by_mode and "fetch" in by_mode:
             out["regimes"][r]["route_vs_fetch"] = compare(by_mode["fetch"], by_mode["route"])
     return out
@@ -522,6 +540,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         for m, c in v["batched_vs_sequential"].items():
             print(f"{r:<7} {m + ' b8/b1':<11} {c['greedy_agree']:>6.3f}")
+    for r, v in out["regimes"].items():
+        ans = v["stock_answers"]
+        print(f"{r}: stock answers {ans['distinct']} distinct, {ans['corpus_dependent']} change "
+              f"without the corpus: {ans['text'][:2]}")  # fmt: skip
     print(f"{'mode':<6} {'ttft ms':>8} {'itl p50 ms':>10} {'kv tokens':>9}  (sparse, 8 streams)")
     for m, c in out["regimes"].get("sparse", {}).get("concurrent", {}).items():
         print(

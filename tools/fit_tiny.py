@@ -9,10 +9,14 @@ same for every prompt; ``tools/flip_proxy.py`` measures both, on the answers and
 Training runs our own modules with autograd: ``layer.project`` → causal attention over the
 sequence's own latent rows → ``layer.finish`` → ``model.logits``, with sequences no longer than
 ``index_topk`` so that every position attends to all earlier ones, exactly as ``forward_tokens``
-does in that regime (the test holds the two to the same logits). The indexer is then unused:
-its weights get no gradient and are written back unchanged, as are the router's score-correction
-biases. The output directory has the layout and ``config.json`` of ``corpusd model init``'s,
-weights in bf16.
+does in that regime (the test holds the two to the same logits). The indexer is trained as
+DeepSeek-V3.2's dense warm-up stage trains it: a KL loss from the main attention's distribution
+(summed over heads, L1-normalised) to the softmax of its index scores, its inputs detached so
+that only the indexer learns from it (``--index-weight 0`` leaves it as initialised). A random
+indexer selects keys the fitted attention weighs heavily and drops others; two implementations
+that break its near-ties differently then attend different keys that matter. The router's
+score-correction biases are written back unchanged. The output directory has the layout and
+``config.json`` of ``corpusd model init``'s, weights in bf16.
 
     python -m tools.fit_tiny --src MODEL_DIR --out OUT_DIR [--steps 200] [--minutes 12]
 """
@@ -59,40 +63,84 @@ def text_tokens(files: list[Path], root: Path = ROOT) -> torch.Tensor:
     return torch.tensor(ByteTokenizer().encode("".join(parts)), dtype=torch.int64)
 
 
-def causal_attention(q: torch.Tensor, rows: torch.Tensor, scale: float, d_v: int) -> torch.Tensor:
-    """Dense causal absorbed-MLA attention of a sequence over its own latent rows.
+def causal_probs(q: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal absorbed-MLA attention weights of a sequence over its own latent rows.
 
-    ``q [n, h, d_qk]``, ``rows [n, d_qk]`` (position i sees rows 0..i) → ``[n, h, d_v]``.
-    The same math as ``partial_attention`` with indices ``0..i`` per row, without its gather of
-    ``[n, n, d_qk]`` rows, which autograd would keep for the backward pass.
+    ``q [n, h, d_qk]``, ``rows [n, d_qk]`` (position i sees rows 0..i) → float32 ``[n, h, n]``,
+    without ``partial_attention``'s gather of ``[n, n, d_qk]`` rows, which autograd would keep.
     """
     n = q.shape[0]
     s = torch.einsum("nhd,kd->nhk", q.float(), rows.float()) * scale
-    future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-    p = s.masked_fill(future[:, None, :], float("-inf")).softmax(dim=-1)
-    return torch.einsum("nhk,kv->nhv", p, rows[:, :d_v].float()).to(q.dtype)
+    return s.masked_fill(_future(n, q.device)[:, None, :], float("-inf")).softmax(dim=-1)
 
 
-def train_logits(model: DeepseekV32, tokens: torch.Tensor) -> torch.Tensor:
+def _future(n: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+
+
+def index_log_probs(index_q: torch.Tensor, index_w: torch.Tensor, index_key: torch.Tensor,
+                    scale: float) -> torch.Tensor:  # fmt: skip
+    """The indexer's causal distribution over a sequence's keys: log-softmax of the lightning
+    score ``Σ_h w[i, h] · relu(scale · q[i, h] · k[t])`` (``indexer.index_scores``, exact) over
+    ``t <= i``; float32 ``[n, n]``, ``-inf`` above the diagonal. Differentiable."""
+    s = torch.einsum("nhd,kd->nhk", index_q.float() * scale, index_key.float()).relu()
+    s = (index_w.float()[:, :, None] * s).sum(dim=1)
+    return s.masked_fill(_future(s.shape[0], s.device), float("-inf")).log_softmax(dim=-1)
+
+
+def index_kl(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             probs: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """DSA's indexer warm-up loss for one layer: mean over queries of
+    ``KL(attention ‖ indexer)``, the attention ``probs [n, h, n]`` summed over heads and
+    L1-normalised. The indexer's inputs are detached: only its own weights get a gradient."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x).detach()
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(h)).detach()
+    iq, iw, ik = attn.indexer.project(h, q_resid, cos, sin)
+    logq = index_log_probs(iq, iw, ik, attn.indexer.scale)
+    target = probs.detach().sum(dim=1)
+    target = target / target.sum(dim=-1, keepdim=True)
+    future = _future(target.shape[0], target.device)
+    kl = torch.special.xlogy(target, target) - target * logq.masked_fill(future, 0.0)
+    return kl.sum(dim=-1).mean()
+
+
+def train_forward(model: DeepseekV32, tokens: torch.Tensor, index_loss: bool = False) -> tuple[
+    torch.Tensor, torch.Tensor | None
+]:  # fmt: skip
     """Differentiable forward of one sequence from position 0: int ``[n]`` → float32
-    ``[n, vocab]``. Needs ``n <= index_topk`` (dense selection); equals ``forward_tokens``
-    on an empty cache there."""
+    ``[n, vocab]`` logits, and with ``index_loss`` the indexers' KL (:func:`index_kl`) summed
+    over layers. Needs ``n <= index_topk`` (dense selection); the logits equal
+    ``forward_tokens``' on an empty cache there."""
     cfg = model.cfg
     n = tokens.shape[0]
     assert n <= cfg.index_topk, f"{n=} > {cfg.index_topk=}: the indexer would select"
     cos, sin = model.rotary.cos_sin(torch.arange(n, device=tokens.device))
     x = model.model.embed_tokens(tokens)
+    kl = None
     for layer in model.layers:
         proj = layer.project(x, cos, sin)
-        o = causal_attention(proj.q, proj.cache_row, cfg.softmax_scale, cfg.kv_lora_rank)
-        x = layer.finish(x, o)
-    return model.logits(x)
+        p = causal_probs(proj.q, proj.cache_row, cfg.softmax_scale)
+        if index_loss:
+            one = index_kl(layer, x, cos, sin, p)
+            kl = one if kl is None else kl + one
+        o = torch.einsum("nhk,kv->nhv", p, proj.cache_row[:, : cfg.kv_lora_rank].float())
+        x = layer.finish(x, o.to(proj.q.dtype))
+    return model.logits(x), kl
 
 
-def trainable(model: DeepseekV32) -> list[torch.nn.Parameter]:
-    """Every parameter that the dense forward differentiates: all but the indexer's."""
+def train_logits(model: DeepseekV32, tokens: torch.Tensor) -> torch.Tensor:
+    """:func:`train_forward`'s logits alone."""
+    return train_forward(model, tokens)[0]
+
+
+def trainable(model: DeepseekV32, index: bool = True) -> list[torch.nn.Parameter]:
+    """Every parameter the losses differentiate: all, or all but the indexers' without
+    ``index``."""
     return [
-        p for name, p in model.named_parameters() if p.requires_grad and ".indexer." not in name
+        p
+        for name, p in model.named_parameters()
+        if p.requires_grad and (index or ".indexer." not in name)
     ]
 
 
@@ -114,6 +162,7 @@ class FitConfig:
     lr: float = _opt(3e-3, "AdamW peak learning rate")
     warmup: int = _opt(10, "linear warm-up steps, then cosine decay to 10 %% of --lr")
     weight_decay: float = _opt(0.01, "AdamW weight decay")
+    index_weight: float = _opt(1.0, "weight of the indexer's KL loss; 0 leaves the indexer as is")
     seed: int = _opt(0, "torch seed and the sequence sampler's")
     log_every: int = _opt(10, "print the loss every this many steps")
     device: str = _opt("cpu", "where to train (cuda:0 fits 200 steps in seconds)")
@@ -126,13 +175,16 @@ class FitConfig:
                 raise ValueError(f"--{key.replace('_', '-')} must be > 0")
         if not (self.minutes > 0 and self.lr > 0):
             raise ValueError("--minutes and --lr must be > 0")
+        if self.index_weight < 0:
+            raise ValueError(f"--index-weight must be >= 0, got {self.index_weight}")
 
 
 @dataclass(frozen=True, slots=True)
 class FitResult:
     steps: int
     wall_s: float
-    losses: list[float]  # mean training loss (nats/token) per step
+    losses: list[float]  # mean next-token loss (nats/token) per step
+    index_kl: list[float]  # the indexers' KL (nats/query, summed over layers) per step; or empty
     text_tokens: int
 
 
@@ -158,12 +210,14 @@ def fit(cfg: FitConfig) -> FitResult:
     tokens = tokens.to(cfg.device)
     if tokens.numel() <= cfg.seq_len:
         raise ValueError(f"the text has {tokens.numel()} tokens, not more than --seq-len")
-    params = trainable(model)
+    with_index = cfg.index_weight > 0
+    params = trainable(model, index=with_index)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     bos_id = model.cfg.bos_token_id
     bos = torch.tensor([] if bos_id is None else [bos_id], dtype=torch.int64, device=cfg.device)
     losses: list[float] = []
+    kls: list[float] = []
     t0 = time.monotonic()
     for step in range(cfg.steps):
         if time.monotonic() - t0 > 60 * cfg.minutes:
@@ -172,28 +226,35 @@ def fit(cfg: FitConfig) -> FitResult:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         starts = torch.randint(0, tokens.numel() - cfg.seq_len, (cfg.batch,), generator=gen)
-        total = 0.0
+        total = total_kl = 0.0
         for s in starts.tolist():
             # BOS first, as a pinned corpus starts
             seq = torch.cat([bos, tokens[s : s + cfg.seq_len + 1 - bos.numel()]])
-            loss = F.cross_entropy(train_logits(model, seq[:-1]), seq[1:]) / cfg.batch
-            loss.backward()
+            logits, kl = train_forward(model, seq[:-1], index_loss=with_index)
+            loss = F.cross_entropy(logits, seq[1:]) / cfg.batch
             total += loss.item()
+            if kl is not None:
+                total_kl += kl.item() / cfg.batch
+                loss = loss + cfg.index_weight * kl / cfg.batch
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
+        if with_index:
+            kls.append(total_kl)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             recent = losses[-cfg.log_every :]
+            index = f"  index KL {total_kl:.3f}" if with_index else ""
             print(
                 f"step {step:4d}  loss {total:.3f}  (mean of last {len(recent)}: "
-                f"{sum(recent) / len(recent):.3f})  lr {lr_at(step, cfg):.2e}  "
+                f"{sum(recent) / len(recent):.3f}){index}  lr {lr_at(step, cfg):.2e}  "
                 f"{time.monotonic() - t0:6.1f}s",
                 flush=True,
             )
     wall = time.monotonic() - t0
     write_like(model.cpu().eval(), Path(cfg.src), Path(cfg.out))
-    return FitResult(len(losses), wall, losses, int(tokens.numel()))
+    return FitResult(len(losses), wall, losses, kls, int(tokens.numel()))
 
 
 def write_like(model: DeepseekV32, src: Path, out: Path) -> None:
@@ -218,9 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     r = fit(cfg)
     head = sum(r.losses[:10]) / min(10, len(r.losses))
     tail = sum(r.losses[-10:]) / min(10, len(r.losses))
+    index = ""
+    if r.index_kl:
+        k0, k1 = (sum(part) / len(part) for part in (r.index_kl[:10], r.index_kl[-10:]))
+        index = f", index KL {k0:.3f} → {k1:.3f}"
     print(
         f"fitted {r.steps} steps × {cfg.batch} × {cfg.seq_len} tokens of a "
-        f"{r.text_tokens}-token text in {r.wall_s:.0f}s: loss {head:.3f} → {tail:.3f} "
+        f"{r.text_tokens}-token text in {r.wall_s:.0f}s: loss {head:.3f} → {tail:.3f}{index} "
         f"(mean of first/last 10 steps); wrote {cfg.out}"
     )
     return 0

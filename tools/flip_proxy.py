@@ -1,4 +1,4 @@
-"""CPU proxy of the greedy-flip problem: float32 vs bfloat16 runs of one checkpoint.
+"""Proxy of the greedy-flip problem: float32 vs bfloat16 runs of one checkpoint.
 
 The SGLang comparison (``tools/bench_sglang.py``) decodes 32 greedy tokens per prompt with and
 without corpusd and counts agreeing positions; with flat logits a near-tie flips under bf16
@@ -12,7 +12,12 @@ cache (the reference) and bfloat16 weights and cache (the perturbation), and rep
 - ``corpus_nll``: the reference's mean next-token loss on the corpus tokens (nats), and on
   those real-text positions the same two margin statistics and the fp32/bf16 argmax agreement
   (``corpus_*``): free-running answers of a briefly fitted model collapse into a loop (all
-  prompts the same answer, ``distinct_answers``), which is robust but tests little.
+  prompts the same answer, ``distinct_answers``), which is robust but tests little;
+- ``corpus_dependent``: how many of the reference's answers change when the corpus is dropped
+  (BOS + question alone): an answer that does not depend on the corpus cannot show that the
+  corpus attention is right.
+
+It runs on CPU by default; ``--device cuda:0`` runs the same arithmetic on a GPU in seconds.
 
     python -m tools.flip_proxy MODEL_DIR [MODEL_DIR …] [--regimes dense] [--out FILE.json]
 """
@@ -50,12 +55,16 @@ def corpus_tokens(regime: str) -> list[int]:
         return list(render(ingest(src), ByteTokenizer(), 1 << 20).tokens)
 
 
+def _device(model: DeepseekV32) -> torch.device:
+    return model.model.embed_tokens.weight.device
+
+
 def prefill(model: DeepseekV32, tokens: list[int], capacity: int, dtype: torch.dtype) -> tuple[
     KVCache, torch.Tensor
 ]:  # fmt: skip
     """The cache after ``tokens`` and the float32 logits ``[len(tokens), vocab]``."""
-    cache = KVCache(model.cfg, capacity, dtype)
-    t = torch.tensor(tokens)
+    cache = KVCache(model.cfg, capacity, dtype, device=str(_device(model)))
+    t = torch.tensor(tokens, device=_device(model))
     logits = [forward_tokens(model, t[i : i + CHUNK], cache) for i in range(0, len(t), CHUNK)]
     return cache, torch.cat([x for x in logits if x is not None])
 
@@ -65,7 +74,8 @@ def greedy(
 ) -> tuple[list[int], list[float]]:
     """``n`` free-running greedy tokens after ``suffix`` and each step's top-2 margin (nats).
     Mutates ``cache``."""
-    logits = forward_tokens(model, torch.tensor(suffix), cache)
+    dev = _device(model)
+    logits = forward_tokens(model, torch.tensor(suffix, device=dev), cache)
     assert logits is not None
     last = logits[-1]
     tokens: list[int] = []
@@ -76,7 +86,7 @@ def greedy(
         tokens.append(int(last.argmax()))
         if len(tokens) == n:
             break
-        step = forward_tokens(model, torch.tensor(tokens[-1:]), cache)
+        step = forward_tokens(model, torch.tensor(tokens[-1:], device=dev), cache)
         assert step is not None
         last = step[-1]
     return tokens, margins
@@ -84,7 +94,7 @@ def greedy(
 
 def forced(model: DeepseekV32, cache: KVCache, suffix: list[int], ref: list[int]) -> list[int]:
     """Argmax at each step given ``suffix + ref[:j]`` (teacher forcing). Mutates ``cache``."""
-    logits = forward_tokens(model, torch.tensor(suffix + ref[:-1]), cache)
+    logits = forward_tokens(model, torch.tensor(suffix + ref[:-1], device=_device(model)), cache)
     assert logits is not None
     return logits[len(suffix) - 1 :].argmax(-1).tolist()
 
@@ -106,23 +116,26 @@ class Row:
     margin_min: float
     first_divergence: list[int]
     distinct_answers: int
+    corpus_dependent: int  # answers that change when the corpus is dropped (question alone)
     greedy_text: list[str]  # the float32 run's answers, to see what the model does
     seconds: float
 
 
-def measure(model_dir: str, regime: str, prompts: int, n: int) -> Row:
+def measure(model_dir: str, regime: str, prompts: int, n: int, device: str = "cpu") -> Row:
     t0 = time.monotonic()
     corpus = corpus_tokens(regime)
     suffixes = [ByteTokenizer().encode(f"\n\nQ: {q}\nA:") for q in QUESTIONS[:prompts]]
     capacity = len(corpus) + max(map(len, suffixes)) + n
-    ref_model = load_model(model_dir, dtype=torch.float32)
-    low_model = load_model(model_dir, dtype=torch.bfloat16)
+    ref_model = load_model(model_dir, dtype=torch.float32, device=device)
+    low_model = load_model(model_dir, dtype=torch.bfloat16, device=device)
     ref_cache, logits = prefill(ref_model, corpus, capacity, torch.float32)
-    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(corpus[1:]))
+    bare_cache, _ = prefill(ref_model, corpus[:1], capacity, torch.float32)  # BOS alone
+    target = torch.tensor(corpus[1:], device=logits.device)
+    nll = torch.nn.functional.cross_entropy(logits[:-1], target)
     low_cache, low_logits = prefill(low_model, corpus, capacity, torch.bfloat16)
     top2 = logits.topk(2, dim=-1).values
     corpus_margins = (top2[:, 0] - top2[:, 1]).tolist()
-    same = agree = total = 0
+    same = agree = total = dependent = 0
     margins: list[float] = []
     first_div: list[int] = []
     texts: list[str] = []
@@ -131,6 +144,8 @@ def measure(model_dir: str, regime: str, prompts: int, n: int) -> Row:
         ref, m = greedy(ref_model, copy.deepcopy(ref_cache), suffix, n)
         low, _ = greedy(low_model, copy.deepcopy(low_cache), suffix, n)
         teacher = forced(low_model, copy.deepcopy(low_cache), suffix, ref)
+        bare, _ = greedy(ref_model, copy.deepcopy(bare_cache), suffix, n)
+        dependent += bare != ref
         same += sum(a == b for a, b in zip(ref, low, strict=True))
         agree += sum(a == b for a, b in zip(ref, teacher, strict=True))
         total += n
@@ -155,6 +170,7 @@ def measure(model_dir: str, regime: str, prompts: int, n: int) -> Row:
         margin_min=min(margins),
         first_divergence=first_div,
         distinct_answers=len(answers),
+        corpus_dependent=dependent,
         greedy_text=texts,
         seconds=time.monotonic() - t0,
     )
@@ -164,14 +180,15 @@ def table(rows: list[Row]) -> str:
     tie = f"<{NEAR_TIE}"
     head = (
         f"{'model':<16} {'regime':<7} {'nll':>6} {'greedy':>7} {'forced':>7} {'margin med':>10} "
-        f"{tie:>6} {'answers':>7} | {'corpus: agree':>13} {'margin med':>10} {tie:>6}"
+        f"{tie:>6} {'answers':>7} {'on corpus':>9} | "
+        f"{'corpus: agree':>13} {'margin med':>10} {tie:>6}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{Path(r.model).name[:16]:<16} {r.regime:<7} {r.corpus_nll:6.3f} "
             f"{r.greedy_agree:7.1%} {r.forced_agree:7.1%} {r.margin_median:10.3f} "
-            f"{r.margin_below_near_tie:6.1%} {r.distinct_answers:>7} | "
+            f"{r.margin_below_near_tie:6.1%} {r.distinct_answers:>7} {r.corpus_dependent:>9} | "
             f"{r.corpus_argmax_agree:13.1%} {r.corpus_margin_median:10.3f} "
             f"{r.corpus_margin_below_near_tie:6.1%}"
         )
@@ -184,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--regimes", default="dense", help=f"comma-separated, of {sorted(REGIMES)}")
     p.add_argument("--prompts", type=int, default=8, help=f"questions, 1..{len(QUESTIONS)}")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    p.add_argument("--device", default="cpu", help="where to run both models (e.g. cuda:0)")
     p.add_argument("--out", help="write the rows as JSON here")
     a = p.parse_args(argv)
     regimes = a.regimes.split(",")
@@ -194,12 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for m in a.models:
         for r in regimes:
-            rows.append(measure(m, r, a.prompts, a.tokens))
+            rows.append(measure(m, r, a.prompts, a.tokens, a.device))
             print(f"{m} {r}: {rows[-1].seconds:.0f}s", flush=True)
     print(table(rows))
     if a.out:
         out: dict[str, Any] = {
-            "what": "float32 vs bfloat16 weights+cache, our model on CPU (tools/flip_proxy.py)",
+            "what": f"float32 vs bfloat16 weights+cache, our model on {a.device}",
+            "script": "tools/flip_proxy.py",
             "host": platform.node(),
             "torch": torch.__version__,
             "tokens_per_prompt": a.tokens,
