@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # the script's --requests, --tokens, --forced-steps: those of bench/results/sglang-h200.json, so
 # one run is both this test and the committed result (CORPUSD_SGLANG_JSON keeps its JSON)
 REQUESTS, TOKENS, FORCED = 8, 32, 8
-# The tiny checkpoint fitted to this repo's text first (--fit-steps, on the GPU: ~45 s), long
+# The tiny checkpoint fitted to this repo's text first (--fit-steps, on the GPU: 60 s), long
 # enough that its answers differ per question and depend on the corpus (tools/flip_proxy.py on
 # an H200: 8 of 8 distinct and corpus-dependent after 3,000 steps; the 200-step fit of session 6
 # answered every question with the same run of spaces).
@@ -62,13 +62,14 @@ MAX_LOGPROB_DIFF = 1.0
 MAX_MEAN_LOGPROB_DIFF = 0.05
 # A teacher-forced argmax may differ from stock's only at a near-tie: where stock's top two
 # log-probs are closer than twice the measured noise (each moves by at most the max abs diff, so
-# only such a pair can swap). Measured on an H200 with the 2,000-step fit: dense 64 of 64;
-# sparse 59 (route) and 58 (fetch) of 64, with a random indexer (see below).
+# only such a pair can swap). Measured on an H200 with the 2,000-step fit: 63 of 64 per mode
+# and regime (bench/results/sglang-h200.json); with a random indexer, sparse 59 (route) and 58
+# (fetch) of 64 (bench/results/sglang-h200-fit2000-random-indexer.json). One bound, both regimes.
 MIN_FORCED_AGREE = 0.85
-MIN_SPARSE_FORCED_AGREE = 0.85
 # Route vs fetch: both attend corpusd's pinned pages, so this isolates route's own path (the
 # holders' partials, the merge, the extended top-k) from how the pages were prefilled. Measured:
-# mean 0.0049 (dense) and 0.038 (sparse, random indexer); teacher-forced 64 and 61 of 64.
+# mean 0.006 (dense) and 0.016 (sparse), teacher-forced 64 of 64 in both; with a random indexer
+# 0.0049 and 0.038, 64 and 61 of 64.
 MAX_MEAN_ROUTE_FETCH_DIFF = 0.1
 # Free-running greedy tokens compound every flip: once the answers depend on the corpus, a
 # near-tie comes every ~20 steps (3.5–7 % of greedy margins under 0.05 nats) and two correct
@@ -76,11 +77,12 @@ MAX_MEAN_ROUTE_FETCH_DIFF = 0.1
 # 83 % (dense) and 54 % (sparse). The issue's >= 99 % is therefore not asserted. Route must be
 # as faithful to stock as fetch, the move-the-cache baseline serving the same pinned pages,
 # within GREEDY_SLACK; a route that attends other keys parts from stock at the first steps.
-# Measured (2,000-step fit, random indexer): route 96.5 % / fetch 100 % (dense), 55 % / 53 %
-# (sparse).
+# Measured (2,000-step fit): route 71.5 % / fetch 71.5 % (dense, the same first divergences),
+# 82 % / 89 % (sparse); with a random indexer 96.5 % / 100 % and 55 % / 53 %.
 GREEDY_SLACK = 0.25
 MIN_DISTINCT_ANSWERS = REQUESTS - 2  # stock's answers differ per question ...
-MIN_CORPUS_DEPENDENT = REQUESTS - 2  # ... and change when the corpus is dropped (7 and 8 of 8)
+MIN_CORPUS_DEPENDENT = REQUESTS - 2  # ... and change when the corpus is dropped (measured:
+# 6–7 distinct and 8 dependent of 8)
 
 
 def _near_ties_only(c: dict[str, Any], where: str) -> None:
@@ -188,7 +190,7 @@ def test_live_server_route_and_fetch_predict_what_stock_predicts(
         c = sparse["vs_stock"][mode]
         summary = {k: v for k, v in c.items() if k != "first_divergence"}
         assert res["index_arith"] == "fp8"
-        assert c["forced_agree"] >= MIN_SPARSE_FORCED_AGREE, f"sparse, {mode=} vs stock: {summary}"
+        assert c["forced_agree"] >= MIN_FORCED_AGREE, f"sparse, {mode=} vs stock: {summary}"
         _near_ties_only(c, f"sparse, {mode=} vs stock")
     for name, regime in (("dense", dense), ("sparse", sparse)):
         c = regime["route_vs_fetch"]
