@@ -6,12 +6,12 @@ import itertools
 
 import pytest
 import torch
-from conftest import rel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corpusd.model import merge_partials, partial_attention
 from indexer import index_scores, select_topk
+from tests.support.checks import rel
 
 
 def _inputs(seed: int, n: int = 5, h: int = 8, rows: int = 300, k: int = 64):  # type: ignore[no-untyped-def]

@@ -11,9 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import rel
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from holders import pin_sample, start_holder
 from prometheus_client.parser import text_string_to_metric_families
 
 from corpusd.corpus.store import PageStore
@@ -22,6 +20,8 @@ from corpusd.v1 import holder_pb2, tensor_pb2
 from holder.launch import HolderProcess
 from indexer import index_scores, select_topk
 from requester.holder_client import HolderClient
+from tests.support.checks import rel
+from tests.support.holders import pin_sample, start_holder
 
 SCALE = 0.05
 

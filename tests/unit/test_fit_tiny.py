@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import rel
 
 from corpusd.model import KVCache, forward_tokens, load_model
 from corpusd.model.checkpoint import read_state_dict
 from indexer import index_scores
+from tests.support.checks import rel
 from tools.fit_tiny import (
     FitConfig,
     fit,

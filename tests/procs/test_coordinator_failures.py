@@ -12,8 +12,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from coordinators import start_holders, synthetic_corpus
-from holders import start_holder
 
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, PageTable
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
@@ -21,6 +19,8 @@ from corpusd.corpus.store import PageStore
 from corpusd.model import merge_partials, partial_attention
 from holder.launch import HolderProcess
 from requester.holder_client import HolderClient
+from tests.support.coordinators import start_holders, synthetic_corpus
+from tests.support.holders import start_holder
 
 S = grpc.StatusCode
 SCALE = 0.05

@@ -13,7 +13,7 @@ import torch
 from holder import kernels
 from holder.kernels import REGISTRY, choose, prefer_triton
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "results" / "gpu-single-h200.json"
 PAIR = ROOT / "bench" / "results" / "gpu-pair-h200x2.json"  # its 1–64-row kernel_choice sweep
 SLACK = 1.10  # the chosen kernel may be this much slower than the faster one (bench noise)

@@ -32,14 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import why_no_sglang_gpu
+
+from tests.support.checks import why_no_sglang_gpu
 
 pytestmark = [
     pytest.mark.sglang,
     pytest.mark.skipif(bool(why_no_sglang_gpu()), reason=why_no_sglang_gpu()),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # the script's --requests, --tokens, --forced-steps: those of bench/results/sglang-h200.json, so
 # one run is both this test and the committed result (CORPUSD_SGLANG_JSON keeps its JSON)
 REQUESTS, TOKENS, FORCED = 8, 32, 8

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from holders import pin_sample, start_holder
 
 from corpusd.transport import Peer, choose
 from corpusd.transport import nvshmem_ring as nr
 from requester.holder_client import HolderClient
+from tests.support.holders import pin_sample, start_holder
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_registry_falls_back_to_grpc_without_a_shared_job(
@@ -90,7 +90,7 @@ def test_nvshmem_route_equals_grpc_attend(tmp_path: Path) -> None:
 )
 def test_decode_worker_routes_over_nvshmem_to_a_live_holder(tmp_path: Path, tiny_dir: Path) -> None:
     """``corpusd holder --nvshmem-peers 1`` on GPU 1; decode workers on GPU 0, one forced to gRPC
-    and one to NVSHMEM (``tests/gpu_nvshmem_worker.py``): same tokens, logits and partials, bit
+    and one to NVSHMEM (``tests/gpu/nvshmem_worker.py``): same tokens, logits and partials, bit
     for bit; rows outside the corpus refused alike; the holder keeps serving once its NVSHMEM
     requester is gone, and its drain does not hang on it."""
     cid = pin_sample(tmp_path, tiny_dir, tokens=700, dtype="bfloat16")
@@ -114,7 +114,7 @@ def test_decode_worker_routes_over_nvshmem_to_a_live_holder(tmp_path: Path, tiny
         frames, kernel = asyncio.run(assign())
         assert frames == {p: p for p in range(len(frames))}, frames  # rows = positions
         proc = subprocess.run(
-            [sys.executable, str(ROOT / "tests" / "gpu_nvshmem_worker.py"), str(tiny_dir),
+            [sys.executable, str(ROOT / "tests" / "gpu" / "nvshmem_worker.py"), str(tiny_dir),
              str(tmp_path / "store"), cid, holder.address],
             env={**os.environ, **nv_env}, capture_output=True, text=True, timeout=400,
         )  # fmt: skip

@@ -15,8 +15,6 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
-from conftest import rel
-from coordinators import start_holders, synthetic_corpus
 
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
@@ -30,6 +28,8 @@ from requester.sglang.link import CorpusLink
 from requester.sglang.pagehash import index_k_from_page, index_k_page, page_hashes
 from requester.sglang.pages import CorpusPages
 from requester.sglang.positions import to_corpusd_layout
+from tests.support.checks import rel
+from tests.support.coordinators import start_holders, synthetic_corpus
 
 TOKENS = 200  # three whole pages and a partial one
 
@@ -190,7 +190,7 @@ def _load_hicache(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
         for name in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
             monkeypatch.setitem(sys.modules, name, ModuleType(name))
         monkeypatch.setitem(sys.modules, base.__name__, base)
-    path = Path(__file__).resolve().parent.parent / "requester" / "sglang" / "hicache.py"
+    path = Path(__file__).resolve().parents[2] / "requester" / "sglang" / "hicache.py"
     spec = importlib.util.spec_from_file_location("_corpusd_hicache_under_test", path)
     assert spec is not None and spec.loader is not None, path
     mod = importlib.util.module_from_spec(spec)

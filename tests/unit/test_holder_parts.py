@@ -13,7 +13,7 @@ import torch
 from holder.admission import Admission, Overloaded
 from holder.pool import FramePool, Geometry, PoolFull, RowError, rows_outside
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pool(frames: int = 6) -> FramePool:

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from mla_checks import D_V, D, check, inputs
 
 from holder.kernels import REGISTRY, choose
+from tests.support.mla_checks import D_V, D, check, inputs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -28,13 +28,14 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 def test_triton_interpreted_matches_reference() -> None:
-    """``tests/triton_interpreted.py`` in a fresh process: Triton decides at import whether its
-    own library functions are interpreted, so the interpreter needs a process of its own."""
+    """``tests/support/triton_interpreted.py`` in a fresh process: Triton decides at import
+    whether its own library functions are interpreted, so the interpreter needs a process of its
+    own."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install triton) — the interpreter test needs it")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "triton_interpreted.py")],
+        [sys.executable, str(ROOT / "tests" / "support" / "triton_interpreted.py")],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import rel
 
 from corpusd.model import KVCache, forward_tokens
 from corpusd.model.rope import Rotary
+from tests.support.checks import rel
 
 # Context lengths: below index_topk (dense), and several times above it (sparse: selection real).
 SHORT, LONG = 100, 520

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import rel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +21,7 @@ from requester.predicate import Group, Predicate, Profile
 from requester.sampling import SamplingParams, sample
 from requester.sources import PageCache, attend_canonical
 from requester.worker import compact
+from tests.support.checks import rel
 
 
 def _scores(n: int, t: int, levels: int, seed: int) -> torch.Tensor:

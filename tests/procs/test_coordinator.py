@@ -11,9 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
-from coordinators import start_holders, synthetic_corpus
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from holders import pin_sample
 from prometheus_client.parser import text_string_to_metric_families
 
 from corpusd.cli import main as cli_main
@@ -22,6 +20,8 @@ from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
 from corpusd.v1 import coordinator_pb2 as pb
 from holder.launch import HolderProcess
 from requester.holder_client import HolderClient
+from tests.support.coordinators import start_holders, synthetic_corpus
+from tests.support.holders import pin_sample
 
 S = grpc.StatusCode
 

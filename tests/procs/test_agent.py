@@ -20,9 +20,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import rel
-from coordinators import start_holders
-from holders import pin_sample
 
 from corpusd.coordinator.client import CoordinatorClient, PageTable
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
@@ -33,6 +30,9 @@ from indexer import index_scores
 from indexer.select import select_topk
 from requester.client import AgentError, Client
 from requester.launch import AgentProcess, start_agent
+from tests.support.checks import rel
+from tests.support.coordinators import start_holders
+from tests.support.holders import pin_sample
 
 CORPUS_TOKENS, NEW = 700, 24
 SUFFIXES = [f"\nQ{i}: what is on line {i * 41}?" for i in range(3)]

@@ -11,9 +11,9 @@ import os
 
 import torch
 import triton.runtime.interpreter as interp
-from mla_checks import check, inputs, rel
 
 from corpusd.model.partial import partial_attention
+from tests.support.mla_checks import check, inputs, rel
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 

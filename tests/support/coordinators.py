@@ -7,12 +7,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from holders import start_holder
 
 from corpusd.corpus.manifest import Manifest, corpus_id
 from corpusd.corpus.store import PageStore
 from corpusd.model import ModelConfig, fingerprint
 from holder.launch import HolderProcess
+from tests.support.holders import start_holder
 
 
 def synthetic_corpus(store: Path, model_dir: Path, tokens: int, seed: int = 0) -> str:

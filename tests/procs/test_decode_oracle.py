@@ -15,8 +15,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import rel
-from holders import pin_sample, start_holder
 
 from corpusd.corpus.store import PageStore
 from corpusd.model import KVCache, forward_tokens
@@ -27,6 +25,8 @@ from holder.launch import HolderProcess
 from requester.holder_client import HolderClient
 from requester.sampling import SamplingParams
 from requester.worker import Worker, WorkerConfig
+from tests.support.checks import rel
+from tests.support.holders import pin_sample, start_holder
 
 AGENTS, NEW_TOKENS, CORPUS_TOKENS = 8, 16, 700
 SMALL_POOL = ("--capacity-tokens", "4096")

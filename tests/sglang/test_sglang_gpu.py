@@ -12,10 +12,10 @@ import math
 
 import pytest
 import torch
-from conftest import rel, why_no_sglang_gpu
 
 from corpusd.model.partial import partial_attention
 from requester.sglang import lse as lse_mod
+from tests.support.checks import rel, why_no_sglang_gpu
 
 pytestmark = [
     pytest.mark.sglang,

@@ -7,7 +7,7 @@ that run Triton and FlashMLA on the holder), and refuse rows outside the corpus 
 status. Prints one JSON line, then leaves with ``os._exit``: the NVSHMEM job is abandoned, not
 finalised (that is collective with the holder, which keeps serving).
 
-    python tests/gpu_nvshmem_worker.py MODEL_DIR STORE CORPUS_ID HOLDER_ADDRESS
+    python tests/gpu/nvshmem_worker.py MODEL_DIR STORE CORPUS_ID HOLDER_ADDRESS
 """
 
 from __future__ import annotations

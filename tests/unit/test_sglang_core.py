@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from conftest import rel
 
 from corpusd.model import merge_partials, partial_attention
 from corpusd.model.rope import Rotary, apply_interleaved
@@ -15,6 +14,7 @@ from indexer import select_topk
 from indexer.fp8 import hadamard
 from requester.sglang import binding, lse, pagehash, positions, topk
 from requester.sglang.binding import CorpusBindingError, PinnedCorpus
+from tests.support.checks import rel
 
 SCALE = 576**-0.5
 

@@ -1,0 +1,25 @@
+"""Comparison helpers and skip reasons shared by every tier."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error ||a − b|| / ||b|| in float64."""
+    a64, b64 = a.double(), b.double()
+    return float((a64 - b64).norm() / b64.norm())
+
+
+def why_no_sglang_gpu() -> str:
+    """Why the ``sglang`` tests cannot run here, or "" when they can: they need sglang installed
+    and an SM90 GPU (FlashMLA's sparse kernels, which the NSA backend runs)."""
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed (pip install 'corpusd[sglang]', or .sglang-deps/)"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return f"FlashMLA sparse needs SM90; this is SM{torch.cuda.get_device_capability()}"
+    return ""
