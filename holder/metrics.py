@@ -2,24 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-_LATENCY_BUCKETS = (
-    1e-4,
-    2.5e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    1e-2,
-    2.5e-2,
-    5e-2,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-)
+from corpusd.metrics import Metrics
 
 
 def rows_bucket(n: int) -> str:
@@ -37,47 +20,34 @@ def k_bucket(k: int) -> str:
     return "more"
 
 
-class HolderMetrics:
+class HolderMetrics(Metrics):
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        p = "corpusd_holder_"
-        self.flows = Gauge(p + "flows_active", "Attend/Fetch executions running now", registry=r)
-        self.queue = Gauge(p + "queue_depth", "requests waiting for a flow slot", registry=r)
-        self.queue_wait = Histogram(
-            p + "queue_wait_seconds",
-            "time queued before a flow slot",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        super().__init__("corpusd_holder_")
+        self.flows = self.gauge("flows_active", "Attend/Fetch executions running now")
+        self.queue = self.gauge("queue_depth", "requests waiting for a flow slot")
+        self.queue_wait = self.histogram("queue_wait_seconds", "time queued before a flow slot")
+        self.partial = self.histogram(
+            "partial_seconds", "partial-attention compute time", ["rows", "k"]
         )
-        self.partial = Histogram(
-            p + "partial_seconds",
-            "partial-attention compute time",
-            ["rows", "k"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.attend_stage = Histogram(
-            p + "attend_stage_seconds",
+        self.attend_stage = self.histogram(
+            "attend_stage_seconds",
             "where an Attend's time goes: decode (wire → tensors, checks), queue (for a flow "
             "slot), compute (copies in, kernel, copies out), encode (tensors → wire)",
             ["stage"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.bytes_in = Counter(p + "bytes_in", "request payload bytes", ["method"], registry=r)
-        self.bytes_out = Counter(p + "bytes_out", "response payload bytes", ["method"], registry=r)
-        self.pages = Gauge(p + "pages_resident", "pages held in the pool", registry=r)
-        self.resident_bytes = Gauge(p + "bytes_resident", "bytes of the pool in use", registry=r)
-        self.capacity = Gauge(p + "capacity_frames", "frames in the pool", registry=r)
-        self.requests = Counter(
-            p + "requests", "requests by method and status", ["method", "code"], registry=r
+        self.bytes_in = self.counter("bytes_in", "request payload bytes", ["method"])
+        self.bytes_out = self.counter("bytes_out", "response payload bytes", ["method"])
+        self.pages = self.gauge("pages_resident", "pages held in the pool")
+        self.resident_bytes = self.gauge("bytes_resident", "bytes of the pool in use")
+        self.capacity = self.gauge("capacity_frames", "frames in the pool")
+        self.requests = self.counter(
+            "requests", "requests by method and status", ["method", "code"]
         )
-        self.transport = Gauge(
-            p + "transport_info",
+        self.transport = self.gauge(
+            "transport_info",
             "data-plane transports offered (1) to requesters: grpc, nvshmem",
             ["transport"],
-            registry=r,
         )
-        self.kernel = Gauge(
-            p + "kernel_info", "partial-attention kernel in use", ["kernel", "device"], registry=r
+        self.kernel = self.gauge(
+            "kernel_info", "partial-attention kernel in use", ["kernel", "device"]
         )

@@ -12,11 +12,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from corpusd.coordinator.db import HolderRow
+from corpusd.metrics import Metrics
 
 _P = "corpusd_coordinator_"
 
@@ -65,25 +65,23 @@ class _StateCollector(Collector):
             yield g
 
 
-class CoordinatorMetrics:
+class CoordinatorMetrics(Metrics):
     def __init__(self, db: Path) -> None:
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            _P + "requests", "requests by method and status", ["method", "code"], registry=r
+        super().__init__(_P)
+        self.requests = self.counter(
+            "requests", "requests by method and status", ["method", "code"]
         )
-        self.pins = Counter(
-            _P + "pins", "pin outcomes (placed, queued, failed, rejected)", ["outcome"], registry=r
+        self.pins = self.counter(
+            "pins", "pin outcomes (placed, queued, failed, rejected)", ["outcome"]
         )
-        self.publish_seconds = Histogram(
-            _P + "publish_seconds",
+        self.publish_seconds = self.histogram(
+            "publish_seconds",
             "time to assign a corpus's pages on its holders and commit the page table",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
-            registry=r,
         )
-        self.reconciled = Counter(
-            _P + "reconciled_pages",
+        self.reconciled = self.counter(
+            "reconciled_pages",
             "pages fixed up on holders that (re)registered: orphans released, lost ones reloaded",
             ["action"],
-            registry=r,
         )
-        r.register(_StateCollector(db))
+        self.registry.register(_StateCollector(db))
