@@ -23,17 +23,10 @@ from corpusd.coordinator.links import HolderCallError, Links
 from corpusd.coordinator.metrics import CoordinatorMetrics
 from corpusd.coordinator.placement import HolderLoad, NoFit, Placement, place
 from corpusd.corpus.manifest import Manifest
+from corpusd.rpc import Reject
 
 log = logging.getLogger("corpusd.coordinator")
 S = grpc.StatusCode
-
-
-class Refused(Exception):
-    """A request answered with ``code``; ``str(self)`` is the message the client sees."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _fits(h: HolderRow, m: Manifest) -> bool:
@@ -61,19 +54,19 @@ class Publisher:
 
     # -- choosing holders -------------------------------------------------------------------------
     def candidates(self, m: Manifest, replicas: int) -> list[HolderRow]:
-        """Live holders that can load ``m``. Raises Refused(FAILED_PRECONDITION) when none is
+        """Live holders that can load ``m``. Raises Reject(FAILED_PRECONDITION) when none is
         registered, or fewer are live than ``replicas``."""
         now = time.time()
         fit = [h for h in self.state.holders() if _fits(h, m)]
         if not fit:
-            raise Refused(
+            raise Reject(
                 S.FAILED_PRECONDITION,
                 f"no registered holder can load corpus {m.corpus_id} (needs page size "
                 f"{m.page_size}, dtype {m.dtype}, model {m.model_fingerprint[:12]}…)",
             )
         live = [h for h in fit if h.live(now)]
         if replicas > len(live):
-            raise Refused(
+            raise Reject(
                 S.FAILED_PRECONDITION,
                 f"replicas {replicas} > {len(live)} live holders that can load corpus "
                 f"{m.corpus_id} ({len(fit) - len(live)} more registered but expired)",
@@ -99,14 +92,14 @@ class Publisher:
     # -- pin --------------------------------------------------------------------------------------
     async def pin(self, m: Manifest, manifest_text: str, replicas: int) -> CorpusRow:
         """Place and publish ``m`` now, or queue it (FIFO) when it does not fit yet. Returns its
-        row (state ready or queued). Raises Refused: FAILED_PRECONDITION (no fitting holders,
+        row (state ready or queued). Raises Reject: FAILED_PRECONDITION (no fitting holders,
         replicas > live holders, already pinned with other replicas), RESOURCE_EXHAUSTED (larger
         than the live holders' capacity, or the queue is full), or the publish failure."""
         async with self.lock:
             row = self.state.corpus(m.corpus_id)
             if row is not None and row.state in ("ready", "queued"):
                 if row.replicas != replicas:
-                    raise Refused(
+                    raise Reject(
                         S.FAILED_PRECONDITION,
                         f"corpus {m.corpus_id} is already {row.state} with replicas "
                         f"{row.replicas}; unpin it first to change that",
@@ -133,14 +126,14 @@ class Publisher:
             except NoFit as e:
                 if e.permanent:
                     self.metrics.pins.labels("rejected").inc()
-                    raise Refused(S.RESOURCE_EXHAUSTED, str(e)) from None
+                    raise Reject(S.RESOURCE_EXHAUSTED, str(e)) from None
                 return self._enqueue(new, str(e))
             return await self._publish(new, placement, holders, keep_queued=False)
 
     def _enqueue(self, row: CorpusRow, why: str) -> CorpusRow:
         if len(self.state.queued()) >= self.max_queue:
             self.metrics.pins.labels("rejected").inc()
-            raise Refused(
+            raise Reject(
                 S.RESOURCE_EXHAUSTED,
                 f"corpus {row.corpus_id} does not fit now ({why}) and the queue is full "
                 f"({self.max_queue} pins)",
@@ -154,7 +147,7 @@ class Publisher:
     ) -> CorpusRow:
         """Assign every shard, then commit; on failure release them all and drop the row (or
         put it back in the queue at its place when ``keep_queued`` and the cause was a holder
-        that did not answer). Raises Refused with the holder's status."""
+        that did not answer). Raises Reject with the holder's status."""
         t0 = time.perf_counter()
         addr = {h.holder_id: h.address for h in holders}
         plan = {h: list(pages) for h, pages in p.shards.items()}
@@ -212,10 +205,10 @@ class Publisher:
                 fut.set_result(done)
         return done
 
-    def _refusal(self, corpus_id: str, e: BaseException) -> Refused:
+    def _refusal(self, corpus_id: str, e: BaseException) -> Reject:
         if not isinstance(e, HolderCallError):
             log.error("publishing %s failed", corpus_id, exc_info=e)
-            return Refused(S.INTERNAL, f"publishing {corpus_id} failed: {type(e).__name__}: {e}")
+            return Reject(S.INTERNAL, f"publishing {corpus_id} failed: {type(e).__name__}: {e}")
         if e.unreachable:
             self.state.mark_unreachable(e.holder_id)
             code = S.UNAVAILABLE
@@ -223,7 +216,7 @@ class Publisher:
             code = S.FAILED_PRECONDITION
         else:
             code = e.code
-        return Refused(code, f"corpus {corpus_id} was not published (nothing kept): {e}")
+        return Reject(code, f"corpus {corpus_id} was not published (nothing kept): {e}")
 
     async def release_plan(
         self, corpus_id: str, plan: dict[str, list[int]], addr: dict[str, str]
@@ -243,19 +236,19 @@ class Publisher:
         return sum(await asyncio.gather(*(one(h) for h in plan if h in addr)))
 
     async def wait_placed(self, corpus_id: str, timeout: float | None) -> CorpusRow:
-        """Until a queued corpus is ready. Raises Refused: its publish failed, it was unpinned,
+        """Until a queued corpus is ready. Raises Reject: its publish failed, it was unpinned,
         or DEADLINE_EXCEEDED."""
         fut: asyncio.Future[CorpusRow] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(corpus_id, []).append(fut)
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
-            raise Refused(S.DEADLINE_EXCEEDED, f"corpus {corpus_id} is still queued") from None
+            raise Reject(S.DEADLINE_EXCEEDED, f"corpus {corpus_id} is still queued") from None
         finally:
             if not fut.done() and fut in self._waiters.get(corpus_id, []):
                 self._waiters[corpus_id].remove(fut)
 
-    def fail_waiters(self, corpus_id: str, e: Refused) -> None:
+    def fail_waiters(self, corpus_id: str, e: Reject) -> None:
         for fut in self._waiters.pop(corpus_id, []):
             if not fut.done():
                 fut.set_exception(e)
@@ -269,12 +262,12 @@ class Publisher:
                 m = Manifest.from_json(row.manifest)
                 try:
                     placement, holders = self._place(m, row.replicas)
-                except (Refused, NoFit):
+                except (Reject, NoFit):
                     break
                 try:
                     await self._publish(row, placement, holders, keep_queued=True)
                     placed += 1
-                except Refused as e:
+                except Reject as e:
                     if self.state.corpus(row.corpus_id) is not None:
                         break  # still queued: a holder did not answer; retried later
                     self.fail_waiters(row.corpus_id, e)

@@ -7,20 +7,20 @@ changes nothing: checks that need no lock run before any state is touched.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import grpc
 
 from corpusd.coordinator.db import CorpusRow, HolderRow
-from corpusd.coordinator.publish import Publisher, Refused
+from corpusd.coordinator.publish import Publisher
 from corpusd.coordinator.sessions import NoWorker, WorkerLoad, choose_home
 from corpusd.coordinator.upkeep import reconcile, unpin
 from corpusd.corpus.manifest import Manifest
 from corpusd.corpus.store import PageStore, StoreError
+from corpusd.rpc import Reject, Rpc
 from corpusd.v1 import coordinator_pb2 as pb
 from corpusd.v1 import coordinator_pb2_grpc
 
@@ -28,31 +28,7 @@ log = logging.getLogger("corpusd.coordinator")
 S = grpc.StatusCode
 
 
-def rpc(method: str) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:
-    """Count the call by status; turn Refused / unexpected errors into gRPC statuses."""
-
-    def deco(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-        @functools.wraps(fn)
-        async def wrapper(self: CoordinatorService, request: Any, context: Any) -> Any:
-            code = S.OK
-            try:
-                return await fn(self, request, context)
-            except Refused as e:
-                code = e.code
-                log.info("%s refused: %s: %s", method, e.code.name, e)
-                await context.abort(e.code, str(e))
-            except Exception as e:
-                if isinstance(e, grpc.aio.AbortError):
-                    raise
-                code = S.INTERNAL
-                log.exception("%s failed", method)
-                await context.abort(code, f"internal error in {method}: {type(e).__name__}: {e}")
-            finally:
-                self.pub.metrics.requests.labels(method, code.name).inc()
-
-        return wrapper
-
-    return deco
+rpc = Rpc(log, requests=lambda service: service.pub.metrics.requests)
 
 
 def _holder(h: HolderRow, now: float) -> pb.HolderAddress:
@@ -89,7 +65,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         ]
         bad += [k for k in ("capacity_frames", "page_size") if getattr(h, k) <= 0]
         if bad:
-            raise Refused(S.INVALID_ARGUMENT, f"holder registration lacks {', '.join(bad)}")
+            raise Reject(S.INVALID_ARGUMENT, f"holder registration lacks {', '.join(bad)}")
         self.state.register(
             HolderRow(
                 h.holder_id,
@@ -122,7 +98,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if before is None or not self.state.heartbeat(
             request.holder_id, request.used_frames, request.active_flows, now
         ):
-            raise Refused(S.NOT_FOUND, f"holder {request.holder_id!r} is not registered")
+            raise Reject(S.NOT_FOUND, f"holder {request.holder_id!r} is not registered")
         if not before.live(now):  # back after a lapse: it may hold frames of failed pins
             log.info("holder %s is live again", request.holder_id)
             self._background(self._after_join(request.holder_id))
@@ -153,7 +129,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         bad = [k for k in ("worker_id", "address") if not getattr(request, k)]
         bad += [k for k in ("max_batch", "kv_capacity") if getattr(request, k) <= 0]
         if bad:
-            raise Refused(S.INVALID_ARGUMENT, f"worker report lacks {', '.join(bad)}")
+            raise Reject(S.INVALID_ARGUMENT, f"worker report lacks {', '.join(bad)}")
         if request.worker_id not in self.workers:
             log.info("agent worker %s at %s", request.worker_id, request.address)
         self.workers[request.worker_id] = (request, time.time())
@@ -174,7 +150,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         now = time.time()
         live = {w: r for w, (r, t) in self.workers.items() if now - t <= self.lease_s}
         if not live:
-            raise Refused(S.UNAVAILABLE, "no live agent worker has reported (is corpusd agent up?)")
+            raise Reject(S.UNAVAILABLE, "no live agent worker has reported (is corpusd agent up?)")
         loads = [
             WorkerLoad(w, r.generating, r.max_batch, r.kv_tokens, r.kv_capacity)
             for w, r in live.items()
@@ -182,7 +158,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             chosen = choose_home(loads, request.session_tokens)
         except NoWorker as e:
-            raise Refused(S.RESOURCE_EXHAUSTED, str(e)) from None
+            raise Reject(S.RESOURCE_EXHAUSTED, str(e)) from None
         # Count the session now, so a burst of choices spreads before the next reports arrive.
         r = live[chosen]
         r.generating += 1
@@ -227,7 +203,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def _known(self, corpus_id: str) -> CorpusRow:
         row = self.state.corpus(corpus_id)
         if row is None:
-            raise Refused(S.NOT_FOUND, f"corpus {corpus_id!r} is not known to this coordinator")
+            raise Reject(S.NOT_FOUND, f"corpus {corpus_id!r} is not known to this coordinator")
         return row
 
     @rpc("ListCorpora")
@@ -239,7 +215,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def GetPageTable(self, request: pb.GetPageTableRequest, context: Any) -> Any:
         row = self._known(request.corpus_id)
         if row.state != "ready":
-            raise Refused(
+            raise Reject(
                 S.FAILED_PRECONDITION, f"corpus {row.corpus_id} is {row.state}: no page table"
             )
         return self._table(row)
@@ -248,18 +224,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def Pin(self, request: pb.PinRequest, context: Any) -> Any:
         cid, replicas = request.corpus_id, request.replicas or 1
         if not cid or not cid.isalnum():
-            raise Refused(S.INVALID_ARGUMENT, f"corpus_id must be a corpus id, got {cid!r}")
+            raise Reject(S.INVALID_ARGUMENT, f"corpus_id must be a corpus id, got {cid!r}")
         try:
             text = (self.store.corpora / cid / "manifest.json").read_text()
             m = Manifest.from_json(text)
         except FileNotFoundError:
-            raise Refused(
+            raise Reject(
                 S.NOT_FOUND, f"corpus {cid!r} is not in the coordinator's store {self.store.root}"
             ) from None
         except (OSError, ValueError, TypeError, AssertionError, StoreError) as e:
-            raise Refused(
-                S.FAILED_PRECONDITION, f"corpus {cid}: unreadable manifest: {e}"
-            ) from None
+            raise Reject(S.FAILED_PRECONDITION, f"corpus {cid}: unreadable manifest: {e}") from None
         row = await self.pub.pin(m, text, replicas)
         if row.state == "queued" and request.wait:
             row = await self.pub.wait_placed(cid, context.time_remaining())

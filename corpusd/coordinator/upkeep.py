@@ -11,7 +11,8 @@ import logging
 import grpc
 
 from corpusd.coordinator.links import HolderCallError
-from corpusd.coordinator.publish import Publisher, Refused
+from corpusd.coordinator.publish import Publisher
+from corpusd.rpc import Reject
 
 log = logging.getLogger("corpusd.coordinator")
 
@@ -19,11 +20,11 @@ log = logging.getLogger("corpusd.coordinator")
 async def unpin(pub: Publisher, corpus_id: str) -> int:
     """Release a corpus's frames on its holders and mark it retired; returns the frames the page
     table gave it. Idempotent on a retired corpus (0). A queued pin is simply withdrawn.
-    Raises Refused(NOT_FOUND) for an unknown corpus."""
+    Raises Reject(NOT_FOUND) for an unknown corpus."""
     async with pub.lock:
         row = pub.state.corpus(corpus_id)
         if row is None:
-            raise Refused(grpc.StatusCode.NOT_FOUND, f"corpus {corpus_id!r} is not known here")
+            raise Reject(grpc.StatusCode.NOT_FOUND, f"corpus {corpus_id!r} is not known here")
         if row.state == "retired":
             return 0
         table = pub.state.page_table(corpus_id)
@@ -37,7 +38,7 @@ async def unpin(pub: Publisher, corpus_id: str) -> int:
         for hid, pages in plan.items():
             pub.state.add_used(hid, -len(pages))
         pub.fail_waiters(
-            corpus_id, Refused(grpc.StatusCode.CANCELLED, f"corpus {corpus_id} was unpinned")
+            corpus_id, Reject(grpc.StatusCode.CANCELLED, f"corpus {corpus_id} was unpinned")
         )
     pub.capacity_changed.set()
     log.info("unpinned corpus %s (%d frames)", corpus_id, sum(map(len, plan.values())))
