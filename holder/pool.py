@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+ROPE_DIM = 64  # k_pe width of V3.2's latent rows: the values are the other kv_dim - 64 columns
+
 
 @dataclass(frozen=True, slots=True)
 class Geometry:
@@ -28,6 +30,11 @@ class Geometry:
         assert min(self.n_layers, self.page_size, self.kv_dim, self.index_dim, self.frames) > 0, (
             f"{self=}"
         )
+
+    @property
+    def d_v(self) -> int:
+        """Value width of a latent row (``c_KV``, 512 for V3.2), what kernels take as ``d_v``."""
+        return self.kv_dim - ROPE_DIM
 
     @property
     def bytes_per_frame(self) -> int:
@@ -85,9 +92,9 @@ class FramePool:
 
     def check_rows(self, corpus_id: str, rows: torch.Tensor) -> None:
         """Raise RowError unless every row ≥ 0 is a valid row of a frame of ``corpus_id``
-        (``-1`` marks an unused slot and is allowed)."""
+        (``-1`` marks an unused slot and is allowed). ``rows``: int32 or int64, read as is."""
         held = self.corpora[corpus_id]
-        used = rows[rows >= 0].to(torch.int64)
+        used = rows[rows >= 0]
         if bool((rows < -1).any()):
             raise RowError(f"row indices below -1: {rows[rows < -1][:4].tolist()}")
         if used.numel() == 0:
@@ -210,9 +217,10 @@ class FramePool:
 
 def rows_outside(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """0-dim bool on ``rows``' device: some entry of ``rows`` is neither −1 (unused) nor a row
-    ``mask`` (``FramePool.row_mask``) accepts. Tensor ops only, no host sync, so it can run
-    beside a kernel or inside a captured CUDA graph."""
+    ``mask`` (``FramePool.row_mask``) accepts. ``rows``: int32 or int64, indexed as is (no
+    widened copy). Tensor ops only, no host sync, so it can run beside a kernel or inside a
+    captured CUDA graph."""
     n_rows = mask.shape[0]
     used = rows >= 0
-    owned = mask[rows.clamp(0, n_rows - 1).long()]
+    owned = mask[rows.clamp(0, n_rows - 1)]
     return ((rows < -1) | (used & ((rows >= n_rows) | ~owned))).any()

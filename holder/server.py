@@ -51,7 +51,7 @@ def build(cfg: HolderConfig, model_dir: Path) -> HolderService:
                 f"({geo.bytes_per_frame:,} bytes)"
             )
         geo = replace(geo, frames=frames)
-    kernel = choose(cfg.kernel, cfg.device, geo.dtype, geo.kv_dim, geo.kv_dim - 64)
+    kernel = choose(cfg.kernel, cfg.device, geo.dtype, geo.kv_dim, geo.d_v)
     return HolderService(
         cfg, FramePool(geo), PageStore(cfg.store), kernel, fingerprint(model_dir), HolderMetrics()
     )

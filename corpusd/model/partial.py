@@ -22,7 +22,8 @@ def partial_attention(
     Args:
         q: ``[n, h, d_qk]`` absorbed queries (``q_nope·W_UK ‖ q_pe``; d_qk = 576 for V3.2).
         kv: ``[N, d_qk]`` cache rows (``c_KV ‖ k_pe``); the first ``d_v`` columns are the values.
-        indices: int ``[n, k]`` row numbers into ``kv``; ``-1`` marks an unused slot.
+        indices: int32 or int64 ``[n, k]`` row numbers into ``kv`` (indexed as given, never
+            widened); ``-1`` marks an unused slot.
         scale: softmax scale applied to ``q·kv``.
         d_v: value width (512 = kv_lora_rank).
 

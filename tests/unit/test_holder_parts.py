@@ -1,4 +1,5 @@
-"""Holder pieces in-process: the frame pool's bookkeeping, admission, generated protos."""
+"""Holder pieces in-process: the frame pool's bookkeeping, request checks and the CPU Attend
+compute, admission, generated protos."""
 
 from __future__ import annotations
 
@@ -7,11 +8,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
+from corpusd.model.partial import partial_attention
+from corpusd.rpc import Reject
+from corpusd.v1 import holder_pb2
+from corpusd.wire import to_proto
 from holder.admission import Admission, Overloaded
+from holder.config import HolderConfig
+from holder.kernels import Kernel
+from holder.partials import partial_cpu
 from holder.pool import FramePool, Geometry, PoolFull, RowError, rows_outside
+from holder.requests import RequestChecks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,14 +75,54 @@ def test_rows_outside_rejects_exactly_what_check_rows_rejects() -> None:
     _fill(pool, "a", [0, 2], tokens=10)
     _fill(pool, "b", [0], tokens=4)
     mask = pool.row_mask("a", "cpu")
-    for row in range(-3, 30):
-        rows = torch.tensor([[-1, row]])
-        try:
-            pool.check_rows("a", rows)
-            host_ok = True
-        except RowError:
-            host_ok = False
-        assert bool(rows_outside(mask, rows)) is not host_ok, row
+    for dtype in (torch.int32, torch.int64):  # int32 is what requesters send, read as is
+        for row in range(-3, 30):
+            rows = torch.tensor([[-1, row]], dtype=dtype)
+            try:
+                pool.check_rows("a", rows)
+                host_ok = True
+            except RowError:
+                host_ok = False
+            assert bool(rows_outside(mask, rows)) is not host_ok, (row, dtype)
+
+
+def test_attend_rows_stay_int32_from_the_request_to_the_kernel() -> None:
+    """The holder's CPU Attend path never widens the requester's int32 rows, and the result is
+    bit-identical to the reference over the same rows as int64."""
+    g = torch.Generator().manual_seed(16)
+    pool = FramePool(
+        Geometry(n_layers=1, page_size=4, kv_dim=72, index_dim=3, dtype=torch.float32, frames=4)
+    )
+    pool.add_corpus("a", 10, 3)
+    for page, frame in zip((0, 1, 2), pool.take_frames(3), strict=True):
+        pool.fill("a", page, frame, [torch.randn(4, 72, generator=g)], [torch.zeros(4, 3)])
+    q = torch.randn(3, 2, 72, generator=g)
+    rows = torch.tensor([[0, 5, -1], [9, 1, 2], [-1, -1, -1]], dtype=torch.int32)
+    cfg = HolderConfig(store="unused", state_dir="unused")
+    request = holder_pb2.AttendRequest(
+        corpus_id="a", layer=0, q=to_proto(q), rows=to_proto(rows), scale=0.1
+    )
+    call = RequestChecks(cfg, pool).attend(request, on_device=False)
+    assert call.rows.dtype == torch.int32
+    seen: list[torch.dtype] = []
+
+    def spy(
+        q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, d_v: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(idx.dtype)
+        return partial_attention(q, kv, idx, scale, d_v)
+
+    o, lse, _ = partial_cpu(pool, Kernel("spy", spy, lambda device: True, 0), call)
+    ref_o, ref_lse = partial_attention(q, pool.latent[0], rows.to(torch.int64), 0.1, 8)
+    assert seen == [torch.int32]
+    assert torch.equal(o, ref_o) and torch.equal(lse, ref_lse)
+    assert torch.isinf(lse[2]).all() and not o[2].any()  # a row with no valid index
+    bad = holder_pb2.AttendRequest(
+        corpus_id="a", layer=0, q=to_proto(q), rows=to_proto(rows + 12), scale=0.1
+    )
+    with pytest.raises(Reject, match="outside the pool") as e:
+        RequestChecks(cfg, pool).attend(bad, on_device=False)
+    assert e.value.code == grpc.StatusCode.OUT_OF_RANGE
 
 
 def test_pool_bookkeeping_and_integrity() -> None:

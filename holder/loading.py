@@ -1,0 +1,83 @@
+"""Loading a pinned corpus's pages from the page store into frames (Assign, and restore at
+start-up), all-or-nothing."""
+
+from __future__ import annotations
+
+import grpc
+
+from corpusd.corpus.store import PageStore, StoreError
+from corpusd.rpc import Reject
+from holder.pool import FramePool, PoolFull
+
+S = grpc.StatusCode
+
+
+def load_pages(
+    pool: FramePool,
+    store: PageStore,
+    fingerprint: str,
+    corpus_id: str,
+    pages: list[int],
+    wanted: dict[int, int] | None = None,
+) -> tuple[dict[int, int], bool]:
+    """Load ``pages`` (all when empty) of a pinned corpus into frames (the ``wanted`` frames
+    when given: a restart restores the same ones). Idempotent; all-or-nothing: on failure no
+    frame stays taken.
+
+    Returns:
+        (page → frame for the requested pages, whether any page was newly loaded).
+
+    Raises:
+        Reject: NOT_FOUND (not in the store), FAILED_PRECONDITION (pinned for another
+            geometry or model), OUT_OF_RANGE (no such page), RESOURCE_EXHAUSTED (no free frames).
+    """
+    try:
+        m = store.manifest(corpus_id)
+    except StoreError as e:
+        raise Reject(S.NOT_FOUND, str(e)) from None
+    geo = pool.geo
+    mismatch = [
+        f"{k} {a} vs {b}"
+        for k, a, b in (
+            ("layers", m.n_layers, geo.n_layers),
+            ("page_size", m.page_size, geo.page_size),
+            ("kv_dim", m.kv_dim, geo.kv_dim),
+            ("index_dim", m.index_dim, geo.index_dim),
+            ("dtype", m.dtype, str(geo.dtype).removeprefix("torch.")),
+        )
+        if a != b
+    ]
+    if m.model_fingerprint != fingerprint:
+        mismatch.append("model fingerprint differs")
+    if mismatch:
+        raise Reject(
+            S.FAILED_PRECONDITION,
+            f"corpus {corpus_id} does not fit this holder: {', '.join(mismatch)}",
+        )
+    pages = pages or list(range(m.n_pages))
+    bad = [p for p in pages if p >= m.n_pages]
+    if bad:
+        raise Reject(
+            S.OUT_OF_RANGE, f"corpus {corpus_id} has pages 0..{m.n_pages - 1}, asked for {bad[:4]}"
+        )
+    held = pool.add_corpus(corpus_id, m.token_count, m.n_pages)
+    new = sorted(set(pages) - set(held.pages))
+    if new:
+        try:
+            frames = pool.take_frames(len(new), [wanted[p] for p in new] if wanted else None)
+        except PoolFull as e:
+            pool.drop_if_empty(corpus_id)
+            raise Reject(S.RESOURCE_EXHAUSTED, f"holder is full: {e}") from None
+        try:
+            per_layer = [store.read_pages(corpus_id, i, new) for i in range(m.n_layers)]
+            for j, (page, frame) in enumerate(zip(new, frames, strict=True)):
+                lat = [pl[0][j] for pl in per_layer]
+                keys = [pl[1][j] for pl in per_layer]
+                pool.fill(corpus_id, page, frame, lat, keys)
+        except BaseException:
+            for page in new:
+                held.pages.pop(page, None)
+            pool.return_frames(frames)
+            pool.drop_if_empty(corpus_id)
+            raise
+    return {p: held.pages[p] for p in pages}, bool(new)
