@@ -128,9 +128,10 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
+    from holder.launch import start_holder
     from requester.calibrate import run
 
-    run(a.model, a.store, a.out, a.holder, a.corpus, a.repeats)
+    run(a.model, a.store, a.out, a.holder, a.corpus, a.repeats, start_holder)
     return 0
 
 

@@ -1,9 +1,13 @@
-"""Every environment variable corpusd reads, in one place (all prefixed ``CORPUSD_``)."""
+"""Every environment variable corpusd reads, in one place (all prefixed ``CORPUSD_``), and the
+defaults they resolve to — the coordinator's through the ``up.json`` of a running ``corpusd up``.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 #: name → (meaning, default) — the README's table is generated from this mapping's content.
 VARIABLES = {
@@ -39,7 +43,21 @@ def coordinator(flag: str) -> str:
     ``corpusd up`` started (its ``up.json``), else ""."""
     if flag or os.environ.get("CORPUSD_COORDINATOR"):
         return flag or os.environ["CORPUSD_COORDINATOR"]
-    from corpusd.up import running
-
-    info = running()
+    info = running_up()
     return str(info["coordinator"]["address"]) if info else ""
+
+
+def up_dir(flag: str = "") -> Path:
+    """Where ``corpusd up`` keeps every daemon's state, and its ``up.json`` while it runs."""
+    return Path(flag).expanduser() if flag else home() / "up"
+
+
+def running_up(flag: str = "") -> dict[str, Any] | None:
+    """``up.json`` of a ``corpusd up`` that is still running in ``up_dir(flag)``, else None."""
+    path = up_dir(flag) / "up.json"
+    try:
+        info: dict[str, Any] = json.loads(path.read_text())
+        os.kill(int(info["pid"]), 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    return info

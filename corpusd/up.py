@@ -53,21 +53,6 @@ class UpConfig:
             raise ValueError(f"detach must be 0 or 1, got {self.detach}")
 
 
-def state_dir(flag: str = "") -> Path:
-    return Path(flag).expanduser() if flag else env.home() / "up"
-
-
-def running(flag: str = "") -> dict[str, Any] | None:
-    """``up.json`` of a ``corpusd up`` that is still running, else None."""
-    path = state_dir(flag) / "up.json"
-    try:
-        info: dict[str, Any] = json.loads(path.read_text())
-        os.kill(int(info["pid"]), 0)
-    except (OSError, ValueError, KeyError):
-        return None
-    return info
-
-
 def describe(info: dict[str, Any]) -> str:
     def url(port: int) -> str:
         return f"http://127.0.0.1:{port}/metrics" if port >= 0 else "-"
@@ -86,8 +71,8 @@ def describe(info: dict[str, Any]) -> str:
 
 
 def up(cfg: UpConfig) -> int:
-    root = state_dir(cfg.state_dir)
-    if (other := running(cfg.state_dir)) is not None:
+    root = env.up_dir(cfg.state_dir)
+    if (other := env.running_up(cfg.state_dir)) is not None:
         raise ValueError(f"corpusd up is already running (pid {other['pid']}) in {root}")
     if cfg.detach:
         return _detach(cfg, root)
@@ -215,7 +200,7 @@ def _detach(cfg: UpConfig, root: Path) -> int:
             start_new_session=True,
         )
     deadline = time.monotonic() + cfg.timeout_s + 30
-    while (info := running(str(root))) is None or info["pid"] != proc.pid:
+    while (info := env.running_up(str(root))) is None or info["pid"] != proc.pid:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"corpusd up did not start: {log.read_text()[-3000:]}")
@@ -226,9 +211,9 @@ def _detach(cfg: UpConfig, root: Path) -> int:
 
 
 def down(flag: str = "", timeout: float = 60) -> int:
-    info = running(flag)
+    info = env.running_up(flag)
     if info is None:
-        print(f"corpusd up is not running in {state_dir(flag)}")
+        print(f"corpusd up is not running in {env.up_dir(flag)}")
         return 0
     pid = int(info["pid"])
     os.kill(pid, signal.SIGTERM)

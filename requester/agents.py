@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from corpusd.coordinator.client import CoordinatorClient
-from corpusd.up import running
+from corpusd.env import running_up
 from requester.client import Client, SessionRef
 
 QUESTIONS = (
@@ -101,7 +101,7 @@ async def run_agents(coordinator: str, corpus: str, agents: int, max_tokens: int
         "metrics (Prometheus text format):",
         *(f"  agent worker {w.report.worker_id:<14} {w.report.metrics_url}" for w in workers),
     ]
-    info = running()
+    info = running_up()
     if info is not None and info["coordinator"]["address"] == coordinator:
         lines += [f"  coordinator  {'':<14} {_url(info['coordinator']['metrics'])}"]
         lines += [

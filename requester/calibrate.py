@@ -13,10 +13,12 @@ import functools
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from corpusd.daemon import Daemon
 from corpusd.model import DeepseekV32
 from corpusd.model.partial import merge_partials, partial_attention
 from corpusd.model.rope import shift_band
@@ -152,22 +154,31 @@ async def calibrate(
     )
 
 
+#: ``holder.launch.start_holder``'s shape: (store, state dir, model dir) → a serving holder.
+#: The CLI passes it in, so that this module (a requester's) never imports the holder.
+StartHolder = Callable[[Path, Path, Path], Daemon]
+
+
 def run(
-    model_dir: str | None, store_dir: str, out: str, holder: str, corpus: str, repeats: int
+    model_dir: str | None,
+    store_dir: str,
+    out: str,
+    holder: str,
+    corpus: str,
+    repeats: int,
+    start_holder: StartHolder,
 ) -> Profile:
     """The CLI's work: against ``holder`` (which must hold ``corpus``), or, when no holder is
-    given, a holder started here on loopback over the sample repository pinned into the store.
-    Writes the profile to ``out`` ("" = ``$CORPUSD_HOME/profile.json``)."""
+    given, one ``start_holder`` starts here on loopback over the sample repository pinned into
+    the store. Writes the profile to ``out`` ("" = ``$CORPUSD_HOME/profile.json``)."""
     import asyncio
     import sys
     import tempfile
-    from pathlib import Path
 
     from corpusd import env
     from corpusd.corpus.pin import PinConfig, default_model, pin, sample_repo
     from corpusd.corpus.store import PageStore
     from corpusd.model import load_model
-    from holder.launch import start_holder
 
     mdir = Path(model_dir) if model_dir else default_model(sys.stderr)
     store = PageStore(Path(store_dir) if store_dir else env.default_store_dir())
