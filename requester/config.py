@@ -1,8 +1,65 @@
-"""``corpusd agent``'s configuration (its flags derive from it, beside WorkerConfig's)."""
+"""The requester's configuration: ``WorkerConfig`` (the decode worker and its fan-out) and
+``AgentConfig`` (``corpusd agent``); the agent's flags derive from both."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from corpusd.transport import nvshmem_ring
+from requester.predicate import PRIMITIVES
+from requester.routes import TRANSPORTS
+
+INDEXER_MODES = ("replica", "distributed")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    indexer: str = field(
+        default="replica",
+        metadata={
+            "help": "corpus index keys held here (replica) or top-k on holders",
+            "choices": INDEXER_MODES,
+        },
+    )
+    primitive: str = field(
+        default="auto",
+        metadata={
+            "help": "force route/fetch/local, or let the predicate pick",
+            "choices": ("auto", *PRIMITIVES),
+        },
+    )
+    fetch_cache_bytes: int = field(default=1 << 30, metadata={"help": "fetched-page cache"})
+    rpc_timeout_s: float = field(default=60.0, metadata={"help": "per holder call"})
+    profile: str = field(
+        default="",
+        metadata={
+            "help": "calibration profile JSON (default: $CORPUSD_HOME/profile.json if present)"
+        },
+    )
+    transport: str = field(
+        default="auto",
+        metadata={
+            "help": "routes to a holder: nvshmem when both ends share an NVSHMEM job (auto), "
+            "or force one",
+            "choices": TRANSPORTS,
+        },
+    )
+    nvshmem_device: int = field(
+        default=0, metadata={"help": "the CUDA device this worker's NVSHMEM transport runs on"}
+    )
+    trace: bool = field(default=False, metadata={"help": "keep every decision in .trace"})
+
+    def __post_init__(self) -> None:
+        if self.indexer not in INDEXER_MODES:
+            raise ValueError(f"indexer must be one of {INDEXER_MODES}, got {self.indexer!r}")
+        if self.primitive not in ("auto", *PRIMITIVES):
+            raise ValueError(f"primitive must be auto or one of {PRIMITIVES}")
+        if self.fetch_cache_bytes < 0 or not self.rpc_timeout_s > 0:
+            raise ValueError("fetch_cache_bytes must be >= 0 and rpc_timeout_s > 0")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport == "nvshmem" and not nvshmem_ring.available():
+            raise ValueError("transport nvshmem needs a CUDA GPU and nvshmem4py (.gpu-deps)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,14 +37,14 @@ class CorpusView:
         return int(self.page_holder.shape[0])
 
     def pool_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Canonical positions (int64, ``-1`` = none) → (holder idx, pool row), ``-1`` for none."""
+        """Canonical positions (int64, ``-1`` = none) → (holder idx int64, pool row int32),
+        ``-1`` for none. Pool rows are int32 from here to the holder's kernel (what FlashMLA and
+        Triton index with); a holder's pool is far below 2³¹ rows."""
         valid = positions >= 0
         page = torch.where(valid, positions // self.page_size, 0)
         holder = torch.where(valid, self.page_holder[page], -1)
-        row = torch.where(
-            valid, self.page_frame[page] * self.page_size + positions % self.page_size, -1
-        )
-        return holder, row
+        row = self.page_frame[page] * self.page_size + positions % self.page_size
+        return holder, torch.where(valid, row, -1).to(torch.int32)
 
     def failover(self, dead: Collection[int]) -> CorpusView:
         """The same corpus with every page served by a replica on a holder not in ``dead``.

@@ -38,7 +38,7 @@ class HolderClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def attend(
+    async def attend_rows(
         self,
         corpus_id: str,
         layer: int,
@@ -47,13 +47,14 @@ class HolderClient:
         scale: float,
         timeout: float | None = None,
     ) -> Partial:
-        """Partial attention of ``q [n, h, kv_dim]`` over pool ``rows [n, k]`` (-1 = unused)."""
+        """Partial attention of ``q [n, h, kv_dim]`` over pool ``rows [n, k]`` (int32 as the
+        fan-out makes them; -1 = unused) on this holder."""
         r = await self.stub.Attend(
             holder_pb2.AttendRequest(
                 corpus_id=corpus_id,
                 layer=layer,
                 q=to_proto(q),
-                rows=to_proto(rows.to(torch.int32)),
+                rows=to_proto(rows.to(torch.int32)),  # a no-op for the fan-out's rows
                 scale=scale,
             ),
             timeout=timeout,

@@ -39,7 +39,7 @@ _JOINED: dict[str, str] = {}  # this process's NVSHMEM job (one per process): jo
 class Route(Protocol):
     name: str
 
-    async def attend(
+    async def attend_rows(
         self,
         corpus_id: str,
         layer: int,
@@ -61,7 +61,7 @@ class GrpcRoute:
     def __init__(self, client: HolderClient) -> None:
         self.client = client
 
-    async def attend(
+    async def attend_rows(
         self,
         corpus_id: str,
         layer: int,
@@ -70,7 +70,7 @@ class GrpcRoute:
         scale: float,
         timeout: float | None = None,
     ) -> Partial:
-        return await self.client.attend(corpus_id, layer, q, rows, scale, timeout=timeout)
+        return await self.client.attend_rows(corpus_id, layer, q, rows, scale, timeout=timeout)
 
     async def close(self) -> None:  # the HolderClient is the worker's, closed with it
         pass
@@ -89,7 +89,7 @@ class NvshmemRoute:
         self.lock = asyncio.Lock()
         self.broken = ""
 
-    async def attend(
+    async def attend_rows(
         self,
         corpus_id: str,
         layer: int,
@@ -102,7 +102,7 @@ class NvshmemRoute:
         k = rows.shape[1]
         step = self._rows_per_request(h, k)
         if self.broken or step == 0:
-            return await self.grpc.attend(corpus_id, layer, q, rows, scale, timeout)
+            return await self.grpc.attend_rows(corpus_id, layer, q, rows, scale, timeout)
         deadline = time.monotonic() + (timeout or 60.0)
         job = self.client.job
         assert job is not None

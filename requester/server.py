@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from corpusd import env
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, WorkerReport
 from corpusd.corpus.store import PageStore
 from corpusd.daemon import listen, write_endpoint
@@ -21,9 +22,10 @@ from corpusd.model import fingerprint, load_model
 from corpusd.tokenizer import load_tokenizer
 from corpusd.v1 import agent_pb2_grpc
 from requester.agent import AgentService
-from requester.config import AgentConfig
+from requester.config import AgentConfig, WorkerConfig
 from requester.metrics import RequesterMetrics
-from requester.worker import Worker, WorkerConfig
+from requester.predicate import Profile
+from requester.worker import Worker
 
 log = logging.getLogger("corpusd.agent")
 SERVICE = "corpusd.v1.Agent"
@@ -58,12 +60,26 @@ async def report_load(svc: AgentService, worker_id: str, address: str, metrics_u
         await asyncio.sleep(svc.cfg.report_s)
 
 
+def load_profile(path: str) -> Profile:
+    """The agent's calibration: ``path``, else ``$CORPUSD_HOME/profile.json`` when
+    ``corpusd calibrate`` wrote one, else the built-in constants. Raises ValueError for a file
+    that is not a profile."""
+    p = Path(path) if path else env.home() / "profile.json"
+    return Profile.load(p) if path or p.is_file() else Profile()
+
+
 async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     model = load_model(model_dir, dtype=torch.float32)
     tok = load_tokenizer(model_dir, model.cfg.bos_token_id, model.cfg.eos_token_id)
-    worker = Worker(model, wcfg, store=PageStore(cfg.store), metrics=RequesterMetrics())
+    worker = Worker(
+        model,
+        wcfg,
+        store=PageStore(cfg.store),
+        profile=load_profile(wcfg.profile),
+        metrics=RequesterMetrics(),
+    )
     coord = CoordinatorClient(cfg.coordinator, timeout=10.0) if cfg.coordinator else None
     holders = tuple(a.strip() for a in cfg.holders.split(",") if a.strip())
     svc = AgentService(cfg, worker, tok, coord, holders, fingerprint(model_dir))

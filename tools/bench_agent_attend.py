@@ -88,7 +88,7 @@ async def measure(
     )
     hc = HolderClient(table.address(holder_id))
     client = Client(coordinator=coordinator, timeout=60)
-    link = CorpusLink(coordinator, fingerprint(model), page)
+    link = CorpusLink(coordinator, ModelConfig.from_dir(model), fingerprint(model), page)
     binding = link.bind("sparse")
     g = torch.Generator().manual_seed(0)
     scale = ModelConfig.from_dir(model).softmax_scale
@@ -104,7 +104,7 @@ async def measure(
         compute_us: list[float] = []
 
         async def direct() -> None:
-            p = await hc.attend(corpus.corpus_id, 0, q, pool, scale)
+            p = await hc.attend_rows(corpus.corpus_id, 0, q, pool, scale)
             compute_us.append(p.compute_us)
 
         def through_link() -> list[float]:  # synchronous, from a thread: as SGLang's forward

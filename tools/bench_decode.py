@@ -36,11 +36,12 @@ from corpusd.model import load_model
 from corpusd.model.tiny import init_tiny
 from holder.launch import start_holder
 from requester.calibrate import calibrate
+from requester.config import WorkerConfig
 from requester.holder_client import HolderClient
 from requester.predicate import Profile
 from requester.sampling import SamplingParams
 from requester.sources import LocalRows
-from requester.worker import Worker, WorkerConfig
+from requester.worker import Worker
 from tools.bench_pin import make_corpus
 
 MODES = ("monolithic", "route", "fetch", "local", "auto")

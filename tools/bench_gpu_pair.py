@@ -188,7 +188,7 @@ async def requester_main(
     q = torch.randn(n, h, D, generator=g, device=dev, dtype=torch.bfloat16)
     idx[0] = -1  # an empty row
     idx[1, :4] = torch.tensor([0, HOLDER_TOKENS - 1, 1, HOLDER_TOKENS - 2], device=dev)
-    p = await grpc_client.attend(CORPUS, 0, q.cpu(), idx.cpu(), scale)
+    p = await grpc_client.attend_rows(CORPUS, 0, q.cpu(), idx.cpu(), scale)
     exact: dict[str, Any] = {}
     for direct in (False, True):
         await nv.open_stream("attend", 2, n, h, K, CORPUS, 0, 1, scale, direct=direct)

@@ -109,13 +109,13 @@ async def cell(
     budget_s: float,
 ) -> dict[str, float]:
     q, idx = make_request(rows, heads, k, frames, tokens, rows * heads + k)
-    await c.attend(cid, 0, q, idx, SCALE)  # warm-up
+    await c.attend_rows(cid, 0, q, idx, SCALE)  # warm-up
     rtts: list[float] = []
     computes: list[float] = []
     t_end = time.perf_counter() + budget_s
     while len(rtts) < 5 or (time.perf_counter() < t_end and len(rtts) < 50):
         t = time.perf_counter()
-        r = await c.attend(cid, 0, q, idx, SCALE)
+        r = await c.attend_rows(cid, 0, q, idx, SCALE)
         rtts.append(time.perf_counter() - t)
         computes.append(r.compute_us)
     payload = q.numel() * 2 + idx.numel() * 4 + rows * heads * (512 * 2 + 4)
@@ -139,13 +139,14 @@ async def fanin(
     out = []
     for n in ns:
         clients = [HolderClient(address) for _ in range(n)]
-        await asyncio.gather(*(c.attend(cid, 0, q, idx, SCALE) for c in clients))  # connect, warm
+        # connect, warm
+        await asyncio.gather(*(c.attend_rows(cid, 0, q, idx, SCALE) for c in clients))
         lat: list[float] = []
 
         async def one(c: HolderClient, lat: list[float] = lat) -> None:
             for _ in range(rounds):
                 t = time.perf_counter()
-                await c.attend(cid, 0, q, idx, SCALE)
+                await c.attend_rows(cid, 0, q, idx, SCALE)
                 lat.append(time.perf_counter() - t)
 
         t0 = time.perf_counter()

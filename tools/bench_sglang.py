@@ -14,7 +14,7 @@ first step's full log-softmax over the vocabulary (SGLang's ``token_ids_logprob`
 memory: 8 concurrent streams, time to first token and inter-token time (client-side), and the
 peak of SGLang's ``sglang:num_used_tokens`` (tokens held in its KV pool) while they run.
 
-Run on a GPU machine with sglang installed (the device recipe is in the README)::
+Run on a GPU machine with sglang installed (the device recipe is in docs/sglang.md)::
 
     python -m tools.bench_sglang --out bench/results/sglang-h200.json
 

@@ -25,6 +25,7 @@ from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.models.deepseek_v2 import DeepseekV32ForCausalLM as _SGLangDeepseekV32
 from sglang.srt.server_args import get_global_server_args
 
+from corpusd.model import ModelConfig
 from corpusd.model.checkpoint import fingerprint
 from requester.sglang.backend import CorpusBatch, create_corpus_nsa_backend
 from requester.sglang.binding import corpora_of_batch
@@ -74,7 +75,10 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 "RPC per layer; it cannot be captured in a CUDA graph)"
             )
         self.corpusd_link = CorpusLink(
-            os.environ.get("CORPUSD_COORDINATOR", ""), fingerprint(args.model_path), args.page_size
+            os.environ.get("CORPUSD_COORDINATOR", ""),
+            ModelConfig.from_dir(args.model_path),
+            fingerprint(args.model_path),
+            args.page_size,
         )
         self.corpusd_indexers = [
             layer.self_attn.indexer

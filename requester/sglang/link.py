@@ -2,10 +2,12 @@
 
 SGLang's model forward is synchronous; corpusd's clients are asyncio. The link runs one event
 loop on a daemon thread and blocks the caller on each call (``run_coroutine_threadsafe``), with a
-timeout. Per corpus it caches the binding (resolved once against the coordinator), the page
-table (which holder holds which page: attention calls go straight to those holders) and, per
-layer, the corpus's index keys (streamed once from its holders, then put through SGLang's fp8
-format so the corpus's keys score at the precision of the request's own keys).
+timeout. Per corpus it keeps the name's resolution (once, against the coordinator) and a
+:class:`~requester.fanout.CorpusBinding` of corpusd's fan-out engine, the same one corpusd's own
+worker uses: the page table (attention calls go straight to the holders of the selected pages),
+failover (replicas, then the page table as the coordinator says now), and per layer the
+corpus's index keys (streamed once, then put through SGLang's fp8 format so the corpus's keys
+score at the precision of the request's own keys).
 """
 
 from __future__ import annotations
@@ -17,17 +19,17 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-import grpc
 import torch
 
 from corpusd.coordinator.client import CoordinatorClient
+from corpusd.model import ModelConfig
 from indexer.fp8 import fp8_view
-from requester.client import Client
 from requester.corpus_view import CorpusView
-from requester.holder_client import HolderClient
+from requester.fanout import CorpusBinding, Fanout
+from requester.metrics import RequesterMetrics
+from requester.plan import Geometry
+from requester.predicate import Predicate, Profile
 from requester.sglang.binding import Binding, PinnedCorpus, resolve
-from requester.sglang.positions import ROPE_START  # = kv_lora_rank: O's width
-from requester.worker import holder_groups, merge_groups
 
 log = logging.getLogger("corpusd.sglang")
 
@@ -58,8 +60,17 @@ class Timings:
 
 
 class CorpusLink:
+    """corpusd as SGLang's model sees it: ``bind`` a corpus name, then per layer ``index_keys``
+    and ``attend``. ``cfg`` is the served model's config (widths, indexer); the corpus must
+    have been pinned for ``fingerprint`` with ``page_size``-token pages."""
+
     def __init__(
-        self, coordinator: str, fingerprint: str, page_size: int, timeout: float = 60.0
+        self,
+        coordinator: str,
+        cfg: ModelConfig,
+        fingerprint: str,
+        page_size: int,
+        timeout: float = 60.0,
     ) -> None:
         if not coordinator:
             raise ValueError(
@@ -67,26 +78,28 @@ class CorpusLink:
             )
         self.coordinator, self.fingerprint, self.page_size = coordinator, fingerprint, page_size
         self.timeout = timeout
+        # float32: keys and partials as the holders send them (bf16 or fp32, widened exactly)
+        self.geometry = Geometry.of_config(cfg, torch.float32)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, daemon=True, name="corpusd-link"
         )
         self._thread.start()
+        # Route only: the plugin has no page cache of its own yet (issue 17 adds one).
+        self.fanout = Fanout(
+            Predicate(Profile(), "route"), RequesterMetrics(), transport="grpc",
+            rpc_timeout_s=timeout,
+        )  # fmt: skip
         self._bindings: dict[str, Binding] = {}
+        self._corpora: dict[str, CorpusBinding] = {}
         self._keys: dict[tuple[str, int], torch.Tensor] = {}
-        self._client: Client | None = None
-        self._views: dict[str, CorpusView] = {}
         self.timings = Timings()
-        self._holders: dict[str, HolderClient] = {}
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self.timeout)
 
     def close(self) -> None:
-        if self._client is not None:
-            self._run(self._client.close())
-        for h in self._holders.values():
-            self._run(h.close())
+        self._run(self.fanout.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 
@@ -108,72 +121,42 @@ class CorpusLink:
             ]
 
     def index_keys(self, b: Binding, layer: int, device: torch.device, ue8m0: bool) -> torch.Tensor:
-        """float32 ``[T, 128]`` on ``device``: the corpus's index keys for ``layer`` as SGLang's
+        """float32 ``[T, D_I]`` on ``device``: the corpus's index keys for ``layer`` as SGLang's
         indexer scores its own (rotated, fp8 round trip, per-token scales; cached). The same
         values as its pages (:func:`..pagehash.index_k_page`), without the bytes."""
         key = (b.corpus_id, layer)
         if key not in self._keys:
-            pages = self._run(self._fetch_keys(b.corpus_id, layer))
-            keys = torch.cat([pages[p] for p in sorted(pages)])[: b.tokens]
+            keys = self._run(self._index_keys(b.corpus_id, layer))
             self._keys[key] = fp8_view(keys, ue8m0).to(device)
         return self._keys[key]
 
-    async def _fetch_keys(self, corpus_id: str, layer: int) -> dict[int, torch.Tensor]:
-        view = await self._view(corpus_id)
-        out: dict[int, torch.Tensor] = {}
-        for address in view.holders:
-            out.update(await self._holder(address).index_keys(corpus_id, layer))
-        missing = view.n_pages - len(out)
-        assert missing == 0, f"corpus {corpus_id}: index keys of {missing} pages missing"
-        return out
+    async def _index_keys(self, corpus_id: str, layer: int) -> torch.Tensor:
+        return await (await self._corpus(corpus_id)).index_keys(layer)
 
     def attend(
         self, b: Binding, layer: int, q: torch.Tensor, positions: torch.Tensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Merged ``(O [n, h, 512] float32, LSE [n, h] natural, -inf empty)`` of ``q [n, h, 576]``
-        (corpusd's rope layout, full head count) over canonical ``positions [n, k]`` (-1 unused),
-        scores scaled by ``scale`` (SGLang's ``layer.scaling``).
-
-        Straight to the holders (one call per holder holding selected pages, concurrently,
-        merged here). If a holder call fails, the page table is dropped and this call goes
-        through an agent worker the coordinator picks (``requester.Client.attend``), which
-        serves a failed holder's rows from replicas."""
+        """Merged ``(O [n, h, d_v] float32, LSE [n, h] natural, -inf empty)`` of
+        ``q [n, h, kv_dim]`` (corpusd's rope layout, full head count) over canonical
+        ``positions [n, k]`` (-1 unused), scores scaled by ``scale`` (SGLang's
+        ``layer.scaling``): one call per holder holding selected pages, concurrently, merged
+        here; a failed holder's rows fail over as corpusd's worker's do."""
         return self._run(self._attend(b.corpus_id, layer, q, positions, scale))
 
     async def _attend(
         self, corpus_id: str, layer: int, q: torch.Tensor, positions: torch.Tensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        try:
-            view = await self._view(corpus_id)
-            groups = holder_groups(view, positions)
-            results = await asyncio.gather(
-                *(
-                    self._holder(view.holders[g.holder]).attend(
-                        corpus_id, layer, q[g.keep], g.prow, scale
-                    )
-                    for g in groups
-                )
-            )
-            return merge_groups(q.float(), ROPE_START, groups, [(p.o, p.lse) for p in results])
-        except grpc.aio.AioRpcError as e:
-            log.warning(
-                "corpusd plugin: a holder call failed (%s: %s); through an agent worker",
-                e.code().name,
-                e.details(),
-            )
-            self._views.pop(corpus_id, None)
-        if self._client is None:  # made on the link's loop: its channels belong to that loop
-            self._client = Client(coordinator=self.coordinator, timeout=self.timeout)
-        o, lse = await self._client.attend(corpus_id, layer, q, positions=positions, scale=scale)
-        return o.float(), lse
+        c = await self._corpus(corpus_id)
+        return await c.attend(layer, q, positions, scale=scale, dtype=torch.float32)
 
-    async def _view(self, corpus_id: str) -> CorpusView:
-        if corpus_id not in self._views:
-            async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:
-                self._views[corpus_id] = CorpusView.from_page_table(await c.page_table(corpus_id))
-        return self._views[corpus_id]
+    async def _corpus(self, corpus_id: str) -> CorpusBinding:
+        if corpus_id not in self._corpora:
+            view = await self._page_table(corpus_id)
+            self._corpora[corpus_id] = await self.fanout.bind(
+                view, self.geometry, refresh=lambda: self._page_table(corpus_id)
+            )
+        return self._corpora[corpus_id]
 
-    def _holder(self, address: str) -> HolderClient:
-        if address not in self._holders:  # made on the link's loop, as the client
-            self._holders[address] = HolderClient(address)
-        return self._holders[address]
+    async def _page_table(self, corpus_id: str) -> CorpusView:
+        async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:
+            return CorpusView.from_page_table(await c.page_table(corpus_id))

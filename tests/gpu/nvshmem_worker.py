@@ -28,8 +28,9 @@ from prometheus_client import generate_latest
 from corpusd.corpus.store import PageStore
 from corpusd.model import load_model
 from corpusd.rpc import StatusError
+from requester.config import WorkerConfig
 from requester.sampling import SamplingParams
-from requester.worker import Worker, WorkerConfig
+from requester.worker import Worker
 
 PROMPTS = [f"\nQ{i}: line {i * 37}?" for i in range(4)]
 
@@ -46,7 +47,7 @@ async def main(model_dir: str, store_dir: str, cid: str, address: str) -> dict[s
     for w in workers.values():
         await w.attach(cid, [address])
     out["attach_s"] = time.perf_counter() - t0
-    out["routes"] = {t: w.routes[address].name for t, w in workers.items()}
+    out["routes"] = {t: w.fanout.routes[address].name for t, w in workers.items()}
 
     got = {}
     for t, w in workers.items():
@@ -84,11 +85,11 @@ async def main(model_dir: str, store_dir: str, cid: str, address: str) -> dict[s
     rows = torch.randint(0, tokens, (7, 128), generator=g)  # the corpus fills frames 0.. first
     scale = model.cfg.softmax_scale
     for t, w in workers.items():
-        route = w.routes[address]
+        route = w.fanout.routes[address]
         times = []
         for i in range(23):
             t0 = time.perf_counter()
-            await route.attend(cid, 0, q, rows, scale)
+            await route.attend_rows(cid, 0, q, rows, scale)
             if i >= 3:
                 times.append((time.perf_counter() - t0) * 1e6)
         lat[t] = statistics.median(times)
@@ -99,7 +100,7 @@ async def main(model_dir: str, store_dir: str, cid: str, address: str) -> dict[s
     codes = {}
     for t, w in workers.items():
         try:
-            await w.routes[address].attend(cid, 0, q, bad, scale)
+            await w.fanout.routes[address].attend_rows(cid, 0, q, bad, scale)
             codes[t] = "OK"
         except grpc.aio.AioRpcError as e:
             codes[t] = e.code().name

@@ -52,7 +52,7 @@ async def route(t: PageTable, cid: str, q: torch.Tensor, pos: torch.Tensor) -> t
             if h == hid:
                 rows.view(-1)[i] = frame * 64 + p % 64
         c = HolderClient(t.address(hid))
-        parts.append(await c.attend(cid, 1, q, rows, SCALE))
+        parts.append(await c.attend_rows(cid, 1, q, rows, SCALE))
         await c.close()
     o, _ = merge_partials([(p.o, p.lse) for p in parts])
     return o

@@ -22,9 +22,10 @@ from corpusd.model.rope import shift_band
 from corpusd.rpc import StatusError
 from corpusd.transport import nvshmem_ring
 from holder.launch import HolderProcess
+from requester.config import WorkerConfig
 from requester.holder_client import HolderClient
 from requester.sampling import SamplingParams
-from requester.worker import Worker, WorkerConfig
+from requester.worker import Worker
 from tests.support.checks import rel
 from tests.support.holders import pin_sample, start_holder
 
@@ -336,7 +337,7 @@ class _FailingRoute:
 
     name = "nvshmem"
 
-    async def attend(self, *args: object, **kwargs: object) -> object:
+    async def attend_rows(self, *args: object, **kwargs: object) -> object:
         raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, "no NVSHMEM reply (test)")
 
     async def close(self) -> None:
@@ -355,8 +356,8 @@ def test_a_failing_nvshmem_route_fails_over_like_grpc(  # type: ignore[no-untype
         try:
             await w.attach(cid, [h.address for h in holders[:2]])
             # on CPU "auto" picks gRPC for both, without asking the holders
-            assert {r.name for r in w.routes.values()} == {"grpc"}
-            w.routes[holders[1].address] = _FailingRoute()
+            assert {r.name for r in w.fanout.routes.values()} == {"grpc"}
+            w.fanout.routes[holders[1].address] = _FailingRoute()
             s = w.open(cid, list(SUFFIXES[0].encode()), params=SamplingParams(max_tokens=6))
             await w.generate([s])
             return s.generated, w

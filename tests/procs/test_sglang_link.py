@@ -34,6 +34,10 @@ from tests.support.coordinators import start_holders, synthetic_corpus
 TOKENS = 200  # three whole pages and a partial one
 
 
+def _cfg(model_dir: Path) -> ModelConfig:
+    return ModelConfig.from_dir(model_dir)
+
+
 @dataclass
 class Cluster:
     store: Path
@@ -67,7 +71,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterato
 
 
 def test_link_binds_pinned_corpora_and_says_why_not(cluster: Cluster, tiny_dir: Path) -> None:
-    link = CorpusLink(cluster.coord.address, fingerprint(tiny_dir), 64)
+    link = CorpusLink(cluster.coord.address, _cfg(tiny_dir), fingerprint(tiny_dir), 64)
     try:
         name = PageStore(cluster.store).manifest(cluster.corpus_id).name
         b = link.bind(name)
@@ -77,20 +81,20 @@ def test_link_binds_pinned_corpora_and_says_why_not(cluster: Cluster, tiny_dir: 
             link.bind("nope")
     finally:
         link.close()
-    other = CorpusLink(cluster.coord.address, "sha256:other", 64)
+    other = CorpusLink(cluster.coord.address, _cfg(tiny_dir), "sha256:other", 64)
     try:
         with pytest.raises(CorpusBindingError, match="but this SGLang server runs sha256:other"):
             other.bind(name)
     finally:
         other.close()
     with pytest.raises(ValueError, match="CORPUSD_COORDINATOR"):
-        CorpusLink("", "x", 64)
+        CorpusLink("", _cfg(tiny_dir), "x", 64)
 
 
 def test_link_index_keys_are_the_stores_at_sglang_fp8_precision(
     cluster: Cluster, tiny_dir: Path
 ) -> None:
-    link = CorpusLink(cluster.coord.address, fingerprint(tiny_dir), 64)
+    link = CorpusLink(cluster.coord.address, _cfg(tiny_dir), fingerprint(tiny_dir), 64)
     try:
         b = link.bind(cluster.corpus_id)
         got = link.index_keys(b, 1, torch.device("cpu"), ue8m0=True)
@@ -119,7 +123,7 @@ def test_link_attend_is_the_corpus_partial_from_inside_a_sync_caller(
     g = torch.Generator().manual_seed(5)
     q = torch.randn(3, cfg.num_attention_heads, cfg.kv_dim, generator=g).bfloat16()
     pos = torch.randint(-1, TOKENS, (3, 40), generator=g)
-    link = CorpusLink(cluster.coord.address, fingerprint(tiny_dir), 64)
+    link = CorpusLink(cluster.coord.address, _cfg(tiny_dir), fingerprint(tiny_dir), 64)
     try:
         b = link.bind(cluster.corpus_id)
         first = link.attend(b, 1, q, pos, cfg.softmax_scale)
@@ -132,34 +136,34 @@ def test_link_attend_is_the_corpus_partial_from_inside_a_sync_caller(
     assert rel(o, ro) < 1e-2 and torch.allclose(lse, rl, atol=1e-3)
 
 
-def test_link_attend_goes_through_an_agent_when_a_holder_call_fails(
+def test_link_attend_fails_over_like_the_worker_when_a_holder_call_fails(
     cluster: Cluster, tiny_dir: Path
 ) -> None:
     """A page table that names a holder that is gone (as after a re-placement): the holder call
-    fails, the link drops the table and serves the call through an agent worker, with the same
-    result; the next call reads the page table anew and goes straight again."""
+    fails, no replica in the stale table is left, so the link's binding (corpusd's shared
+    fan-out) re-reads the page table from the coordinator and serves the call from the holder it
+    names now, with the same bits."""
     cfg = ModelConfig.from_dir(tiny_dir)
     g = torch.Generator().manual_seed(6)
     q = torch.randn(2, cfg.num_attention_heads, cfg.kv_dim, generator=g).bfloat16()
     pos = torch.randint(-1, TOKENS, (2, 30), generator=g)
-    link = CorpusLink(cluster.coord.address, fingerprint(tiny_dir), 64)
+    link = CorpusLink(cluster.coord.address, cfg, fingerprint(tiny_dir), 64)
     try:
         b = link.bind(cluster.corpus_id)
         want = link.attend(b, 0, q, pos, cfg.softmax_scale)
-        view = link._views[cluster.corpus_id]
+        binding = link._corpora[cluster.corpus_id]
+        view = binding.view
         with socket.socket() as s:  # a port nothing listens on
             s.bind(("127.0.0.1", 0))
             gone = f"127.0.0.1:{s.getsockname()[1]}"
-        link._views[cluster.corpus_id] = replace(view, holders=(gone,) * len(view.holders))
-        via_agent = link.attend(b, 0, q, pos, cfg.softmax_scale)
-        assert cluster.corpus_id not in link._views and link._client is not None
-        again = link.attend(b, 0, q, pos, cfg.softmax_scale)
-        assert link._views[cluster.corpus_id].holders == view.holders
+        binding.view = replace(view, holders=(gone,) * len(view.holders))
+        failed_over = link.attend(b, 0, q, pos, cfg.softmax_scale)
+        assert binding.view.holders == view.holders and not binding.dead
+        fallbacks = link.fanout.metrics.fallbacks.labels("route", "table")._value.get()
     finally:
         link.close()
-    # the agent returns O in q's dtype (bf16); the straight path merges in float32
-    assert rel(via_agent[0], want[0]) < 1e-2 and torch.allclose(via_agent[1], want[1], atol=1e-4)
-    assert torch.equal(again[0], want[0]) and torch.equal(again[1], want[1])
+    assert fallbacks == 1
+    assert torch.equal(failed_over[0], want[0]) and torch.equal(failed_over[1], want[1])
 
 
 def test_corpus_pages_serve_a_prompt_that_starts_with_the_corpus(

@@ -17,10 +17,10 @@ from corpusd.model.rope import Rotary, rotate_half_layout, shift_band
 from corpusd.model.tiny import TINY
 from indexer import merge_topk, select_topk
 from indexer.modes import select_distributed, select_replica
+from requester.plan import compact
 from requester.predicate import Group, Predicate, Profile
 from requester.sampling import SamplingParams, sample
 from requester.sources import PageCache, attend_canonical
-from requester.worker import compact
 from tests.support.checks import rel
 
 

@@ -84,7 +84,7 @@ class FakeGrpc:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def attend(self, *args: Any, **kwargs: Any) -> Partial:
+    async def attend_rows(self, *args: Any, **kwargs: Any) -> Partial:
         self.calls += 1
         q = args[2]
         return Partial(torch.zeros(q.shape[0], q.shape[1], D_V), torch.zeros(q.shape[:2]), "", 0)
@@ -103,7 +103,7 @@ def test_nvshmem_route_splits_rows_over_slots_and_answers_like_attend() -> None:
     q = torch.randn(10, 8, D, generator=g)
     rows = torch.randint(0, POOL, (10, 16), generator=g)
     rows[3, 5:] = -1
-    part = asyncio.run(route.attend("c", 0, q, rows, SCALE))
+    part = asyncio.run(route.attend_rows("c", 0, q, rows, SCALE))
     assert [r for r, _, _ in fake.opened] == [4, 4, 2], "one slot holds 4 rows of 8 heads × 16"
     ref_o, ref_lse = partial_attention(q.bfloat16(), fake.pool, rows, SCALE, D_V)
     assert part.o.dtype == q.dtype and part.lse.dtype == torch.float32  # Attend's dtypes
@@ -116,17 +116,17 @@ def test_nvshmem_route_fails_like_attend_and_falls_back_when_broken() -> None:
     q, rows = torch.randn(2, 8, D), torch.full((2, 16), 5)
     rows[1, 3] = 200  # not the corpus's
     with pytest.raises(StatusError) as e:
-        asyncio.run(route.attend("c", 0, q, rows, SCALE))
+        asyncio.run(route.attend_rows("c", 0, q, rows, SCALE))
     assert e.value.code == grpc.StatusCode.OUT_OF_RANGE and not route.broken
     fake.fail_open = rpc_error(grpc.StatusCode.NOT_FOUND, "corpus 'x' is not held")
     with pytest.raises(StatusError) as e:
-        asyncio.run(route.attend("x", 0, q, rows, SCALE))
+        asyncio.run(route.attend_rows("x", 0, q, rows, SCALE))
     assert e.value.code == grpc.StatusCode.NOT_FOUND and not route.broken
     fake.fail_open = rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")
     with pytest.raises(StatusError) as e:
-        asyncio.run(route.attend("c", 0, q, rows, SCALE))
+        asyncio.run(route.attend_rows("c", 0, q, rows, SCALE))
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and route.broken
-    asyncio.run(route.attend("c", 0, q, rows, SCALE))
+    asyncio.run(route.attend_rows("c", 0, q, rows, SCALE))
     assert plain.calls == 1, "a broken NVSHMEM route sends over gRPC"
 
 
@@ -135,14 +135,14 @@ def test_nvshmem_route_times_out_and_breaks() -> None:
     fake.hang = True
     q, rows = torch.randn(1, 8, D), torch.zeros(1, 16, dtype=torch.int64)
     with pytest.raises(StatusError) as e:
-        asyncio.run(route.attend("c", 0, q, rows, SCALE, timeout=0.05))
+        asyncio.run(route.attend_rows("c", 0, q, rows, SCALE, timeout=0.05))
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and route.broken
 
 
 def test_requests_larger_than_a_slot_go_over_grpc() -> None:
     route, fake, plain = small_route()
     q, rows = torch.randn(1, 8, D), torch.zeros(1, 1 << 16, dtype=torch.int64)
-    asyncio.run(route.attend("c", 0, q, rows, SCALE))
+    asyncio.run(route.attend_rows("c", 0, q, rows, SCALE))
     assert plain.calls == 1 and not fake.opened
 
 

@@ -1,0 +1,431 @@
+"""The fan-out engine: one corpus binding's plan, shared by corpusd's worker and the SGLang plugin.
+
+Per layer call (DESIGN.md, "One decode step", steps 2–6):
+select → group by holder → route / fetch / local → concurrent fan-out → fail over → LSE merge.
+
+- :class:`Fanout` is a process's engine: its holder connections (a client and a route transport
+  per holder address), the predicate, the metrics and where blocking torch work runs.
+- :class:`CorpusBinding` is what the process keeps of one bound corpus: its page table (a
+  :class:`CorpusView`), fetched pages, the replica index keys, the tokens and re-prefilled rows
+  for ``local``, and the holders that failed. Its :meth:`~CorpusBinding.attend` serves partial
+  attention over canonical corpus positions; its :meth:`~CorpusBinding.index_keys` and
+  :meth:`~CorpusBinding.holder_topk` are the two indexer modes' corpus side.
+
+Failover, in one place (:meth:`CorpusBinding._recover`): a failed holder call marks the holder
+dead and re-serves its rows from replicas on the others; when some page has no live replica the
+binding re-reads its page table (``refresh``, where the binder gave one: the coordinator may have
+placed the corpus anew), then recomputes the rows here from the tokens (``local``), and only then
+raises :class:`CorpusUnavailable`. A failed holder loses no data, so the result is the same.
+
+Names: ``rows`` are pool rows on one holder (``frame * page_size + slot``, int32, what a
+holder's Attend takes); ``positions`` / ``canon`` are canonical corpus positions (int64, the
+corpus's first token at 0). ``-1`` marks an unused slot in both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from corpusd.model import DeepseekV32
+from corpusd.rpc import StatusError
+from indexer import index_scores
+from indexer.select import merge_topk, select_topk
+from requester.corpus_view import CorpusUnavailable, CorpusView
+from requester.holder_client import HolderClient
+from requester.metrics import RequesterMetrics
+from requester.plan import Geometry, GroupWork, Partial, failure, holder_groups, merge_groups
+from requester.predicate import Decision, Group, Predicate
+from requester.routes import TRANSPORTS, Route, connect, requester_id
+from requester.sources import LocalRows, PageCache, attend_canonical
+
+log = logging.getLogger("corpusd.requester")
+T = TypeVar("T")
+Offload = Callable[..., Awaitable[Any]]  # (fn, *args) → awaitable of fn(*args), off the loop
+
+
+async def inline(fn: Callable[..., T], *args: Any) -> T:
+    """Run blocking work on the caller's loop (a loop of its own, as the SGLang link's)."""
+    return fn(*args)
+
+
+class Fanout:
+    """A process's fan-out engine. Create and use it inside one running event loop.
+
+    ``transport`` picks how routes reach each holder (``auto`` | ``grpc`` | ``nvshmem``, see
+    :mod:`requester.routes`); ``off`` runs blocking torch work (default: inline); ``trace``,
+    when a list, receives every decision with its predicted and measured cost."""
+
+    def __init__(
+        self,
+        predicate: Predicate,
+        metrics: RequesterMetrics,
+        *,
+        transport: str = "auto",
+        nvshmem_device: int = 0,
+        rpc_timeout_s: float = 60.0,
+        fetch_cache_bytes: int = 1 << 30,
+        off: Offload = inline,
+        trace: list[dict[str, Any]] | None = None,
+    ) -> None:
+        assert transport in TRANSPORTS, f"{transport=} not in {TRANSPORTS}"
+        self.predicate, self.metrics, self.off, self.trace = predicate, metrics, off, trace
+        self.transport, self.nvshmem_device = transport, nvshmem_device
+        self.rpc_timeout_s, self.fetch_cache_bytes = rpc_timeout_s, fetch_cache_bytes
+        self.clients: dict[str, HolderClient] = {}
+        self.routes: dict[str, Route] = {}  # holder address → how its routes travel
+        self._connecting: dict[str, asyncio.Lock] = {}
+        self.step = 0  # the caller's step number, for logs and the trace
+
+    def client(self, address: str) -> HolderClient:
+        if address not in self.clients:
+            self.clients[address] = HolderClient(address)
+        return self.clients[address]
+
+    async def route(self, address: str) -> Route:
+        """The holder's route transport (chosen once, logged and exported as
+        ``corpusd_requester_transport_info{holder,transport}``). Raises ValueError when a forced
+        transport cannot work for it."""
+        if address in self.routes:
+            return self.routes[address]
+        async with self._connecting.setdefault(address, asyncio.Lock()):
+            if address not in self.routes:
+                r = await connect(
+                    address,
+                    self.client(address),
+                    self.transport,
+                    self.nvshmem_device,
+                    f"{requester_id()}:{id(self):x}",
+                )
+                self.routes[address] = r
+                for name in TRANSPORTS[1:]:
+                    self.metrics.transport.labels(address, name).set(int(name == r.name))
+        return self.routes[address]
+
+    async def bind(
+        self,
+        view: CorpusView,
+        geometry: Geometry,
+        *,
+        model: DeepseekV32 | None = None,
+        tokens: torch.Tensor | None = None,
+        refresh: Callable[[], Awaitable[CorpusView]] | None = None,
+    ) -> CorpusBinding:
+        """A binding of the corpus ``view`` describes; route transports to its holders are
+        chosen (NVSHMEM joined) now, before any decoding. ``model`` and ``tokens`` make
+        ``local`` possible (re-prefill here); ``refresh`` re-reads the page table on failover."""
+        for address in view.holders:
+            await self.route(address)
+        return CorpusBinding(self, view, geometry, model=model, tokens=tokens, refresh=refresh)
+
+    async def close(self) -> None:
+        for r in self.routes.values():
+            await r.close()
+        for c in self.clients.values():
+            await c.close()
+
+
+class CorpusBinding:
+    """One bound corpus: its plan and per-corpus state (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: Fanout,
+        view: CorpusView,
+        geometry: Geometry,
+        *,
+        model: DeepseekV32 | None = None,
+        tokens: torch.Tensor | None = None,
+        refresh: Callable[[], Awaitable[CorpusView]] | None = None,
+        force: str | None = None,
+    ) -> None:
+        self.engine, self.view, self.geo = engine, view, geometry
+        self.model, self.tokens, self.refresh = model, tokens, refresh
+        self.force = force  # the monolithic baseline pins "local"
+        self.pages = PageCache(view.page_size, engine.fetch_cache_bytes if not force else 0)
+        self.keys: dict[int, torch.Tensor] = {}  # replica indexer: layer → [T, D_I]
+        self.local: LocalRows | None = None
+        self.dead: set[int] = set()  # holders (view indices) that failed a call
+        self.lock = asyncio.Lock()  # one local re-prefill at a time
+        self._failing = asyncio.Lock()
+
+    @property
+    def corpus_id(self) -> str:
+        return self.view.corpus_id
+
+    # -- the indexer's corpus side -----------------------------------------------------------------
+    async def index_keys(self, layer: int) -> torch.Tensor:
+        """``[T, D_I]`` index keys of ``layer`` (in the geometry's dtype), streamed from the
+        holders once and kept. Raises grpc.aio.AioRpcError when a holder fails to stream."""
+        if layer not in self.keys:
+            view, p = self.view, self.view.page_size
+            keys = torch.empty(view.n_pages * p, self.geo.index_dim, dtype=self.geo.dtype)
+            got: set[int] = set()
+            for address in view.holders:
+                pages = await self.engine.client(address).index_keys(view.corpus_id, layer)
+                for page, k in pages.items():
+                    keys[page * p : (page + 1) * p] = k
+                    got.add(page)
+            missing = view.n_pages - len(got)
+            assert missing == 0, f"corpus {view.corpus_id}: index keys of {missing} pages missing"
+            self.keys[layer] = keys[: view.token_count]
+        return self.keys[layer]
+
+    async def holder_topk(
+        self, layer: int, iq: torch.Tensor, iw: torch.Tensor, limit: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Distributed indexer, phase one: each live holder's local top-``index_topk``
+        ``(positions, scores)`` of ``iq [n, H_I, D_I]`` / ``iw [n, H_I]`` over canonical
+        positions below ``limit [n]``. The global top-k is a subset of their union."""
+        g = self.geo
+        return list(
+            await asyncio.gather(
+                *(
+                    self.engine.client(a).index_topk(
+                        self.corpus_id, layer, iq, iw, limit, g.index_topk, g.index_arith
+                    )
+                    for i, a in enumerate(self.view.holders)
+                    if i not in self.dead
+                )
+            )
+        )
+
+    async def topk(self, layer: int, iq: torch.Tensor, iw: torch.Tensor) -> torch.Tensor:
+        """The exact top-``index_topk`` canonical positions ``[n, k]`` of the whole corpus for
+        index queries ``iq [n, H_I, D_I]`` and head weights ``iw [n, H_I]`` (ties: lowest
+        position first): over the replica keys when this binding keeps them, else merged from
+        the holders' own top-k."""
+        g = self.geo
+        iq, iw = iq.to(g.dtype), iw.to(g.dtype)
+        if self.keys:
+            keys = await self.index_keys(layer)
+            scale = g.index_dim**-0.5
+            return await self.engine.off(
+                lambda: select_topk(index_scores(iq, iw, keys, scale, g.index_arith), g.index_topk)
+            )
+        limit = torch.full((len(iq),), self.view.token_count, dtype=torch.int64)
+        parts = await self.holder_topk(layer, iq, iw, limit)
+        positions = torch.cat([p for p, _ in parts], 1)
+        return merge_topk(positions, torch.cat([s for _, s in parts], 1), g.index_topk)
+
+    # -- attention ---------------------------------------------------------------------------------
+    async def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        canon: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        scale: float | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Partial:
+        """``(O [n, h, d_v], LSE [n, h])`` of absorbed queries ``q [n, h, kv_dim]`` over
+        canonical corpus positions ``canon [n, k]`` (int64, -1 unused), each row's corpus placed
+        at ``offsets [n]`` (default 0; ``q`` is rotated back by it for route). Grouped by holder,
+        each group served by the predicate's pick, concurrently, failed over, merged exactly; O
+        in ``dtype`` (default ``q``'s). Raises CorpusUnavailable when no replica, refreshed page
+        table or local re-prefill can serve a failed holder's rows."""
+        if offsets is None:
+            offsets = torch.zeros(len(q), dtype=torch.int64)
+        scale = self.geo.softmax_scale if scale is None else scale
+        groups = holder_groups(self.view, canon)
+        self.engine.metrics.fanout.observe(len(groups))
+        results = await asyncio.gather(
+            *(self._group(layer, q, offsets, g, scale, len(self.view.holders)) for g in groups)
+        )
+        return merge_groups(q, self.geo.d_v, groups, results, dtype)
+
+    def _shape(self, layer: int, g: GroupWork) -> Group:
+        valid = g.canon >= 0
+        p, geo = self.view.page_size, self.geo
+        pages = (g.canon[valid] // p).unique().tolist()
+        computed = self.local.computed if self.local is not None else 0
+        return Group(
+            n=len(g.keep),
+            k=g.canon.shape[1],
+            h=geo.heads,
+            rows=int(valid.sum()),
+            missing_pages=len(self.pages.missing(layer, pages)),
+            page_bytes=p * geo.kv_dim * geo.dtype.itemsize,
+            missing_tokens=max(0, int(g.canon.max()) + 1 - computed),
+            local_ok=self.tokens is not None and self.model is not None,
+            kv_dim=geo.kv_dim,
+            d_v=geo.d_v,
+        )
+
+    async def _group(
+        self, layer: int, q: torch.Tensor, off: torch.Tensor, g: GroupWork, scale: float, tries: int
+    ) -> Partial:
+        predicate = self.engine.predicate
+        shape = self._shape(layer, g)
+        decision = (
+            Decision(self.force, predicate.costs(shape)) if self.force else predicate.decide(shape)
+        )
+        t0 = time.perf_counter()
+        try:
+            result = await self._execute(layer, q, off, g, decision.pick, scale)
+        except (grpc.aio.AioRpcError, StatusError) as e:  # gRPC or NVSHMEM: the same path
+            code, _ = failure(e)
+            self.engine.metrics.errors.labels(code.name).inc()
+            return await self._recover(layer, q, off, g, scale, decision.pick, e, tries)
+        self._record(layer, g, decision, time.perf_counter() - t0)
+        return result
+
+    async def _recover(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        off: torch.Tensor,
+        g: GroupWork,
+        scale: float,
+        pick: str,
+        e: grpc.aio.AioRpcError | StatusError,
+        tries: int,
+    ) -> Partial:
+        """A holder failed: its rows go to replicas, else to a re-read page table, else are
+        recomputed here; ``tries`` bounds how often one call's rows may fail over."""
+        code, detail = failure(e)
+        async with self._failing:  # one failover at a time; others re-plan on its result
+            held = [i for i, a in enumerate(self.view.holders) if a == g.address]
+            if held and not set(held) <= self.dead:
+                self.dead.update(held)
+                to = await self._fail_over()
+                log.warning(
+                    "holder %s failed (%s: %s); %s", g.address, code.name, detail, _SAYS[to]
+                )
+                self.engine.metrics.fallbacks.labels(pick, to).inc()
+            elif held and bool(torch.isin(self.view.page_holder, torch.tensor(held)).any()):
+                to = "local"  # another call failed it over already, and found no other source
+            else:
+                to = "replica"  # another call failed it over already: re-plan on the new view
+        if to == "local" or tries <= 0:
+            if self.tokens is None or self.model is None:
+                raise CorpusUnavailable(
+                    f"corpus {self.corpus_id}: holder {g.address} failed ({code.name}: {detail}) "
+                    "and its rows have no other source"
+                )
+            return await self._execute(layer, q, off, g, "local", scale)
+        qg, og = q[g.keep], off[g.keep]
+        groups = holder_groups(self.view, g.canon)
+        results = await asyncio.gather(
+            *(self._group(layer, qg, og, h, scale, tries - 1) for h in groups)
+        )
+        return merge_groups(qg, self.geo.d_v, groups, results)
+
+    async def _fail_over(self) -> str:
+        """Re-bind to live replicas ("replica"), or to the page table as re-read ("table"), or
+        leave the view and say "local"."""
+        try:
+            self.view = self.view.failover(self.dead)
+            return "replica"
+        except CorpusUnavailable:
+            if self.refresh is None:
+                return "local"
+        try:
+            view = await self.refresh()
+        except Exception as e:  # the coordinator is down too: the rows still have tokens
+            log.warning("re-reading corpus %s's page table failed: %s", self.corpus_id, e)
+            return "local"
+        if view.holders == self.view.holders and torch.equal(view.page_frame, self.view.page_frame):
+            return "local"  # nothing new: the same holders would fail again
+        self.view, self.dead = view, set()
+        return "table"
+
+    async def _execute(
+        self, layer: int, q: torch.Tensor, off: torch.Tensor, g: GroupWork, pick: str, scale: float
+    ) -> Partial:
+        qg, og, geo = q[g.keep], off[g.keep], self.geo
+        if pick == "route":
+            route = await self.engine.route(g.address)
+            part = await route.attend_rows(
+                self.corpus_id,
+                layer,
+                geo.canonical(qg, og, geo.d_v),
+                g.rows,
+                scale,
+                timeout=self.engine.rpc_timeout_s,
+            )
+            return part.o, part.lse
+        uniq = g.canon[g.canon >= 0].unique()
+        if pick == "fetch":
+            rows_of = await self._fetched(layer, g, uniq)
+        else:
+            rows_of = await self._local(layer, uniq)
+        assert geo.shift is not None or not bool((og != 0).any()), "offsets need geometry.shift"
+        shift = geo.shift or _no_shift
+        return await self.engine.off(
+            attend_canonical, qg, g.canon, og, rows_of, uniq, shift, scale, geo.d_v
+        )
+
+    async def _fetched(self, layer: int, g: GroupWork, uniq: torch.Tensor) -> torch.Tensor:
+        pages = (uniq // self.view.page_size).unique().tolist()
+        missing = self.pages.missing(layer, pages)
+        if missing:
+            client = self.engine.client(g.address)
+            lat, _ = await client.fetch(self.corpus_id, missing, layers=[layer])
+            self.pages.put(layer, missing, lat[0].to(self.geo.dtype))
+            self.engine.metrics.fetched_bytes.inc(lat[0].nbytes)
+        return self.pages.rows(layer, uniq)
+
+    async def _local(self, layer: int, uniq: torch.Tensor) -> torch.Tensor:
+        if self.tokens is None or self.model is None:
+            raise RuntimeError(
+                f"local re-prefill of corpus {self.corpus_id} needs its tokens and the model: "
+                "give the worker the page store it was pinned into"
+            )
+        async with self.lock:
+            if self.local is None:
+                self.local = LocalRows(self.model, self.tokens)
+            done = await self.engine.off(self.local.ensure, int(uniq.max()) + 1)
+        self.engine.metrics.prefilled.inc(done)
+        return self.local.rows(layer, uniq)
+
+    def _record(self, layer: int, g: GroupWork, d: Decision, measured_s: float) -> None:
+        e, m = self.engine, self.engine.metrics
+        predicted_s = d.predicted_us[d.pick] / 1e6
+        forced = self.force or e.predicate.force != "auto"
+        m.decisions.labels(d.pick, "yes" if forced else "no").inc()
+        m.predicted.labels(d.pick).observe(predicted_s)
+        m.measured.labels(d.pick).observe(measured_s)
+        if predicted_s > 0:
+            m.misprediction.labels(d.pick).set(measured_s / predicted_s)
+        log.debug(
+            "step %d layer %d holder %s rows %d: %s predicted %.0f µs (%s) measured %.0f µs",
+            e.step,
+            layer,
+            g.address,
+            len(g.keep),
+            d.pick,
+            d.predicted_us[d.pick],
+            ", ".join(f"{k} {v:.0f}" for k, v in d.predicted_us.items()),
+            measured_s * 1e6,
+        )
+        if e.trace is not None:
+            e.trace.append(
+                {
+                    "step": e.step,
+                    "layer": layer,
+                    "holder": g.holder,
+                    "rows": len(g.keep),
+                    "k": int(g.canon.shape[1]),
+                    "pick": d.pick,
+                    "predicted_us": d.predicted_us,
+                    "measured_us": measured_s * 1e6,
+                }
+            )
+
+
+_SAYS = {
+    "replica": "its pages are served by replicas from now on",
+    "table": "the corpus's page table was re-read; its rows go where it says now",
+    "local": "recomputing its rows here",
+}
+
+
+def _no_shift(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    raise AssertionError("a corpus at offset 0 needs no rotation")

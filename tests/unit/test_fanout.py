@@ -1,0 +1,239 @@
+"""The shared fan-out engine (requester/fanout.py) against a plain torch reference, with fake holder
+routes: grouping by holder and the LSE merge are exact; a failed holder's rows fail over to
+replicas, then to a re-read page table, then to a local re-prefill, in that order, and only then
+is the corpus unavailable. The same engine serves corpusd's worker and the SGLang plugin."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from corpusd.model import DeepseekV32
+from corpusd.model.partial import partial_attention
+from corpusd.rpc import StatusError
+from requester.corpus_view import CorpusUnavailable, CorpusView
+from requester.fanout import CorpusBinding, Fanout
+from requester.holder_client import Partial
+from requester.metrics import RequesterMetrics
+from requester.plan import Geometry
+from requester.predicate import Predicate, Profile
+from requester.sources import LocalRows
+from tests.support.checks import rel
+
+P = 4  # tokens per page
+T = 22  # six pages, the last one partial
+GEO = Geometry(
+    heads=2,
+    kv_dim=12,
+    d_v=8,
+    index_dim=4,
+    index_topk=8,
+    index_arith="exact",
+    softmax_scale=0.3,
+    dtype=torch.float32,
+)
+
+
+class FakeRoute:
+    """A holder's Attend over its own pool: pool rows must arrive as int32, as a holder's kernel
+    takes them; ``down`` makes every call fail as a dead holder's gRPC call does."""
+
+    name = "grpc"
+
+    def __init__(self, pool: torch.Tensor, d_v: int) -> None:
+        self.pool, self.d_v, self.down, self.calls = pool, d_v, False, 0
+
+    async def attend_rows(
+        self, corpus_id: str, layer: int, q: torch.Tensor, rows: torch.Tensor, scale: float,
+        timeout: float | None = None,
+    ) -> Partial:  # fmt: skip
+        self.calls += 1
+        if self.down:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        assert rows.dtype == torch.int32, rows.dtype
+        o, lse = partial_attention(q, self.pool, rows, scale, self.d_v)
+        return Partial(o, lse, "torch", 0.0)
+
+    async def close(self) -> None:
+        pass
+
+
+def placed(
+    rows: torch.Tensor, holders: tuple[str, ...], replicas: list[list[int]]
+) -> tuple[CorpusView, dict[str, FakeRoute]]:
+    """A view of corpus ``rows [T, kv_dim]`` whose page ``p`` has a replica on each holder
+    index in ``replicas[p]``, and each holder's pool (frames in order of arrival)."""
+    d = rows.shape[1]
+    n_pages = -(-rows.shape[0] // P)
+    padded = torch.zeros(n_pages * P, d)
+    padded[: rows.shape[0]] = rows
+    frames: dict[int, list[int]] = {h: [] for h in range(len(holders))}
+    reps = []
+    for p in range(n_pages):
+        here = []
+        for h in replicas[p]:
+            here.append((h, len(frames[h])))
+            frames[h].append(p)
+        reps.append(tuple(here))
+    routes = {}
+    for h, pages in frames.items():
+        pool = torch.cat([padded[p * P : (p + 1) * P] for p in pages]) if pages else padded[:0]
+        routes[holders[h]] = FakeRoute(pool, GEO.d_v)
+    zeros = torch.zeros(n_pages, dtype=torch.int64)
+    view = CorpusView("c0", rows.shape[0], P, holders, zeros, zeros, tuple(reps))
+    return view.failover(()), routes
+
+
+def engine(routes: dict[str, FakeRoute]) -> Fanout:
+    f = Fanout(Predicate(Profile(), "route"), RequesterMetrics())
+    f.routes.update(routes)  # type: ignore[arg-type]
+    return f
+
+
+def inputs(seed: int, n: int = 5, k: int = 9) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(T, GEO.kv_dim, generator=g)
+    q = torch.randn(n, GEO.heads, GEO.kv_dim, generator=g)
+    canon = torch.randint(-1, T, (n, k), generator=g)
+    return rows, q, canon
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def count(f: Fanout, pick: str, to: str) -> float:
+    return f.metrics.fallbacks.labels(pick, to)._value.get()
+
+
+def test_attend_groups_by_holder_and_merges_exactly() -> None:
+    rows, q, canon = inputs(0)
+    view, routes = placed(rows, ("a", "b", "c"), [[p % 3] for p in range(6)])
+    b = CorpusBinding(engine(routes), view, GEO)
+    o, lse = run(b.attend(0, q, canon))
+    ro, rl = partial_attention(q, rows, canon, GEO.softmax_scale, GEO.d_v)
+    assert rel(o, ro) < 1e-5 and torch.allclose(lse, rl, atol=1e-5)
+    assert all(r.calls == 1 for r in routes.values())  # one call per holder per layer call
+
+
+def test_a_failed_holder_fails_over_to_replicas_with_the_same_result() -> None:
+    rows, q, canon = inputs(1)
+    view, routes = placed(rows, ("a", "b", "c"), [[p % 3, (p + 1) % 3] for p in range(6)])
+    f = engine(routes)
+    b = CorpusBinding(f, view, GEO)
+    want = run(b.attend(0, q, canon))
+    routes["b"].down = True
+    got = run(b.attend(0, q, canon))
+    assert torch.allclose(got[0], want[0], atol=1e-6) and torch.equal(
+        got[1].isinf(), want[1].isinf()
+    )
+    assert b.dead == {1} and 1 not in b.view.page_holder.tolist()
+    assert count(f, "route", "replica") == 1
+    calls = routes["b"].calls
+    run(b.attend(0, q, canon))  # bound to the replicas from now on
+    assert routes["b"].calls == calls
+
+
+def test_no_replica_left_re_reads_the_page_table() -> None:
+    """Both replicas of some pages are down; the coordinator's page table now places the corpus
+    on a third holder: the binding re-reads it and serves the rows there."""
+    rows, q, canon = inputs(2)
+    view, routes = placed(rows, ("a", "b"), [[0, 1]] * 6)
+    moved, moved_routes = placed(rows, ("c",), [[0]] * 6)
+    routes.update(moved_routes)
+    reads: list[int] = []
+
+    async def refresh() -> CorpusView:
+        reads.append(1)
+        return moved
+
+    f = engine(routes)
+    b = CorpusBinding(f, view, GEO, refresh=refresh)
+    routes["a"].down = routes["b"].down = True
+    o, lse = run(b.attend(0, q, canon))
+    ro, rl = partial_attention(q, rows, canon, GEO.softmax_scale, GEO.d_v)
+    assert rel(o, ro) < 1e-5 and torch.allclose(lse, rl, atol=1e-5)
+    assert b.view.holders == ("c",) and not b.dead and reads
+    assert count(f, "route", "table") >= 1
+
+
+def test_without_replica_table_or_tokens_the_corpus_is_unavailable() -> None:
+    rows, q, canon = inputs(3)
+    view, routes = placed(rows, ("a", "b"), [[p % 2] for p in range(6)])
+    b = CorpusBinding(engine(routes), view, GEO)
+    routes["a"].down = True
+    said = r"holder a failed \(UNAVAILABLE: connection refused\) and its rows have no other"
+    with pytest.raises(CorpusUnavailable, match=said):
+        run(b.attend(0, q, canon))
+
+
+def test_an_unchanged_page_table_is_not_retried_forever() -> None:
+    rows, q, canon = inputs(4)
+    view, routes = placed(rows, ("a",), [[0]] * 6)
+    reads: list[int] = []
+
+    async def refresh() -> CorpusView:
+        reads.append(1)
+        return view  # the coordinator still names the dead holder
+
+    b = CorpusBinding(engine(routes), view, GEO, refresh=refresh)
+    routes["a"].down = True
+    with pytest.raises(CorpusUnavailable):
+        run(b.attend(0, q, canon))
+    assert len(reads) == 1
+
+
+def test_last_resort_recomputes_the_rows_here(tiny_model: DeepseekV32) -> None:
+    """Every holder down and no other table: the rows are re-prefilled from the corpus's tokens
+    (``local``), which give the same rows the holders had."""
+    geo = Geometry.of(tiny_model)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, tiny_model.cfg.vocab_size, (T,), generator=g)
+    ref = LocalRows(tiny_model, tokens)
+    with torch.inference_mode():
+        ref.ensure(T)
+    layer = 1
+    rows = ref.cache.latent[layer][:T].clone()
+    view, routes = placed(rows, ("a",), [[0]] * 6)
+    routes["a"].d_v = geo.d_v
+    f = engine(routes)
+    b = CorpusBinding(f, view, geo, model=tiny_model, tokens=tokens)
+    routes["a"].down = True
+    q = torch.randn(3, geo.heads, geo.kv_dim, generator=g)
+    canon = torch.randint(-1, T, (3, 7), generator=g)
+    with torch.inference_mode():
+        o, lse = run(b.attend(layer, q, canon))
+    ro, rl = partial_attention(q, rows, canon, geo.softmax_scale, geo.d_v)
+    assert rel(o, ro) < 1e-5 and torch.allclose(lse, rl, atol=1e-5)
+    assert count(f, "route", "local") == 1
+
+
+def test_offsets_rotate_the_query_back_for_route(tiny_model: DeepseekV32) -> None:
+    """A corpus placed at offset o: the query's rope band is rotated by −o before it goes to the
+    holder (the holder is position-oblivious); at offset 0 the query goes as it is."""
+    geo = Geometry.of(tiny_model)
+    g = torch.Generator().manual_seed(6)
+    rows = torch.randn(T, geo.kv_dim, generator=g)
+    view, routes = placed(rows, ("a",), [[0]] * 6)
+    routes["a"].d_v = geo.d_v
+    seen: list[torch.Tensor] = []
+    real: Callable[..., Any] = routes["a"].attend_rows
+
+    async def spy(corpus_id: str, layer: int, q: torch.Tensor, *a: Any, **kw: Any) -> Partial:
+        seen.append(q)
+        return await real(corpus_id, layer, q, *a, **kw)
+
+    routes["a"].attend_rows = spy  # type: ignore[method-assign]
+    b = CorpusBinding(engine(routes), view, geo)
+    q = torch.randn(2, geo.heads, geo.kv_dim, generator=g)
+    canon = torch.randint(0, T, (2, 5), generator=g)
+    run(b.attend(0, q, canon, offsets=torch.tensor([0, 7])))
+    assert torch.equal(seen[0][0], q[0])
+    assert torch.equal(seen[0][1], geo.canonical(q[1:], torch.tensor([7]), geo.d_v)[0])
+    assert not torch.equal(seen[0][1, :, geo.d_v :], q[1, :, geo.d_v :])
+    assert torch.equal(seen[0][1, :, : geo.d_v], q[1, :, : geo.d_v])
