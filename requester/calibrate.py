@@ -109,7 +109,7 @@ async def calibrate(
             async def attend(
                 q: torch.Tensor = q, rows: torch.Tensor = rows, out: list[float] = reported
             ) -> None:
-                out.append((await client.attend(corpus_id, 0, q, rows, 0.1)).compute_us)
+                out.append((await client.attend_rows(corpus_id, 0, q, rows, 0.1)).compute_us)
 
             await _median_async(attend, repeats)
             xs.append(float(n * k * h))

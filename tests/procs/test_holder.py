@@ -81,7 +81,7 @@ def test_attend_equals_the_reference_partial(
         c = HolderClient(holders[0].address)
         frames = await c.assign(cid)
         q, pos = _queries(1, 5, latent.shape[0], 48)
-        got = await c.attend(cid, 1, q, _pool_rows(pos, frames), SCALE)
+        got = await c.attend_rows(cid, 1, q, _pool_rows(pos, frames), SCALE)
         ref_o, ref_lse = partial_attention(q, latent, pos, SCALE, 512)
         assert got.kernel == "torch" and got.o.shape == (5, 64, 512)
         assert rel(got.o, ref_o) <= 1e-6 and rel(got.lse, ref_lse) <= 1e-6
@@ -115,7 +115,7 @@ def test_partials_from_holders_merge_to_the_monolithic_partial(
         q, pos = _queries(10 + n_holders, 7, m.token_count, 96)
         parts = await asyncio.gather(
             *(
-                c.attend(cid, 0, q, _pool_rows(pos, fr), SCALE)
+                c.attend_rows(cid, 0, q, _pool_rows(pos, fr), SCALE)
                 for c, fr in zip(clients, frames, strict=True)
                 if fr
             )
@@ -279,7 +279,7 @@ def test_bad_input_gets_a_status_and_the_holder_keeps_serving(
         assert code == S.INVALID_ARGUMENT and "arith 'fp4'" in msg, msg
         # ... and a good request still works
         q, pos = _queries(5, 2, 1000, 16)
-        good = await c.attend(cid, 0, q, _pool_rows(pos, frames), SCALE)
+        good = await c.attend_rows(cid, 0, q, _pool_rows(pos, frames), SCALE)
         assert torch.isfinite(good.lse[1]).all()
         health = health_pb2_grpc.HealthStub(c.channel)
         r = await health.Check(health_pb2.HealthCheckRequest(service="corpusd.v1.Holder"))
@@ -312,8 +312,8 @@ def test_metrics_show_the_counters_moving(
         frames = await c.assign(cid, [0, 1, 2])
         q, pos = _queries(9, 4, 192, 32)
         for _ in range(3):
-            await c.attend(cid, 0, q, _pool_rows(pos, frames), SCALE)
-        await _status(c.attend("nope", 0, q, pos, SCALE))
+            await c.attend_rows(cid, 0, q, _pool_rows(pos, frames), SCALE)
+        await _status(c.attend_rows("nope", 0, q, pos, SCALE))
         await c.close()
 
     asyncio.run(go())
@@ -342,7 +342,7 @@ def test_restart_reloads_the_same_frames(
         frames.update(await c.assign(cid, [3, 9, 1]))
         await c.release(cid, [9])
         del frames[9]
-        out = await c.attend(cid, 1, q, _pool_rows(pos, frames), SCALE)
+        out = await c.attend_rows(cid, 1, q, _pool_rows(pos, frames), SCALE)
         await c.close()
         return frames, out.o
 
@@ -351,7 +351,7 @@ def test_restart_reloads_the_same_frames(
         info = await c.info()
         held = {pf.page: pf.frame for pf in info.corpora[0].frames}
         assert held == frames and info.used_frames == len(frames)
-        out = await c.attend(cid, 1, q, _pool_rows(pos, frames), SCALE)
+        out = await c.attend_rows(cid, 1, q, _pool_rows(pos, frames), SCALE)
         await c.close()
         return out.o
 
@@ -388,8 +388,9 @@ def test_overload_answers_resource_exhausted_and_keeps_serving(
         c = HolderClient(h.address)
         frames = await c.assign(cid)
         rows = _pool_rows(pos, frames)
-        codes = await asyncio.gather(*(_status(c.attend(cid, 0, q, rows, SCALE)) for _ in range(6)))
-        good = await c.attend(cid, 0, q[:2], rows[:2], SCALE)
+        calls = (_status(c.attend_rows(cid, 0, q, rows, SCALE)) for _ in range(6))
+        codes = await asyncio.gather(*calls)
+        good = await c.attend_rows(cid, 0, q[:2], rows[:2], SCALE)
         assert good.o.shape == (2, 64, 512)
         await c.close()
         return [code for code, _ in codes]
