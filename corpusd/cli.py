@@ -136,9 +136,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def cmd_agent(a: argparse.Namespace) -> int:
-    from requester.config import AgentConfig
+    from requester.config import AgentConfig, WorkerConfig
     from requester.server import run
-    from requester.worker import WorkerConfig
 
     values = {f.name: getattr(a, f.name) for f in fields(AgentConfig)}
     values["state_dir"] = values["state_dir"] or str(env.home() / "agent")
@@ -263,8 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     pt.set_defaults(func=cmd_status)
     pa = sub.add_parser("agent", help="run a decode worker serving the Agent API")
     from corpusd.up import UpConfig
-    from requester.config import AgentConfig
-    from requester.worker import WorkerConfig
+    from requester.config import AgentConfig, WorkerConfig
 
     add_dataclass_flags(pa, AgentConfig)
     add_dataclass_flags(pa, WorkerConfig, skip=("trace",))

@@ -125,8 +125,9 @@ class Fanout:
         return CorpusBinding(self, view, geometry, model=model, tokens=tokens, refresh=refresh)
 
     async def close(self) -> None:
-        for r in self.routes.values():
-            await r.close()
+        for address, r in self.routes.items():
+            if r is not self.clients.get(address):  # a gRPC route is the client itself
+                await r.close()
         for c in self.clients.values():
             await c.close()
 

@@ -26,6 +26,10 @@ class Partial:
 
 
 class HolderClient:
+    """A holder's gRPC stub with tensors in and out; also the gRPC route (``name``)."""
+
+    name = "grpc"
+
     def __init__(self, address: str, max_message_bytes: int = 256 << 20) -> None:
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),

@@ -37,6 +37,10 @@ _JOINED: dict[str, str] = {}  # this process's NVSHMEM job (one per process): jo
 
 
 class Route(Protocol):
+    """How a worker's routed partials reach one holder: a :class:`HolderClient` (gRPC Attend)
+    or an :class:`NvshmemRoute` (whose ``close`` leaves its NVSHMEM job; a client is closed
+    as a client)."""
+
     name: str
 
     async def attend_rows(
@@ -55,27 +59,6 @@ class Route(Protocol):
     async def close(self) -> None: ...
 
 
-class GrpcRoute:
-    name = "grpc"
-
-    def __init__(self, client: HolderClient) -> None:
-        self.client = client
-
-    async def attend_rows(
-        self,
-        corpus_id: str,
-        layer: int,
-        q: torch.Tensor,
-        rows: torch.Tensor,
-        scale: float,
-        timeout: float | None = None,
-    ) -> Partial:
-        return await self.client.attend_rows(corpus_id, layer, q, rows, scale, timeout=timeout)
-
-    async def close(self) -> None:  # the HolderClient is the worker's, closed with it
-        pass
-
-
 class NvshmemRoute:
     """Attend over the holder's NVSHMEM ring: q and rows go to this process's GPU, one stream of
     one request per call (the holder runs it eagerly; a shape it saw before replays a graph), the
@@ -84,7 +67,7 @@ class NvshmemRoute:
 
     name = "nvshmem"
 
-    def __init__(self, client: NvshmemClient, grpc_route: GrpcRoute, address: str) -> None:
+    def __init__(self, client: NvshmemClient, grpc_route: HolderClient, address: str) -> None:
         self.client, self.grpc, self.address = client, grpc_route, address
         self.lock = asyncio.Lock()
         self.broken = ""
@@ -179,7 +162,7 @@ async def connect(
     """The route to the holder at ``address`` that ``transport`` (auto | grpc | nvshmem) picks.
     Raises ValueError when ``nvshmem`` is forced and cannot work for this holder."""
     assert transport in TRANSPORTS, f"{transport=} not in {TRANSPORTS}"
-    plain = GrpcRoute(holder)
+    plain = holder  # a HolderClient is the gRPC route: its Attend
     if transport == "grpc":
         return plain
     here = nr.available()

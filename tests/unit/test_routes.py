@@ -172,7 +172,7 @@ def nvshmem_here(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 
 def connect(transport: str, address: str = "h:1") -> routes.Route:
-    holder = SimpleNamespace(channel=None)
+    holder = SimpleNamespace(channel=None, name="grpc")  # a HolderClient is the gRPC route
     return asyncio.run(routes.connect(address, holder, transport, 0, "r"))  # type: ignore[arg-type]
 
 
