@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from corpusd.corpus.manifest import Manifest
+from corpusd.corpus.names import CorpusNameError, resolve_name
 
 MANIFEST = "manifest.json"
 TOKENS = "tokens.safetensors"
@@ -129,17 +130,20 @@ class PageStore:
         return Manifest.from_json(path.read_text())
 
     def resolve(self, name_or_id: str) -> str:
-        """A corpus id from an id, a unique id prefix (≥ 6 chars) or a corpus name."""
+        """The id of the stored corpus ``name_or_id`` means (``resolve_name``: an id, a unique
+        name, or a unique id prefix of ≥ 8 characters). Raises StoreError saying why not."""
         ids = self.ids()
         if name_or_id in ids:
-            return name_or_id
-        hits = [i for i in ids if len(name_or_id) >= 6 and i.startswith(name_or_id)]
-        hits = hits or [i for i in ids if self.manifest(i).name == name_or_id]
-        if len(hits) == 1:
-            return hits[0]
-        if not hits:
-            raise StoreError(f"no corpus named or with id {name_or_id!r} in {self.root}")
-        raise StoreError(f"{name_or_id!r} is ambiguous: {', '.join(hits)}")
+            return name_or_id  # without reading every manifest
+        try:
+            return resolve_name(name_or_id, [self.manifest(i) for i in ids]).corpus_id
+        except CorpusNameError as e:
+            if e.reason != "unknown":
+                raise StoreError(str(e)) from None
+            hint = f" ({e.hint})" if e.hint else ""
+            raise StoreError(
+                f"no corpus named or with id {name_or_id!r} in {self.root}; stored: {e.known}{hint}"
+            ) from None
 
     def read_tokens(self, corpus_id: str) -> torch.Tensor:
         with safe_open(str(self.corpora / corpus_id / TOKENS), framework="pt") as f:

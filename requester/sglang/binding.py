@@ -20,6 +20,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from corpusd.corpus.names import CorpusNameError, resolve_name
+
 PREFIX = "corpusd:"
 
 
@@ -91,21 +93,13 @@ class PinnedCorpus:
 def resolve(
     name: str, corpora: Sequence[PinnedCorpus], fingerprint: str, page_size: int
 ) -> Binding:
-    """The ready corpus ``name`` means (an id, a unique name, or a unique id prefix of ≥ 8),
-    checked against this server's model. Raises CorpusBindingError with what to do."""
-    live = [c for c in corpora if c.state != "retired"]
-    hits = [c for c in live if c.corpus_id == name] or [c for c in live if c.name == name]
-    if not hits and len(name) >= 8:
-        hits = [c for c in live if c.corpus_id.startswith(name)]
-    if not hits:
-        known = ", ".join(sorted(c.name or c.corpus_id[:12] for c in live)) or "none"
-        raise CorpusBindingError(f"unknown corpus {name!r}; pinned: {known}")
-    if len({c.corpus_id for c in hits}) > 1:
-        ids = ", ".join(sorted(c.corpus_id[:12] for c in hits))
-        raise CorpusBindingError(f"corpus {name!r} is ambiguous ({ids}); name it by id")
-    c = hits[0]
-    if c.state != "ready":
-        raise CorpusBindingError(f"corpus {name!r} ({c.corpus_id}) is {c.state}, not ready")
+    """The ready corpus ``name`` means (``resolve_name``: an id, a unique name, or a unique id
+    prefix of ≥ 8 characters), checked against this server's model. Raises CorpusBindingError
+    with what to do."""
+    try:
+        c = resolve_name(name, corpora)
+    except CorpusNameError as e:
+        raise CorpusBindingError(str(e)) from None
     if c.model_fingerprint != fingerprint:
         raise CorpusBindingError(
             f"corpus {name!r} was pinned for model {c.model_fingerprint}, but this SGLang "

@@ -87,6 +87,8 @@ def test_pinned_pages_equal_the_models_prefill(tmp_path: Path, tiny_dir: Path, t
     assert store.resolve("repo") == store.resolve(m.corpus_id[:8]) == m.corpus_id
     with pytest.raises(StoreError, match="no corpus named"):
         store.resolve("nope")
+    with pytest.raises(StoreError, match="an id prefix needs at least 8 characters"):
+        store.resolve(m.corpus_id[:6])
     with pytest.raises(StoreError, match="pages 0"):
         store.read_pages(m.corpus_id, 0, [m.n_pages])
 

@@ -1,0 +1,60 @@
+"""The one rule that turns a corpus name, id or id prefix into a corpus (`corpusd.corpus.names`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from corpusd.corpus.names import MIN_PREFIX, CorpusNameError, resolve_name
+
+A = "ab12cd34ef56" + "0" * 20
+B = "ab12cd99" + "1" * 24
+
+
+@dataclass(frozen=True, slots=True)
+class C:
+    corpus_id: str
+    name: str
+    state: str = "ready"
+
+
+def _refused(name: str, corpora: list[C], reason: str, words: str) -> CorpusNameError:
+    with pytest.raises(CorpusNameError, match=words) as e:
+        resolve_name(name, corpora)
+    assert e.value.reason == reason, e.value
+    return e.value
+
+
+def test_id_then_name_then_prefix() -> None:
+    a, b = C(A, "repo"), C(B, A)  # b is *named* what a's id is: the exact id wins
+    assert resolve_name(A, [b, a]) is a
+    assert resolve_name("repo", [a, b]) is a
+    assert resolve_name(A[:MIN_PREFIX], [a, C(B, "other")]) is a
+    assert resolve_name(A[:10], [a, b]) is a
+    assert MIN_PREFIX == 8
+
+
+def test_a_short_prefix_is_refused_saying_how_long_one_must_be() -> None:
+    a = C(A, "repo")
+    e = _refused(A[:7], [a], "unknown", "unknown corpus 'ab12cd3'; pinned: repo")
+    assert "at least 8 characters" in str(e) and e.hint
+    e = _refused("nope", [a], "unknown", "unknown corpus 'nope'; pinned: repo")
+    assert "at least" not in str(e) and e.known == "repo"
+
+
+def test_ambiguous_names_and_prefixes() -> None:
+    a, b = C(A, "repo"), C(B, "repo")
+    _refused("repo", [a, b], "ambiguous", "corpus 'repo' is ambiguous: ab12cd34ef56, ab12cd991111")
+    _refused("ab12cd", [a, b], "unknown", "at least 8")
+    assert resolve_name("ab12cd34", [a, b]) is a  # 8 characters that tell them apart
+    # Two with one name, one ready: the ready one (a re-pin of changed content still pinning).
+    assert resolve_name("repo", [a, C(B, "repo", "pinning")]) is a
+    _refused("repo", [C(A, "repo", "queued"), C(B, "repo", "pinning")], "ambiguous", "ambiguous")
+
+
+def test_retired_corpora_are_ignored_and_others_must_be_ready() -> None:
+    _refused("repo", [C(A, "repo", "retired")], "unknown", "pinned: none")
+    assert resolve_name("repo", [C(B, "repo", "retired"), C(A, "repo")]).corpus_id == A
+    e = _refused("repo", [C(A, "repo", "queued")], "not_ready", "is queued, not ready")
+    assert (e.corpus_id, e.state) == (A, "queued")
