@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from corpusd.corpus.manifest import PAGE_SIZE
+
 DTYPES = ("float32", "bfloat16")
 GPU_HOST_THREADS = 2
 
@@ -22,7 +24,7 @@ class HolderConfig:
     holder_id: str = ""
     capacity_tokens: int = 1 << 20
     capacity_bytes: int = 0  # > 0: size the pool by bytes instead (latent + index keys, all layers)
-    page_size: int = 64
+    page_size: int = PAGE_SIZE
     dtype: str = "float32"
     kernel: str = "auto"
     max_flows: int = 8

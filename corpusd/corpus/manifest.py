@@ -10,6 +10,9 @@ from typing import Any
 import torch
 
 FORMAT = "corpusd-pages-v1"
+#: Tokens per page: the one default of every role (pin, holder, SGLang page hashes). A holder
+#: loads, and an SGLang server binds, only corpora pinned with its own page size.
+PAGE_SIZE = 64
 STATES = ("pinning", "ready", "retired")
 
 

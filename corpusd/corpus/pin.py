@@ -19,7 +19,7 @@ import torch
 from corpusd import env
 from corpusd.corpus.ingest import CorpusError, ingest
 from corpusd.corpus.layout import Layout, render
-from corpusd.corpus.manifest import Manifest, corpus_id
+from corpusd.corpus.manifest import PAGE_SIZE, Manifest, corpus_id
 from corpusd.corpus.store import PageStore
 from corpusd.model import KVCache, ModelConfig, fingerprint, forward_tokens, load_model
 from corpusd.progress import Progress
@@ -43,7 +43,7 @@ class PinConfig:
     name: str | None = field(
         default=None, metadata={"help": "corpus name (default: the source's file name)"}
     )
-    page_size: int = field(default=64, metadata={"help": "tokens per page"})
+    page_size: int = field(default=PAGE_SIZE, metadata={"help": "tokens per page"})
     max_tokens: int = field(default=1 << 20, metadata={"help": "refuse larger corpora"})
     max_file_bytes: int = field(default=1 << 20, metadata={"help": "skip larger files"})
     chunk: int = field(default=256, metadata={"help": "prefill chunk (tokens)"})

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from corpusd.corpus.manifest import PAGE_SIZE
 from indexer import fp8
 from requester.sglang.positions import to_sglang_layout
 
@@ -29,7 +30,7 @@ def page_hash(tokens: Sequence[int], prior: str | None = None) -> str:
     return h.hexdigest()
 
 
-def page_hashes(tokens: Sequence[int], page_size: int = 64) -> list[str]:
+def page_hashes(tokens: Sequence[int], page_size: int = PAGE_SIZE) -> list[str]:
     """Chained keys of every whole page of ``tokens`` (from the root of the radix tree)."""
     out: list[str] = []
     prior: str | None = None
@@ -86,7 +87,9 @@ def index_k_page(keys: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
     return torch.cat([q.view(torch.uint8).flatten(), scale.flatten().view(torch.uint8)])
 
 
-def index_k_from_page(page: torch.Tensor, page_size: int = 64, dim: int = 128) -> torch.Tensor:
+def index_k_from_page(
+    page: torch.Tensor, page_size: int = PAGE_SIZE, dim: int = 128
+) -> torch.Tensor:
     """The keys of an :func:`index_k_page` page as SGLang's indexer scores them: rotated and
     dequantised, float32 ``[page_size, dim]``."""
     q = page[: page_size * dim].view(torch.float8_e4m3fn).view(page_size, dim)
