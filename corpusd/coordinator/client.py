@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 import grpc
@@ -26,7 +26,9 @@ class CoordinatorError(StatusError):
 
 
 @dataclass(frozen=True, slots=True)
-class HolderInfo:
+class HolderSpec:
+    """What a holder says of itself when it registers: where it listens and what it can load."""
+
     holder_id: str
     address: str
     device: str
@@ -34,7 +36,18 @@ class HolderInfo:
     page_size: int
     model_fingerprint: str
     dtype: str
+
+    def spec(self) -> dict[str, Any]:
+        """The spec's fields by name (to build the wire message or a row from)."""
+        return {f: getattr(self, f) for f in HOLDER_SPEC}
+
+
+@dataclass(frozen=True, slots=True)
+class HolderInfo(HolderSpec):
     live: bool = True  # lease current (answers only)
+
+
+HOLDER_SPEC = tuple(f.name for f in fields(HolderSpec))
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,16 +115,7 @@ class PageTable:
 
 
 def _holder(h: pb.HolderAddress) -> HolderInfo:
-    return HolderInfo(
-        h.holder_id,
-        h.address,
-        h.device,
-        h.capacity_frames,
-        h.page_size,
-        h.model_fingerprint,
-        h.dtype,
-        h.live,
-    )
+    return HolderInfo(**{f: getattr(h, f) for f in HOLDER_SPEC}, live=h.live)
 
 
 def _corpus(c: pb.CorpusInfo) -> CorpusStatus:
@@ -162,16 +166,7 @@ class CoordinatorClient:
 
     async def register(self, h: HolderInfo) -> float:
         """Register (or re-register) a holder; returns its lease in seconds."""
-        msg = pb.HolderAddress(
-            holder_id=h.holder_id,
-            address=h.address,
-            device=h.device,
-            capacity_frames=h.capacity_frames,
-            page_size=h.page_size,
-            model_fingerprint=h.model_fingerprint,
-            dtype=h.dtype,
-        )
-        req = pb.RegisterHolderRequest(holder=msg)
+        req = pb.RegisterHolderRequest(holder=pb.HolderAddress(**h.spec()))
         r: Any = await self._call(self.stub.RegisterHolder(req, timeout=self.timeout))
         return float(r.lease_seconds)
 

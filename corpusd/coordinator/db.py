@@ -13,8 +13,10 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
+
+from corpusd.coordinator.client import HolderSpec
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS holders (
@@ -37,14 +39,10 @@ CREATE INDEX IF NOT EXISTS pages_by_holder ON pages (holder_id, corpus_id);
 
 
 @dataclass(frozen=True, slots=True)
-class HolderRow:
-    holder_id: str
-    address: str
-    device: str
-    capacity_frames: int
-    page_size: int
-    model_fingerprint: str
-    dtype: str
+class HolderRow(HolderSpec):
+    """A registered holder as the state keeps it: its spec, then its load and lease (the table's
+    columns, in order)."""
+
     used_frames: int
     active_flows: int
     last_heartbeat: float  # wall-clock seconds; 0 = marked unreachable
@@ -105,19 +103,7 @@ class State:
                 "model_fingerprint=excluded.model_fingerprint, dtype=excluded.dtype, "
                 "used_frames=excluded.used_frames, last_heartbeat=excluded.last_heartbeat, "
                 "lease_s=excluded.lease_s",
-                (
-                    h.holder_id,
-                    h.address,
-                    h.device,
-                    h.capacity_frames,
-                    h.page_size,
-                    h.model_fingerprint,
-                    h.dtype,
-                    h.used_frames,
-                    h.active_flows,
-                    h.last_heartbeat,
-                    h.lease_s,
-                ),
+                astuple(h),
             )
 
     def heartbeat(self, holder_id: str, used: int, flows: int, now: float) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from corpusd.coordinator.client import HOLDER_SPEC
 from corpusd.coordinator.db import CorpusRow, HolderRow
 from corpusd.coordinator.publish import Publisher
 from corpusd.coordinator.sessions import NoWorker, WorkerLoad, choose_home
@@ -32,16 +33,7 @@ rpc = Rpc(log, requests=lambda service: service.pub.metrics.requests)
 
 
 def _holder(h: HolderRow, now: float) -> pb.HolderAddress:
-    return pb.HolderAddress(
-        holder_id=h.holder_id,
-        address=h.address,
-        device=h.device,
-        capacity_frames=h.capacity_frames,
-        live=h.live(now),
-        page_size=h.page_size,
-        model_fingerprint=h.model_fingerprint,
-        dtype=h.dtype,
-    )
+    return pb.HolderAddress(**h.spec(), live=h.live(now))
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
@@ -68,17 +60,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             raise Reject(S.INVALID_ARGUMENT, f"holder registration lacks {', '.join(bad)}")
         self.state.register(
             HolderRow(
-                h.holder_id,
-                h.address,
-                h.device,
-                h.capacity_frames,
-                h.page_size,
-                h.model_fingerprint,
-                h.dtype,
-                0,
-                0,
-                time.time(),
-                self.lease_s,
+                **{f: getattr(h, f) for f in HOLDER_SPEC},
+                used_frames=0,
+                active_flows=0,
+                last_heartbeat=time.time(),
+                lease_s=self.lease_s,
             )
         )
         log.info(
