@@ -38,11 +38,10 @@ from corpusd.rpc import StatusError
 from indexer import index_scores
 from indexer.select import merge_topk, select_topk
 from requester.corpus_view import CorpusUnavailable, CorpusView
-from requester.holder_client import HolderClient
 from requester.metrics import RequesterMetrics
 from requester.plan import Geometry, GroupWork, Partial, failure, holder_groups, merge_groups
 from requester.predicate import Decision, Group, Predicate
-from requester.routes import TRANSPORTS, Route, connect, requester_id
+from requester.routes import Connections
 from requester.sources import LocalRows, PageCache, attend_canonical
 
 log = logging.getLogger("corpusd.requester")
@@ -55,8 +54,9 @@ async def inline(fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
-class Fanout:
-    """A process's fan-out engine. Create and use it inside one running event loop.
+class Fanout(Connections):
+    """A process's fan-out engine: its holder connections (:class:`Connections`), the
+    predicate, the metrics. Create and use it inside one running event loop.
 
     ``transport`` picks how routes reach each holder (``auto`` | ``grpc`` | ``nvshmem``, see
     :mod:`requester.routes`); ``off`` runs blocking torch work (default: inline); ``trace``,
@@ -74,39 +74,10 @@ class Fanout:
         off: Offload = inline,
         trace: list[dict[str, Any]] | None = None,
     ) -> None:
-        assert transport in TRANSPORTS, f"{transport=} not in {TRANSPORTS}"
+        super().__init__(transport, nvshmem_device, metrics.transport)
         self.predicate, self.metrics, self.off, self.trace = predicate, metrics, off, trace
-        self.transport, self.nvshmem_device = transport, nvshmem_device
         self.rpc_timeout_s, self.fetch_cache_bytes = rpc_timeout_s, fetch_cache_bytes
-        self.clients: dict[str, HolderClient] = {}
-        self.routes: dict[str, Route] = {}  # holder address → how its routes travel
-        self._connecting: dict[str, asyncio.Lock] = {}
         self.step = 0  # the caller's step number, for logs and the trace
-
-    def client(self, address: str) -> HolderClient:
-        if address not in self.clients:
-            self.clients[address] = HolderClient(address)
-        return self.clients[address]
-
-    async def route(self, address: str) -> Route:
-        """The holder's route transport (chosen once, logged and exported as
-        ``corpusd_requester_transport_info{holder,transport}``). Raises ValueError when a forced
-        transport cannot work for it."""
-        if address in self.routes:
-            return self.routes[address]
-        async with self._connecting.setdefault(address, asyncio.Lock()):
-            if address not in self.routes:
-                r = await connect(
-                    address,
-                    self.client(address),
-                    self.transport,
-                    self.nvshmem_device,
-                    f"{requester_id()}:{id(self):x}",
-                )
-                self.routes[address] = r
-                for name in TRANSPORTS[1:]:
-                    self.metrics.transport.labels(address, name).set(int(name == r.name))
-        return self.routes[address]
 
     async def bind(
         self,
@@ -123,13 +94,6 @@ class Fanout:
         for address in view.holders:
             await self.route(address)
         return CorpusBinding(self, view, geometry, model=model, tokens=tokens, refresh=refresh)
-
-    async def close(self) -> None:
-        for address, r in self.routes.items():
-            if r is not self.clients.get(address):  # a gRPC route is the client itself
-                await r.close()
-        for c in self.clients.values():
-            await c.close()
 
 
 class CorpusBinding:
@@ -162,19 +126,33 @@ class CorpusBinding:
 
     # -- the indexer's corpus side -----------------------------------------------------------------
     async def index_keys(self, layer: int) -> torch.Tensor:
-        """``[T, D_I]`` index keys of ``layer`` (in the geometry's dtype), streamed from the
-        holders once and kept. Raises grpc.aio.AioRpcError when a holder fails to stream."""
+        """``[T, D_I]`` index keys of ``layer`` (in the geometry's dtype), streamed once and
+        kept: from as few holders as cover every page (a replica's copy is not streamed again),
+        skipping holders that fail (they are failed over, as for attention). Raises
+        CorpusUnavailable when the live holders do not hold every page."""
         if layer not in self.keys:
             view, p = self.view, self.view.page_size
             keys = torch.empty(view.n_pages * p, self.geo.index_dim, dtype=self.geo.dtype)
             got: set[int] = set()
-            for address in view.holders:
-                pages = await self.engine.client(address).index_keys(view.corpus_id, layer)
+            for i, address in enumerate(view.holders):
+                held = {pg for pg, reps in enumerate(view.replicas) for h, _ in reps if h == i}
+                if i in self.dead or held <= got:
+                    continue
+                try:
+                    pages = await self.engine.client(address).index_keys(view.corpus_id, layer)
+                except grpc.aio.AioRpcError as e:
+                    await self._lost(i, e, "index keys")
+                    continue
                 for page, k in pages.items():
                     keys[page * p : (page + 1) * p] = k
                     got.add(page)
-            missing = view.n_pages - len(got)
-            assert missing == 0, f"corpus {view.corpus_id}: index keys of {missing} pages missing"
+            if len(got) < view.n_pages:
+                lost = sorted(set(range(view.n_pages)) - got)
+                raise CorpusUnavailable(
+                    f"corpus {view.corpus_id}: no live holder has the index keys of pages "
+                    f"{lost[:8]} (of {view.n_pages}); failed: "
+                    f"{sorted(view.holders[h] for h in self.dead)}"
+                )
             self.keys[layer] = keys[: view.token_count]
         return self.keys[layer]
 
@@ -183,19 +161,42 @@ class CorpusBinding:
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Distributed indexer, phase one: each live holder's local top-``index_topk``
         ``(positions, scores)`` of ``iq [n, H_I, D_I]`` / ``iw [n, H_I]`` over canonical
-        positions below ``limit [n]``. The global top-k is a subset of their union."""
+        positions below ``limit [n]``. The global top-k is a subset of their union, which
+        still holds when a holder fails, as long as the others hold a replica of each of its
+        pages (else CorpusUnavailable)."""
         g = self.geo
-        return list(
-            await asyncio.gather(
-                *(
-                    self.engine.client(a).index_topk(
-                        self.corpus_id, layer, iq, iw, limit, g.index_topk, g.index_arith
-                    )
-                    for i, a in enumerate(self.view.holders)
-                    if i not in self.dead
+        live = [(i, a) for i, a in enumerate(self.view.holders) if i not in self.dead]
+        parts = await asyncio.gather(
+            *(
+                self.engine.client(a).index_topk(
+                    self.corpus_id, layer, iq, iw, limit, g.index_topk, g.index_arith
                 )
-            )
+                for _, a in live
+            ),
+            return_exceptions=True,
         )
+        for (i, _), part in zip(live, parts, strict=True):
+            if isinstance(part, grpc.aio.AioRpcError):
+                await self._lost(i, part, "index top-k")
+            elif isinstance(part, BaseException):
+                raise part
+        return [part for part in parts if not isinstance(part, BaseException)]
+
+    async def _lost(self, holder: int, e: grpc.aio.AioRpcError, what: str) -> None:
+        """A holder failed an indexer call: fail it over, as a failed attention call is. Raises
+        CorpusUnavailable when some page then has no live replica."""
+        code, detail = failure(e)
+        self.engine.metrics.errors.labels(code.name).inc()
+        async with self._failing:
+            if holder in self.dead:
+                return
+            self.dead.add(holder)
+            log.warning(
+                "holder %s failed (%s: %s) during %s; failing it over",
+                self.view.holders[holder], code.name, detail, what,
+            )  # fmt: skip
+            self.view = self.view.failover(self.dead)
+            self.engine.metrics.fallbacks.labels("index", "replica").inc()
 
     async def topk(self, layer: int, iq: torch.Tensor, iw: torch.Tensor) -> torch.Tensor:
         """The exact top-``index_topk`` canonical positions ``[n, k]`` of the whole corpus for

@@ -19,7 +19,7 @@ import os
 import socket
 import time
 from contextlib import nullcontext
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import torch
@@ -208,3 +208,50 @@ async def connect(
 
 def requester_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Connections:
+    """A process's connections to holders: one :class:`HolderClient` and one :class:`Route` per
+    holder address, the route's transport chosen once by ``transport`` (auto | grpc | nvshmem)
+    and exported on ``transport_info`` (a gauge labelled holder, transport). Create and use it
+    inside one running event loop."""
+
+    def __init__(self, transport: str, nvshmem_device: int, transport_info: Any) -> None:
+        assert transport in TRANSPORTS, f"{transport=} not in {TRANSPORTS}"
+        self.transport, self.nvshmem_device = transport, nvshmem_device
+        self.transport_info = transport_info
+        self.clients: dict[str, HolderClient] = {}
+        self.routes: dict[str, Route] = {}  # holder address → how its routes travel
+        self._connecting: dict[str, asyncio.Lock] = {}
+
+    def client(self, address: str) -> HolderClient:
+        if address not in self.clients:
+            self.clients[address] = HolderClient(address)
+        return self.clients[address]
+
+    async def route(self, address: str) -> Route:
+        """The holder's route transport (chosen once, logged and exported as
+        ``corpusd_requester_transport_info{holder,transport}``). Raises ValueError when a forced
+        transport cannot work for it."""
+        if address in self.routes:
+            return self.routes[address]
+        async with self._connecting.setdefault(address, asyncio.Lock()):
+            if address not in self.routes:
+                r = await connect(
+                    address,
+                    self.client(address),
+                    self.transport,
+                    self.nvshmem_device,
+                    f"{requester_id()}:{id(self):x}",
+                )
+                self.routes[address] = r
+                for name in TRANSPORTS[1:]:
+                    self.transport_info.labels(address, name).set(int(name == r.name))
+        return self.routes[address]
+
+    async def close(self) -> None:
+        for address, r in self.routes.items():
+            if r is not self.clients.get(address):  # a gRPC route is the client itself
+                await r.close()
+        for c in self.clients.values():
+            await c.close()

@@ -47,6 +47,22 @@ class FakeRoute:
 
     def __init__(self, pool: torch.Tensor, d_v: int) -> None:
         self.pool, self.d_v, self.down, self.calls = pool, d_v, False, 0
+        self.keys: dict[int, torch.Tensor] = {}  # page → its index keys [P, D_I]
+
+    def _check(self) -> None:
+        self.calls += 1
+        if self.down:
+            raise _dead()
+
+    async def index_keys(self, corpus_id: str, layer: int) -> dict[int, torch.Tensor]:
+        self._check()
+        return dict(self.keys)
+
+    async def index_topk(self, corpus_id: str, layer: int, *args: Any) -> Any:
+        self._check()  # every page it holds is a candidate (score: its first key's first entry)
+        pos = torch.tensor([pg * P for pg in sorted(self.keys)])
+        scores = torch.stack([self.keys[pg][0, 0] for pg in sorted(self.keys)])
+        return pos[None], scores[None]
 
     async def attend_rows(
         self, corpus_id: str, layer: int, q: torch.Tensor, rows: torch.Tensor, scale: float,
@@ -63,8 +79,24 @@ class FakeRoute:
         pass
 
 
+class _Dead(grpc.aio.AioRpcError):
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata())
+
+    def details(self) -> str:
+        return "connection refused"
+
+
+def _dead() -> grpc.aio.AioRpcError:
+    """What a gRPC call to a killed holder raises."""
+    return _Dead()
+
+
 def placed(
-    rows: torch.Tensor, holders: tuple[str, ...], replicas: list[list[int]]
+    rows: torch.Tensor,
+    holders: tuple[str, ...],
+    replicas: list[list[int]],
+    keys: torch.Tensor | None = None,
 ) -> tuple[CorpusView, dict[str, FakeRoute]]:
     """A view of corpus ``rows [T, kv_dim]`` whose page ``p`` has a replica on each holder
     index in ``replicas[p]``, and each holder's pool (frames in order of arrival)."""
@@ -84,6 +116,8 @@ def placed(
     for h, pages in frames.items():
         pool = torch.cat([padded[p * P : (p + 1) * P] for p in pages]) if pages else padded[:0]
         routes[holders[h]] = FakeRoute(pool, GEO.d_v)
+        if keys is not None:
+            routes[holders[h]].keys = {p: keys[p * P : (p + 1) * P] for p in pages}
     zeros = torch.zeros(n_pages, dtype=torch.int64)
     view = CorpusView("c0", rows.shape[0], P, holders, zeros, zeros, tuple(reps))
     return view.failover(()), routes
@@ -92,6 +126,7 @@ def placed(
 def engine(routes: dict[str, FakeRoute]) -> Fanout:
     f = Fanout(Predicate(Profile(), "route"), RequesterMetrics())
     f.routes.update(routes)  # type: ignore[arg-type]
+    f.clients.update(routes)  # type: ignore[arg-type]  # index keys and top-k, as a client
     return f
 
 
@@ -237,3 +272,52 @@ def test_offsets_rotate_the_query_back_for_route(tiny_model: DeepseekV32) -> Non
     assert torch.equal(seen[0][1], geo.canonical(q[1:], torch.tensor([7]), geo.d_v)[0])
     assert not torch.equal(seen[0][1, :, geo.d_v :], q[1, :, geo.d_v :])
     assert torch.equal(seen[0][1, :, : geo.d_v], q[1, :, : geo.d_v])
+
+
+def test_index_keys_come_once_from_live_holders_and_skip_a_dead_one() -> None:
+    """Replica index keys: a page's keys are streamed once (a holder whose pages all came
+    already is not asked), and a holder that is already down when the corpus is bound is failed
+    over: its pages' keys come from replicas."""
+    rows, _, _ = inputs(7)
+    keys = torch.randn(6 * P, GEO.index_dim)
+    placing = [[p % 3, (p + 1) % 3] for p in range(6)]  # a: 0 2 3 5, b: 0 1 3 4, c: 1 2 4 5
+    view, routes = placed(rows, ("a", "b", "c"), placing, keys)
+    got = run(CorpusBinding(engine(routes), view, GEO).index_keys(0))
+    assert torch.equal(got, keys[:T]) and [r.calls for r in routes.values()] == [1, 1, 0]
+
+    view, routes = placed(rows, ("a", "b", "c"), placing, keys)
+    f = engine(routes)
+    b = CorpusBinding(f, view, GEO)
+    routes["a"].down = True
+    got = run(b.index_keys(0))
+    assert (
+        torch.equal(got, keys[:T])
+        and b.dead == {0}
+        and [r.calls for r in routes.values()] == [1, 1, 1]
+    )
+    assert 0 not in b.view.page_holder.tolist()
+    assert (
+        count(f, "index", "replica") == 1
+        and f.metrics.errors.labels("UNAVAILABLE")._value.get() == 1
+    )
+
+
+def test_distributed_top_k_leaves_out_a_dead_holder_whose_pages_have_replicas() -> None:
+    rows, _, _ = inputs(8)
+    keys = torch.randn(6 * P, GEO.index_dim)
+    view, routes = placed(rows, ("a", "b", "c"), [[p % 3, (p + 1) % 3] for p in range(6)], keys)
+    b = CorpusBinding(engine(routes), view, GEO)
+    routes["c"].down = True
+    iq, iw, limit = torch.zeros(1, 1, GEO.index_dim), torch.zeros(1, 1), torch.tensor([T])
+    parts = run(b.holder_topk(0, iq, iw, limit))
+    assert len(parts) == 2 and b.dead == {2}
+    held = {int(x) for pos, _ in parts for x in pos[0]}
+    assert held == {p * P for p in range(6)}  # every page still a candidate
+
+    view, routes = placed(rows, ("a", "b"), [[p % 2] for p in range(6)], keys)
+    b = CorpusBinding(engine(routes), view, GEO)
+    routes["a"].down = True
+    with pytest.raises(CorpusUnavailable, match="have no replica outside the failed holders"):
+        run(b.holder_topk(0, iq, iw, limit))
+    with pytest.raises(CorpusUnavailable, match="have no replica outside the failed holders"):
+        run(CorpusBinding(engine(routes), view, GEO).index_keys(0))
