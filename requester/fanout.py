@@ -95,6 +95,44 @@ class Fanout(Connections):
             await self.route(address)
         return CorpusBinding(self, view, geometry, model=model, tokens=tokens, refresh=refresh)
 
+    def record(
+        self, layer: int, g: GroupWork, d: Decision, measured_s: float, forced: bool
+    ) -> None:
+        """Export one group's decision with its predicted and measured cost (metrics, the debug
+        log, and the trace when kept), so a user can see when the predicate was wrong."""
+        e, m = self, self.metrics
+        predicted_s = d.predicted_us[d.pick] / 1e6
+        forced = forced or e.predicate.force != "auto"
+        m.decisions.labels(d.pick, "yes" if forced else "no").inc()
+        m.predicted.labels(d.pick).observe(predicted_s)
+        m.measured.labels(d.pick).observe(measured_s)
+        if predicted_s > 0:
+            m.misprediction.labels(d.pick).set(measured_s / predicted_s)
+        log.debug(
+            "step %d layer %d holder %s rows %d: %s predicted %.0f µs (%s) measured %.0f µs",
+            e.step,
+            layer,
+            g.address,
+            len(g.keep),
+            d.pick,
+            d.predicted_us[d.pick],
+            ", ".join(f"{k} {v:.0f}" for k, v in d.predicted_us.items()),
+            measured_s * 1e6,
+        )
+        if e.trace is not None:
+            e.trace.append(
+                {
+                    "step": e.step,
+                    "layer": layer,
+                    "holder": g.holder,
+                    "rows": len(g.keep),
+                    "k": int(g.canon.shape[1]),
+                    "pick": d.pick,
+                    "predicted_us": d.predicted_us,
+                    "measured_us": measured_s * 1e6,
+                }
+            )
+
 
 class CorpusBinding:
     """One bound corpus: its plan and per-corpus state (see the module docstring)."""
@@ -275,7 +313,7 @@ class CorpusBinding:
             code, _ = failure(e)
             self.engine.metrics.errors.labels(code.name).inc()
             return await self._recover(layer, q, off, g, scale, decision.pick, e, tries)
-        self._record(layer, g, decision, time.perf_counter() - t0)
+        self.engine.record(layer, g, decision, time.perf_counter() - t0, bool(self.force))
         return result
 
     async def _recover(
@@ -386,40 +424,6 @@ class CorpusBinding:
             done = await self.engine.off(self.local.ensure, int(uniq.max()) + 1)
         self.engine.metrics.prefilled.inc(done)
         return self.local.rows(layer, uniq)
-
-    def _record(self, layer: int, g: GroupWork, d: Decision, measured_s: float) -> None:
-        e, m = self.engine, self.engine.metrics
-        predicted_s = d.predicted_us[d.pick] / 1e6
-        forced = self.force or e.predicate.force != "auto"
-        m.decisions.labels(d.pick, "yes" if forced else "no").inc()
-        m.predicted.labels(d.pick).observe(predicted_s)
-        m.measured.labels(d.pick).observe(measured_s)
-        if predicted_s > 0:
-            m.misprediction.labels(d.pick).set(measured_s / predicted_s)
-        log.debug(
-            "step %d layer %d holder %s rows %d: %s predicted %.0f µs (%s) measured %.0f µs",
-            e.step,
-            layer,
-            g.address,
-            len(g.keep),
-            d.pick,
-            d.predicted_us[d.pick],
-            ", ".join(f"{k} {v:.0f}" for k, v in d.predicted_us.items()),
-            measured_s * 1e6,
-        )
-        if e.trace is not None:
-            e.trace.append(
-                {
-                    "step": e.step,
-                    "layer": layer,
-                    "holder": g.holder,
-                    "rows": len(g.keep),
-                    "k": int(g.canon.shape[1]),
-                    "pick": d.pick,
-                    "predicted_us": d.predicted_us,
-                    "measured_us": measured_s * 1e6,
-                }
-            )
 
 
 _SAYS = {
