@@ -9,11 +9,10 @@ Every refusal carries a precise status and message and changes nothing.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -21,7 +20,8 @@ import grpc
 import torch
 
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, CorpusStatus
-from corpusd.rpc import Reject, wire
+from corpusd.corpus.names import CorpusNameError, resolve_name
+from corpusd.rpc import Reject, Rpc, wire
 from corpusd.tokenizer import Tokenizer
 from corpusd.v1 import agent_pb2, agent_pb2_grpc
 from corpusd.wire import from_proto, to_proto
@@ -38,27 +38,8 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _INTS = (torch.int32, torch.int64)
 
 
-def rpc(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Count a unary call by status; Reject and unexpected errors become statuses."""
-
-    def deco(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-        @functools.wraps(fn)
-        async def wrapper(self: AgentService, request: Any, context: Any) -> Any:
-            try:
-                reply = await fn(self, request, context)
-            except Exception as e:
-                await self._abort(method, e, context)
-            self.metrics.requests.labels(method, "OK").inc()
-            return reply
-
-        return wrapper
-
-    return deco
-
-
-def _status(e: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(e, Reject):
-        return e.code, str(e)
+def _status(e: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """The statuses of the agent's own failures (``Rpc`` answers Reject and the unexpected)."""
     if isinstance(e, CoordinatorError):
         code = Code.UNAVAILABLE if e.code == Code.UNAVAILABLE else e.code
         return code, f"coordinator: {e.detail}"
@@ -66,7 +47,10 @@ def _status(e: BaseException) -> tuple[grpc.StatusCode, str]:
         return Code.UNAVAILABLE, str(e)
     if isinstance(e, grpc.aio.AioRpcError):
         return Code.UNAVAILABLE, f"a holder failed: {e.code().name}: {e.details()}"
-    return Code.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+    return None
+
+
+rpc = Rpc(log, requests=lambda service: service.metrics.requests, status=_status)
 
 
 class AgentService(agent_pb2_grpc.AgentServicer):
@@ -86,16 +70,8 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         self.names: dict[str, str] = {}  # what callers named → corpus id
         self._binding = asyncio.Lock()
 
-    async def _abort(self, method: str, e: BaseException, context: Any) -> None:
-        if isinstance(e, grpc.aio.AbortError):
-            raise e
-        code, detail = _status(e)
-        if code == Code.INTERNAL:
-            log.exception("%s failed", method, exc_info=e)
-        else:
-            log.info("%s refused: %s: %s", method, code.name, detail)
-        self.metrics.requests.labels(method, code.name).inc()
-        await context.abort(code, detail)
+    async def _abort(self, method: str, e: Exception, context: Any) -> None:
+        await rpc.abort(self, method, e, context)
 
     # -- corpora -----------------------------------------------------------------------------------
     async def corpus(self, name: str) -> CorpusState:
@@ -322,25 +298,24 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         await self.scheduler.close()
 
 
+_NAME_CODES = {
+    "unknown": Code.NOT_FOUND,
+    "not_ready": Code.FAILED_PRECONDITION,
+    "ambiguous": Code.INVALID_ARGUMENT,
+}
+
+
 def _match(corpora: list[CorpusStatus], name: str) -> CorpusStatus:
-    """The ready corpus ``name`` means: an id, a unique name, or a unique id prefix (≥ 8)."""
-    live = [c for c in corpora if c.state != "retired"]
-    hits = [c for c in live if c.corpus_id == name]
-    hits = hits or [c for c in live if c.name == name]
-    if not hits and len(name) >= 8:
-        hits = [c for c in live if c.corpus_id.startswith(name)]
-    if not hits:
-        known = ", ".join(sorted(c.name or c.corpus_id[:12] for c in live)) or "none"
-        raise Reject(Code.NOT_FOUND, f"unknown corpus {name!r}; pinned: {known}")
-    ready = [c for c in hits if c.state == "ready"]
-    if not ready:
-        c = hits[0]
-        where = f" (queue position {c.queue_position})" if c.state == "queued" else ""
-        raise Reject(Code.FAILED_PRECONDITION, f"corpus {c.corpus_id} is {c.state}{where}")
-    if len({c.corpus_id for c in ready}) > 1:
-        ids = ", ".join(c.corpus_id[:12] for c in ready)
-        raise Reject(Code.INVALID_ARGUMENT, f"corpus {name!r} is ambiguous: {ids}; give the id")
-    return ready[0]
+    """The ready corpus ``name`` means (``resolve_name``: an id, a unique name, or a unique id
+    prefix of ≥ 8 characters); refused NOT_FOUND, FAILED_PRECONDITION or INVALID_ARGUMENT."""
+    try:
+        return resolve_name(name, corpora)
+    except CorpusNameError as e:
+        where = ""
+        if e.state == "queued":
+            c = next(c for c in corpora if c.corpus_id == e.corpus_id)
+            where = f" (queue position {c.queue_position})"
+        raise Reject(_NAME_CODES[e.reason], f"{e}{where}") from None
 
 
 class _TextStream:
