@@ -27,10 +27,11 @@ from corpusd.v1 import agent_pb2, agent_pb2_grpc
 from corpusd.wire import from_proto, to_proto
 from requester.config import AgentConfig
 from requester.corpus_view import CorpusUnavailable
+from requester.fanout import CorpusBinding
 from requester.sampling import SamplingParams
 from requester.scheduler import Scheduler, SessionBusy
 from requester.session import Session
-from requester.worker import CorpusState, Worker
+from requester.worker import Worker
 
 log = logging.getLogger("corpusd.agent")
 Code = grpc.StatusCode
@@ -74,7 +75,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         await rpc.abort(self, method, e, context)
 
     # -- corpora -----------------------------------------------------------------------------------
-    async def corpus(self, name: str) -> CorpusState:
+    async def corpus(self, name: str) -> CorpusBinding:
         """The attached corpus ``name`` refers to, binding it on first use."""
         if not name:
             raise Reject(Code.INVALID_ARGUMENT, "corpus: empty; name a pinned corpus (id or name)")
@@ -101,7 +102,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             )
             return st
 
-    async def _bind_from_coordinator(self, name: str) -> CorpusState:
+    async def _bind_from_coordinator(self, name: str) -> CorpusBinding:
         assert self.coordinator is not None
         corpora = await self.coordinator.list_corpora()
         match = _match(corpora, name)
