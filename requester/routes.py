@@ -19,7 +19,7 @@ import os
 import socket
 import time
 from contextlib import nullcontext
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 import torch
@@ -34,29 +34,6 @@ log = logging.getLogger("corpusd.requester")
 TRANSPORTS = ("auto", "grpc", "nvshmem")
 JOIN_TIMEOUT_S = 120.0  # NVSHMEM init is collective: the holder inits once all its peers joined
 _JOINED: dict[str, str] = {}  # this process's NVSHMEM job (one per process): job id → holder
-
-
-class Route(Protocol):
-    """How a worker's routed partials reach one holder: a :class:`HolderClient` (gRPC Attend)
-    or an :class:`NvshmemRoute` (whose ``close`` leaves its NVSHMEM job; a client is closed
-    as a client)."""
-
-    name: str
-
-    async def attend_rows(
-        self,
-        corpus_id: str,
-        layer: int,
-        q: torch.Tensor,
-        rows: torch.Tensor,
-        scale: float,
-        timeout: float | None = None,
-    ) -> Partial:
-        """Partial attention of ``q [n, h, kv_dim]`` over pool ``rows [n, k]`` (-1 unused).
-        Raises grpc.aio.AioRpcError or StatusError."""
-        ...
-
-    async def close(self) -> None: ...
 
 
 class NvshmemRoute:
@@ -154,6 +131,13 @@ class NvshmemRoute:
         # Leaving the job is collective with the holder, which leaves only when it stops: the
         # job is abandoned instead, and the holder's own close gives up on this member.
         await self.client.close(leave=False)
+
+
+#: How a worker's routed partials reach one holder: its :class:`HolderClient` (gRPC Attend) or
+#: an :class:`NvshmemRoute`. Both answer ``attend_rows(corpus_id, layer, q [n, h, kv_dim],
+#: rows [n, k] int32 pool rows (-1 unused), scale, timeout)`` with a :class:`Partial`, and raise
+#: grpc.aio.AioRpcError or StatusError; ``name`` says which.
+Route = HolderClient | NvshmemRoute
 
 
 async def connect(
