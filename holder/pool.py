@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-ROPE_DIM = 64  # k_pe width of V3.2's latent rows: the values are the other kv_dim - 64 columns
-
 
 @dataclass(frozen=True, slots=True)
 class Geometry:
+    """The pool's shape. A latent row is ``kv_dim`` wide: ``d_v`` values (``c_KV``, the model's
+    kv_lora_rank: 512 for V3.2), then the rope band (qk_rope_head_dim: the other columns).
+    ``d_v`` is what kernels take as the value width; it is the model's, never assumed."""
+
     n_layers: int
     page_size: int
     kv_dim: int
@@ -25,16 +27,13 @@ class Geometry:
     dtype: torch.dtype
     frames: int
     device: str = "cpu"
+    d_v: int = field(kw_only=True)
 
     def __post_init__(self) -> None:
         assert min(self.n_layers, self.page_size, self.kv_dim, self.index_dim, self.frames) > 0, (
             f"{self=}"
         )
-
-    @property
-    def d_v(self) -> int:
-        """Value width of a latent row (``c_KV``, 512 for V3.2), what kernels take as ``d_v``."""
-        return self.kv_dim - ROPE_DIM
+        assert 0 < self.d_v < self.kv_dim, f"d_v must be in 1..kv_dim - 1: {self=}"
 
     @property
     def bytes_per_frame(self) -> int:

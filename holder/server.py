@@ -38,6 +38,7 @@ def build(cfg: HolderConfig, model_dir: Path) -> HolderService:
         n_layers=mcfg.num_hidden_layers,
         page_size=cfg.page_size,
         kv_dim=mcfg.kv_dim,
+        d_v=mcfg.kv_lora_rank,
         index_dim=mcfg.index_head_dim,
         dtype=getattr(torch, cfg.dtype),
         frames=cfg.frames,

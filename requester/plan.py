@@ -125,6 +125,9 @@ def merge_groups(
     for g, (o_g, lse_g) in zip(groups, results, strict=True):
         o, lse = like.new_zeros(n, h, d_v), empty.clone()
         keep = g.keep.to(q.device)
+        assert o_g.shape == (len(keep), h, d_v), (
+            f"{g.address}: O {list(o_g.shape)} for {len(keep)} rows, {h} heads, d_v {d_v}"
+        )
         o[keep], lse[keep] = o_g.to(like), lse_g.to(lse)
         parts.append((o, lse))
     return merge_partials(parts)

@@ -68,7 +68,7 @@ def holder_main(port_file: Path, device: int, fetch_rows: int) -> None:
         capacity_tokens=HOLDER_TOKENS + SPARE_FRAMES * PAGE, max_rows=4096, nvshmem_peers=1,
         metrics_port=-1,
     )  # fmt: skip
-    geo = Geometry(1, PAGE, D, 128, torch.bfloat16, cfg.frames, dev)
+    geo = Geometry(1, PAGE, D, 128, torch.bfloat16, cfg.frames, dev, d_v=D_V)
     pool = FramePool(geo)
     n_pages = HOLDER_TOKENS // PAGE
     pool.add_corpus(CORPUS, HOLDER_TOKENS, n_pages)

@@ -33,7 +33,7 @@ TOKENS, PAGE, N, K = 1 << 17, 64, 64, 2048
 def _pool() -> Any:
     from holder.pool import FramePool, Geometry
 
-    pool = FramePool(Geometry(1, PAGE, 576, 128, torch.bfloat16, TOKENS // PAGE))
+    pool = FramePool(Geometry(1, PAGE, 576, 128, torch.bfloat16, TOKENS // PAGE, d_v=512))
     pool.add_corpus("c", TOKENS, TOKENS // PAGE)
     for page, frame in enumerate(pool.take_frames(TOKENS // PAGE)):
         pool.valid[frame], pool.owner[frame] = PAGE, 0

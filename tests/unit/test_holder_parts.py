@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _pool(frames: int = 6) -> FramePool:
     return FramePool(
-        Geometry(n_layers=2, page_size=4, kv_dim=8, index_dim=3, dtype=torch.float32, frames=frames)
+        Geometry(2, 4, kv_dim=8, d_v=6, index_dim=3, dtype=torch.float32, frames=frames)
     )
 
 
@@ -90,9 +90,7 @@ def test_attend_rows_stay_int32_from_the_request_to_the_kernel() -> None:
     """The holder's CPU Attend path never widens the requester's int32 rows, and the result is
     bit-identical to the reference over the same rows as int64."""
     g = torch.Generator().manual_seed(16)
-    pool = FramePool(
-        Geometry(n_layers=1, page_size=4, kv_dim=72, index_dim=3, dtype=torch.float32, frames=4)
-    )
+    pool = FramePool(Geometry(1, 4, kv_dim=72, d_v=8, index_dim=3, dtype=torch.float32, frames=4))
     pool.add_corpus("a", 10, 3)
     for page, frame in zip((0, 1, 2), pool.take_frames(3), strict=True):
         pool.fill("a", page, frame, [torch.randn(4, 72, generator=g)], [torch.zeros(4, 3)])
