@@ -11,6 +11,23 @@ from typing import Any
 from indexer import ARITHS
 
 SUPPORTED_MODEL_TYPE = "deepseek_v32"
+#: The most attention heads a holder's Attend takes (FlashMLA's sparse kernel and the NVSHMEM
+#: ring's slots stop at 128; V3.2 has 128).
+MAX_HEADS = 128
+#: Widths and counts that must be positive whatever the MLP layout.
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "index_n_heads",
+    "index_head_dim",
+)
 
 
 class ModelConfigError(ValueError):
@@ -77,6 +94,14 @@ class ModelConfig:
     index_arith: str = "exact"
 
     def __post_init__(self) -> None:
+        bad = [f"{k} {getattr(self, k)}" for k in _SIZES if getattr(self, k) <= 0]
+        if bad:
+            raise ModelConfigError(f"widths and counts must be > 0: {', '.join(bad)}")
+        if self.num_attention_heads > MAX_HEADS:
+            raise ModelConfigError(
+                f"num_attention_heads {self.num_attention_heads} > {MAX_HEADS}: a holder's "
+                f"partial attention takes at most {MAX_HEADS} heads"
+            )
         if self.index_arith not in ARITHS:
             raise ModelConfigError(
                 f"index_arith must be 'exact' or 'fp8', got {self.index_arith!r}"
@@ -102,6 +127,10 @@ class ModelConfig:
         if bad:
             raise ModelConfigError(f"mlp_layer_types may hold 'dense' or 'sparse', got {bad}")
         if "sparse" in self.mlp_layer_types:
+            if min(self.n_group, self.n_routed_experts, self.moe_intermediate_size) <= 0:
+                raise ModelConfigError(
+                    "MoE layers need n_group, n_routed_experts and moe_intermediate_size > 0"
+                )
             if self.n_routed_experts % self.n_group:
                 raise ModelConfigError(
                     f"n_routed_experts {self.n_routed_experts} is not a multiple of "

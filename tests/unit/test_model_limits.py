@@ -1,0 +1,64 @@
+"""A DeepSeek-V3.2 config that corpusd cannot serve is refused when its config.json is read (by
+pin, the holder and the agent alike), with one line naming the field; never mid-decode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corpusd.model import ModelConfig, ModelConfigError
+from tests.support.hf_checkpoints import BASE
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers writes the configs: pip install -e '.[test]'"
+)
+
+SMALL: dict[str, Any] = dict(
+    num_hidden_layers=2,
+    mlp_layer_types=["dense", "sparse"],
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=64,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+)
+
+
+def _write(tmp: Path, **override: Any) -> Path:
+    cfg = transformers.DeepseekV32Config(**(BASE | SMALL | override))
+    (tmp / "config.json").write_text(json.dumps(cfg.to_dict()))
+    return tmp
+
+
+def test_a_small_transformers_config_is_served(tmp_path: Path) -> None:
+    c = ModelConfig.from_dir(_write(tmp_path))
+    assert (c.kv_dim, c.kv_lora_rank, c.qk_rope_head_dim) == (80, 64, 16)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (dict(num_attention_heads=160, num_key_value_heads=160), "num_attention_heads 160 > 128"),
+        (dict(kv_lora_rank=0), "must be > 0: kv_lora_rank 0"),
+        (dict(index_n_heads=0), "must be > 0: index_n_heads 0"),
+        (dict(n_group=0), "MoE layers need n_group"),
+        (dict(index_head_dim=8), "index_head_dim 8 < qk_rope_head_dim 16"),
+    ],
+)
+def test_an_unservable_config_is_refused_at_load(
+    tmp_path: Path, override: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ModelConfigError, match=message) as e:
+        ModelConfig.from_dir(_write(tmp_path, **override))
+    assert "\n" not in str(e.value), f"one line: {e.value}"
