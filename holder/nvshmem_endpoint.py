@@ -53,7 +53,15 @@ class Plan:
 
 
 def from_config(cfg: HolderConfig, pool: FramePool, kernel: Kernel) -> NvshmemEndpoint:
-    """The endpoint ``cfg.nvshmem_*`` describes (call only when ``cfg.nvshmem_peers > 0``)."""
+    """The endpoint ``cfg.nvshmem_*`` describes (call only when ``cfg.nvshmem_peers > 0``).
+    Raises ValueError for a model whose latent rows are not the ring's 576 / 512 (requesters
+    then route over gRPC: no NVSHMEM job is offered)."""
+    widths = (pool.geo.kv_dim, pool.geo.d_v)
+    if widths != (nr.D_QK, nr.D_V):
+        raise ValueError(
+            f"--nvshmem-peers: the NVSHMEM ring carries {nr.D_QK}-wide rows with {nr.D_V}-wide "
+            f"outputs; this model's are {widths[0]} / {widths[1]} (serve it without NVSHMEM)"
+        )
     ring = nr.RingGeometry.for_shapes(
         cfg.nvshmem_peers, 2, cfg.nvshmem_rows, 128, cfg.nvshmem_topk, cfg.nvshmem_fetch_rows
     )

@@ -31,7 +31,7 @@ from requester.sglang.backend import CorpusBatch, create_corpus_nsa_backend
 from requester.sglang.binding import corpora_of_batch
 from requester.sglang.link import CorpusLink
 from requester.sglang.pagehash import sglang_key_scales_ue8m0
-from requester.sglang.positions import shift_positions
+from requester.sglang.positions import INDEX_DIM, ROPE_START, ROPE_WIDTH, shift_positions
 
 log = logging.getLogger("corpusd.sglang")
 
@@ -74,9 +74,17 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 "corpusd plugin: pass --disable-cuda-graph (a corpus partial is an "
                 "RPC per layer; it cannot be captured in a CUDA graph)"
             )
+        mcfg = ModelConfig.from_dir(args.model_path)
+        widths = (mcfg.kv_lora_rank, mcfg.qk_rope_head_dim, mcfg.index_head_dim)
+        if widths != (ROPE_START, ROPE_WIDTH, INDEX_DIM):
+            raise RuntimeError(
+                "corpusd plugin: it moves rows in V3.2's layout (kv_lora_rank, qk_rope_head_dim, "
+                f"index_head_dim = {ROPE_START}, {ROPE_WIDTH}, {INDEX_DIM}); this model has "
+                f"{', '.join(map(str, widths))}"
+            )
         self.corpusd_link = CorpusLink(
             os.environ.get("CORPUSD_COORDINATOR", ""),
-            ModelConfig.from_dir(args.model_path),
+            mcfg,
             fingerprint(args.model_path),
             args.page_size,
         )

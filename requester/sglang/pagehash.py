@@ -18,7 +18,7 @@ import torch
 
 from corpusd.corpus.manifest import PAGE_SIZE
 from indexer import fp8
-from requester.sglang.positions import to_sglang_layout
+from requester.sglang.positions import INDEX_DIM, to_sglang_layout
 
 
 def page_hash(tokens: Sequence[int], prior: str | None = None) -> str:
@@ -88,7 +88,7 @@ def index_k_page(keys: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
 
 
 def index_k_from_page(
-    page: torch.Tensor, page_size: int = PAGE_SIZE, dim: int = 128
+    page: torch.Tensor, page_size: int = PAGE_SIZE, dim: int = INDEX_DIM
 ) -> torch.Tensor:
     """The keys of an :func:`index_k_page` page as SGLang's indexer scores them: rotated and
     dequantised, float32 ``[page_size, dim]``."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 ROPE_START, ROPE_WIDTH = 512, 64  # V3.2: c_KV 512 ‖ k_pe 64
+INDEX_DIM = 128  # V3.2's index keys, as SGLang's NSA pages hold them
 
 
 def shift_positions(
