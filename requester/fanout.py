@@ -293,7 +293,7 @@ class CorpusBinding:
             missing_pages=len(self.pages.missing(layer, pages)),
             page_bytes=p * geo.kv_dim * geo.dtype.itemsize,
             missing_tokens=max(0, int(g.canon.max()) + 1 - computed),
-            local_ok=self.tokens is not None and self.model is not None,
+            local_ok=self._can_recompute(),
             kv_dim=geo.kv_dim,
             d_v=geo.d_v,
         )
@@ -306,6 +306,10 @@ class CorpusBinding:
         decision = (
             Decision(self.force, predicate.costs(shape)) if self.force else predicate.decide(shape)
         )
+        if decision.pick != "local" and self._is_dead(g.address) and self._can_recompute():
+            # failed before, and no replica took its pages: not called again, recomputed here
+            self.engine.metrics.fallbacks.labels(decision.pick, "local").inc()
+            return await self._execute(layer, q, off, g, "local", scale)
         t0 = time.perf_counter()
         try:
             result = await self._execute(layer, q, off, g, decision.pick, scale)
@@ -315,6 +319,12 @@ class CorpusBinding:
             return await self._recover(layer, q, off, g, scale, decision.pick, e, tries)
         self.engine.record(layer, g, decision, time.perf_counter() - t0, bool(self.force))
         return result
+
+    def _is_dead(self, address: str) -> bool:
+        return any(i in self.dead for i, a in enumerate(self.view.holders) if a == address)
+
+    def _can_recompute(self) -> bool:
+        return self.tokens is not None and self.model is not None
 
     async def _recover(
         self,
@@ -344,7 +354,7 @@ class CorpusBinding:
             else:
                 to = "replica"  # another call failed it over already: re-plan on the new view
         if to == "local" or tries <= 0:
-            if self.tokens is None or self.model is None:
+            if not self._can_recompute():
                 raise CorpusUnavailable(
                     f"corpus {self.corpus_id}: holder {g.address} failed ({code.name}: {detail}) "
                     "and its rows have no other source"

@@ -325,8 +325,9 @@ def test_dead_holder_falls_back_to_local_and_stop_tokens_stop(  # type: ignore[n
         cut = ref_tokens[1].index(ref_tokens[1][3]) + 1
         assert tokens[1] == ref_tokens[1][:cut] and reasons == ["length", "stop"]
         fell = w.metrics.fallbacks.labels("route", "local")._value.get()
-        assert fell > 0, "the dead holder's groups should have been recomputed locally"
-        assert w.metrics.errors.labels("UNAVAILABLE")._value.get() == fell
+        assert fell > 1, "the dead holder's groups should have been recomputed locally"
+        # one failed call: a holder that failed with no replica to take over is not called again
+        assert w.metrics.errors.labels("UNAVAILABLE")._value.get() == 1
     finally:
         doomed.stop()
 
