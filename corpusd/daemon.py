@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,6 +74,29 @@ def spawn(
     return proc, state_dir, ep["address"], ep["metrics_port"]
 
 
+class PortInUse(ValueError):
+    """A daemon's port is taken: refused before anything is started or written."""
+
+
+def check_ports(host: str, ports: dict[str, int]) -> None:
+    """Refuse ports another process listens on (``ports``: flag → port; 0 and -1 are skipped),
+    before a daemon creates its state. gRPC binds with SO_REUSEPORT by default, so without this
+    (and ``grpc.so_reuseport`` off in :func:`listen`) two daemons would share a port. Raises
+    PortInUse naming the flag."""
+    for flag, port in ports.items():
+        if port <= 0:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not in use
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise PortInUse(
+                    f"{flag} {port}: {host}:{port} is in use ({e.strerror}); is another corpusd "
+                    f"daemon running there? Pick another port ({flag} 0 picks a free one)"
+                ) from None
+
+
 @dataclass
 class Listening:
     """A started gRPC server with its health service and metrics endpoint."""
@@ -110,19 +134,25 @@ async def listen(
 ) -> Listening:
     """Start a daemon's gRPC server (``add`` puts its servicer on it) beside the health
     service, both SERVING, and its Prometheus endpoint (``metrics_port`` 0: any free port,
-    -1: none). Raises OSError when the port cannot be bound."""
-    server = grpc.aio.server(options=list(options))
+    -1: none). Raises PortInUse when either port cannot be bound (nothing is left serving)."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *options])
     add(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio raises where older versions returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    await server.start()
+        raise PortInUse(f"--port {port}: cannot listen on {host}:{port} (in use?)")
     mport = -1
     if metrics_port >= 0:
-        httpd, _ = start_http_server(metrics_port, addr=host, registry=registry)
+        try:
+            httpd, _ = start_http_server(metrics_port, addr=host, registry=registry)
+        except OSError as e:
+            raise PortInUse(f"--metrics-port {metrics_port}: {e.strerror}") from None
         mport = httpd.server_address[1]
+    await server.start()
     for name in (service, ""):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     return Listening(server, health, bound, mport)

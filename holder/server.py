@@ -17,7 +17,7 @@ import grpc
 import torch
 
 from corpusd.corpus.store import PageStore
-from corpusd.daemon import listen, write_endpoint
+from corpusd.daemon import check_ports, listen, write_endpoint
 from corpusd.model import ModelConfig, fingerprint
 from corpusd.v1 import holder_pb2_grpc
 from holder.config import HolderConfig
@@ -162,6 +162,7 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
 
 
 def run(cfg: HolderConfig, model_dir: Path) -> None:
+    check_ports(cfg.host, {"--port": cfg.port, "--metrics-port": cfg.metrics_port})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
     try:

@@ -17,7 +17,7 @@ import torch
 from corpusd import env
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, WorkerReport
 from corpusd.corpus.store import PageStore
-from corpusd.daemon import listen, write_endpoint
+from corpusd.daemon import check_ports, listen, write_endpoint
 from corpusd.model import fingerprint, load_model
 from corpusd.tokenizer import load_tokenizer
 from corpusd.v1 import agent_pb2_grpc
@@ -131,6 +131,7 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
 
 
 def run(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
+    check_ports(cfg.host, {"--port": cfg.port, "--metrics-port": cfg.metrics_port})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
     try:

@@ -22,7 +22,7 @@ from corpusd.coordinator.publish import Publisher
 from corpusd.coordinator.service import CoordinatorService
 from corpusd.coordinator.upkeep import recover
 from corpusd.corpus.store import PageStore
-from corpusd.daemon import listen, write_endpoint
+from corpusd.daemon import check_ports, listen, write_endpoint
 from corpusd.v1 import coordinator_pb2_grpc
 
 log = logging.getLogger("corpusd.coordinator")
@@ -84,6 +84,7 @@ async def serve(cfg: CoordinatorConfig) -> None:
 
 
 def run(cfg: CoordinatorConfig) -> None:
+    check_ports(cfg.host, {"--port": cfg.port, "--metrics-port": cfg.metrics_port})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
     try:
