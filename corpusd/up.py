@@ -87,7 +87,10 @@ def up(cfg: UpConfig) -> int:
         stopping = True
         raise KeyboardInterrupt
 
+    # SIGINT too: a shell script's background job starts with SIGINT ignored, and Python then
+    # never raises KeyboardInterrupt, so Ctrl-C / kill -INT would not stop the daemons.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         print(f"starting a coordinator, {cfg.holders} holders and an agent under {root}")
         coord = start_coordinator(root / "coordinator", store, timeout=cfg.timeout_s)
