@@ -7,23 +7,14 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-#: seconds, 100 µs … 2.5 s: a partial, a layer step, a token
-LATENCY_BUCKETS = (
-    1e-4,
-    2.5e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    1e-2,
-    2.5e-2,
-    5e-2,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-)
+#: seconds, 25 µs … 10 s: one partial, one holder call, one layer's wait (a GPU partial is
+#: ~65 µs; a CPU holder's 64-row partial ~270 ms; a large CPU batch takes seconds)
+LATENCY_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                   0.1, 0.25, 0.5, 1, 2.5, 5, 10)  # fmt: skip
+#: seconds, 1 ms … 120 s: what a user waits for — a decode step, a token, a first token (GPU
+#: inter-token ~5–50 ms; the tiny model on 2 CPU cores ~80 ms a token, 2–18 s to a first token)
+REQUEST_BUCKETS = (1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20,
+                   30, 60, 120)  # fmt: skip
 
 
 class Metrics:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from corpusd.metrics import Metrics
+from corpusd.metrics import LATENCY_BUCKETS, Metrics
 
 
 def rows_bucket(n: int) -> str:
@@ -25,7 +25,11 @@ class HolderMetrics(Metrics):
         super().__init__("corpusd_holder_")
         self.flows = self.gauge("flows_active", "Attend/Fetch executions running now")
         self.queue = self.gauge("queue_depth", "requests waiting for a flow slot")
-        self.queue_wait = self.histogram("queue_wait_seconds", "time queued before a flow slot")
+        self.queue_wait = self.histogram(
+            "queue_wait_seconds",
+            "time queued before a flow slot",
+            buckets=(*LATENCY_BUCKETS, 30, 60),  # none on an idle GPU; tens of s past the elbow
+        )
         self.partial = self.histogram(
             "partial_seconds", "partial-attention compute time", ["rows", "k"]
         )

@@ -3,13 +3,15 @@ predicted and measured cost (so a user can see when the cost model is wrong)."""
 
 from __future__ import annotations
 
-from corpusd.metrics import Metrics
+from corpusd.metrics import REQUEST_BUCKETS, Metrics
 
 
 class RequesterMetrics(Metrics):
     def __init__(self) -> None:
         super().__init__("corpusd_requester_")
-        self.step = self.histogram("step_seconds", "one forward step of a batch")
+        self.step = self.histogram(
+            "step_seconds", "one forward step of a batch", buckets=REQUEST_BUCKETS
+        )
         self.rows = self.counter("rows", "query rows stepped (tokens of all sessions)")
         self.fanout = self.histogram(
             "fanout_holders", "holders one layer step sends to", buckets=(0, 1, 2, 3, 4, 8, 16, 32)
@@ -18,10 +20,16 @@ class RequesterMetrics(Metrics):
             "decisions", "primitive chosen per holder group", ["primitive", "forced"]
         )
         self.predicted = self.histogram(
-            "predicted_seconds", "predicted cost of the chosen primitive", ["primitive"]
+            "predicted_seconds",
+            "predicted cost of the chosen primitive",
+            ["primitive"],
+            buckets=REQUEST_BUCKETS,
         )
         self.measured = self.histogram(
-            "measured_seconds", "measured cost of the chosen primitive", ["primitive"]
+            "measured_seconds",
+            "measured cost of the chosen primitive",
+            ["primitive"],
+            buckets=REQUEST_BUCKETS,
         )
         self.misprediction = self.gauge(
             "last_measured_over_predicted",
@@ -50,9 +58,12 @@ class RequesterMetrics(Metrics):
         self.ttft = self.histogram(
             "time_to_first_token_seconds",
             "Generate call to its first token (queueing and prompt prefill included)",
+            buckets=REQUEST_BUCKETS,
         )
         self.inter_token = self.histogram(
-            "inter_token_seconds", "between consecutive tokens of one Generate stream"
+            "inter_token_seconds",
+            "between consecutive tokens of one Generate stream",
+            buckets=REQUEST_BUCKETS,
         )
         self.requests = self.counter(
             "requests", "agent API calls by method and status", ["method", "code"]
