@@ -160,7 +160,11 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         s = self.worker.open(st.view.corpus_id, prompt)
         log.info("session %s on %s: %d prompt tokens", s.id, st.view.corpus_id[:12], len(prompt))
         return agent_pb2.OpenSessionResponse(
-            session_id=s.id, corpus_tokens=st.view.token_count, prompt_tokens=len(prompt)
+            session_id=s.id,
+            corpus_tokens=st.view.token_count,
+            prompt_tokens=len(prompt),
+            prompt_ids=prompt,
+            corpus_id=st.view.corpus_id,
         )
 
     def kv_tokens(self) -> int:

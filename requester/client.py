@@ -9,12 +9,18 @@
 With a coordinator, each new session goes to the worker the coordinator picks (batch and KV
 headroom); with ``agent=`` every session goes to that one worker. A refused call raises
 AgentError with the server's status and message.
+
+A worker that dies costs a coordinator-backed client no token: the client keeps each session's
+tokens (the prompt as the worker tokenized it, then every token it streamed), and when a
+Generate stream breaks with UNAVAILABLE it opens the session anew on another worker from the
+corpus id and those tokens, and streams on from there, without a gap or a repeat. A greedy
+stream resumes token for token; a sampled one resumes with its seed from the resume point.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -36,6 +42,15 @@ class SessionRef:
     address: str  # the agent worker hosting it
     corpus_tokens: int
     prompt_tokens: int
+    corpus_id: str = ""
+
+
+@dataclass
+class _Resumable:
+    """What rebuilds a session elsewhere: where it lives now and every token it holds."""
+
+    ref: SessionRef
+    tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +76,7 @@ class Client:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, agent_pb2_grpc.AgentStub] = {}
         self._attend_at = ""  # the worker chosen for Attend calls
+        self._sessions: dict[str, _Resumable] = {}  # by the id open_session returned
 
     async def __aenter__(self) -> Client:
         return self
@@ -86,11 +102,11 @@ class Client:
             self._channels[address], self._stubs[address] = ch, agent_pb2_grpc.AgentStub(ch)
         return self._stubs[address]
 
-    async def _where(self, session_tokens: int) -> str:
+    async def _where(self, session_tokens: int, exclude: Sequence[str] = ()) -> str:
         if self.coordinator is None:
             return self.agent
         try:
-            _, address = await self.coordinator.choose_worker(session_tokens)
+            _, address = await self.coordinator.choose_worker(session_tokens, exclude)
         except CoordinatorError as e:
             raise AgentError(e.code, f"coordinator: {e.detail}") from None
         return address
@@ -110,7 +126,9 @@ class Client:
             estimate = len(prompt)
         address = await self._where(estimate + reserve_tokens)
         r: Any = await self._call(self._stub(address).OpenSession(req, timeout=self.timeout))
-        return SessionRef(r.session_id, address, r.corpus_tokens, r.prompt_tokens)
+        ref = SessionRef(r.session_id, address, r.corpus_tokens, r.prompt_tokens, r.corpus_id)
+        self._sessions[ref.session_id] = _Resumable(ref, list(r.prompt_ids))
+        return ref
 
     async def generate(
         self,
@@ -121,7 +139,8 @@ class Client:
         stop_token_ids: Sequence[int] = (),
         seed: int = 0,
     ) -> AsyncIterator[Chunk]:
-        """Stream the session's next tokens (``max_tokens`` 0 = the agent's default)."""
+        """Stream the session's next tokens (``max_tokens`` 0 = the agent's default). With a
+        coordinator, a worker that dies mid-stream is replaced (see the module docstring)."""
         params = agent_pb2.SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -129,14 +148,38 @@ class Client:
             stop_token_ids=list(stop_token_ids),
             seed=seed,
         )
-        call = self._stub(session.address).Generate(
-            agent_pb2.GenerateRequest(session_id=session.session_id, params=params)
-        )
-        try:
-            async for c in call:
-                yield Chunk(tuple(c.token_ids), c.text, c.finish_reason)
-        except grpc.aio.AioRpcError as e:
-            raise AgentError(e.code(), e.details() or "") from None
+        live = self._sessions.get(session.session_id)
+        streamed = 0
+        while True:
+            ref = live.ref if live is not None else session
+            call = self._stub(ref.address).Generate(
+                agent_pb2.GenerateRequest(session_id=ref.session_id, params=params)
+            )
+            try:
+                async for c in call:
+                    if live is not None:
+                        live.tokens += c.token_ids
+                    streamed += len(c.token_ids)
+                    yield Chunk(tuple(c.token_ids), c.text, c.finish_reason)
+                return
+            except grpc.aio.AioRpcError as e:
+                dead = e.code() == grpc.StatusCode.UNAVAILABLE
+                if not (dead and live is not None and live.tokens and self.coordinator):
+                    raise AgentError(e.code(), e.details() or "") from None
+            if max_tokens and streamed >= max_tokens:  # died after its last token
+                yield Chunk((), "", "length")
+                return
+            live.ref = await self._resume(live, ref.address)
+            if max_tokens:
+                params.max_tokens = max_tokens - streamed
+
+    async def _resume(self, live: _Resumable, dead: str) -> SessionRef:
+        """The session opened anew on a worker other than ``dead``, from its tokens."""
+        req = agent_pb2.OpenSessionRequest(corpus=live.ref.corpus_id)
+        req.tokens.ids.extend(live.tokens)
+        address = await self._where(len(live.tokens) + 256, exclude=[dead])
+        r: Any = await self._call(self._stub(address).OpenSession(req, timeout=self.timeout))
+        return replace(live.ref, session_id=r.session_id, address=address)
 
     async def complete(self, session: SessionRef, **params: Any) -> Completion:
         """``generate`` collected: every token, the text and why it stopped."""
@@ -149,8 +192,10 @@ class Client:
         return Completion(tuple(ids), "".join(text), reason)
 
     async def close_session(self, session: SessionRef) -> None:
-        req = agent_pb2.CloseSessionRequest(session_id=session.session_id)
-        await self._call(self._stub(session.address).CloseSession(req, timeout=self.timeout))
+        live = self._sessions.pop(session.session_id, None)
+        ref = live.ref if live is not None else session
+        req = agent_pb2.CloseSessionRequest(session_id=ref.session_id)
+        await self._call(self._stub(ref.address).CloseSession(req, timeout=self.timeout))
 
     async def attend(
         self,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -256,10 +256,12 @@ class CoordinatorClient:
             for s in r.workers
         ]
 
-    async def choose_worker(self, session_tokens: int) -> tuple[str, str]:
-        """(worker id, address) of a new session's home. Raises CoordinatorError: UNAVAILABLE
-        (no live worker), RESOURCE_EXHAUSTED (all full)."""
-        req = pb.ChooseWorkerRequest(session_tokens=session_tokens)
+    async def choose_worker(
+        self, session_tokens: int, exclude: Sequence[str] = ()
+    ) -> tuple[str, str]:
+        """(worker id, address) of a new session's home, never one at an ``exclude`` address.
+        Raises CoordinatorError: UNAVAILABLE (no live worker), RESOURCE_EXHAUSTED (all full)."""
+        req = pb.ChooseWorkerRequest(session_tokens=session_tokens, exclude=list(exclude))
         r: Any = await self._call(self.stub.ChooseWorker(req, timeout=self.timeout))
         return r.worker_id, r.address
 

@@ -134,7 +134,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     @rpc("ChooseWorker")
     async def ChooseWorker(self, request: pb.ChooseWorkerRequest, context: Any) -> Any:
         now = time.time()
-        live = {w: r for w, (r, t) in self.workers.items() if now - t <= self.lease_s}
+        gone = set(request.exclude)  # the client found these dead; their leases may not show it
+        live = {
+            w: r
+            for w, (r, t) in self.workers.items()
+            if now - t <= self.lease_s and r.address not in gone
+        }
         if not live:
             raise Reject(S.UNAVAILABLE, "no live agent worker has reported (is corpusd agent up?)")
         loads = [

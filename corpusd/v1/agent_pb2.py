@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from corpusd.v1 import tensor_pb2 as corpusd_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63orpusd/v1/agent.proto\x12\ncorpusd.v1\x1a\x17\x63orpusd/v1/tensor.proto\"g\n\x12OpenSessionRequest\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x06tokens\x18\x03 \x01(\x0b\x32\x15.corpusd.v1.TokenListH\x00\x42\x08\n\x06prompt\"\x18\n\tTokenList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"W\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcorpus_tokens\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\"n\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"Q\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x06params\x18\x02 \x01(\x0b\x32\x1a.corpusd.v1.SamplingParams\"G\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\xd8\x01\n\x12\x41gentAttendRequest\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x1d\n\x01q\x18\x03 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12%\n\tpositions\x18\x04 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12#\n\x07index_q\x18\x05 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12)\n\rindex_weights\x18\x06 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12\r\n\x05scale\x18\x07 \x01(\x02\"U\n\x13\x41gentAttendResponse\x12\x1d\n\x01o\x18\x01 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12\x1f\n\x03lse\x18\x02 \x01(\x0b\x32\x12.corpusd.v1.Tensor2\xbb\x02\n\x05\x41gent\x12N\n\x0bOpenSession\x12\x1e.corpusd.v1.OpenSessionRequest\x1a\x1f.corpusd.v1.OpenSessionResponse\x12\x44\n\x08Generate\x12\x1b.corpusd.v1.GenerateRequest\x1a\x19.corpusd.v1.GenerateChunk0\x01\x12Q\n\x0c\x43loseSession\x12\x1f.corpusd.v1.CloseSessionRequest\x1a .corpusd.v1.CloseSessionResponse\x12I\n\x06\x41ttend\x12\x1e.corpusd.v1.AgentAttendRequest\x1a\x1f.corpusd.v1.AgentAttendResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63orpusd/v1/agent.proto\x12\ncorpusd.v1\x1a\x17\x63orpusd/v1/tensor.proto\"g\n\x12OpenSessionRequest\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x06tokens\x18\x03 \x01(\x0b\x32\x15.corpusd.v1.TokenListH\x00\x42\x08\n\x06prompt\"\x18\n\tTokenList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"~\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcorpus_tokens\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x12\n\nprompt_ids\x18\x04 \x03(\r\x12\x11\n\tcorpus_id\x18\x05 \x01(\t\"n\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"Q\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x06params\x18\x02 \x01(\x0b\x32\x1a.corpusd.v1.SamplingParams\"G\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\xd8\x01\n\x12\x41gentAttendRequest\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x1d\n\x01q\x18\x03 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12%\n\tpositions\x18\x04 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12#\n\x07index_q\x18\x05 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12)\n\rindex_weights\x18\x06 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12\r\n\x05scale\x18\x07 \x01(\x02\"U\n\x13\x41gentAttendResponse\x12\x1d\n\x01o\x18\x01 \x01(\x0b\x32\x12.corpusd.v1.Tensor\x12\x1f\n\x03lse\x18\x02 \x01(\x0b\x32\x12.corpusd.v1.Tensor2\xbb\x02\n\x05\x41gent\x12N\n\x0bOpenSession\x12\x1e.corpusd.v1.OpenSessionRequest\x1a\x1f.corpusd.v1.OpenSessionResponse\x12\x44\n\x08Generate\x12\x1b.corpusd.v1.GenerateRequest\x1a\x19.corpusd.v1.GenerateChunk0\x01\x12Q\n\x0c\x43loseSession\x12\x1f.corpusd.v1.CloseSessionRequest\x1a .corpusd.v1.CloseSessionResponse\x12I\n\x06\x41ttend\x12\x1e.corpusd.v1.AgentAttendRequest\x1a\x1f.corpusd.v1.AgentAttendResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,21 +37,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLIST']._serialized_start=168
   _globals['_TOKENLIST']._serialized_end=192
   _globals['_OPENSESSIONRESPONSE']._serialized_start=194
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=281
-  _globals['_SAMPLINGPARAMS']._serialized_start=283
-  _globals['_SAMPLINGPARAMS']._serialized_end=393
-  _globals['_GENERATEREQUEST']._serialized_start=395
-  _globals['_GENERATEREQUEST']._serialized_end=476
-  _globals['_GENERATECHUNK']._serialized_start=478
-  _globals['_GENERATECHUNK']._serialized_end=549
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=551
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=592
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=594
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=616
-  _globals['_AGENTATTENDREQUEST']._serialized_start=619
-  _globals['_AGENTATTENDREQUEST']._serialized_end=835
-  _globals['_AGENTATTENDRESPONSE']._serialized_start=837
-  _globals['_AGENTATTENDRESPONSE']._serialized_end=922
-  _globals['_AGENT']._serialized_start=925
-  _globals['_AGENT']._serialized_end=1240
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=320
+  _globals['_SAMPLINGPARAMS']._serialized_start=322
+  _globals['_SAMPLINGPARAMS']._serialized_end=432
+  _globals['_GENERATEREQUEST']._serialized_start=434
+  _globals['_GENERATEREQUEST']._serialized_end=515
+  _globals['_GENERATECHUNK']._serialized_start=517
+  _globals['_GENERATECHUNK']._serialized_end=588
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=590
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=631
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=633
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=655
+  _globals['_AGENTATTENDREQUEST']._serialized_start=658
+  _globals['_AGENTATTENDREQUEST']._serialized_end=874
+  _globals['_AGENTATTENDRESPONSE']._serialized_start=876
+  _globals['_AGENTATTENDRESPONSE']._serialized_end=961
+  _globals['_AGENT']._serialized_start=964
+  _globals['_AGENT']._serialized_end=1279
 # @@protoc_insertion_point(module_scope)

@@ -24,14 +24,18 @@ class TokenList(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "corpus_tokens", "prompt_tokens")
+    __slots__ = ("session_id", "corpus_tokens", "prompt_tokens", "prompt_ids", "corpus_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CORPUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     corpus_tokens: int
     prompt_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., corpus_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    corpus_id: str
+    def __init__(self, session_id: _Optional[str] = ..., corpus_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., corpus_id: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "stop_token_ids", "seed")

@@ -227,10 +227,12 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class ChooseWorkerRequest(_message.Message):
-    __slots__ = ("session_tokens",)
+    __slots__ = ("session_tokens", "exclude")
     SESSION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_FIELD_NUMBER: _ClassVar[int]
     session_tokens: int
-    def __init__(self, session_tokens: _Optional[int] = ...) -> None: ...
+    exclude: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_tokens: _Optional[int] = ..., exclude: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ChooseWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "address")
