@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 from pathlib import Path
 
 import grpc
@@ -21,7 +21,7 @@ from corpusd.coordinator.config import CoordinatorConfig, PublishConfig, StatusC
 from corpusd.corpus.ingest import CorpusError
 from corpusd.corpus.pin import DEMO_FILES, PinConfig, PinResult, default_model, pin, sample_repo
 from corpusd.corpus.store import StoreError
-from corpusd.model import CheckpointError, ModelConfigError
+from corpusd.model import CheckpointError, ModelConfigError, fingerprint
 from indexer import ARITHS
 from requester.client import AgentError
 
@@ -68,13 +68,36 @@ def summary(r: PinResult) -> str:
 
 
 def cmd_pin(a: argparse.Namespace) -> int:
+    """Pin, then publish through the coordinator when there is one. Everything the coordinator
+    would refuse is checked first (``preflight``), so a doomed pin fails in seconds, not after
+    its prefill; a pin that was not published says so, and a failed publish exits non-zero."""
+    from corpusd.coordinator import preflight
+
     publish = PublishConfig(**{f.name: getattr(a, f.name) for f in fields(PublishConfig)})
-    r = pin(_pin_config(a, a.corpus))
-    print(summary(r))
-    address = env.coordinator(publish.coordinator)
+    cfg = _pin_config(a, a.corpus)
+    address, source = env.coordinator_source(publish.coordinator)
+    admit = None
     if address:
+        holders = asyncio.run(preflight.live_holders(address, source))
+        model_dir = Path(cfg.model) if cfg.model else default_model(sys.stderr)
+        cfg = replace(cfg, model=str(model_dir))
+        fp = fingerprint(model_dir)
+        loads = preflight.fitting(holders, publish.replicas, fp, cfg.page_size, cfg.dtype)
+
+        def admit(pages: int) -> None:
+            if note := preflight.room(loads, pages, publish.replicas):
+                print(f"note: {note}")
+
+    r = pin(cfg, admit=admit)
+    print(summary(r))
+    if not address:
+        print(f"not published: no coordinator ({source}); publish with --coordinator or corpusd up")
+        return 0
+    try:
         table = asyncio.run(_publish(address, r.manifest.corpus_id, publish))
-        print(published(table, address))
+    except CoordinatorError as e:
+        raise CoordinatorError(e.code, f"{e.detail} (pinned in {r.path}, not published)") from None
+    print(published(table, address))
     return 0
 
 

@@ -41,10 +41,23 @@ def default_store_dir() -> Path:
 def coordinator(flag: str) -> str:
     """The coordinator address: the flag, else $CORPUSD_COORDINATOR, else the one a running
     ``corpusd up`` started (its ``up.json``), else ""."""
-    if flag or os.environ.get("CORPUSD_COORDINATOR"):
-        return flag or os.environ["CORPUSD_COORDINATOR"]
+    return coordinator_source(flag)[0]
+
+
+def coordinator_source(flag: str) -> tuple[str, str]:
+    """``(address, where it came from)`` as ``coordinator`` resolves it; with no address,
+    ``("", why there is none)``."""
+    if flag:
+        return flag, "--coordinator"
+    if os.environ.get("CORPUSD_COORDINATOR"):
+        return os.environ["CORPUSD_COORDINATOR"], "$CORPUSD_COORDINATOR"
+    path = up_dir() / "up.json"
     info = running_up()
-    return str(info["coordinator"]["address"]) if info else ""
+    if info:
+        return str(info["coordinator"]["address"]), f"{path} (stale?)"
+    if path.exists():
+        return "", f"{path} is stale: the `corpusd up` that wrote it is not running"
+    return "", "no --coordinator, $CORPUSD_COORDINATOR or running `corpusd up`"
 
 
 def up_dir(flag: str = "") -> Path:

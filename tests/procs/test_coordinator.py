@@ -179,7 +179,8 @@ def test_cli_status_and_pin_publish(
     assert cli_main(["status", "--coordinator", co.address]) == 0
     out = capsys.readouterr().out
     assert "holders (2 live of 2)" in out and "ready" in out and "fan-in" in out
-    assert cli_main(["pin", "--corpus", str(src), *args, "--replicas", "5"]) == 2
+    # 2 live holders pass the pre-flight; the coordinator refuses the change of replicas
+    assert cli_main(["pin", "--corpus", str(src), *args, "--replicas", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("corpusd: error: coordinator: FAILED_PRECONDITION: corpus ")
     assert "already ready with replicas 1; unpin it first" in err and err.count("\n") == 1

@@ -1,0 +1,122 @@
+"""`corpusd pin`'s checks before its prefill (no coordinator process): an unreachable coordinator
+fails fast with nothing written, a pin with no coordinator says it was not published, the
+admission rules match the coordinator's, and the prefill estimate matches the benchmark."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from corpusd.cli import main as cli_main
+from corpusd.coordinator.client import CoordinatorError, HolderInfo, HolderState
+from corpusd.coordinator.preflight import fitting, room
+from corpusd.corpus.pin import _SECONDS_PER_TOKEN, _SECONDS_PER_TOKEN2
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tar(path: Path, text: str) -> Path:
+    with tarfile.open(path, "w") as tar:
+        info = tarfile.TarInfo("src/main.txt")
+        info.size = len(text.encode())
+        tar.addfile(info, io.BytesIO(text.encode()))
+    return path
+
+
+def test_unreachable_coordinator_fails_fast_and_writes_nothing(
+    tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = _tar(tmp_path / "repo.tar", "def f():\n    return 1\n" * 40)
+    store = tmp_path / "store"
+    args = ["pin", "--corpus", str(src), "--model", str(tiny_dir), "--store", str(store)]
+    t0 = time.perf_counter()
+    rc = cli_main([*args, "--coordinator", "127.0.0.1:1"])
+    took = time.perf_counter() - t0
+    out, err = capsys.readouterr()
+    assert rc == 1 and took < 2.0, f"{rc=} {took=:.2f} s\n{err}"
+    assert err.startswith("corpusd: error: coordinator: UNAVAILABLE: 127.0.0.1:1 (from ")
+    assert "--coordinator" in err and "nothing was pinned" in err and err.count("\n") == 1
+    assert "prefill" not in err and out == ""
+    assert not store.exists()
+
+
+def test_stale_up_json_is_named_as_the_source(
+    tmp_path: Path,
+    tiny_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An up.json whose process still runs (here: this one) but whose coordinator is gone."""
+    home = tmp_path / "home"
+    (home / "up").mkdir(parents=True)
+    info = {"pid": os.getpid(), "coordinator": {"address": "127.0.0.1:1"}}
+    (home / "up" / "up.json").write_text(json.dumps(info))
+    monkeypatch.setenv("CORPUSD_HOME", str(home))
+    monkeypatch.delenv("CORPUSD_COORDINATOR", raising=False)
+    src = _tar(tmp_path / "repo.tar", "x = 1\n" * 20)
+    store = tmp_path / "store"
+    rc = cli_main(["pin", "--corpus", str(src), "--model", str(tiny_dir), "--store", str(store)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "up.json (stale?)" in err and err.count("\n") == 1, err
+    assert not store.exists()
+
+
+def test_pin_without_a_coordinator_says_it_was_not_published(
+    tmp_path: Path,
+    tiny_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    home = tmp_path / "home"
+    (home / "up").mkdir(parents=True)
+    monkeypatch.setenv("CORPUSD_HOME", str(home))
+    monkeypatch.delenv("CORPUSD_COORDINATOR", raising=False)
+    src = _tar(tmp_path / "repo.tar", "x = 1\n" * 20)
+    args = ["pin", "--corpus", str(src), "--model", str(tiny_dir), "--store", str(tmp_path / "s")]
+    assert cli_main(args) == 0
+    out, err = capsys.readouterr()
+    assert "not published: no coordinator (no --coordinator" in out
+    assert "publish with --coordinator or corpusd up" in out
+    assert "prefill of 144 tokens: under 1 s" in err  # the estimate, before the bar
+    # an up.json left by a `corpusd up` that is gone (pid 2**22 + 1 exceeds Linux's pid_max)
+    (home / "up" / "up.json").write_text(json.dumps({"pid": 2**22 + 1, "coordinator": {}}))
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "already pinned" in out and "not published: no coordinator (" in out
+    assert "up.json is stale: the `corpusd up` that wrote it is not running" in out
+
+
+def _holder(i: int, fp: str = "sha256:aa", live: bool = True, frames: int = 16) -> HolderState:
+    info = HolderInfo(f"h{i}", f"127.0.0.1:{i}", "cpu", frames, 64, fp, "float32", live)
+    return HolderState(info, used_frames=4, active_flows=0, heartbeat_age_s=0.1, placed_frames=6)
+
+
+def test_admission_rules_are_the_coordinators() -> None:
+    hs = [_holder(0), _holder(1), _holder(2, live=False), _holder(3, fp="sha256:bb")]
+    loads = fitting(hs, 2, "sha256:aa", 64, "float32")
+    assert [(x.holder_id, x.capacity, x.used) for x in loads] == [("h0", 16, 6), ("h1", 16, 6)]
+    with pytest.raises(CoordinatorError, match=r"replicas 4 > 3 live holders"):
+        fitting(hs, 4, "sha256:aa", 64, "float32")
+    with pytest.raises(CoordinatorError, match=r"2 of 3 live holders can load this pin") as e:
+        fitting(hs, 3, "sha256:aa", 64, "float32")
+    assert "sha256:bb… page 64 float32" in str(e.value)
+    with pytest.raises(CoordinatorError, match=r"0 of 3 live holders .* bfloat16"):
+        fitting(hs, 1, "sha256:aa", 64, "bfloat16")
+    assert room(loads, 10, 2) == ""  # 20 frames in 2 × 10 free
+    assert "will queue it" in room(loads, 12, 2)  # fits 2 × 16 frames, not 2 × 10 free now
+    with pytest.raises(CoordinatorError, match=r"17 pages × 2 replicas exceed .* never be placed"):
+        room(loads, 17, 2)
+
+
+def test_prefill_estimate_matches_the_pin_benchmark() -> None:
+    rows = json.loads((ROOT / "bench" / "results" / "pin-cpu.json").read_text())["rows"]
+    for r in rows:
+        n = r["tokens"]
+        est = _SECONDS_PER_TOKEN * n + _SECONDS_PER_TOKEN2 * n * n
+        assert abs(est - r["prefill_s"]) <= 0.02 * r["prefill_s"], f"{n=} {est=:.1f} {r=}"
