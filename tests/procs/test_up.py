@@ -103,3 +103,26 @@ def test_ctrl_c_stops_every_daemon(home: dict[str, str]) -> None:
     assert "stopped 3 daemons" in out
     assert not any(alive(p) for p in pids)
     assert not (root / "up.json").exists()
+
+
+def test_the_readme_demo_line_stops_the_daemons_when_a_step_fails(
+    home: dict[str, str],
+) -> None:
+    """The README's first command (issue 19, defect 6): whatever step after ``corpusd up`` fails,
+    ``corpusd down`` still runs and no daemon outlives the line. Before, the steps were chained
+    with ``&&``, so a failing demo left five daemons running. Here the demo step is made to
+    fail fast (a pin of a tar that does not exist) and the installs are left out."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    line = readme.split("```bash\n", 1)[1].splitlines()[0].split("   #", 1)[0]
+    line = line[line.index("corpusd up") :].replace("corpusd demo", "corpusd pin --corpus /no.tar")
+    shell = f'corpusd() {{ "{sys.executable}" -m corpusd "$@"; }}; {line}'
+    r = subprocess.run(["bash", "-c", shell], env=home, capture_output=True, text=True, timeout=300)
+    root = Path(home["CORPUSD_HOME"]) / "up"
+    assert r.returncode != 0, r.stdout + r.stderr  # the failing step's status is the line's
+    assert "no.tar" in r.stderr, r.stderr
+    pids = daemon_pids(root)
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pids and not any(alive(p) for p in pids), "a daemon outlived the README's line"
+    assert not (root / "up.json").exists()
