@@ -120,6 +120,12 @@ def pin(
     store = PageStore(cfg.store or env.default_store_dir())
     if store.has(cid):
         m = store.manifest(cid)
+        if cfg.name and cfg.name != m.name:
+            # One name per corpus: taking the new one silently made lookups by it fail.
+            raise CorpusError(
+                f"this content is already pinned as {m.name!r} (corpus {m.corpus_id}); a corpus "
+                f"has one name: use {m.name!r} or its id, not --name {cfg.name!r}"
+            )
         return PinResult(m, store.corpora / cid, model_dir, True, time.perf_counter() - t0)
 
     out.write(f"prefill of {len(layout.tokens):,} tokens: {estimate(len(layout.tokens))}\n")

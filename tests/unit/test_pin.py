@@ -114,6 +114,11 @@ def test_pinning_twice_gives_the_same_id_and_does_no_work(
     from_dir = _pin(tmp_path, tiny_dir, d)
     assert again.reused and from_dir.reused
     assert again.manifest.corpus_id == from_dir.manifest.corpus_id == first.manifest.corpus_id
+    # The same content under another --name is refused, not silently kept under the old one
+    # (issue 19, defect 4: lookups by the new name failed); the same name is a plain re-pin.
+    with pytest.raises(CorpusError, match=r"already pinned as 'repo' .* not --name 'renamed'"):
+        _pin(tmp_path, tiny_dir, src, name="renamed")
+    assert _pin(tmp_path, tiny_dir, src, name="repo").reused
     assert PageStore(tmp_path / "store").ids() == [first.manifest.corpus_id]
     # A different page size is a different corpus id (not reused).
     monkeypatch.undo()

@@ -201,3 +201,14 @@ def test_fit_line_stays_non_negative() -> None:
     assert fit_line([1, 2, 3], [3, 5, 7]) == pytest.approx((1.0, 2.0))
     base, slope = fit_line([1, 2, 3], [5, 4, 3])  # noise: shrinking times
     assert base == 0 and slope > 0
+
+
+def test_the_client_is_importable_from_the_package() -> None:
+    """``from requester import Client`` (issue 19: it failed, though the docs use it)."""
+    import requester
+    from requester import AgentError, Client
+    from requester.client import Client as Direct
+
+    assert Client is Direct and issubclass(AgentError, Exception)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        _ = requester.Nope  # type: ignore[attr-defined]
