@@ -33,6 +33,12 @@ def _pin_config(a: argparse.Namespace, corpus: str) -> PinConfig:
     return PinConfig(corpus=corpus, **values)
 
 
+def count(n: int, noun: str) -> str:
+    """``n`` with thousands separators and the noun in the number it takes: "1 file",
+    "1,460 pages"."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def _mib(n: float) -> str:
     return f"{n / (1 << 20):,.1f} MiB"
 
@@ -52,9 +58,9 @@ def summary(r: PinResult) -> str:
     biggest = sorted(m.files, key=lambda f: f[1] - f[2])[:5]
     lines = [
         f"{'already pinned' if r.reused else 'pinned'}: {m.name}  (corpus {m.corpus_id})",
-        f"  source    {m.source_kind}, {m.source_digest[:19]}…  {len(m.files)} files, "
+        f"  source    {m.source_kind}, {m.source_digest[:19]}…  {count(len(m.files), 'file')}, "
         f"skipped: {skipped}",
-        f"  tokens    {m.token_count:,} → {m.n_pages:,} pages of {m.page_size}",
+        f"  tokens    {m.token_count:,} → {count(m.n_pages, 'page')} of {m.page_size}",
         f"  model     {r.model_dir}  ({m.n_layers} layers, {m.tokenizer})",
         f"  cache     {m.dtype}, per layer {_mib(per_layer)} "
         f"(latent {m.kv_dim} + index {m.index_dim} per token), {_mib(disk)} on disk",
@@ -114,8 +120,8 @@ def published(t: PageTable, address: str) -> str:
             f"queued at {address} (position {c.queue_position}): it does not fit on the live "
             f"holders now; it is placed when capacity frees (see corpusd status)"
         )
-    spans = ", ".join(f"{h} ({len(t.frames_on(h))} pages)" for h in sorted(t.holders))
-    return f"published via {address}: {c.pages} pages × {c.replicas} on {spans}"
+    spans = ", ".join(f"{h} ({count(len(t.frames_on(h)), 'page')})" for h in sorted(t.holders))
+    return f"published via {address}: {count(c.pages, 'page')} × {c.replicas} on {spans}"
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

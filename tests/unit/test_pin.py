@@ -279,3 +279,11 @@ def test_console_script_runs(tmp_path: Path, tiny_dir: Path) -> None:
     assert out.returncode == 0 and out.stdout.startswith("corpusd ")
     model = load_model(tiny_dir)
     assert model.cfg.num_attention_heads == 64 and model.cfg.kv_dim == 576
+
+
+def test_counts_in_summaries_read_as_numbers() -> None:
+    """Issue 19: the pin summary said "1460 pages" beside "93,434" tokens, and "1 files"."""
+    from corpusd.cli import count
+
+    assert count(1, "file") == "1 file" and count(2, "file") == "2 files"
+    assert count(1460, "page") == "1,460 pages" and count(0, "page") == "0 pages"
