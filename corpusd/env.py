@@ -70,7 +70,16 @@ def running_up(flag: str = "") -> dict[str, Any] | None:
     path = up_dir(flag) / "up.json"
     try:
         info: dict[str, Any] = json.loads(path.read_text())
-        os.kill(int(info["pid"]), 0)
+        pid = int(info["pid"])
+        os.kill(pid, 0)
     except (OSError, ValueError, KeyError):
         return None
-    return info
+    return None if zombie(pid) else info
+
+
+def zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits to be reaped (it still answers ``kill(pid, 0)``)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (OSError, IndexError):
+        return False

@@ -8,6 +8,7 @@ the other commands (``pin``, ``status``, ``agents``) find the coordinator throug
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -213,19 +214,67 @@ def _detach(cfg: UpConfig, root: Path) -> int:
     return 0
 
 
-def down(flag: str = "", timeout: float = 60) -> int:
-    info = env.running_up(flag)
-    if info is None:
-        print(f"corpusd up is not running in {env.up_dir(flag)}")
-        return 0
-    pid = int(info["pid"])
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _orphans(root: Path) -> list[int]:
+    """Pids of daemons a dead ``corpusd up`` left running under ``root`` (their endpoint.json),
+    checked to be corpusd processes (a pid may have been reused since)."""
+    pids = []
+    for ep in root.glob("*/endpoint.json"):
         try:
-            os.kill(pid, 0)
-        except OSError:
-            print(f"stopped corpusd up (pid {pid})")
-            return 0
+            pid = int(json.loads(ep.read_text())["pid"])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError, KeyError):
+            continue
+        if b"corpusd" in cmdline:
+            pids.append(pid)
+    return pids
+
+
+def _stop_orphans(root: Path, timeout: float) -> int:
+    """Stop the daemons a dead ``corpusd up`` left under ``root``; returns how many."""
+    orphans = _orphans(root)
+    for pid in orphans:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+    left, deadline = orphans, time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        left = [pid for pid in left if _alive(pid)]
         time.sleep(0.2)
-    raise RuntimeError(f"corpusd up (pid {pid}) did not stop in {timeout} s")
+    for pid in left:  # did not drain in time
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return len(orphans)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return not env.zombie(pid)
+
+
+def down(flag: str = "", timeout: float = 60) -> int:
+    """Stop ``corpusd up`` (it stops its daemons). If it is gone (killed), stop the daemons it
+    left and remove its stale ``up.json``."""
+    root = env.up_dir(flag)
+    info = env.running_up(flag)
+    if info is not None:
+        pid = int(info["pid"])
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"corpusd up (pid {pid}) did not stop in {timeout} s")
+            time.sleep(0.2)
+        print(f"stopped corpusd up (pid {pid})")
+    stopped = _stop_orphans(root, timeout)
+    stale = (root / "up.json").exists()
+    (root / "up.json").unlink(missing_ok=True)
+    if info is None and (stopped or stale):
+        print(
+            f"corpusd up in {root} was gone: stopped {stopped} daemon(s) it left"
+            + (", removed its stale up.json" if stale else "")
+        )
+    elif info is None:
+        print(f"corpusd up is not running in {root}")
+    return 0

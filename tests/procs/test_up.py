@@ -126,3 +126,22 @@ def test_the_readme_demo_line_stops_the_daemons_when_a_step_fails(
         time.sleep(0.2)
     assert pids and not any(alive(p) for p in pids), "a daemon outlived the README's line"
     assert not (root / "up.json").exists()
+
+
+def test_down_after_a_killed_up_stops_what_it_left(home: dict[str, str]) -> None:
+    """Issue 19: ``down`` left a stale ``up.json`` (and the daemons of a ``corpusd up`` that was
+    SIGKILLed kept running): it said "not running" and did nothing."""
+    corpusd(home, "up", "--holders", "1", "--capacity-tokens", "1024", "--detach", "1")
+    root = Path(home["CORPUSD_HOME"]) / "up"
+    pids = daemon_pids(root)
+    up_pid = int(json.loads((root / "up.json").read_text())["pid"])
+    os.kill(up_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while alive(up_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(pids) == 3 and all(alive(p) for p in pids)  # orphans, and a stale up.json
+    out = corpusd(home, "down")
+    assert "was gone" in out, out
+    assert not any(alive(p) for p in pids), "a daemon outlived corpusd down"
+    assert not (root / "up.json").exists()
+    assert "not running" in corpusd(home, "down")
