@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.env import running_up
+from corpusd.model.tiny import TINY_FINGERPRINT
 from requester.client import Client, SessionRef
 
 QUESTIONS = (
@@ -68,10 +69,19 @@ async def run_agents(coordinator: str, corpus: str, agents: int, max_tokens: int
         wall = time.perf_counter() - t0
     async with CoordinatorClient(coordinator) as cc:
         holders, workers = await cc.list_holders(), await cc.list_workers()
+        corpora = {x.corpus_id: x for x in await cc.list_corpora()}
     lines = [
         f"{agents} sub-agents over corpus {corpus!r} ({runs[0].session.corpus_tokens:,} tokens)",
         "",
     ]
+    pinned = corpora.get(runs[0].session.corpus_id)
+    if pinned is not None and pinned.model_fingerprint == TINY_FINGERPRINT:
+        lines[-1:] = [
+            "  (the built-in tiny model has random weights: its answers are noise; what this",
+            "   shows is the path, one prefill forked by every agent with attention routed to",
+            "   the holders, and its timings)",
+            "",
+        ]
     for r in runs:
         lines.append(f"  Q: {r.question}")
         lines.append(f"  A: {r.text.strip()[:110]!r}")

@@ -80,6 +80,12 @@ def build_tiny(seed: int = 0, **overrides: object) -> DeepseekV32:
     return model.eval()
 
 
+#: ``fingerprint`` of ``init_tiny(dir)`` (seed 0, no overrides): the same bytes on every machine,
+#: so a corpus pinned for the random-weight default is recognised without reading a model
+#: (tests/unit/test_checkpoint.py holds it to a fresh checkpoint).
+TINY_FINGERPRINT = "sha256:e9b0d264e177ac1837c19d1b61828d4abc665dca3c6c02be694fb4317951102b"
+
+
 def init_tiny(out_dir: str | Path, seed: int = 0, **overrides: object) -> Path:
     """Write the tiny checkpoint (bf16 safetensors shards + index + config.json) to ``out_dir``."""
     out = Path(out_dir)

@@ -21,13 +21,13 @@ def _logits(model, toks: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyp
 
 
 def test_tiny_checkpoint_is_sharded_and_deterministic(tiny_dir: Path, tmp_path: Path) -> None:
-    from corpusd.model.tiny import init_tiny
+    from corpusd.model.tiny import TINY_FINGERPRINT, init_tiny
 
     index = json.loads((tiny_dir / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1, "tiny checkpoint should exercise sharding"
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in index["weight_map"]
     again = init_tiny(tmp_path / "again")
-    assert fingerprint(again) == fingerprint(tiny_dir)
+    assert fingerprint(again) == fingerprint(tiny_dir) == TINY_FINGERPRINT
     other = init_tiny(tmp_path / "other", seed=1)
     assert fingerprint(other) != fingerprint(tiny_dir)
 
