@@ -281,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--model", default=None, help="model directory (default: the tiny model)")
     pc.add_argument("--store", default="", help="page store (default: $CORPUSD_STORE)")
     pc.add_argument("--out", default="", help="profile path (default: $CORPUSD_HOME/profile.json)")
-    pc.add_argument("--repeats", type=int, default=5)
+    pc.add_argument(
+        "--repeats", type=int, default=5, help="timings per measured point (the median is kept)"
+    )
     pc.set_defaults(func=cmd_calibrate)
     ps = sub.add_parser("serve", help="run the coordinator: holders, placement, page table")
     add_dataclass_flags(ps, CoordinatorConfig)
@@ -308,9 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     pw.set_defaults(func=cmd_down)
     pg = sub.add_parser("agents", help="run N sub-agents with different questions over a corpus")
     pg.add_argument("--corpus", required=True, help="corpus id, name or id prefix")
-    pg.add_argument("--agents", type=int, default=8)
+    pg.add_argument("--agents", type=int, default=8, help="sub-agents (sessions) run at once")
     pg.add_argument("--tokens", type=int, default=24, help="answer length of each")
-    pg.add_argument("--coordinator", default="", help="(default: $CORPUSD_COORDINATOR or `up`'s)")
+    pg.add_argument(
+        "--coordinator",
+        default="",
+        help="coordinator host:port (default: $CORPUSD_COORDINATOR, else the one in up.json)",
+    )
     pg.set_defaults(func=cmd_agents)
     pm = sub.add_parser("model", help="model checkpoints")
     msub = pm.add_subparsers(dest="model_command", required=True)

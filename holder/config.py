@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from corpusd.corpus.manifest import PAGE_SIZE
 
@@ -12,35 +12,118 @@ GPU_HOST_THREADS = 2
 
 @dataclass(frozen=True, slots=True)
 class HolderConfig:
-    store: str = ""  # page store the corpora were pinned into ("" = $CORPUSD_STORE)
-    state_dir: str = (
-        ""  # assignments.json (restart), endpoint.json ("" = $CORPUSD_HOME/holders/default)
+    store: str = field(
+        default="",
+        metadata={"help": "page store the corpora were pinned into (default: $CORPUSD_STORE)"},
     )
-    model: str | None = None  # pool geometry + fingerprint check; default: the embedded model
-    device: str = "cpu"
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: pick a free port (written to endpoint.json)
-    metrics_port: int = 0  # 0: pick a free port; -1: no metrics endpoint
-    holder_id: str = ""
-    capacity_tokens: int = 1 << 20
-    capacity_bytes: int = 0  # > 0: size the pool by bytes instead (latent + index keys, all layers)
-    page_size: int = PAGE_SIZE
-    dtype: str = "float32"
-    kernel: str = "auto"
-    max_flows: int = 8
-    staging_streams: int = 8  # CUDA streams that stage outgoing partials / pages (GPU holders)
-    nvshmem_peers: int = 0  # > 0: offer an NVSHMEM job with this many requester slots (GPU only)
-    nvshmem_rows: int = 64  # ring slot: query rows × 128 heads × nvshmem_topk per request
-    nvshmem_topk: int = 2048
-    nvshmem_fetch_rows: int = 16384  # ring slot: pool rows per fetch reply
-    max_queue: int = 1024
-    queue_timeout_s: float = 10.0
-    max_rows: int = 8192  # rows of one Attend / IndexTopK
-    max_k: int = 16384  # selected rows per query row
-    max_message_bytes: int = 256 << 20
-    threads: int = 0  # torch intra-op threads per flow; 0: torch's default (CPU), 2 (GPU)
-    drain_s: float = 5.0
-    coordinator: str = ""  # host:port: register there on start and heartbeat within the lease
+    state_dir: str = field(
+        default="",
+        metadata={
+            "help": "assignments.json (reloaded on restart) and endpoint.json (default: "
+            "$CORPUSD_HOME/holders/default)"
+        },
+    )
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "model directory: pool geometry and fingerprint check "
+            "(default: the embedded tiny model)"
+        },
+    )
+    device: str = field(
+        default="cpu",
+        metadata={"help": "cpu, or cuda:N (FlashMLA / Triton kernels)"},
+    )
+    host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address to listen on"},
+    )
+    port: int = field(
+        default=0,
+        metadata={"help": "0: pick a free port (written to endpoint.json)"},
+    )
+    metrics_port: int = field(
+        default=0,
+        metadata={"help": "Prometheus /metrics port; 0: pick a free one; -1: none"},
+    )
+    holder_id: str = field(
+        default="",
+        metadata={
+            "help": "name in the coordinator's registry "
+            "(default: the one an earlier run in --state-dir used, else holder-PORT)"
+        },
+    )
+    capacity_tokens: int = field(
+        default=1 << 20,
+        metadata={"help": "pool size in corpus tokens (preallocated)"},
+    )
+    capacity_bytes: int = field(
+        default=0,
+        metadata={"help": "> 0: size the pool by bytes instead (latent + index keys, all layers)"},
+    )
+    page_size: int = field(
+        default=PAGE_SIZE,
+        metadata={"help": "tokens per page; must match the pins"},
+    )
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "pool dtype: float32 or bfloat16; must match the pins"},
+    )
+    kernel: str = field(
+        default="auto",
+        metadata={"help": "partial-attention kernel: auto, torch, flashmla or triton"},
+    )
+    max_flows: int = field(
+        default=8,
+        metadata={
+            "help": "Attend/Fetch executions at once (the fan-in cap; more wait in the queue)"
+        },
+    )
+    staging_streams: int = field(
+        default=8,
+        metadata={"help": "CUDA streams that stage outgoing partials / pages (GPU holders)"},
+    )
+    nvshmem_peers: int = field(
+        default=0,
+        metadata={"help": "> 0: offer an NVSHMEM job with this many requester slots (GPU, bf16)"},
+    )
+    nvshmem_rows: int = field(
+        default=64,
+        metadata={
+            "help": "NVSHMEM ring slot: query rows per request (× 128 heads × --nvshmem-topk)"
+        },
+    )
+    nvshmem_topk: int = field(
+        default=2048,
+        metadata={"help": "NVSHMEM ring slot: selected rows per query row"},
+    )
+    nvshmem_fetch_rows: int = field(
+        default=16384,
+        metadata={"help": "NVSHMEM ring slot: pool rows per fetch reply"},
+    )
+    max_queue: int = field(
+        default=1024,
+        metadata={"help": "requests waiting for a flow slot before RESOURCE_EXHAUSTED"},
+    )
+    queue_timeout_s: float = field(
+        default=10.0,
+        metadata={"help": "seconds a request may wait for a flow slot"},
+    )
+    max_rows: int = field(default=8192, metadata={"help": "query rows of one Attend / IndexTopK"})
+    max_k: int = field(default=16384, metadata={"help": "selected rows per query row"})
+    max_message_bytes: int = field(default=256 << 20, metadata={"help": "largest gRPC message"})
+    threads: int = field(
+        default=0,
+        metadata={"help": "torch intra-op threads per flow; 0: torch's default (CPU), 2 (GPU)"},
+    )
+    drain_s: float = field(
+        default=5.0,
+        metadata={"help": "on SIGTERM, seconds running requests get before the holder stops"},
+    )
+    coordinator: str = field(
+        default="",
+        metadata={"help": "host:port: register there on start and heartbeat within the lease"},
+    )
 
     def __post_init__(self) -> None:
         if not self.store or not self.state_dir:

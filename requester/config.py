@@ -74,7 +74,7 @@ class AgentConfig:
         default="", metadata={"help": "endpoint.json and the log (default: $CORPUSD_HOME/agent)"}
     )
     model: str = field(default="", metadata={"help": "model directory (default: the tiny model)"})
-    host: str = "127.0.0.1"
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=0, metadata={"help": "0: pick a free port (see endpoint.json)"})
     metrics_port: int = field(default=0, metadata={"help": "0: pick a free port; -1: none"})
     worker_id: str = field(default="", metadata={"help": "name in the coordinator's registry"})
@@ -101,7 +101,9 @@ class AgentConfig:
         default=2.0, metadata={"help": "how often load is reported to the coordinator"}
     )
     threads: int = field(default=0, metadata={"help": "torch intra-op threads; 0: torch's"})
-    drain_s: float = 5.0
+    drain_s: float = field(
+        default=5.0, metadata={"help": "on SIGTERM, seconds running requests get to finish"}
+    )
 
     def __post_init__(self) -> None:
         if not self.store or not self.state_dir:

@@ -15,7 +15,7 @@ class CoordinatorConfig:
         default="",
         metadata={"help": "state.db and endpoint.json (default: $CORPUSD_HOME/coordinator)"},
     )
-    host: str = "127.0.0.1"
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=0, metadata={"help": "0: pick a free port (see endpoint.json)"})
     metrics_port: int = field(default=0, metadata={"help": "0: pick a free port; -1: none"})
     profile: str = field(
@@ -35,7 +35,9 @@ class CoordinatorConfig:
     retry_s: float = field(
         default=2.0, metadata={"help": "how often queued pins are retried (also on every unpin)"}
     )
-    drain_s: float = 5.0
+    drain_s: float = field(
+        default=5.0, metadata={"help": "on SIGTERM, seconds running requests get to finish"}
+    )
 
     def __post_init__(self) -> None:
         if not self.store or not self.state_dir:

@@ -287,3 +287,21 @@ def test_counts_in_summaries_read_as_numbers() -> None:
 
     assert count(1, "file") == "1 file" and count(2, "file") == "2 files"
     assert count(1460, "page") == "1,460 pages" and count(0, "page") == "0 pages"
+
+
+def test_every_flag_of_every_command_says_what_it_does() -> None:
+    """Issue 19: the holder's flags showed only "(default: )", and agents --agents, --drain-s,
+    calibrate --repeats and others had no help at all."""
+    import argparse
+
+    from corpusd.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [
+        f"{name} {a.option_strings[0]}"
+        for name, p in sub.choices.items()
+        for a in p._actions
+        if a.option_strings and a.dest != "help"
+        if not a.help or a.help.lstrip().startswith("(default")
+    ]
+    assert not bare, f"flags without help: {bare}"
