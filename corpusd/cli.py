@@ -11,6 +11,7 @@ import asyncio
 import sys
 from dataclasses import MISSING, fields, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -225,14 +226,19 @@ def cmd_model_init(a: argparse.Namespace) -> int:
 
 def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
     """One ``--flag`` per field of a config dataclass, typed and defaulted from the class; a
-    field's ``metadata`` may add ``help`` and ``choices``."""
+    field's ``metadata`` may add ``help``, ``choices`` and ``const`` (the flag then takes its
+    value optionally: ``--detach`` alone means ``--detach 1``)."""
     for f in fields(cls):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = {"int": int, "float": float}.get(str(f.type), str)
         text = f.metadata.get("help", "")
-        extra = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
+        extra: dict[str, Any] = {}
+        if "choices" in f.metadata:
+            extra["choices"] = f.metadata["choices"]
+        if "const" in f.metadata:
+            extra.update(nargs="?", const=f.metadata["const"])
         if f.default is MISSING:
             p.add_argument(flag, type=kind, required=True, dest=f.name, help=text, **extra)
         else:

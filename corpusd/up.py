@@ -41,8 +41,10 @@ class UpConfig:
         default=65536, metadata={"help": "per holder (its pool is allocated up front)"}
     )
     detach: int = field(
-        default=0, metadata={"help": "1: start in the background and return once serving"}
-    )
+        default=0,
+        metadata={"help": "1 (or the flag alone): start in the background, return once serving",
+                  "const": 1},
+    )  # fmt: skip
     timeout_s: float = field(default=180.0, metadata={"help": "for everything to come up"})
 
     def __post_init__(self) -> None:

@@ -305,3 +305,14 @@ def test_every_flag_of_every_command_says_what_it_does() -> None:
         if not a.help or a.help.lstrip().startswith("(default")
     ]
     assert not bare, f"flags without help: {bare}"
+
+
+def test_detach_is_a_flag_and_still_takes_a_value() -> None:
+    """Issue 19: ``corpusd up --detach`` needed a value."""
+    from corpusd.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["up", "--detach"]).detach == 1
+    assert p.parse_args(["up", "--detach", "1"]).detach == 1
+    assert p.parse_args(["up", "--detach", "0"]).detach == 0
+    assert p.parse_args(["up"]).detach == 0
