@@ -176,7 +176,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
     cfg = AgentConfig(**values)
     wcfg = WorkerConfig(**{f.name: getattr(a, f.name) for f in fields(WorkerConfig)})
     if not (cfg.coordinator or cfg.holders):
-        raise ValueError("an agent needs --coordinator (or $CORPUSD_COORDINATOR) or --holders")
+        raise ValueError(f"{env.NO_COORDINATOR}; or give an agent --holders")
     run(cfg, wcfg, Path(cfg.model) if cfg.model else default_model(sys.stderr))
     return 0
 
@@ -198,7 +198,7 @@ def cmd_agents(a: argparse.Namespace) -> int:
 
     address = env.coordinator(a.coordinator)
     if not address:
-        raise ValueError("no coordinator: start `corpusd up`, or pass --coordinator HOST:PORT")
+        raise ValueError(env.NO_COORDINATOR)
     if not 1 <= a.agents <= 256 or not 1 <= a.tokens <= 4096:
         raise ValueError("--agents must be in 1..256 and --tokens in 1..4096")
     print(asyncio.run(run_agents(address, a.corpus, a.agents, a.tokens)))
@@ -242,7 +242,7 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, 
         if f.default is MISSING:
             p.add_argument(flag, type=kind, required=True, dest=f.name, help=text, **extra)
         else:
-            if f.default is not None and "(default" not in text:
+            if f.default not in (None, "") and "(default" not in text:
                 text = f"{text} (default: {f.default})".strip()
             p.add_argument(flag, type=kind, default=f.default, dest=f.name, help=text, **extra)
 
@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument(
         "--coordinator",
         default="",
-        help="coordinator host:port (default: $CORPUSD_COORDINATOR, else the one in up.json)",
+        help=f"coordinator host:port (default: {env.COORDINATOR_DEFAULT})",
     )
     pg.set_defaults(func=cmd_agents)
     pm = sub.add_parser("model", help="model checkpoints")

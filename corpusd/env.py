@@ -24,6 +24,14 @@ VARIABLES = {
 }
 
 
+#: The one wording for "no coordinator was found", wherever a command needs one.
+NO_COORDINATOR = (
+    "no coordinator: start `corpusd up`, pass --coordinator HOST:PORT or set $CORPUSD_COORDINATOR"
+)
+#: How every --coordinator flag's default is found (see ``coordinator``).
+COORDINATOR_DEFAULT = "$CORPUSD_COORDINATOR, else the running `corpusd up`'s (its up.json)"
+
+
 def home() -> Path:
     return Path(os.environ.get("CORPUSD_HOME", "~/.corpusd")).expanduser()
 

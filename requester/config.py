@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from corpusd import env
 from corpusd.transport import nvshmem_ring
 from requester.predicate import PRIMITIVES
 from requester.routes import TRANSPORTS
@@ -80,7 +81,7 @@ class AgentConfig:
     worker_id: str = field(default="", metadata={"help": "name in the coordinator's registry"})
     coordinator: str = field(
         default="",
-        metadata={"help": "coordinator for page tables (default: $CORPUSD_COORDINATOR)"},
+        metadata={"help": f"coordinator for page tables (default: {env.COORDINATOR_DEFAULT})"},
     )
     holders: str = field(
         default="",

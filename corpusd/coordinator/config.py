@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from corpusd import env
+
 
 @dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
@@ -57,7 +59,7 @@ class PublishConfig:
         default="",
         metadata={
             "help": "publish the pinned corpus through this coordinator "
-            "(default: $CORPUSD_COORDINATOR; empty: only pin locally)"
+            f"(default: {env.COORDINATOR_DEFAULT}; none found: only pin locally)"
         },
     )
     replicas: int = field(default=1, metadata={"help": "copies of each page on distinct holders"})
@@ -76,12 +78,10 @@ class PublishConfig:
 @dataclass(frozen=True, slots=True)
 class StatusConfig:
     coordinator: str = field(
-        default="", metadata={"help": "coordinator address (default: $CORPUSD_COORDINATOR)"}
+        default="", metadata={"help": f"coordinator host:port (default: {env.COORDINATOR_DEFAULT})"}
     )
     timeout_s: float = field(default=10.0, metadata={"help": "deadline of each call"})
 
     def __post_init__(self) -> None:
         if not self.coordinator:
-            raise ValueError(
-                "no coordinator: pass --coordinator HOST:PORT or set CORPUSD_COORDINATOR"
-            )
+            raise ValueError(env.NO_COORDINATOR)

@@ -316,3 +316,28 @@ def test_detach_is_a_flag_and_still_takes_a_value() -> None:
     assert p.parse_args(["up", "--detach", "1"]).detach == 1
     assert p.parse_args(["up", "--detach", "0"]).detach == 0
     assert p.parse_args(["up"]).detach == 0
+
+
+def test_no_coordinator_reads_the_same_everywhere(tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Issue 19: two wordings were used for "no coordinator"; status and agents now say the
+    same line, and every --coordinator help says where its default comes from."""
+    import argparse
+
+    from corpusd import env
+    from corpusd.cli import build_parser, main
+
+    monkeypatch.setenv("CORPUSD_HOME", str(tmp_path))
+    monkeypatch.delenv("CORPUSD_COORDINATOR", raising=False)
+    for argv in (["status"], ["agents", "--corpus", "x"]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.strip() == f"corpusd: error: {env.NO_COORDINATOR}"
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = [
+        (name, a.help or "")
+        for name, p in sub.choices.items()
+        for a in p._actions
+        if "--coordinator" in a.option_strings
+    ]
+    found = {name for name, h in flags if "up.json" in h}  # the holder's registers nowhere
+    assert found == {"pin", "demo", "status", "agent", "agents"}, flags  # by default
+    assert not any(h.endswith("(default: )") for _, h in flags), flags
