@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 from dataclasses import replace
 from pathlib import Path
 
@@ -117,7 +118,9 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
         [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
     )
     port, metrics_port = up.port, up.metrics_port
-    holder_id = cfg.holder_id or _stable_id(Path(cfg.state_dir), f"holder-{port}")
+    # A name, not the first port: a restart on another port keeps it (status showed
+    # holder-35333 at :46701 before)
+    holder_id = cfg.holder_id or _stable_id(Path(cfg.state_dir), f"holder-{secrets.token_hex(3)}")
     svc.cfg = cfg = replace(cfg, holder_id=holder_id)
     write_endpoint(
         Path(cfg.state_dir),

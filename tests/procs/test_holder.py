@@ -360,9 +360,13 @@ def test_restart_reloads_the_same_frames(
     h = start_holder(store, tmp_path / "h", tiny_dir, *size)
     frames, o1 = asyncio.run(first(h.address))
     assert h.stop() == 0
+    named = (tmp_path / "h" / "holder_id").read_text().strip()
+    # a name, not its first port (issue 19: status showed holder-35333 at :46701 after a restart)
+    assert h.address.rsplit(":", 1)[1] not in named, named
     h = start_holder(store, tmp_path / "h", tiny_dir, *size)
     try:
         assert torch.equal(asyncio.run(second(h.address, frames)), o1)
+        assert (tmp_path / "h" / "holder_id").read_text().strip() == named
     finally:
         assert h.stop() == 0
 
