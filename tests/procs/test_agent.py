@@ -33,6 +33,7 @@ from requester.launch import AgentProcess, start_agent
 from tests.support.checks import rel
 from tests.support.coordinators import start_holders
 from tests.support.holders import pin_sample
+from tests.support.oracle import greedy
 
 CORPUS_TOKENS, NEW = 700, 24
 SUFFIXES = [f"\nQ{i}: what is on line {i * 41}?" for i in range(3)]
@@ -93,16 +94,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterato
 
 @pytest.fixture(scope="module")
 def oracle(cluster: Cluster, hf_model) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    toks = PageStore(cluster.tmp / "store").read_tokens(cluster.cid).to(torch.int64)
-    out = []
-    for sfx in SUFFIXES:
-        ids = torch.cat([toks, torch.tensor(list(sfx.encode()))])[None]
-        with torch.no_grad():
-            g = hf_model.generate(
-                ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
-            )
-        out.append(g[0, ids.shape[1] :].tolist())
-    return out
+    toks = PageStore(cluster.tmp / "store").read_tokens(cluster.cid)
+    return [tokens for tokens, _ in greedy(hf_model, toks, SUFFIXES, NEW)]
 
 
 def metric(port: int, name: str, *labels: str) -> float:

@@ -28,6 +28,7 @@ from requester.sampling import SamplingParams
 from requester.worker import Worker
 from tests.support.checks import rel
 from tests.support.holders import pin_sample, start_holder
+from tests.support.oracle import decode, greedy
 
 AGENTS, NEW_TOKENS, CORPUS_TOKENS = 8, 16, 700
 SMALL_POOL = ("--capacity-tokens", "4096")
@@ -57,23 +58,9 @@ def holders(corpus: tuple[Path, str], tiny_dir: Path) -> Iterator[list[HolderPro
 def oracle(corpus: tuple[Path, str], hf_model) -> list[tuple[list[int], list[torch.Tensor]]]:  # type: ignore[no-untyped-def]
     """transformers' greedy tokens and logits for each agent's [corpus + suffix]."""
     tmp, cid = corpus
-    toks = PageStore(tmp / "store").read_tokens(cid).to(torch.int64)
+    toks = PageStore(tmp / "store").read_tokens(cid)
     assert len(toks) > 4 * hf_model.config.index_topk, "corpus too short for real selection"
-    out = []
-    for sfx in SUFFIXES:
-        ids = torch.cat([toks, torch.tensor(list(sfx.encode()))])[None]
-        with torch.no_grad():
-            g = hf_model.generate(
-                ids,
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        out.append((g.sequences[0, ids.shape[1] :].tolist(), [lg[0] for lg in g.logits]))
-    return out
+    return greedy(hf_model, toks, SUFFIXES, NEW_TOKENS)
 
 
 def place(cid: str, holders: list[HolderProcess], n_pages: int, replicas: int, seed: int) -> None:
@@ -101,31 +88,6 @@ def place(cid: str, holders: list[HolderProcess], n_pages: int, replicas: int, s
     asyncio.run(go())
 
 
-async def decode(
-    model,
-    store: PageStore,
-    cid: str,
-    addresses: list[str],
-    cfg: WorkerConfig,  # type: ignore[no-untyped-def]
-) -> tuple[list[list[int]], list[list[torch.Tensor]], Worker]:
-    w = Worker(model, cfg, store=store)
-    try:
-        await w.attach(cid, addresses)
-        sessions = [
-            w.open(
-                cid,
-                list(s.encode()),
-                params=SamplingParams(max_tokens=NEW_TOKENS),
-                keep_logits=True,
-            )
-            for s in SUFFIXES
-        ]
-        await w.generate(sessions)
-        return [s.generated for s in sessions], [s.logits or [] for s in sessions], w
-    finally:
-        await w.close()
-
-
 ALL_MODES = [(i, p) for i in ("replica", "distributed") for p in ("route", "fetch", "local")]
 # (holders, replicas per page) → (indexer, primitive) runs: every combination on 2 holders, a
 # spread elsewhere (each run is 8 agents × 16 steps; the suite has a time budget).
@@ -148,7 +110,9 @@ def test_agents_match_transformers_generate(  # type: ignore[no-untyped-def]
     addresses = [h.address for h in holders[:n_holders]]
     for indexer, primitive in LAYOUTS[layout]:
         cfg = WorkerConfig(indexer=indexer, primitive=primitive, trace=True)
-        tokens, logits, w = asyncio.run(decode(tiny_model, store, cid, addresses, cfg))
+        tokens, logits, w = asyncio.run(
+            decode(tiny_model, store, cid, addresses, cfg, SUFFIXES, NEW_TOKENS)
+        )
         picks = {t["pick"] for t in w.trace}
         assert picks == {primitive}, f"{indexer=} {primitive=}: predicate picked {picks}"
         if n_holders > 1:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import torch
 
 from corpusd.corpus.store import PageStore
 from holder.launch import HolderProcess
@@ -22,6 +21,7 @@ from requester.holder_client import HolderClient, Partial
 from requester.sampling import SamplingParams
 from requester.worker import Worker
 from tests.support.holders import pin_sample, start_holder
+from tests.support.oracle import greedy
 
 T = TypeVar("T")
 SUFFIXES = ["\nQ0: line 0?", "\nQ1: line 37?"]
@@ -46,16 +46,8 @@ def survivor(corpus: tuple[Path, str], tiny_dir: Path) -> Iterator[HolderProcess
 @pytest.fixture(scope="module")
 def oracle(corpus: tuple[Path, str], hf_model) -> list[list[int]]:  # type: ignore[no-untyped-def]
     tmp, cid = corpus
-    toks = PageStore(tmp / "store").read_tokens(cid).to(torch.int64)
-    out = []
-    for sfx in SUFFIXES:
-        ids = torch.cat([toks, torch.tensor(list(sfx.encode()))])[None]
-        with torch.no_grad():
-            g = hf_model.generate(
-                ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
-            )
-        out.append(g[0, ids.shape[1] :].tolist())
-    return out
+    toks = PageStore(tmp / "store").read_tokens(cid)
+    return [tokens for tokens, _ in greedy(hf_model, toks, SUFFIXES, NEW)]
 
 
 async def killed_in_flight(doomed: HolderProcess, call: Coroutine[Any, Any, T]) -> T:

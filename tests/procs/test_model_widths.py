@@ -23,12 +23,11 @@ from corpusd.corpus.store import PageStore
 from corpusd.model import DeepseekV32, load_model
 from holder.launch import HolderProcess
 from requester.config import WorkerConfig
-from requester.sampling import SamplingParams
-from requester.worker import Worker
 from tests.procs.test_decode_oracle import place
 from tests.support.checks import rel
 from tests.support.hf_checkpoints import write_hf_checkpoint
 from tests.support.holders import pin_sample, start_holder
+from tests.support.oracle import Run, decode, greedy
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is the test oracle: pip install -e '.[test]'"
@@ -119,25 +118,11 @@ class Case:
     oracle: list[tuple[list[int], list[torch.Tensor]]]
 
 
-def _oracle(model_dir: Path, corpus: torch.Tensor) -> list[tuple[list[int], list[torch.Tensor]]]:
+def _oracle(model_dir: Path, corpus: torch.Tensor) -> list[Run]:
     hf = transformers.DeepseekV32ForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    out = []
-    for sfx in SUFFIXES:
-        ids = torch.cat([corpus, torch.tensor(list(sfx.encode()))])[None]
-        with torch.no_grad():
-            g = hf.generate(
-                ids,
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        out.append((g.sequences[0, ids.shape[1] :].tolist(), [lg[0] for lg in g.logits]))
-    return out
+    return greedy(hf, corpus, SUFFIXES, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -165,33 +150,15 @@ def case(
             h.stop()
 
 
-async def _decode(
-    c: Case, cfg: WorkerConfig
-) -> tuple[list[list[int]], list[list[torch.Tensor]], Worker]:
-    w = Worker(c.model, cfg, store=c.store)
-    try:
-        await w.attach(c.cid, [h.address for h in c.holders])
-        sessions = [
-            w.open(
-                c.cid,
-                list(s.encode()),
-                params=SamplingParams(max_tokens=NEW_TOKENS),
-                keep_logits=True,
-            )
-            for s in SUFFIXES
-        ]
-        await w.generate(sessions)
-        return [s.generated for s in sessions], [s.logits or [] for s in sessions], w
-    finally:
-        await w.close()
-
-
 def test_other_widths_decode_as_transformers(case: Case) -> None:
     m = case.model.cfg
     widths = f"rope {m.qk_rope_head_dim} latent {m.kv_lora_rank} heads {m.num_attention_heads}"
     for indexer, primitive in MODES:
         cfg = WorkerConfig(indexer=indexer, primitive=primitive, trace=True)
-        tokens, logits, w = asyncio.run(_decode(case, cfg))
+        addresses = [h.address for h in case.holders]
+        tokens, logits, w = asyncio.run(
+            decode(case.model, case.store, case.cid, addresses, cfg, SUFFIXES, NEW_TOKENS)
+        )
         assert {t["pick"] for t in w.trace} == {primitive}
         assert len({t["holder"] for t in w.trace}) == HOLDERS, "not every holder was used"
         for a, ((ref_tokens, ref_logits), got, got_logits) in enumerate(

@@ -20,11 +20,10 @@ from corpusd.model import ModelConfig, ModelConfigError, load_model
 from holder.launch import HolderProcess
 from requester.config import WorkerConfig
 from requester.holder_client import HolderClient
-from requester.sampling import SamplingParams
-from requester.worker import Worker
 from tests.support.checks import rel
 from tests.support.hf_checkpoints import Drawn, write_hf_checkpoint, write_hf_config
 from tests.support.holders import pin_sample, start_holder
+from tests.support.oracle import Run, decode, greedy
 
 CORPUS_TOKENS, NEW_TOKENS, HOLDERS = 256, 6, 2
 SUFFIXES = ["\nQ: line 3?", "\nQ: fox 97?"]
@@ -53,27 +52,13 @@ class ConfigResult:
         return asdict(self)
 
 
-def _oracle(model_dir: Path, corpus: torch.Tensor) -> list[tuple[list[int], list[torch.Tensor]]]:
+def _oracle(model_dir: Path, corpus: torch.Tensor) -> list[Run]:
     import transformers
 
     hf = transformers.DeepseekV32ForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    out = []
-    for sfx in SUFFIXES:
-        ids = torch.cat([corpus, torch.tensor(list(sfx.encode()))])[None]
-        with torch.no_grad():
-            g = hf.generate(
-                ids,
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        out.append((g.sequences[0, ids.shape[1] :].tolist(), [lg[0] for lg in g.logits]))
-    return out
+    return greedy(hf, corpus, SUFFIXES, NEW_TOKENS)
 
 
 async def _deal(cid: str, holders: list[HolderProcess], n_pages: int, seed: int) -> None:
@@ -88,27 +73,6 @@ async def _deal(cid: str, holders: list[HolderProcess], n_pages: int, seed: int)
     finally:
         for c in clients:
             await c.close()
-
-
-async def _decode(
-    model: Any, store: PageStore, cid: str, addresses: list[str], cfg: WorkerConfig
-) -> tuple[list[list[int]], list[list[torch.Tensor]], Worker]:
-    w = Worker(model, cfg, store=store)
-    try:
-        await w.attach(cid, addresses)
-        sessions = [
-            w.open(
-                cid,
-                list(s.encode()),
-                params=SamplingParams(max_tokens=NEW_TOKENS),
-                keep_logits=True,
-            )
-            for s in SUFFIXES
-        ]
-        await w.generate(sessions)
-        return [s.generated for s in sessions], [s.logits or [] for s in sessions], w
-    finally:
-        await w.close()
 
 
 def run_config(tmp: Path, drawn: Drawn) -> ConfigResult:
@@ -175,7 +139,7 @@ def _run(tmp: Path, drawn: Drawn, r: ConfigResult) -> None:
         oracle = _oracle(model_dir, corpus)
         cfg = WorkerConfig(indexer=r.indexer, primitive="route", trace=True)
         tokens, logits, w = asyncio.run(
-            _decode(model, store, cid, [h.address for h in holders], cfg)
+            decode(model, store, cid, [h.address for h in holders], cfg, SUFFIXES, NEW_TOKENS)
         )
     finally:
         for h in holders:
