@@ -20,6 +20,7 @@ import torch
 
 from corpusd.corpus.store import PageStore
 from corpusd.rpc import Reject, Rpc
+from corpusd.transport import cuda_ipc
 from corpusd.v1 import holder_pb2, holder_pb2_grpc
 from corpusd.wire import to_proto
 from holder.admission import Admission, Overloaded
@@ -248,6 +249,30 @@ class HolderService(holder_pb2_grpc.HolderServicer):
                 )
                 for cid, h in sorted(self.pool.corpora.items())
             ],
+        )
+
+    @rpc("SharePool")
+    async def SharePool(
+        self, request: holder_pb2.SharePoolRequest, context: Any
+    ) -> holder_pb2.SharePoolResponse:
+        geo = self.pool.geo
+        if not geo.device.startswith("cuda"):
+            raise Reject(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"holder {self.cfg.holder_id} keeps its pool on {geo.device}; only a GPU pool is "
+                "shared (start the holder with --device cuda:N)",
+            )
+        here = cuda_ipc.device_uuid(geo.device)
+        if request.device_uuid != here:
+            raise Reject(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"holder {self.cfg.holder_id} is on GPU {here}, not {request.device_uuid!r}: "
+                "CUDA IPC works on one device only; use Attend",
+            )
+        latent = [cuda_ipc.to_wire(cuda_ipc.share(t)) for t in self.pool.latent]
+        log.info("pool shared over CUDA IPC (%d layers) with a requester on %s", len(latent), here)
+        return holder_pb2.SharePoolResponse(
+            latent=latent, page_size=geo.page_size, d_v=geo.d_v, holder_id=self.cfg.holder_id
         )
 
     def restore(self) -> int:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from corpusd.transport import cuda_ipc
+from corpusd.transport.cuda_ipc import SharedTensor
 from corpusd.v1 import holder_pb2, holder_pb2_grpc
 from corpusd.wire import from_proto, to_proto
 
@@ -126,3 +128,10 @@ class HolderClient:
 
     async def info(self) -> holder_pb2.InfoResponse:
         return await self.stub.Info(holder_pb2.InfoRequest())
+
+    async def share_pool(self, device_uuid: str) -> tuple[list[SharedTensor], int, int]:
+        """The holder's per-layer latent pools as CUDA IPC handles, with its page size and value
+        width, for a requester on GPU ``device_uuid``. Raises grpc.aio.AioRpcError
+        (FAILED_PRECONDITION) when the holder is on the CPU or on another GPU."""
+        r = await self.stub.SharePool(holder_pb2.SharePoolRequest(device_uuid=device_uuid))
+        return [cuda_ipc.from_wire(t) for t in r.latent], int(r.page_size), int(r.d_v)

@@ -172,3 +172,47 @@ class InfoResponse(_message.Message):
     corpora: _containers.RepeatedCompositeFieldContainer[CorpusHeld]
     model_fingerprint: str
     def __init__(self, holder_id: _Optional[str] = ..., device: _Optional[str] = ..., kernel: _Optional[str] = ..., page_size: _Optional[int] = ..., n_layers: _Optional[int] = ..., capacity_frames: _Optional[int] = ..., used_frames: _Optional[int] = ..., active_flows: _Optional[int] = ..., queued_flows: _Optional[int] = ..., corpora: _Optional[_Iterable[_Union[CorpusHeld, _Mapping]]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class SharePoolRequest(_message.Message):
+    __slots__ = ("device_uuid",)
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    def __init__(self, device_uuid: _Optional[str] = ...) -> None: ...
+
+class SharedTensor(_message.Message):
+    __slots__ = ("device_uuid", "shape", "dtype", "storage_offset", "handle", "alloc_bytes", "alloc_offset", "ref_counter", "ref_counter_offset", "event", "event_sync")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    storage_offset: int
+    handle: bytes
+    alloc_bytes: int
+    alloc_offset: int
+    ref_counter: bytes
+    ref_counter_offset: int
+    event: bytes
+    event_sync: bool
+    def __init__(self, device_uuid: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., storage_offset: _Optional[int] = ..., handle: _Optional[bytes] = ..., alloc_bytes: _Optional[int] = ..., alloc_offset: _Optional[int] = ..., ref_counter: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event: _Optional[bytes] = ..., event_sync: _Optional[bool] = ...) -> None: ...
+
+class SharePoolResponse(_message.Message):
+    __slots__ = ("latent", "page_size", "d_v", "holder_id")
+    LATENT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    D_V_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_ID_FIELD_NUMBER: _ClassVar[int]
+    latent: _containers.RepeatedCompositeFieldContainer[SharedTensor]
+    page_size: int
+    d_v: int
+    holder_id: str
+    def __init__(self, latent: _Optional[_Iterable[_Union[SharedTensor, _Mapping]]] = ..., page_size: _Optional[int] = ..., d_v: _Optional[int] = ..., holder_id: _Optional[str] = ...) -> None: ...

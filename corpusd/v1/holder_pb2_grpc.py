@@ -73,6 +73,11 @@ class HolderStub:
                 request_serializer=corpusd_dot_v1_dot_holder__pb2.InfoRequest.SerializeToString,
                 response_deserializer=corpusd_dot_v1_dot_holder__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.SharePool = channel.unary_unary(
+                '/corpusd.v1.Holder/SharePool',
+                request_serializer=corpusd_dot_v1_dot_holder__pb2.SharePoolRequest.SerializeToString,
+                response_deserializer=corpusd_dot_v1_dot_holder__pb2.SharePoolResponse.FromString,
+                _registered_method=True)
 
 
 class HolderServicer:
@@ -131,6 +136,15 @@ class HolderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SharePool(self, request, context):
+        """Same GPU only: CUDA IPC handles of the per-layer latent pools, so a requester on this device
+        attends the frames in place, inside its own CUDA graph (corpusd/transport/cuda_ipc.py).
+        FAILED_PRECONDITION on a CPU holder or another GPU.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HolderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -168,6 +182,11 @@ def add_HolderServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=corpusd_dot_v1_dot_holder__pb2.InfoRequest.FromString,
                     response_serializer=corpusd_dot_v1_dot_holder__pb2.InfoResponse.SerializeToString,
+            ),
+            'SharePool': grpc.unary_unary_rpc_method_handler(
+                    servicer.SharePool,
+                    request_deserializer=corpusd_dot_v1_dot_holder__pb2.SharePoolRequest.FromString,
+                    response_serializer=corpusd_dot_v1_dot_holder__pb2.SharePoolResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -363,6 +382,33 @@ class Holder:
             '/corpusd.v1.Holder/Info',
             corpusd_dot_v1_dot_holder__pb2.InfoRequest.SerializeToString,
             corpusd_dot_v1_dot_holder__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SharePool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corpusd.v1.Holder/SharePool',
+            corpusd_dot_v1_dot_holder__pb2.SharePoolRequest.SerializeToString,
+            corpusd_dot_v1_dot_holder__pb2.SharePoolResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,244 @@
+"""The corpus path of an SGLang step on the device: select → route → merge, CUDA-graph safe.
+
+Everything here is tensor operations on fixed shapes with no host synchronisation, so SGLang can
+capture it in its decode graphs. What varies per batch lives in preallocated tables that the
+graph reads (:class:`CorpusTables`): which request is bound to which corpus, where each corpus's
+index keys sit in the arena, and which holder frame holds each page. Tables are written between
+steps (at a request's prefill, outside any graph), never reallocated.
+
+Per layer:
+
+1. **Select.** The corpus's index scores (SGLang's own fp8 kernel over the corpus's pages in
+   SGLang's index-k page format, or :func:`paged_scores_reference` on CPU) and the request's own
+   logits enter one exact top-k (:func:`fused_topk`): score descending, the lowest logical
+   position first among ties (corpus ``0 … T−1``, own token ``j`` at ``T + j``), as
+   :func:`indexer.select.select_topk` over the concatenated row.
+2. **Route.** The corpus positions become frame rows of the holders' pools
+   (:func:`corpus_rows`); a holder on this GPU has its pool mapped here by CUDA IPC, so the
+   sparse partial runs on the worker's stream over the holder's frames.
+3. **Merge** the partials with the request's own by LSE (:func:`.lse.merge_local_corpus`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from requester.sglang.resident import Resident
+
+INT64_MIN = torch.iinfo(torch.int64).min
+_LOW32 = (1 << 32) - 1
+
+
+def order_keys(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """int64 keys whose descending order is (score descending, column ascending), one distinct
+    key per column; ``INT64_MIN`` where ``valid`` is False or the score is NaN or ``-inf``
+    (never a candidate, as in :func:`indexer.select.select_topk`).
+
+    The float32 score's bits are mapped to an unsigned order (flip all bits of a negative
+    float, the sign bit of a positive one; -0.0 is made +0.0 first) in the high 32 bits, and
+    ``2³² − 1 − column`` in the low 32 bits, so equal scores order by column. ``scores``:
+    float ``[n, m]`` with ``m < 2³²``."""
+    s = scores.float() + 0.0  # -0.0 + 0.0 = +0.0: equal scores get equal bits
+    bits = s.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits >= 0, bits + (1 << 31), ~bits)  # [0, 2³²), monotone in s
+    col = torch.arange(s.shape[1], device=s.device, dtype=torch.int64)
+    key = (ordered - (1 << 31)) * (1 << 32) + (_LOW32 - col)
+    return key.masked_fill(~valid | torch.isnan(s) | (s == -math.inf), INT64_MIN)
+
+
+def exact_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """Columns of the ``k`` best valid scores of each row, ascending, ``-1`` padded (int64
+    ``[n, k]``); among equal scores the lowest column wins. One ``topk`` over int64 keys (no
+    sort of the row, no host sync)."""
+    n, m = scores.shape
+    keys = order_keys(scores, valid)
+    width = min(k, m)
+    top = keys.topk(width, dim=1).values
+    col = torch.where(top != INT64_MIN, _LOW32 - (top & _LOW32), -1)
+    col = torch.where(col >= 0, col, torch.iinfo(torch.int64).max).sort(dim=1).values
+    col = torch.where(col == torch.iinfo(torch.int64).max, -1, col)
+    if width < k:
+        col = torch.cat([col, col.new_full((n, k - width), -1)], dim=1)
+    return col
+
+
+def fused_topk(
+    corpus_scores: torch.Tensor,
+    corpus_len: torch.Tensor,
+    own_scores: torch.Tensor,
+    own_len: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One exact top-k over a row's corpus and own candidates.
+
+    Args:
+        corpus_scores: float ``[n, W_c]``: column ``c`` scores corpus position ``c``; only
+            ``c < corpus_len[i]`` is a candidate (the rest may hold garbage).
+        corpus_len: int ``[n]``, 0 for an unbound row.
+        own_scores: float ``[n, W_o]``: column ``j`` scores the row's own position ``j``, a
+            candidate when ``j < own_len[i]``.
+        own_len: int ``[n]``.
+        k: ``index_topk``.
+
+    Returns:
+        ``(corpus positions int64 [n, k], own positions int32 [n, k])``, each ``-1`` in the
+        slots the other side took (each keeps width ``k``, as the kernels expect).
+    """
+    wc = corpus_scores.shape[1]
+    wo = own_scores.shape[1]
+    dev = corpus_scores.device
+    cvalid = torch.arange(wc, device=dev)[None, :] < corpus_len.to(dev)[:, None]
+    ovalid = torch.arange(wo, device=dev)[None, :] < own_len.to(dev)[:, None]
+    scores = torch.cat([corpus_scores.float(), own_scores.float()], dim=1)
+    col = exact_topk(scores, torch.cat([cvalid, ovalid], dim=1), k)
+    corpus = torch.where((col >= 0) & (col < wc), col, -1)
+    own = torch.where(col >= wc, col - wc, -1).to(torch.int32)
+    return corpus, own
+
+
+def corpus_rows(
+    positions: torch.Tensor,
+    row_base: torch.Tensor,
+    page_holder: torch.Tensor,
+    page_frame: torch.Tensor,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Corpus positions → (holder slot int32, pool row int32), ``-1`` where unused.
+
+    ``positions [n, k]`` int64 (``-1`` unused); ``row_base [n]`` the arena page of each row's
+    corpus page 0; ``page_holder`` / ``page_frame`` int32 ``[arena pages]``: which mapped holder
+    pool holds an arena page, in which frame."""
+    used = positions >= 0
+    p = positions.clamp(min=0)
+    apage = row_base.to(p.dtype)[:, None] + p // page_size
+    apage = apage.clamp(max=page_holder.shape[0] - 1)
+    holder = torch.where(used, page_holder[apage], -1)
+    row = page_frame[apage].to(torch.int64) * page_size + p % page_size
+    return holder.to(torch.int32), torch.where(used & (holder >= 0), row, -1).to(torch.int32)
+
+
+def paged_scores_reference(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    pages: torch.Tensor,
+    block_table: torch.Tensor,
+    page_size: int,
+) -> torch.Tensor:
+    """What SGLang's ``fp8_paged_mqa_logits`` computes, in float32 torch: the index score of
+    every row's key ``j`` (page ``block_table[i, j // P]``, slot ``j % P``).
+
+    Args:
+        q: ``[n, H, D]`` index queries (float8 e4m3 or float).
+        weights: float ``[n, H]`` (SGLang's: head weight · H^-0.5 · q scale · D^-0.5).
+        pages: uint8 ``[pages, P · (D + 4)]``: SGLang's index-k pages (P·D fp8 keys, then P
+            float32 scales).
+        block_table: int32 ``[n, W / P]``.
+
+    Returns:
+        float32 ``[n, W]``: ``Σ_h relu(q_h · k_j) · weights_h`` (no masking).
+    """
+    n, _, d = q.shape
+    flat = pages[block_table.long()]  # [n, W/P, P(D+4)]
+    keys = flat[..., : page_size * d].contiguous().view(torch.float8_e4m3fn).float()
+    keys = keys.reshape(n, -1, d)  # [n, W, D]
+    scale = flat[..., page_size * d :].contiguous().view(torch.float32).reshape(n, -1)
+    logits = torch.einsum("nhd,nwd->nhw", q.float(), keys).relu()
+    return (logits * weights.float()[..., None]).sum(1) * scale
+
+
+def empty_lse(n: int, h: int, device: torch.device) -> torch.Tensor:
+    return torch.full((n, h), -math.inf, device=device)
+
+
+# -- the per-layer kernels: SGLang's / FlashMLA's on the GPU, the torch reference elsewhere --------
+
+
+def _deep_gemm() -> object | None:
+    try:
+        import deep_gemm  # SGLang's indexer kernels (sgl_kernel's build)
+    except ImportError:
+        return None
+    return deep_gemm
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def corpus_scores(
+    res: Resident, layer: int, q: torch.Tensor, weights: torch.Tensor, base: torch.Tensor,
+    tokens: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Index scores ``[n, window]`` (float32) of each row's corpus: SGLang's
+    ``fp8_paged_mqa_logits`` over the arena on CUDA, :func:`paged_scores_reference` elsewhere.
+    Columns past a row's corpus length hold garbage (``fused_topk`` masks them). ``q``: the
+    indexer's fp8 queries ``[n, H, D]``; ``weights`` ``[n, H]`` or ``[n, H, 1]``."""
+    n = q.shape[0]
+    w = weights.reshape(n, -1).float()
+    table = res.block_table(base)
+    dg = _deep_gemm() if q.is_cuda else None
+    if dg is None:
+        return paged_scores_reference(q, w, res.pages[layer], table, res.page_size)
+    dev = q.device.index or 0
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = int(dg.get_num_sms())  # type: ignore[attr-defined]
+    seqlens = tokens.clamp(min=1).to(torch.int32)  # an unbound row scores one masked key
+    sched = dg.get_paged_mqa_logits_metadata(seqlens, res.page_size, _SM_COUNT[dev])  # type: ignore[attr-defined]
+    kv = res.pages[layer].view(res.arena_pages, res.page_size, 1, -1)
+    return dg.fp8_paged_mqa_logits(  # type: ignore[attr-defined]
+        q[:, None], kv, w, seqlens, table, sched, res.window_tokens, clean_logits=False
+    )
+
+
+def sparse_partial(
+    q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, scale: float, d_v: int, base2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention of ``q [n, h, d_qk]`` (bf16, corpusd's rope layout) over ``kv [N,
+    d_qk]`` rows ``rows [n, k]`` (int32, -1 unused): ``(O [n, h, d_v] float32, LSE [n, h]
+    natural, -inf empty)``. FlashMLA's sparse kernel on CUDA (heads padded to its 64; ``base2``:
+    its LSE's base, probed once by the caller), :func:`corpusd.model.partial.partial_attention`
+    elsewhere."""
+    from requester.sglang import lse as lse_mod
+
+    if not q.is_cuda:
+        from corpusd.model.partial import partial_attention
+
+        o, lse = partial_attention(q.float(), kv.float(), rows, scale, d_v)
+        return o, lse
+    from sgl_kernel.flash_mla import flash_mla_sparse_fwd
+
+    n, h, d = q.shape
+    pad = 64 if torch.cuda.get_device_capability(q.device)[0] < 10 else 128
+    q_in = q if h % pad == 0 else torch.cat([q, q.new_zeros(n, pad - h % pad, d)], 1)
+    o, _, raw = flash_mla_sparse_fwd(q=q_in, kv=kv[:, None], indices=rows[:, None], sm_scale=scale,
+                                     d_v=d_v)  # fmt: skip
+    empty = (rows < 0).all(dim=1)[:, None].expand(n, h)
+    lse = lse_mod.to_natural(raw[:, :h], base2).masked_fill(empty, -math.inf)
+    return o[:, :h].float().masked_fill(empty[..., None], 0.0), lse
+
+
+def corpus_partial(
+    res: Resident,
+    layer: int,
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    base: torch.Tensor,
+    scale: float,
+    d_v: int,
+    base2: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The corpus partial of ``q [n, h, d_qk]`` (bf16, corpusd's rope layout) over each row's
+    selected corpus ``positions [n, k]`` (-1 unused): one sparse call per mapped holder over its
+    own pool, merged by LSE. ``(O [n, h, d_v] float32, LSE [n, h])``."""
+    from requester.sglang.lse import merge_local_corpus
+
+    holder, rows = corpus_rows(positions, base, res.page_holder, res.page_frame, res.page_size)
+    n, h, _ = q.shape
+    o = torch.zeros(n, h, d_v, device=q.device)
+    lse = empty_lse(n, h, q.device)
+    for slot, pools in enumerate(res.pools):
+        idx = torch.where(holder == slot, rows, -1)
+        o_s, l_s = sparse_partial(q, pools[layer], idx, scale, d_v, base2)
+        o, lse = merge_local_corpus(o, lse, o_s, l_s)
+    return o, lse

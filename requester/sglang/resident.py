@@ -1,0 +1,171 @@
+"""What an SGLang worker keeps on its GPU for the device corpus path, and how it fills it.
+
+All of it is allocated once, when the model is built (before SGLang captures its CUDA graphs), and
+written in place afterwards, so a captured graph always reads the current state:
+
+- the **arena**: per layer, the bound corpora's index keys as SGLang's own index-k pages
+  (``[pages, P·D]`` float8 keys then ``P`` float32 scales, ``NSATokenToKVPool``'s format), so
+  SGLang's fp8 indexer kernel scores them exactly as it scores a request's own keys;
+- per arena page, the **holder slot and frame** that hold it;
+- per SGLang request slot (``req_pool_idx``), the **arena page** of its corpus's first page and
+  its corpus length (0 = unbound);
+- per holder on this GPU, its **latent pools mapped by CUDA IPC**
+  (:mod:`corpusd.transport.cuda_ipc`).
+
+A corpus is loaded at the first prefill that names it (outside any graph): its index keys are
+streamed from the holders (corpusd's fan-out engine, with its failover) and its page table is read
+from the coordinator. Its pages must sit on holders mapped here; the window (the corpus length a
+decode step scores, fixed at graph capture) must cover it. Otherwise the binding is refused with
+what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from indexer import fp8
+from requester.corpus_view import CorpusView
+from requester.sglang.binding import CorpusBindingError
+
+log = logging.getLogger("corpusd.sglang")
+
+
+def index_pages(keys: torch.Tensor, page_size: int, ue8m0: bool) -> torch.Tensor:
+    """``keys [T, D]`` (the model's index keys) → uint8 ``[ceil(T/P), P·(D + 4)]`` in SGLang's
+    index-k page format, the last page zero-padded; each page equals
+    :func:`.pagehash.index_k_page` of its rows."""
+    t, d = keys.shape
+    n = math.ceil(t / page_size)
+    padded = keys.new_zeros(n * page_size, d)
+    padded[:t] = keys
+    q, scale = fp8.quantize(fp8.rotate_round(padded), ue8m0)  # [N, D] fp8, [N, D/128]
+    assert scale.shape[1] == 1, f"index keys {d} wide: SGLang's pages hold one scale per token"
+    qb = q.view(torch.uint8).reshape(n, page_size * d)
+    sb = scale.float().contiguous().view(torch.uint8).reshape(n, page_size * 4)
+    return torch.cat([qb, sb], dim=1)
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaCorpus:
+    corpus_id: str
+    base_page: int
+    n_pages: int
+    tokens: int
+
+
+class Resident:
+    """The device path's tables (see the module docstring). ``window_tokens``: the longest
+    corpus a step scores; ``arena_tokens``: all loaded corpora together; ``req_slots``: SGLang's
+    request pool size."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        page_size: int,
+        index_dim: int,
+        arena_tokens: int,
+        window_tokens: int,
+        req_slots: int,
+        device: torch.device | str,
+        ue8m0: bool,
+    ) -> None:
+        p = page_size
+        self.n_layers, self.page_size, self.index_dim = n_layers, p, index_dim
+        self.device, self.ue8m0 = torch.device(device), ue8m0
+        self.arena_pages = math.ceil(arena_tokens / p)
+        self.window_pages = math.ceil(window_tokens / p)
+        dev = self.device
+        self.pages = [
+            torch.zeros(self.arena_pages, p * (index_dim + 4), dtype=torch.uint8, device=dev)
+            for _ in range(n_layers)
+        ]
+        self.page_holder = torch.full((self.arena_pages,), -1, dtype=torch.int32, device=dev)
+        self.page_frame = torch.zeros(self.arena_pages, dtype=torch.int32, device=dev)
+        self.req_base = torch.zeros(req_slots, dtype=torch.int32, device=dev)
+        self.req_tokens = torch.zeros(req_slots, dtype=torch.int32, device=dev)
+        self.pools: list[list[torch.Tensor]] = []  # [holder slot][layer] → [rows, kv_dim]
+        self.holder_slot: dict[str, int] = {}  # holder address → slot
+        self.corpora: dict[str, ArenaCorpus] = {}
+        self._next_page = 0
+
+    @property
+    def window_tokens(self) -> int:
+        return self.window_pages * self.page_size
+
+    # -- set-up (before graph capture) -------------------------------------------------------------
+    def add_pool(self, address: str, layers: list[torch.Tensor]) -> int:
+        """Map holder ``address``'s pools (one ``[rows, kv_dim]`` tensor per layer)."""
+        assert len(layers) == self.n_layers, f"{address}: {len(layers)=} vs {self.n_layers=}"
+        self.holder_slot[address] = len(self.pools)
+        self.pools.append(layers)
+        return self.holder_slot[address]
+
+    # -- loading (eager, at bind) ------------------------------------------------------------------
+    def check(self, corpus_id: str, tokens: int, view: CorpusView | None = None) -> None:
+        """Raise CorpusBindingError when corpus ``corpus_id`` cannot be served here."""
+        if tokens > self.window_tokens:
+            raise CorpusBindingError(
+                f"corpus {corpus_id} has {tokens:,} tokens; this SGLang server scores at most "
+                f"{self.window_tokens:,} per step (set CORPUSD_SGLANG_WINDOW and restart it)"
+            )
+        if corpus_id not in self.corpora:
+            need = math.ceil(tokens / self.page_size)
+            if self._next_page + need > self.arena_pages:
+                raise CorpusBindingError(
+                    f"corpus {corpus_id} needs {need} arena pages, "
+                    f"{self.arena_pages - self._next_page} are free (set CORPUSD_SGLANG_ARENA "
+                    "larger and restart the server)"
+                )
+        if view is not None:
+            missing = sorted(set(view.holders) - set(self.holder_slot))
+            if missing:
+                raise CorpusBindingError(
+                    f"corpus {corpus_id} has pages on holders {missing}, which are not on this "
+                    f"GPU (or started after this server); with CUDA graphs on the plugin serves "
+                    f"corpora from holders on its own GPU"
+                )
+
+    def load(self, view: CorpusView, keys: list[torch.Tensor]) -> ArenaCorpus:
+        """Place ``view``'s corpus in the arena: its index keys (per layer ``[T, D]``) as pages,
+        its frames as (holder slot, frame). Idempotent; raises CorpusBindingError."""
+        cid = view.corpus_id
+        if cid in self.corpora:
+            return self.corpora[cid]
+        self.check(cid, view.token_count, view)
+        assert len(keys) == self.n_layers, f"{len(keys)=} vs {self.n_layers=}"
+        n, base = view.n_pages, self._next_page
+        for layer, k in enumerate(keys):
+            pages = index_pages(k[: view.token_count], self.page_size, self.ue8m0)
+            self.pages[layer][base : base + n] = pages.to(self.device)
+        slots = torch.tensor([self.holder_slot[a] for a in view.holders], dtype=torch.int32)
+        self.page_holder[base : base + n] = slots[view.page_holder].to(self.device)
+        self.page_frame[base : base + n] = view.page_frame.to(torch.int32).to(self.device)
+        self._next_page += n
+        c = ArenaCorpus(cid, base, n, view.token_count)
+        self.corpora[cid] = c
+        log.info("corpus %s resident: %d pages at arena page %d", cid, n, base)
+        return c
+
+    def bind(self, req_slots: torch.Tensor, corpora: list[ArenaCorpus | None]) -> None:
+        """Record each request slot's corpus (None: unbound) for the steps that follow."""
+        base = torch.tensor([c.base_page if c else 0 for c in corpora], dtype=torch.int32)
+        tokens = torch.tensor([c.tokens if c else 0 for c in corpora], dtype=torch.int32)
+        idx = req_slots.to(self.device, torch.int64)
+        self.req_base[idx] = base.to(self.device)
+        self.req_tokens[idx] = tokens.to(self.device)
+
+    # -- per step (graph-safe) ---------------------------------------------------------------------
+    def rows_of(self, req_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(arena base page int32 ``[b]``, corpus length int32 ``[b]``) of request slots."""
+        idx = req_slots.to(torch.int64)
+        return self.req_base[idx], self.req_tokens[idx]
+
+    def block_table(self, base: torch.Tensor) -> torch.Tensor:
+        """int32 ``[n, window pages]``: row ``i``'s corpus page ``j`` → arena page (clamped into
+        the arena; pages past a corpus's end are never scored as candidates)."""
+        j = torch.arange(self.window_pages, device=base.device, dtype=torch.int32)
+        return (base[:, None] + j[None, :]).clamp(max=self.arena_pages - 1)

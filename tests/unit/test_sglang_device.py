@@ -1,0 +1,174 @@
+"""The SGLang plugin's device path against corpusd's torch reference (CPU; no sglang needed):
+the fused exact top-k, the arena (SGLang's index-k pages, request slots) and the routing of
+corpus positions to holder frames and back through the LSE merge."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from corpusd.model import partial_attention
+from indexer import select_topk
+from indexer.fp8 import fp8_view
+from indexer.scores import index_scores
+from requester.corpus_view import CorpusView
+from requester.sglang import device, pagehash, topk
+from requester.sglang.binding import CorpusBindingError
+from requester.sglang.resident import Resident, index_pages
+from tests.support.checks import rel
+
+SEED = 20261124
+
+
+def _tied_scores(g: torch.Generator, n: int, m: int, levels: int = 7) -> torch.Tensor:
+    """Scores with many exact ties (few distinct values), some -0.0 beside +0.0."""
+    s = torch.randint(-levels, levels + 1, (n, m), generator=g).float() / 4
+    s[s == 0] = torch.where(torch.rand((n, m), generator=g)[s == 0] < 0.5, -0.0, 0.0)
+    return s
+
+
+@pytest.mark.parametrize("m,k", [(300, 64), (50, 64), (2048, 2048), (1, 4)])
+def test_exact_topk_is_select_topk(m: int, k: int) -> None:
+    g = torch.Generator().manual_seed(SEED + m)
+    for trial in range(4):
+        s = _tied_scores(g, 9, m) if trial % 2 == 0 else torch.randn(9, m, generator=g)
+        valid = torch.rand(9, m, generator=g) < 0.8
+        valid[0] = False  # a row with no candidate
+        s[1, :3] = -math.inf  # -inf scores are never chosen by either
+        got = device.exact_topk(s, valid, k)
+        want = select_topk(s.masked_fill(~valid, -math.inf), k)
+        assert torch.equal(got, want), f"{m=}, {k=}, {trial=}"
+    # Without the column in the low bits ties would be broken by topk's order: check the keys
+    # really are distinct per column.
+    keys = device.order_keys(torch.zeros(2, 10), torch.ones(2, 10, dtype=torch.bool))
+    assert keys[0].unique().numel() == 10 and bool((keys[0, :-1] > keys[0, 1:]).all())
+
+
+def test_exact_topk_ignores_nan() -> None:
+    s = torch.tensor([[1.0, math.nan, 3.0, 2.0]])
+    assert device.exact_topk(s, torch.ones_like(s, dtype=torch.bool), 3).tolist() == [[0, 2, 3]]
+
+
+def test_fused_topk_is_select_topk_over_the_logical_row() -> None:
+    g = torch.Generator().manual_seed(SEED)
+    n, wc, wo, k = 7, 320, 96, 128
+    corpus_len = torch.tensor([0, 1, 100, 320, 319, 200, 64])
+    own_len = torch.tensor([5, 96, 0, 30, 96, 1, 64])
+    cs, os_ = _tied_scores(g, n, wc), _tied_scores(g, n, wo)
+    # Garbage past each row's lengths (the kernels leave it there): never selected.
+    garbage = torch.arange(wc)[None] >= corpus_len[:, None]
+    cs = cs.masked_fill(garbage, 1e9)
+    os_ = os_.masked_fill(torch.arange(wo)[None] >= own_len[:, None], math.nan)
+    cpos, own = device.fused_topk(cs, corpus_len, os_, own_len, k)
+    for i in range(n):
+        t, o = int(corpus_len[i]), int(own_len[i])
+        logical = torch.cat([cs[i, :t], os_[i, :o]])[None]
+        want = select_topk(logical, k) if t + o else torch.full((1, k), -1)
+        want_c, want_o = topk.split_selection(want, torch.tensor([t]))
+        got_c = cpos[i][cpos[i] >= 0].sort().values
+        got_o = own[i][own[i] >= 0].sort().values
+        assert torch.equal(got_c, want_c[want_c >= 0].sort().values), f"row {i}"
+        assert torch.equal(got_o.long(), want_o[want_o >= 0].sort().values), f"row {i}"
+    assert own.dtype == torch.int32 and cpos.shape == own.shape == (n, k)
+
+
+def test_index_pages_are_sglang_pages_and_score_as_fp8_view() -> None:
+    g = torch.Generator().manual_seed(SEED)
+    p, d, t = 64, 128, 150
+    keys = torch.randn(t, d, generator=g)
+    pages = index_pages(keys, p, ue8m0=False)
+    assert pages.shape == (3, p * (d + 4)) and pages.dtype == torch.uint8
+    for i in range(2):  # full pages: byte-equal to the page SGLang's store writes
+        assert torch.equal(pages[i], pagehash.index_k_page(keys[i * p : (i + 1) * p]))
+    # Scores through the arena equal corpusd's fp8 reference over the same keys.
+    n, h = 5, 16
+    q = torch.randn(n, h, d, generator=g).to(torch.float8_e4m3fn)
+    w = torch.rand(n, h, generator=g)
+    table = torch.tensor([[0, 1, 2]] * n, dtype=torch.int32)
+    got = device.paged_scores_reference(q, w, pages, table, p)[:, :t]
+    want = index_scores(q.float(), w, fp8_view(keys, False), 1.0)
+    assert rel(got, want) < 1e-5
+
+
+def _view(cid: str, tokens: int, holders: tuple[str, ...], g: torch.Generator) -> CorpusView:
+    n_pages = math.ceil(tokens / 64)
+    page_holder = torch.randint(0, len(holders), (n_pages,), generator=g)
+    page_frame = torch.randperm(40, generator=g)[:n_pages]
+    reps = tuple(((int(h), int(f)),) for h, f in zip(page_holder, page_frame, strict=True))
+    return CorpusView(cid, tokens, 64, holders, page_holder, page_frame, reps)
+
+
+def _resident(**kw: int) -> Resident:
+    args = dict(
+        n_layers=2,
+        page_size=64,
+        index_dim=128,
+        arena_tokens=1024,
+        window_tokens=512,
+        req_slots=16,
+    )
+    args.update(kw)
+    return Resident(**args, device="cpu", ue8m0=False)  # type: ignore[arg-type]
+
+
+def test_corpus_partial_routes_rows_to_their_holders_and_merges_exactly() -> None:
+    g = torch.Generator().manual_seed(SEED)
+    res = _resident()
+    rows, d = 40 * 64, 576
+    pools = {a: [torch.randn(rows, d, generator=g) for _ in range(2)] for a in ("h0", "h1")}
+    for a, layers in pools.items():
+        res.add_pool(a, layers)
+    other = _view("other", 100, ("h1",), g)  # a first corpus, so the second's base is not 0
+    view = _view("c", 300, ("h1", "h0"), g)  # its holder index order differs from the slots
+    keys = [torch.randn(300, 128, generator=g) for _ in range(2)]
+    res.load(other, [torch.randn(100, 128, generator=g) for _ in range(2)])
+    c = res.load(view, keys)
+    assert c.base_page == 2 and c.n_pages == 5
+    # Request slots 3 and 5 bound to "c", slot 4 unbound.
+    res.bind(torch.tensor([3, 4, 5]), [c, None, c])
+    base, tokens = res.rows_of(torch.tensor([3, 4, 5]))
+    assert base.tolist() == [2, 0, 2] and tokens.tolist() == [300, 0, 300]
+
+    n, h, k = 3, 8, 48
+    q = torch.randn(n, h, d, generator=g)
+    pos = torch.stack([torch.randperm(300, generator=g)[:k] for _ in range(n)])
+    pos[1] = -1  # the unbound row selected nothing of a corpus
+    pos[2, :10] = -1
+    layer, scale = 1, d**-0.5
+    o, lse = device.corpus_partial(res, layer, q, pos, base, scale, 512, base2=False)
+    # Reference: the corpus laid out canonically (page p of "c" = frame of its holder's pool).
+    canon = torch.cat(
+        [
+            pools[view.holders[int(view.page_holder[p])]][layer][
+                int(view.page_frame[p]) * 64 : int(view.page_frame[p]) * 64 + 64
+            ]
+            for p in range(view.n_pages)
+        ]
+    )
+    want_o, want_l = partial_attention(q, canon, pos, scale, 512)
+    fin = torch.isfinite(want_l)
+    assert rel(o, want_o) < 1e-5 and rel(lse[fin], want_l[fin]) < 1e-6
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_l)) and bool((o[1] == 0).all())
+    # The arena holds the corpus's keys where the block table says.
+    table = res.block_table(base)
+    assert table.shape == (3, 8) and int(table.max()) <= res.arena_pages - 1
+    assert torch.equal(res.pages[0][2:7], index_pages(keys[0], 64, False))
+
+
+def test_resident_refuses_what_it_cannot_serve_and_changes_nothing() -> None:
+    g = torch.Generator().manual_seed(SEED)
+    res = _resident(arena_tokens=512, window_tokens=256)
+    res.add_pool("h0", [torch.zeros(64 * 40, 576) for _ in range(2)])
+    keys = [torch.randn(300, 128) for _ in range(2)]
+    with pytest.raises(CorpusBindingError, match="scores at most 256"):
+        res.load(_view("big", 300, ("h0",), g), keys)
+    with pytest.raises(CorpusBindingError, match="not on this GPU"):
+        res.load(_view("far", 200, ("h0", "elsewhere:1"), g), [k[:200] for k in keys])
+    res.load(_view("a", 256, ("h0",), g), [k[:256] for k in keys])
+    res.load(_view("b", 256, ("h0",), g), [k[:256] for k in keys])
+    with pytest.raises(CorpusBindingError, match="arena pages"):
+        res.load(_view("c", 10, ("h0",), g), [k[:10] for k in keys])
+    assert sorted(res.corpora) == ["a", "b"] and res._next_page == 8
+    assert int((res.page_holder >= 0).sum()) == 8
