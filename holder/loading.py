@@ -1,15 +1,25 @@
 """Loading a pinned corpus's pages from the page store into frames (Assign, and restore at
-start-up), all-or-nothing."""
+start-up), all-or-nothing, each page checked against the digest its pin recorded first: a
+corrupt page is refused (DATA_LOSS) before any frame is taken, so it is never served."""
 
 from __future__ import annotations
 
 import grpc
 
-from corpusd.corpus.store import PageStore, StoreError
+from corpusd.corpus.store import CorruptPages, PageStore, StoreError
 from corpusd.rpc import Reject
 from holder.pool import FramePool, PoolFull
 
 S = grpc.StatusCode
+
+
+class Corrupt(Reject):
+    """DATA_LOSS: stored bytes of a corpus failed their digest or could not be read.
+    ``pages``: the pages that failed their digest (empty: a whole file could not be read)."""
+
+    def __init__(self, message: str, pages: list[int]) -> None:
+        super().__init__(S.DATA_LOSS, message)
+        self.pages = pages
 
 
 def load_pages(
@@ -28,11 +38,15 @@ def load_pages(
         (page → frame for the requested pages, whether any page was newly loaded).
 
     Raises:
+        Corrupt: DATA_LOSS, a page (or the manifest) fails its digest or cannot be read.
         Reject: NOT_FOUND (not in the store), FAILED_PRECONDITION (pinned for another
-            geometry or model), OUT_OF_RANGE (no such page), RESOURCE_EXHAUSTED (no free frames).
+            geometry or model, or with nothing to check its pages against), OUT_OF_RANGE (no
+            such page), RESOURCE_EXHAUSTED (no free frames).
     """
     try:
         m = store.manifest(corpus_id)
+    except CorruptPages as e:
+        raise Corrupt(str(e), []) from None
     except StoreError as e:
         raise Reject(S.NOT_FOUND, str(e)) from None
     geo = pool.geo
@@ -60,24 +74,30 @@ def load_pages(
         raise Reject(
             S.OUT_OF_RANGE, f"corpus {corpus_id} has pages 0..{m.n_pages - 1}, asked for {bad[:4]}"
         )
+    held = pool.held(corpus_id)
+    new = sorted(set(pages) - set(held.pages if held is not None else ()))
+    if not new:
+        assert held is not None
+        return {p: held.pages[p] for p in pages}, False
+    try:  # read and check before taking a frame: a refused page changes nothing
+        latent, keys = store.read_checked(m, new)
+    except CorruptPages as e:
+        raise Corrupt(str(e), e.pages) from None
+    except StoreError as e:
+        raise Reject(S.FAILED_PRECONDITION, str(e)) from None
     held = pool.add_corpus(corpus_id, m.token_count, m.n_pages)
-    new = sorted(set(pages) - set(held.pages))
-    if new:
-        try:
-            frames = pool.take_frames(len(new), [wanted[p] for p in new] if wanted else None)
-        except PoolFull as e:
-            pool.drop_if_empty(corpus_id)
-            raise Reject(S.RESOURCE_EXHAUSTED, f"holder is full: {e}") from None
-        try:
-            per_layer = [store.read_pages(corpus_id, i, new) for i in range(m.n_layers)]
-            for j, (page, frame) in enumerate(zip(new, frames, strict=True)):
-                lat = [pl[0][j] for pl in per_layer]
-                keys = [pl[1][j] for pl in per_layer]
-                pool.fill(corpus_id, page, frame, lat, keys)
-        except BaseException:
-            for page in new:
-                held.pages.pop(page, None)
-            pool.return_frames(frames)
-            pool.drop_if_empty(corpus_id)
-            raise
-    return {p: held.pages[p] for p in pages}, bool(new)
+    try:
+        frames = pool.take_frames(len(new), [wanted[p] for p in new] if wanted else None)
+    except PoolFull as e:
+        pool.drop_if_empty(corpus_id)
+        raise Reject(S.RESOURCE_EXHAUSTED, f"holder is full: {e}") from None
+    try:
+        for j, (page, frame) in enumerate(zip(new, frames, strict=True)):
+            pool.fill(corpus_id, page, frame, [x[j] for x in latent], [x[j] for x in keys])
+    except BaseException:
+        for page in new:
+            held.pages.pop(page, None)
+        pool.return_frames(frames)
+        pool.drop_if_empty(corpus_id)
+        raise
+    return {p: held.pages[p] for p in pages}, True

@@ -44,6 +44,12 @@ class HolderMetrics(Metrics):
         self.pages = self.gauge("pages_resident", "pages held in the pool")
         self.resident_bytes = self.gauge("bytes_resident", "bytes of the pool in use")
         self.capacity = self.gauge("capacity_frames", "frames in the pool")
+        self.corrupt = self.counter(
+            "corrupt",
+            "stored data refused on load because it failed its digest (what=page: pages) or "
+            "could not be read (what=file: files), on Assign or on restore at start-up",
+            ["when", "what"],
+        )
         self.requests = self.counter(
             "requests", "requests by method and status", ["method", "code"]
         )

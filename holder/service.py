@@ -26,7 +26,7 @@ from corpusd.wire import to_proto
 from holder.admission import Admission, Overloaded
 from holder.config import HolderConfig
 from holder.kernels import Kernel
-from holder.loading import load_pages
+from holder.loading import Corrupt, load_pages
 from holder.metrics import HolderMetrics, k_bucket, rows_bucket
 from holder.partials import partial_cpu, partial_gpu
 from holder.pool import FramePool
@@ -191,13 +191,26 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         )
 
     def assign(
-        self, corpus_id: str, pages: list[int], wanted: dict[int, int] | None = None
+        self,
+        corpus_id: str,
+        pages: list[int],
+        wanted: dict[int, int] | None = None,
+        when: str = "assign",
     ) -> dict[int, int]:
         """Load ``pages`` (all when empty) of a pinned corpus into frames; returns page → frame for
-        the requested pages. Idempotent, all-or-nothing (``load_pages``); raises Reject."""
-        frames, loaded = load_pages(
-            self.pool, self.store, self.fingerprint, corpus_id, pages, wanted
-        )
+        the requested pages. Idempotent, all-or-nothing (``load_pages``); raises Reject. Corrupt
+        stored data is counted in ``corrupt{when}`` (``when``: assign or restore) and refused."""
+        try:
+            frames, loaded = load_pages(
+                self.pool, self.store, self.fingerprint, corpus_id, pages, wanted
+            )
+        except Corrupt as e:
+            if e.pages:
+                self.metrics.corrupt.labels(when, "page").inc(len(e.pages))
+            else:
+                self.metrics.corrupt.labels(when, "file").inc()
+            log.error("refused corpus %s on %s: %s", corpus_id, when, e)
+            raise
         if loaded:
             self.reads.forget(corpus_id)
             self._persist()
@@ -276,12 +289,16 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         )
 
     def restore(self) -> int:
-        """Reload every assignment of the log into the same frames (at start-up)."""
+        """Reload every assignment of the log into the same frames (at start-up). A corpus that
+        cannot be (a page failing its digest, say) is left out, logged and counted; the others
+        are served. Returns pages restored."""
         n = 0
         for cid, pages in self.log.load().items():
             try:
-                self.assign(cid, sorted(pages), wanted=pages)
+                self.assign(cid, sorted(pages), wanted=pages, when="restore")
                 n += len(pages)
+            except Corrupt:
+                pass  # logged and counted by assign; requesters fail over to its replicas
             except Reject as e:
-                log.error("could not restore corpus %s: %s", cid, e)
+                log.error("could not restore corpus %s: %s: %s", cid, e.code.name, e)
         return n

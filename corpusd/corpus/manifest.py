@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -21,7 +21,10 @@ class Manifest:
     """Everything DESIGN.md's data model lists for a corpus, as stored in ``manifest.json``.
 
     ``files`` holds ``(path, start, end)`` token spans; ``skipped`` holds ``(path, reason,
-    detail)``; ``checksums`` maps each data file of the corpus directory to ``sha256:<hex>``.
+    detail)``; ``checksums`` maps each data file of the corpus directory to ``sha256:<hex>``;
+    ``page_digests`` holds one hex digest per page (``store.page_digest``: BLAKE2b-128 over the
+    page's bytes in every layer), so a holder checks exactly the pages it loads. A manifest
+    written before page digests existed has none; its files are checked whole instead.
     """
 
     corpus_id: str
@@ -42,6 +45,7 @@ class Manifest:
     files: tuple[tuple[str, int, int], ...] = ()
     skipped: tuple[tuple[str, str, str], ...] = ()
     checksums: dict[str, str] = field(default_factory=dict)
+    page_digests: tuple[str, ...] = ()
     created_at: str = ""
     prefill_seconds: float = 0.0
     format: str = FORMAT
@@ -50,6 +54,9 @@ class Manifest:
         assert self.state in STATES, f"{self.state=}"
         assert self.n_pages == -(-self.token_count // self.page_size), (
             f"{self.n_pages=} for {self.token_count=} {self.page_size=}"
+        )
+        assert not self.page_digests or len(self.page_digests) == self.n_pages, (
+            f"{len(self.page_digests)=} for {self.n_pages=}"
         )
 
     @property
@@ -62,12 +69,40 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
-        d: dict[str, Any] = json.loads(text)
+        """Parse ``manifest.json``. Raises ValueError saying what is wrong: not JSON, another
+        format, a missing, unknown or mistyped field, inconsistent counts."""
+        try:
+            d: Any = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"manifest is not JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"manifest is a JSON {type(d).__name__}, not an object")
         if d.get("format") != FORMAT:
             raise ValueError(f"manifest format {d.get('format')!r} is not {FORMAT!r}")
-        d["files"] = tuple(tuple(x) for x in d.get("files", ()))
-        d["skipped"] = tuple(tuple(x) for x in d.get("skipped", ()))
-        return cls(**d)
+        try:
+            d["files"] = tuple(tuple(x) for x in d.get("files", ()))
+            d["skipped"] = tuple(tuple(x) for x in d.get("skipped", ()))
+            d["page_digests"] = tuple(d.get("page_digests", ()))
+        except TypeError as e:
+            raise ValueError(f"manifest: {e}") from None
+        unknown = sorted(set(d) - _FIELDS.keys())
+        if unknown:
+            raise ValueError(f"manifest has unknown fields {unknown}")
+        for name, value in d.items():
+            if not isinstance(value, _FIELDS[name]) or isinstance(value, bool):
+                raise ValueError(f"manifest field {name!r} is {value!r:.60}, not {_FIELDS[name]}")
+        try:
+            return cls(**d)
+        except (TypeError, AssertionError) as e:
+            raise ValueError(f"manifest: {e}") from None
+
+
+#: the JSON type of each field, checked on parse (a mistyped field fails there, not later)
+_SCALARS: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str}
+_FIELDS: dict[str, type | tuple[type, ...]] = {
+    f.name: _SCALARS.get(str(f.type), dict if str(f.type).startswith("dict") else tuple)
+    for f in fields(Manifest)
+}
 
 
 def corpus_id(tokens: tuple[int, ...], model_fingerprint: str, page_size: int, dtype: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
@@ -161,8 +161,7 @@ def pin(
             w.write_layer(
                 layer, cache.latent[layer][:n], cache.index_keys[layer][:n], cfg.page_size
             )
-        manifest = replace(manifest, checksums=dict(w.checksums))
-        w.write_manifest(manifest)
+        manifest = w.write_manifest(manifest)  # with the files' checksums and page digests
     return PinResult(manifest, store.corpora / cid, model_dir, False, time.perf_counter() - t0)
 
 

@@ -8,6 +8,10 @@ Layout under ``root``::
                                                   "index_keys" [n_pages, P, index_dim]
     tmp/<corpus_id>.<pid>.<nonce>/                a corpus being written; never read
 
+Integrity: the manifest records a checksum per file and a digest per page (``page_digest``,
+over the page's latent and index-key bytes in every layer), so a reader checks exactly the pages
+it loads (``read_checked``); a corrupt or unreadable page raises ``CorruptPages`` naming them.
+
 A corpus becomes visible only by the rename of its finished, fsynced temp directory, so a crash
 mid-pin leaves nothing under ``corpora/``; stale temp directories of dead writers are removed when
 a store is opened. Rows past ``token_count`` in the last page are zero and never referenced.
@@ -21,6 +25,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,6 +45,30 @@ def layer_file(layer: int) -> str:
 
 class StoreError(LookupError):
     """An unknown corpus, or a corpus directory that fails its checks; the message says which."""
+
+
+class CorruptPages(StoreError):
+    """Stored bytes that fail their digest or cannot be read. ``pages``: the corpus pages that
+    failed (empty when a whole file or the manifest did)."""
+
+    def __init__(self, message: str, pages: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.pages = list(pages)
+
+
+def page_digest(latent: Sequence[torch.Tensor], index_keys: Sequence[torch.Tensor]) -> str:
+    """Hex BLAKE2b-128 of one page: per layer in order, its latent ``[P, kv_dim]`` bytes then its
+    index-key ``[P, index_dim]`` bytes, as stored (the dtype's little-endian bytes, padding rows
+    included)."""
+    h = hashlib.blake2b(digest_size=16)
+    for lat, keys in zip(latent, index_keys, strict=True):
+        h.update(_raw(lat))
+        h.update(_raw(keys))
+    return h.hexdigest()
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _fsync(path: Path) -> None:
@@ -74,6 +103,8 @@ class CorpusWriter:
     def __init__(self, tmp: Path) -> None:
         self.dir = tmp
         self.checksums: dict[str, str] = {}
+        self._pages: list[hashlib.blake2b] = []  # one running page digest per page
+        self._layers = 0
 
     def _put(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         path = self.dir / name
@@ -87,18 +118,40 @@ class CorpusWriter:
     def write_layer(
         self, layer: int, latent: torch.Tensor, index_keys: torch.Tensor, page: int
     ) -> None:
-        """``latent [T, kv_dim]``, ``index_keys [T, index_dim]`` → pages of ``page`` rows."""
+        """``latent [T, kv_dim]``, ``index_keys [T, index_dim]`` → pages of ``page`` rows.
+        Layers are written in order 0, 1, …: each page's digest runs over them in that order."""
+        assert layer == self._layers, (
+            f"layers are written in order: {layer=}, expected {self._layers}"
+        )
         t = latent.shape[0]
         n_pages = -(-t // page)
         pad = n_pages * page - t
-        lat = torch.nn.functional.pad(latent, (0, 0, 0, pad)).view(n_pages, page, -1)
+        lat = torch.nn.functional.pad(latent, (0, 0, 0, pad)).view(n_pages, page, -1).contiguous()
         idx = torch.nn.functional.pad(index_keys, (0, 0, 0, pad)).view(n_pages, page, -1)
+        idx = idx.contiguous()
         self._put(layer_file(layer), {"latent": lat, "index_keys": idx})
+        if not self._pages:
+            self._pages = [hashlib.blake2b(digest_size=16) for _ in range(n_pages)]
+        assert len(self._pages) == n_pages, (
+            f"{n_pages=} in layer {layer}, {len(self._pages)} before"
+        )
+        for j, h in enumerate(self._pages):
+            h.update(_raw(lat[j]))
+            h.update(_raw(idx[j]))
+        self._layers += 1
 
-    def write_manifest(self, manifest: Manifest) -> None:
+    def write_manifest(self, manifest: Manifest) -> Manifest:
+        """Write ``manifest`` with the checksums and page digests of what was written; returns
+        it as written."""
+        manifest = replace(
+            manifest,
+            checksums=dict(self.checksums),
+            page_digests=tuple(h.hexdigest() for h in self._pages),
+        )
         path = self.dir / MANIFEST
         path.write_text(manifest.to_json())
         _fsync(path)
+        return manifest
 
 
 class PageStore:
@@ -124,10 +177,17 @@ class PageStore:
         return (self.corpora / corpus_id / MANIFEST).is_file()
 
     def manifest(self, corpus_id: str) -> Manifest:
+        """Raises StoreError (not stored) or CorruptPages (an unreadable manifest)."""
         path = self.corpora / corpus_id / MANIFEST
         if not path.is_file():
             raise StoreError(f"corpus {corpus_id!r} is not in the store at {self.root}")
-        return Manifest.from_json(path.read_text())
+        try:
+            m = Manifest.from_json(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise CorruptPages(f"corpus {corpus_id}: {MANIFEST} is unreadable: {e}") from None
+        if m.corpus_id != corpus_id:
+            raise CorruptPages(f"corpus {corpus_id}: {MANIFEST} names corpus {m.corpus_id}")
+        return m
 
     def resolve(self, name_or_id: str) -> str:
         """The id of the stored corpus ``name_or_id`` means (``resolve_name``: an id, a unique
@@ -154,39 +214,109 @@ class PageStore:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent ``[len(pages), P, kv_dim]`` and index keys ``[len(pages), P, index_dim]``.
 
-        Reads only the requested pages (safetensors slices of the memory-mapped file).
-        Raises StoreError for an unknown corpus, layer or page number.
+        Reads only the requested pages (safetensors slices of the memory-mapped file), unchecked
+        (``read_checked`` checks them). Raises StoreError for an unknown corpus, layer or page
+        number.
         """
         m = self.manifest(corpus_id)
         if not 0 <= layer < m.n_layers:
             raise StoreError(f"corpus {corpus_id} has layers 0..{m.n_layers - 1}, not {layer}")
+        self._check_range(m, pages)
+        return self._read_layer(m, layer, pages)
+
+    @staticmethod
+    def _check_range(m: Manifest, pages: Sequence[int]) -> None:
         bad = [p for p in pages if not 0 <= p < m.n_pages]
         if bad:
             raise StoreError(
-                f"corpus {corpus_id} has pages 0..{m.n_pages - 1}; asked for {bad[:4]}"
+                f"corpus {m.corpus_id} has pages 0..{m.n_pages - 1}; asked for {bad[:4]}"
             )
-        with safe_open(str(self.corpora / corpus_id / layer_file(layer)), framework="pt") as f:
+
+    def _read_layer(
+        self, m: Manifest, layer: int, pages: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not pages:
+            return (
+                torch.empty(0, m.page_size, m.kv_dim, dtype=m.torch_dtype),
+                torch.empty(0, m.page_size, m.index_dim, dtype=m.torch_dtype),
+            )
+        path = self.corpora / m.corpus_id / layer_file(layer)
+        with safe_open(str(path), framework="pt") as f:
             lat, idx = f.get_slice("latent"), f.get_slice("index_keys")
-            if not pages:
-                return (
-                    torch.empty(0, m.page_size, m.kv_dim, dtype=m.torch_dtype),
-                    torch.empty(0, m.page_size, m.index_dim, dtype=m.torch_dtype),
-                )
             return (
                 torch.stack([lat[p : p + 1][0] for p in pages]),
                 torch.stack([idx[p : p + 1][0] for p in pages]),
             )
 
-    def verify(self, corpus_id: str) -> None:
-        """Recompute every file's checksum; raises StoreError naming the first mismatch."""
+    def read_checked(
+        self, m: Manifest, pages: Sequence[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer, latent ``[len(pages), P, kv_dim]`` and index keys ``[len(pages), P,
+        index_dim]`` of corpus ``m``, every page checked against its digest in ``m`` (a corpus
+        pinned before page digests: its layer files against their checksums, whole).
+
+        Raises:
+            CorruptPages: a page fails its digest (all such pages are named), or a layer file is
+                missing, truncated, unreadable or of another shape than the manifest's.
+            StoreError: a page number out of range, or a corpus with neither page digests nor
+                checksums (pin it again).
+        """
+        cid = m.corpus_id
+        self._check_range(m, pages)
+        if not m.page_digests:
+            if not m.checksums:
+                raise StoreError(
+                    f"corpus {cid} has no page digests or checksums to check its pages against "
+                    "(pinned by an old corpusd): pin it again"
+                )
+            self.verify(cid, [layer_file(i) for i in range(m.n_layers)])
+        latent: list[torch.Tensor] = []
+        keys: list[torch.Tensor] = []
+        want = [
+            ((len(pages), m.page_size, m.kv_dim), m.torch_dtype),
+            ((len(pages), m.page_size, m.index_dim), m.torch_dtype),
+        ]
+        for layer in range(m.n_layers):
+            try:
+                lat, idx = self._read_layer(m, layer, pages)
+            except Exception as e:  # missing, truncated or garbled: the reader's own error
+                raise CorruptPages(
+                    f"corpus {cid}: {layer_file(layer)} cannot be read "
+                    f"({type(e).__name__}: {e}); restore the store or pin the corpus again"
+                ) from None
+            got = [(tuple(lat.shape), lat.dtype), (tuple(idx.shape), idx.dtype)]
+            if got != want:
+                raise CorruptPages(
+                    f"corpus {cid}: {layer_file(layer)} holds {got}, the manifest says {want}"
+                )
+            latent.append(lat)
+            keys.append(idx)
+        if m.page_digests:
+            bad = [
+                p
+                for j, p in enumerate(pages)
+                if page_digest([x[j] for x in latent], [x[j] for x in keys]) != m.page_digests[p]
+            ]
+            if bad:
+                raise CorruptPages(
+                    f"corpus {cid}: {len(bad)} of {len(pages)} pages fail their digest "
+                    f"(pages {bad[:8]}{' …' if len(bad) > 8 else ''}): the page store under "
+                    f"{self.corpora / cid} is corrupt; restore it or pin the corpus again",
+                    bad,
+                )
+        return latent, keys
+
+    def verify(self, corpus_id: str, names: Sequence[str] | None = None) -> None:
+        """Recompute every file's checksum (the ``names`` given); raises CorruptPages naming the
+        first mismatch, StoreError when the manifest does not list the corpus's files."""
         m = self.manifest(corpus_id)
         expected = {TOKENS, *(layer_file(i) for i in range(m.n_layers))}
         if set(m.checksums) != expected:
             raise StoreError(f"corpus {corpus_id}: manifest lists {sorted(m.checksums)}")
-        for name, digest in sorted(m.checksums.items()):
+        for name in sorted(expected if names is None else names):
             path = self.corpora / corpus_id / name
-            if not path.is_file() or _sha256_file(path) != digest:
-                raise StoreError(f"corpus {corpus_id}: {name} is missing or fails its checksum")
+            if not path.is_file() or _sha256_file(path) != m.checksums[name]:
+                raise CorruptPages(f"corpus {corpus_id}: {name} is missing or fails its checksum")
 
     # -- writing ----------------------------------------------------------------------------------
     @contextlib.contextmanager
