@@ -2,6 +2,11 @@
 
 Exit codes: 0 success; 2 bad input or usage (one ``corpusd: error: …`` line on stderr);
 1 an unexpected failure (with its traceback).
+
+Nothing heavy is imported here at module level: the parser is built from torch-free config
+modules, and each command imports the model, the store or a daemon when it runs. So ``--help``,
+``down``, ``status`` and a ``pin`` whose coordinator is unreachable answer without loading torch
+(``tests/unit/test_cli_imports.py`` holds this).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import asyncio
 import sys
 from dataclasses import MISSING, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -19,14 +24,32 @@ import corpusd
 from corpusd import env
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, PageTable
 from corpusd.coordinator.config import CoordinatorConfig, PublishConfig, StatusConfig
-from corpusd.corpus.ingest import CorpusError
-from corpusd.corpus.pin import DEMO_FILES, PinConfig, PinResult, default_model, pin, sample_repo
-from corpusd.corpus.store import StoreError
-from corpusd.model import CheckpointError, ModelConfigError, fingerprint
-from indexer import ARITHS
-from requester.client import AgentError
+from corpusd.corpus.config import PinConfig
+from corpusd.up import UpConfig
+from holder.config import HolderConfig
+from requester.config import AgentConfig, WorkerConfig
 
-_USER_ERRORS = (CorpusError, ModelConfigError, CheckpointError, StoreError, ValueError)
+if TYPE_CHECKING:
+    from corpusd.corpus.pin import PinResult
+
+#: Errors a user's input causes (exit 2, one line) beyond ValueError, which covers CorpusError,
+#: ModelConfigError, CheckpointError, PortInUse and every config check. As (module, class):
+#: looked up only in modules already imported, since an error of a module never loaded cannot
+#: have been raised, and importing it to look would load torch for every command.
+_USER_ERRORS = (("corpusd.corpus.store", "StoreError"), ("requester.client", "AgentError"))
+#: indexer.ARITHS, named here so that ``model init --help`` needs no torch (a test holds them equal)
+INDEX_ARITHS = ("exact", "fp8")
+
+
+def user_error(e: BaseException) -> bool:
+    """Whether ``e`` is bad input (answered with one line and exit code 2)."""
+    if isinstance(e, ValueError):
+        return True
+    for module, name in _USER_ERRORS:
+        m = sys.modules.get(module)
+        if m is not None and isinstance(e, getattr(m, name)):
+            return True
+    return False
 
 
 def _pin_config(a: argparse.Namespace, corpus: str) -> PinConfig:
@@ -86,6 +109,9 @@ def cmd_pin(a: argparse.Namespace) -> int:
     admit = None
     if address:
         holders = asyncio.run(preflight.live_holders(address, source))
+        from corpusd.corpus.pin import default_model
+        from corpusd.model import fingerprint
+
         model_dir = Path(cfg.model) if cfg.model else default_model(sys.stderr)
         cfg = replace(cfg, model=str(model_dir))
         fp = fingerprint(model_dir)
@@ -94,6 +120,8 @@ def cmd_pin(a: argparse.Namespace) -> int:
         def admit(pages: int) -> None:
             if note := preflight.room(loads, pages, publish.replicas):
                 print(f"note: {note}")
+
+    from corpusd.corpus.pin import pin
 
     r = pin(cfg, admit=admit)
     print(summary(r))
@@ -150,6 +178,8 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 def cmd_demo(a: argparse.Namespace) -> int:
     """Pin a sample repository: a tar of a few of corpusd's own source files."""
+    from corpusd.corpus.pin import DEMO_FILES, sample_repo
+
     out = sample_repo()
     print(f"sample repository: {out} ({len(DEMO_FILES)} files of corpusd's own source)")
     a.name = a.name or "sample-repo"
@@ -173,6 +203,8 @@ def cmd_agent(a: argparse.Namespace) -> int:
     values["state_dir"] = values["state_dir"] or str(env.home() / "agent")
     values["store"] = values["store"] or str(env.default_store_dir())
     values["coordinator"] = env.coordinator(values["coordinator"]) if not a.holders else ""
+    from corpusd.corpus.pin import default_model
+
     cfg = AgentConfig(**values)
     wcfg = WorkerConfig(**{f.name: getattr(a, f.name) for f in fields(WorkerConfig)})
     if not (cfg.coordinator or cfg.holders):
@@ -182,7 +214,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from corpusd.up import UpConfig, up
+    from corpusd.up import up
 
     return up(UpConfig(**{f.name: getattr(a, f.name) for f in fields(UpConfig)}))
 
@@ -248,7 +280,7 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, 
 
 
 def cmd_holder(a: argparse.Namespace) -> int:
-    from holder.config import HolderConfig
+    from corpusd.corpus.pin import default_model
     from holder.server import run
 
     values = {f.name: getattr(a, f.name) for f in fields(HolderConfig)}
@@ -275,8 +307,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_flags(pd, PublishConfig)
     pd.set_defaults(func=cmd_demo)
     ph = sub.add_parser("holder", help="serve pinned pages of one device over gRPC")
-    from holder.config import HolderConfig
-
     add_dataclass_flags(ph, HolderConfig)
     ph.set_defaults(func=cmd_holder)
     pc = sub.add_parser(
@@ -298,9 +328,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_flags(pt, StatusConfig)
     pt.set_defaults(func=cmd_status)
     pa = sub.add_parser("agent", help="run a decode worker serving the Agent API")
-    from corpusd.up import UpConfig
-    from requester.config import AgentConfig, WorkerConfig
-
     add_dataclass_flags(pa, AgentConfig)
     add_dataclass_flags(pa, WorkerConfig, skip=("trace",))
     pa.set_defaults(func=cmd_agent, trace=False)
@@ -338,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pi.add_argument(
         "--index-arith",
-        choices=ARITHS,
+        choices=INDEX_ARITHS,
         default="exact",
         help="the indexer's arithmetic: exact float32 (transformers; default) or fp8 "
         "(Hadamard + ue8m0 float8, as SGLang and DeepSeek's inference code: pin for SGLang)",
@@ -351,12 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (*_USER_ERRORS, AgentError) as e:
-        print(f"corpusd: error: {e}", file=sys.stderr)
-        return 2
     except CoordinatorError as e:
         print(f"corpusd: error: coordinator: {e}", file=sys.stderr)
         return 1 if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) else 2
+    except Exception as e:
+        if not user_error(e):
+            raise
+        print(f"corpusd: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("corpusd: interrupted; nothing was committed", file=sys.stderr)
         return 130

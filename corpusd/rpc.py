@@ -15,8 +15,6 @@ from typing import Any, NoReturn, TypeVar, cast
 import grpc
 from prometheus_client import Counter
 
-from corpusd.wire import WireError
-
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 #: an exception → the status and message it is answered with, or None when not a refusal
@@ -41,6 +39,10 @@ class Reject(Exception):
 
 def wire(fn: Callable[[], T]) -> T:
     """Run a decoding step; a WireError becomes INVALID_ARGUMENT with its message."""
+    # Here, not at the top: corpusd.wire imports torch, and the CLI's clients (this module's
+    # StatusError) must start without it. A caller decoding tensors has imported it already.
+    from corpusd.wire import WireError
+
     try:
         return fn()
     except WireError as e:

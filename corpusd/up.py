@@ -23,7 +23,6 @@ from typing import Any
 from corpusd import env
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
-from corpusd.corpus.pin import default_model
 from corpusd.daemon import Daemon
 from holder.launch import start_holder
 from requester.launch import start_agent
@@ -79,6 +78,8 @@ def up(cfg: UpConfig) -> int:
         raise ValueError(f"corpusd up is already running (pid {other['pid']}) in {root}")
     if cfg.detach:
         return _detach(cfg, root)
+    from corpusd.corpus.pin import default_model  # torch: `down` and `--help` go without
+
     root.mkdir(parents=True, exist_ok=True)
     store = Path(cfg.store).expanduser() if cfg.store else env.default_store_dir()
     model = Path(cfg.model) if cfg.model else default_model(sys.stderr)

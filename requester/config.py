@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from corpusd import env
-from corpusd.transport import nvshmem_ring
+from corpusd.transport import TRANSPORTS
 from requester.predicate import PRIMITIVES
-from requester.routes import TRANSPORTS
 
 INDEXER_MODES = ("replica", "distributed")
 
@@ -59,7 +58,7 @@ class WorkerConfig:
             raise ValueError("fetch_cache_bytes must be >= 0 and rpc_timeout_s > 0")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.transport == "nvshmem" and not nvshmem_ring.available():
+        if self.transport == "nvshmem" and not _nvshmem_available():
             raise ValueError("transport nvshmem needs a CUDA GPU and nvshmem4py (.gpu-deps)")
 
 
@@ -122,3 +121,9 @@ class AgentConfig:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         if not self.report_s > 0:
             raise ValueError(f"report_s must be > 0, got {self.report_s}")
+
+
+def _nvshmem_available() -> bool:
+    from corpusd.transport import nvshmem_ring  # torch: only when nvshmem is asked for
+
+    return nvshmem_ring.available()

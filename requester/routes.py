@@ -25,13 +25,12 @@ import grpc
 import torch
 
 from corpusd.rpc import StatusError
-from corpusd.transport import Peer, choose
+from corpusd.transport import TRANSPORTS, Peer, choose
 from corpusd.transport import nvshmem_ring as nr
 from requester.holder_client import HolderClient, Partial
 from requester.nvshmem_client import NvshmemClient, RemoteRowError
 
 log = logging.getLogger("corpusd.requester")
-TRANSPORTS = ("auto", "grpc", "nvshmem")
 JOIN_TIMEOUT_S = 120.0  # NVSHMEM init is collective: the holder inits once all its peers joined
 _JOINED: dict[str, str] = {}  # this process's NVSHMEM job (one per process): job id → holder
 

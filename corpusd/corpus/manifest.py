@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+from array import array
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "corpusd-pages-v1"
 #: Tokens per page: the one default of every role (pin, holder, SGLang page hashes). A holder
@@ -61,6 +64,8 @@ class Manifest:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch  # here: the manifest is read by commands that never load a tensor
+
         dtype: torch.dtype = getattr(torch, self.dtype)
         return dtype
 
@@ -108,5 +113,7 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
 def corpus_id(tokens: tuple[int, ...], model_fingerprint: str, page_size: int, dtype: str) -> str:
     """Content address of a corpus: 128 bits of sha256 over what determines its pages."""
     h = hashlib.sha256(f"{FORMAT}|{model_fingerprint}|{page_size}|{dtype}|".encode())
-    h.update(torch.tensor(tokens, dtype=torch.int32).numpy().tobytes())
+    ids = array("i", tokens)  # int32, little-endian: the bytes torch.int32 had (torch-free)
+    assert ids.itemsize == 4 and sys.byteorder == "little", f"{ids.itemsize=} {sys.byteorder=}"
+    h.update(ids.tobytes())
     return h.hexdigest()[:32]

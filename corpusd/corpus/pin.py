@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
@@ -18,44 +18,14 @@ from typing import TextIO
 import torch
 
 from corpusd import env
+from corpusd.corpus.config import DTYPES, PinConfig
 from corpusd.corpus.ingest import CorpusError, ingest
 from corpusd.corpus.layout import Layout, render
-from corpusd.corpus.manifest import PAGE_SIZE, Manifest, corpus_id
+from corpusd.corpus.manifest import Manifest, corpus_id
 from corpusd.corpus.store import PageStore
 from corpusd.model import KVCache, ModelConfig, fingerprint, forward_tokens, load_model
 from corpusd.progress import Progress
 from corpusd.tokenizer import load_tokenizer
-
-DTYPES = ("float32", "bfloat16")
-
-
-@dataclass(frozen=True, slots=True)
-class PinConfig:
-    """One pin. ``model``/``store`` default to the embedded tiny model and ``$CORPUSD_HOME``."""
-
-    corpus: str = field(metadata={"help": "a .tar, .tar.gz or a directory"})
-    model: str | None = field(
-        default=None,
-        metadata={"help": "model directory (default: $CORPUSD_MODEL or the tiny model)"},
-    )
-    store: str | None = field(
-        default=None, metadata={"help": "page store directory (default: $CORPUSD_STORE)"}
-    )
-    name: str | None = field(
-        default=None, metadata={"help": "corpus name (default: the source's file name)"}
-    )
-    page_size: int = field(default=PAGE_SIZE, metadata={"help": "tokens per page"})
-    max_tokens: int = field(default=1 << 20, metadata={"help": "refuse larger corpora"})
-    max_file_bytes: int = field(default=1 << 20, metadata={"help": "skip larger files"})
-    chunk: int = field(default=256, metadata={"help": "prefill chunk (tokens)"})
-    dtype: str = field(default="float32", metadata={"help": "cache dtype", "choices": DTYPES})
-
-    def __post_init__(self) -> None:
-        for key in ("page_size", "max_tokens", "max_file_bytes", "chunk"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,4 +165,4 @@ def prefill(model: torch.nn.Module, layout: Layout, chunk: int, stream: TextIO) 
     return cache
 
 
-__all__ = ["CorpusError", "PinConfig", "PinResult", "pin", "prefill"]
+__all__ = ["DTYPES", "CorpusError", "PinConfig", "PinResult", "pin", "prefill"]

@@ -50,6 +50,9 @@ REGISTRY: dict[str, Transport] = {
     )
 }
 
+#: what a ``--transport`` flag accepts: "auto" or a registered name
+TRANSPORTS = ("auto", *REGISTRY)
+
 
 def choose(name: str, peer: Peer) -> Transport:
     """``name`` = a registered transport or "auto" (the highest-priority usable one). Raises
