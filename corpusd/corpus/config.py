@@ -1,0 +1,39 @@
+"""``PinConfig``: one pin's settings, the flags of ``corpusd pin`` (torch-free, so the CLI
+builds its parser without importing the model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from corpusd.corpus.manifest import PAGE_SIZE
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class PinConfig:
+    """One pin. ``model``/``store`` default to the embedded tiny model and ``$CORPUSD_HOME``."""
+
+    corpus: str = field(metadata={"help": "a .tar, .tar.gz or a directory"})
+    model: str | None = field(
+        default=None,
+        metadata={"help": "model directory (default: $CORPUSD_MODEL or the tiny model)"},
+    )
+    store: str | None = field(
+        default=None, metadata={"help": "page store directory (default: $CORPUSD_STORE)"}
+    )
+    name: str | None = field(
+        default=None, metadata={"help": "corpus name (default: the source's file name)"}
+    )
+    page_size: int = field(default=PAGE_SIZE, metadata={"help": "tokens per page"})
+    max_tokens: int = field(default=1 << 20, metadata={"help": "refuse larger corpora"})
+    max_file_bytes: int = field(default=1 << 20, metadata={"help": "skip larger files"})
+    chunk: int = field(default=256, metadata={"help": "prefill chunk (tokens)"})
+    dtype: str = field(default="float32", metadata={"help": "cache dtype", "choices": DTYPES})
+
+    def __post_init__(self) -> None:
+        for key in ("page_size", "max_tokens", "max_file_bytes", "chunk"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
