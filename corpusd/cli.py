@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,13 @@ import grpc
 
 import corpusd
 from corpusd import env
-from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, PageTable
+from corpusd.coordinator.client import (
+    CoordinatorClient,
+    CoordinatorError,
+    CorpusStatus,
+    PageTable,
+    Removal,
+)
 from corpusd.coordinator.config import CoordinatorConfig, PublishConfig, StatusConfig
 from corpusd.corpus.config import PinConfig
 from corpusd.up import UpConfig
@@ -164,15 +171,143 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    from corpusd.coordinator.status import render
+    from corpusd.coordinator.status import as_json, render
 
     cfg = StatusConfig(coordinator=env.coordinator(a.coordinator), timeout_s=a.timeout_s)
 
-    async def fetch() -> str:
+    async def fetch() -> tuple[list[Any], list[Any], list[Any]]:
         async with CoordinatorClient(cfg.coordinator, timeout=cfg.timeout_s) as c:
-            return render(await c.list_holders(), await c.list_corpora(), await c.list_workers())
+            return await c.list_holders(), await c.list_corpora(), await c.list_workers()
 
-    print(f"coordinator {cfg.coordinator}\n" + asyncio.run(fetch()))
+    holders, corpora, workers = asyncio.run(fetch())
+    if a.json:
+        keys = ("coordinator", "holders", "corpora", "workers")
+        print(as_json(dict(zip(keys, (cfg.coordinator, holders, corpora, workers), strict=True))))
+    else:
+        print(f"coordinator {cfg.coordinator}\n" + render(holders, corpora, workers))
+    return 0
+
+
+def cmd_ls(a: argparse.Namespace) -> int:
+    """The coordinator's corpora (and those of its store it was never asked to pin); with no
+    coordinator, the local page store's."""
+    from corpusd.coordinator.status import as_json, render_corpora
+
+    address, source = env.coordinator_source(a.coordinator)
+    if address:
+
+        async def fetch() -> list[CorpusStatus]:
+            async with CoordinatorClient(address, timeout=a.timeout_s) as c:
+                return await c.list_corpora(stored=True)
+
+        corpora, where = asyncio.run(fetch()), f"coordinator {address}"
+    else:
+        store = Path(a.store).expanduser() if a.store else env.default_store_dir()
+        corpora, where = _stored(store), f"page store {store} (no coordinator: {source})"
+    print(as_json(corpora) if a.json else f"{where}\n{render_corpora(corpora)}")
+    return 0
+
+
+def _stored(root: Path) -> list[CorpusStatus]:
+    """A local page store's corpora, as ``ls`` lists them (state ``stored``)."""
+    from corpusd.corpus.store import PageStore
+
+    if not (root / "corpora").is_dir():
+        return []
+    store, out = PageStore(root), []
+    for cid in store.ids():
+        m = store.manifest(cid)
+        out.append(
+            CorpusStatus(
+                corpus_id=cid,
+                name=m.name,
+                state="stored",
+                tokens=m.token_count,
+                pages=m.n_pages,
+                page_size=m.page_size,
+                cp_degree=0,
+                replicas=0,
+                model_fingerprint=m.model_fingerprint,
+                holder_ids=(),
+                expired_holders=(),
+                queue_position=0,
+                created_at=m.created_at,
+                state_age_s=time.time() - (store.corpora / cid).stat().st_mtime,
+            )
+        )
+    return out
+
+
+def _coordinator(flag: str) -> str:
+    address = env.coordinator(flag)
+    if not address:
+        raise ValueError(env.NO_COORDINATOR)
+    return address
+
+
+def cmd_unpin(a: argparse.Namespace) -> int:
+    """Off every holder and out of the page table (``--delete``: out of the store too)."""
+    address = _coordinator(a.coordinator)
+
+    async def go() -> Removal:
+        async with CoordinatorClient(address, timeout=a.timeout_s) as c:
+            return await c.unpin_corpus(a.corpus, a.delete)
+
+    r = asyncio.run(go())
+    c, what = r.corpus, f"{r.corpus.name} (corpus {r.corpus.corpus_id})"
+    if c.state == "retired" and not a.delete:
+        raise ValueError(
+            f"{what} is not pinned: it was unpinned earlier; nothing changed "
+            f"(`corpusd rm {a.corpus}` deletes it from the page store)"
+        )
+    if c.state == "retired":
+        line = f"{what} was not pinned"
+    elif c.state == "queued":
+        line = f"withdrew the queued pin of {what}"
+    else:
+        on = f" on {', '.join(c.holder_ids)}" if c.holder_ids else ""
+        line = f"unpinned {what}: released {count(r.frames_freed, 'frame')}{on}"
+    if a.delete:
+        line += (
+            f"; deleted it from the page store ({_mib(r.bytes_deleted)})"
+            if r.deleted
+            else "; its files were already gone from the page store"
+        )
+    print(line)
+    return 0
+
+
+def cmd_rm(a: argparse.Namespace) -> int:
+    """Delete an unpinned corpus from the coordinator's page store (refused while pinned); with
+    no coordinator, from the local page store."""
+    address, source = env.coordinator_source(a.coordinator)
+    if address:
+
+        async def go() -> Removal:
+            async with CoordinatorClient(address, timeout=a.timeout_s) as c:
+                return await c.delete_corpus(a.corpus)
+
+        r = asyncio.run(go())
+        what = f"{r.corpus.name} (corpus {r.corpus.corpus_id})"
+        print(
+            f"deleted {what} from the page store of {address} ({_mib(r.bytes_deleted)})"
+            if r.deleted
+            else f"forgot {what}: its files were already gone from the page store"
+        )
+        return 0
+    from corpusd.corpus.store import PageStore, StoreError
+
+    root = Path(a.store).expanduser() if a.store else env.default_store_dir()
+    if not (root / "corpora").is_dir():
+        raise StoreError(f"no page store at {root}")
+    store = PageStore(root)
+    cid = store.resolve(a.corpus)
+    name = store.manifest(cid).name
+    size = store.delete(cid)
+    print(
+        f"deleted {name} (corpus {cid}) from {root} ({_mib(size)}); no coordinator was asked "
+        f"whether it is pinned ({source})"
+    )
     return 0
 
 
@@ -292,6 +427,9 @@ def cmd_holder(a: argparse.Namespace) -> int:
     return 0
 
 
+_NO_COORD = "no coordinator is found (default: $CORPUSD_STORE)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="corpusd", description=corpusd.__doc__)
     p.add_argument("--version", action="version", version=f"corpusd {corpusd.__version__}")
@@ -324,9 +462,29 @@ def build_parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("serve", help="run the coordinator: holders, placement, page table")
     add_dataclass_flags(ps, CoordinatorConfig)
     ps.set_defaults(func=cmd_serve)
-    pt = sub.add_parser("status", help="a coordinator's holders and corpora")
+    pt = sub.add_parser("status", help="a coordinator's holders, corpora and agent workers")
     add_dataclass_flags(pt, StatusConfig)
+    pt.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     pt.set_defaults(func=cmd_status)
+    pl = sub.add_parser(
+        "ls", help="corpora: name, id, tokens, replicas, holders, state, age (ls --json: JSON)"
+    )
+    add_dataclass_flags(pl, StatusConfig)
+    pl.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    pl.add_argument("--store", default="", help=f"page store listed when {_NO_COORD}")
+    pl.set_defaults(func=cmd_ls)
+    pn = sub.add_parser(
+        "unpin", help="take a corpus off every holder and out of the page table (atomically)"
+    )
+    pn.add_argument("corpus", metavar="NAME|ID", help="corpus name, id, or id prefix (≥ 8)")
+    pn.add_argument("--delete", action="store_true", help="also delete it from the page store")
+    add_dataclass_flags(pn, StatusConfig)
+    pn.set_defaults(func=cmd_unpin)
+    pr = sub.add_parser("rm", help="delete an unpinned corpus from the page store")
+    pr.add_argument("corpus", metavar="NAME|ID", help="corpus name, id, or id prefix (≥ 8)")
+    add_dataclass_flags(pr, StatusConfig)
+    pr.add_argument("--store", default="", help=f"page store it is deleted from when {_NO_COORD}")
+    pr.set_defaults(func=cmd_rm)
     pa = sub.add_parser("agent", help="run a decode worker serving the Agent API")
     add_dataclass_flags(pa, AgentConfig)
     add_dataclass_flags(pa, WorkerConfig, skip=("trace",))

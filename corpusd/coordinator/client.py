@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 import grpc
@@ -63,7 +63,7 @@ class HolderState:
 class CorpusStatus:
     corpus_id: str
     name: str
-    state: str  # queued, pinning, ready, retired
+    state: str  # queued, pinning, ready, retired; stored (in the store, never pinned)
     tokens: int
     pages: int
     page_size: int
@@ -73,6 +73,20 @@ class CorpusStatus:
     holder_ids: tuple[str, ...]
     expired_holders: tuple[str, ...]
     queue_position: int  # 1-based while queued, else 0
+    created_at: str = ""  # when its pages were made (ISO 8601)
+    # seconds in its state (ready: since published); not compared: two reads of one state agree
+    state_age_s: float = field(default=0.0, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Removal:
+    """What ``unpin_corpus`` / ``delete_corpus`` did: the corpus as it was before (its holders:
+    those that released it), the frames freed, whether its files left the page store."""
+
+    corpus: CorpusStatus
+    frames_freed: int
+    deleted: bool
+    bytes_deleted: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +146,8 @@ def _corpus(c: pb.CorpusInfo) -> CorpusStatus:
         tuple(c.holder_ids),
         tuple(c.expired_holders),
         c.queue_position,
+        c.created_at,
+        c.state_age_s,
     )
 
 
@@ -178,10 +194,11 @@ class CoordinatorClient:
         r: Any = await self._call(self.stub.Heartbeat(req, timeout=self.timeout))
         return float(r.lease_seconds)
 
-    async def list_corpora(self) -> list[CorpusStatus]:
-        r: Any = await self._call(
-            self.stub.ListCorpora(pb.ListCorporaRequest(), timeout=self.timeout)
-        )
+    async def list_corpora(self, stored: bool = False) -> list[CorpusStatus]:
+        """The coordinator's corpora in every state; ``stored``: also those of its page store it
+        was never asked to pin (state ``stored``)."""
+        req = pb.ListCorporaRequest(stored=stored)
+        r: Any = await self._call(self.stub.ListCorpora(req, timeout=self.timeout))
         return [_corpus(c) for c in r.corpora]
 
     async def list_holders(self) -> list[HolderState]:
@@ -216,6 +233,21 @@ class CoordinatorClient:
             self.stub.Unpin(pb.UnpinRequest(corpus_id=corpus_id), timeout=self.timeout)
         )
         return int(r.frames_freed)
+
+    async def unpin_corpus(self, corpus: str, delete: bool = False) -> Removal:
+        """Unpin the corpus ``corpus`` means (an id, a name or an id prefix of ≥ 8 characters):
+        off every holder and out of the page table; ``delete``: out of the page store too.
+        Raises CoordinatorError: NOT_FOUND (unknown), INVALID_ARGUMENT (ambiguous)."""
+        req = pb.UnpinRequest(corpus_id=corpus, delete=delete)
+        r: Any = await self._call(self.stub.Unpin(req, timeout=self.timeout))
+        return Removal(_corpus(r.corpus), r.frames_freed, r.deleted, r.bytes_deleted)
+
+    async def delete_corpus(self, corpus: str) -> Removal:
+        """Delete a corpus that is not pinned from the coordinator's page store. Raises
+        CoordinatorError: FAILED_PRECONDITION (still pinned), NOT_FOUND, INVALID_ARGUMENT."""
+        req = pb.DeleteRequest(corpus_id=corpus)
+        r: Any = await self._call(self.stub.Delete(req, timeout=self.timeout))
+        return Removal(_corpus(r.corpus), 0, r.deleted, r.bytes_deleted)
 
     async def report_worker(self, w: WorkerReport) -> float:
         """An agent worker's load report (registers it on first); returns its lease."""

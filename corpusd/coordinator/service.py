@@ -14,11 +14,12 @@ from typing import Any
 
 import grpc
 
+from corpusd.coordinator import lifecycle
 from corpusd.coordinator.client import HOLDER_SPEC
 from corpusd.coordinator.db import CorpusRow, HolderRow
 from corpusd.coordinator.publish import Publisher
 from corpusd.coordinator.sessions import NoWorker, WorkerLoad, choose_home
-from corpusd.coordinator.upkeep import reconcile, unpin
+from corpusd.coordinator.upkeep import reconcile
 from corpusd.corpus.manifest import Manifest
 from corpusd.corpus.store import PageStore, StoreError
 from corpusd.rpc import Reject, Rpc
@@ -157,10 +158,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.ChooseWorkerResponse(worker_id=chosen, address=r.address)
 
     # -- corpora --------------------------------------------------------------------------------
-    def _info(self, row: CorpusRow, now: float) -> pb.CorpusInfo:
+    def _info(
+        self, row: CorpusRow, now: float, holders: tuple[str, ...] | None = None
+    ) -> pb.CorpusInfo:
+        """``row`` on the wire; ``holders``: those that held it (given once its pages are gone
+        from the page table: an unpin's answer), else read from the page table."""
         m = Manifest.from_json(row.manifest)
-        table = self.state.page_table(row.corpus_id) if row.state == "ready" else {}
-        ids = sorted({hid for reps in table.values() for hid, _ in reps})
+        if holders is None:
+            table = self.state.page_table(row.corpus_id) if row.state == "ready" else {}
+            holders = tuple(sorted({hid for reps in table.values() for hid, _ in reps}))
         live = {h.holder_id for h in self.state.holders() if h.live(now)}
         queue = [r.corpus_id for r in self.state.queued()] if row.state == "queued" else []
         return pb.CorpusInfo(
@@ -173,9 +179,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             cp_degree=row.cp_degree,
             replicas=row.replicas,
             model_fingerprint=m.model_fingerprint,
-            holder_ids=ids,
-            expired_holders=[h for h in ids if h not in live],
-            queue_position=queue.index(row.corpus_id) + 1 if queue else 0,
+            holder_ids=holders,
+            expired_holders=[h for h in holders if h not in live],
+            queue_position=queue.index(row.corpus_id) + 1 if row.corpus_id in queue else 0,
+            created_at=m.created_at,
+            state_age_s=max(0.0, now - row.updated_at),
         )
 
     def _table(self, row: CorpusRow) -> pb.PageTable:
@@ -199,8 +207,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     @rpc("ListCorpora")
     async def ListCorpora(self, request: pb.ListCorporaRequest, context: Any) -> Any:
-        now = time.time()
-        return pb.ListCorporaResponse(corpora=[self._info(r, now) for r in self.state.corpora()])
+        now, rows = time.time(), self.state.corpora()
+        if request.stored:
+            rows += lifecycle.stored_rows(self.pub, self.store)
+        return pb.ListCorporaResponse(corpora=[self._info(r, now) for r in rows])
 
     @rpc("GetPageTable")
     async def GetPageTable(self, request: pb.GetPageTableRequest, context: Any) -> Any:
@@ -232,5 +242,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     @rpc("Unpin")
     async def Unpin(self, request: pb.UnpinRequest, context: Any) -> Any:
-        self._known(request.corpus_id)
-        return pb.UnpinResponse(frames_freed=await unpin(self.pub, request.corpus_id))
+        r = await lifecycle.unpin(self.pub, self.store, request.corpus_id, request.delete)
+        return pb.UnpinResponse(
+            frames_freed=r.frames,
+            corpus=self._info(r.row, time.time(), r.holders),
+            deleted=r.deleted,
+            bytes_deleted=r.bytes_deleted,
+        )
+
+    @rpc("Delete")
+    async def Delete(self, request: pb.DeleteRequest, context: Any) -> Any:
+        r = await lifecycle.delete(self.pub, self.store, request.corpus_id)
+        return pb.DeleteResponse(
+            corpus=self._info(r.row, time.time(), r.holders),
+            deleted=r.deleted,
+            bytes_deleted=r.bytes_deleted,
+        )

@@ -1,8 +1,12 @@
-"""``corpusd status``: the coordinator's holders and corpora as two plain-text tables."""
+"""``corpusd status`` and ``corpusd ls``: the coordinator's holders, corpora and agent workers as
+plain-text tables, or as JSON for scripts."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
 
 from corpusd.coordinator.client import CorpusStatus, HolderState, WorkerState
 
@@ -50,3 +54,46 @@ def render(
             f"{', '.join(c[:12] for c in r.corpora) or '-'}"
         )
     return "\n".join(lines)
+
+
+def age(seconds: float) -> str:
+    """``seconds`` the way ``ls`` shows an age: "42 s", "7 min", "5 h", "3 d"."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)} {unit}"
+    return f"{int(max(seconds, 0))} s"
+
+
+def render_corpora(corpora: Sequence[CorpusStatus]) -> str:
+    """``corpusd ls``: one line per corpus (name, id, tokens, replicas, holders, state, age)."""
+    rows = [("NAME", "ID", "TOKENS", "REPLICAS", "HOLDERS", "STATE", "AGE")]
+    for c in corpora:
+        state = f"queued#{c.queue_position}" if c.state == "queued" else c.state
+        held = ",".join(h + ("(expired)" if h in c.expired_holders else "") for h in c.holder_ids)
+        rep = str(c.replicas) if c.replicas else "-"
+        rows.append(
+            (c.name, c.corpus_id[:12], f"{c.tokens:,}", rep, held or "-", state, age(c.state_age_s))
+        )
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+
+    def line(r: tuple[str, ...]) -> str:
+        cells = [
+            v.rjust(w) if i in (2, 3) else v.ljust(w)
+            for i, (v, w) in enumerate(zip(r, width, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    return "\n".join(line(r) for r in rows)
+
+
+def as_json(value: Any) -> str:
+    """Dataclasses (lists of them, dicts of those) as indented JSON; tuples become lists."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, list | tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return asdict(v) if hasattr(v, "__dataclass_fields__") else v
+
+    return json.dumps(plain(value), indent=1)

@@ -1,6 +1,7 @@
-"""Taking frames back: unpin, reconciling a (re)registered holder, recovery after a crash.
+"""Taking frames back: reconciling a (re)registered holder, recovery after a crash (unpin is
+in lifecycle.py).
 
-All three run under the publisher's lock, so they never race a pin's placement decision.
+Both run under the publisher's lock, so they never race a pin's placement decision.
 """
 
 from __future__ import annotations
@@ -8,41 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
-
 from corpusd.coordinator.links import HolderCallError
 from corpusd.coordinator.publish import Publisher
-from corpusd.rpc import Reject
 
 log = logging.getLogger("corpusd.coordinator")
-
-
-async def unpin(pub: Publisher, corpus_id: str) -> int:
-    """Release a corpus's frames on its holders and mark it retired; returns the frames the page
-    table gave it. Idempotent on a retired corpus (0). A queued pin is simply withdrawn.
-    Raises Reject(NOT_FOUND) for an unknown corpus."""
-    async with pub.lock:
-        row = pub.state.corpus(corpus_id)
-        if row is None:
-            raise Reject(grpc.StatusCode.NOT_FOUND, f"corpus {corpus_id!r} is not known here")
-        if row.state == "retired":
-            return 0
-        table = pub.state.page_table(corpus_id)
-        plan: dict[str, list[int]] = {}
-        for page, replicas in table.items():
-            for hid, _ in replicas:
-                plan.setdefault(hid, []).append(page)
-        addr = {h.holder_id: h.address for h in pub.state.holders()}
-        await pub.release_plan(corpus_id, plan, addr)
-        pub.state.retire(corpus_id)
-        for hid, pages in plan.items():
-            pub.state.add_used(hid, -len(pages))
-        pub.fail_waiters(
-            corpus_id, Reject(grpc.StatusCode.CANCELLED, f"corpus {corpus_id} was unpinned")
-        )
-    pub.capacity_changed.set()
-    log.info("unpinned corpus %s (%d frames)", corpus_id, sum(map(len, plan.values())))
-    return sum(map(len, plan.values()))
 
 
 async def reconcile(pub: Publisher, holder_id: str) -> tuple[int, int]:

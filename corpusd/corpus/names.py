@@ -3,7 +3,7 @@ page store turn what a user typed (an id, a name, an id prefix) into a corpus.""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal, Protocol, TypeVar
 
 #: Shortest id prefix accepted. Ids are 32 hex digits; 8 digits tell 2^32 ids apart, so a prefix
@@ -92,3 +92,32 @@ def resolve_name(name: str, candidates: Iterable[C]) -> C:
         corpus_id=c.corpus_id,
         state=c.state,
     )
+
+
+def resolve_in(name: str, *groups: Iterable[C]) -> C | None:
+    """The corpus ``name`` means by the same rule (an id, else a name, else an id prefix of at
+    least ``MIN_PREFIX`` characters), whatever its state, for commands that act on corpora that
+    are not ready: unpin a queued one, delete a retired one. At each step of the rule the groups
+    are searched in turn and the first that matches wins, so a caller lists first the corpora
+    it most likely means (``unpin``: the pinned ones, then the retired). None: nothing matches.
+
+    Raises:
+        CorpusNameError: ``ambiguous`` when several corpora of one group match at one step.
+    """
+    lists = [list(g) for g in groups]
+    steps: tuple[Callable[[Named], bool], ...] = (
+        lambda c: c.corpus_id == name,
+        lambda c: c.name == name,
+        lambda c: len(name) >= MIN_PREFIX and c.corpus_id.startswith(name),
+    )
+    for matches in steps:
+        for group in lists:
+            hits = {c.corpus_id: c for c in group if matches(c)}
+            if len(hits) > 1:
+                ids = ", ".join(sorted(i[:12] for i in hits))
+                raise CorpusNameError(
+                    "ambiguous", f"corpus {name!r} is ambiguous: {ids}; give the id"
+                )
+            if hits:
+                return next(iter(hits.values()))
+    return None

@@ -318,7 +318,26 @@ class PageStore:
             if not path.is_file() or _sha256_file(path) != m.checksums[name]:
                 raise CorruptPages(f"corpus {corpus_id}: {name} is missing or fails its checksum")
 
+    def size(self, corpus_id: str) -> int:
+        """Bytes of a stored corpus's files (0 when it is not stored)."""
+        d = self.corpora / corpus_id
+        return sum(f.stat().st_size for f in d.iterdir() if f.is_file()) if d.is_dir() else 0
+
     # -- writing ----------------------------------------------------------------------------------
+    def delete(self, corpus_id: str) -> int:
+        """Remove a stored corpus (even one whose files fail their checks); returns the bytes it
+        took. It leaves ``corpora/`` by one rename into ``tmp/``, so no reader sees half of it
+        and a crash midway leaves a temp directory that the next open removes. Raises StoreError
+        when ``corpus_id`` is not a stored corpus."""
+        if corpus_id not in self.ids():  # also refuses anything that is not a plain directory
+            raise StoreError(f"corpus {corpus_id[:80]!r} is not in the store at {self.root}")
+        size = self.size(corpus_id)
+        gone = self.tmp / f"{corpus_id}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        os.rename(self.corpora / corpus_id, gone)
+        _fsync(self.corpora)
+        shutil.rmtree(gone, ignore_errors=True)
+        return size
+
     @contextlib.contextmanager
     def writer(self, corpus_id: str) -> Iterator[CorpusWriter]:
         """Yield a writer on a fresh temp directory; on a clean exit rename it into place.

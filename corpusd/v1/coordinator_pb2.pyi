@@ -55,7 +55,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
 
 class CorpusInfo(_message.Message):
-    __slots__ = ("corpus_id", "name", "state", "tokens", "pages", "page_size", "cp_degree", "replicas", "model_fingerprint", "holder_ids", "expired_holders", "queue_position")
+    __slots__ = ("corpus_id", "name", "state", "tokens", "pages", "page_size", "cp_degree", "replicas", "model_fingerprint", "holder_ids", "expired_holders", "queue_position", "created_at", "state_age_s")
     CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,8 @@ class CorpusInfo(_message.Message):
     HOLDER_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    STATE_AGE_S_FIELD_NUMBER: _ClassVar[int]
     corpus_id: str
     name: str
     state: str
@@ -80,11 +82,15 @@ class CorpusInfo(_message.Message):
     holder_ids: _containers.RepeatedScalarFieldContainer[str]
     expired_holders: _containers.RepeatedScalarFieldContainer[str]
     queue_position: int
-    def __init__(self, corpus_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., tokens: _Optional[int] = ..., pages: _Optional[int] = ..., page_size: _Optional[int] = ..., cp_degree: _Optional[int] = ..., replicas: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., holder_ids: _Optional[_Iterable[str]] = ..., expired_holders: _Optional[_Iterable[str]] = ..., queue_position: _Optional[int] = ...) -> None: ...
+    created_at: str
+    state_age_s: float
+    def __init__(self, corpus_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., tokens: _Optional[int] = ..., pages: _Optional[int] = ..., page_size: _Optional[int] = ..., cp_degree: _Optional[int] = ..., replicas: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., holder_ids: _Optional[_Iterable[str]] = ..., expired_holders: _Optional[_Iterable[str]] = ..., queue_position: _Optional[int] = ..., created_at: _Optional[str] = ..., state_age_s: _Optional[float] = ...) -> None: ...
 
 class ListCorporaRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    def __init__(self, stored: _Optional[bool] = ...) -> None: ...
 
 class ListCorporaResponse(_message.Message):
     __slots__ = ("corpora",)
@@ -141,16 +147,40 @@ class PinResponse(_message.Message):
     def __init__(self, table: _Optional[_Union[PageTable, _Mapping]] = ...) -> None: ...
 
 class UnpinRequest(_message.Message):
+    __slots__ = ("corpus_id", "delete")
+    CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
+    DELETE_FIELD_NUMBER: _ClassVar[int]
+    corpus_id: str
+    delete: bool
+    def __init__(self, corpus_id: _Optional[str] = ..., delete: _Optional[bool] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ("frames_freed", "corpus", "deleted", "bytes_deleted")
+    FRAMES_FREED_FIELD_NUMBER: _ClassVar[int]
+    CORPUS_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DELETED_FIELD_NUMBER: _ClassVar[int]
+    frames_freed: int
+    corpus: CorpusInfo
+    deleted: bool
+    bytes_deleted: int
+    def __init__(self, frames_freed: _Optional[int] = ..., corpus: _Optional[_Union[CorpusInfo, _Mapping]] = ..., deleted: _Optional[bool] = ..., bytes_deleted: _Optional[int] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
     __slots__ = ("corpus_id",)
     CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
     corpus_id: str
     def __init__(self, corpus_id: _Optional[str] = ...) -> None: ...
 
-class UnpinResponse(_message.Message):
-    __slots__ = ("frames_freed",)
-    FRAMES_FREED_FIELD_NUMBER: _ClassVar[int]
-    frames_freed: int
-    def __init__(self, frames_freed: _Optional[int] = ...) -> None: ...
+class DeleteResponse(_message.Message):
+    __slots__ = ("corpus", "deleted", "bytes_deleted")
+    CORPUS_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DELETED_FIELD_NUMBER: _ClassVar[int]
+    corpus: CorpusInfo
+    deleted: bool
+    bytes_deleted: int
+    def __init__(self, corpus: _Optional[_Union[CorpusInfo, _Mapping]] = ..., deleted: _Optional[bool] = ..., bytes_deleted: _Optional[int] = ...) -> None: ...
 
 class ListHoldersRequest(_message.Message):
     __slots__ = ()

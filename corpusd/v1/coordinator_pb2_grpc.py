@@ -65,6 +65,11 @@ class CoordinatorStub:
                 request_serializer=corpusd_dot_v1_dot_coordinator__pb2.UnpinRequest.SerializeToString,
                 response_deserializer=corpusd_dot_v1_dot_coordinator__pb2.UnpinResponse.FromString,
                 _registered_method=True)
+        self.Delete = channel.unary_unary(
+                '/corpusd.v1.Coordinator/Delete',
+                request_serializer=corpusd_dot_v1_dot_coordinator__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=corpusd_dot_v1_dot_coordinator__pb2.DeleteResponse.FromString,
+                _registered_method=True)
         self.ListHolders = channel.unary_unary(
                 '/corpusd.v1.Coordinator/ListHolders',
                 request_serializer=corpusd_dot_v1_dot_coordinator__pb2.ListHoldersRequest.SerializeToString,
@@ -124,7 +129,17 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Unpin(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Take a corpus off every holder and out of the page table in one step (state "retired");
+        with delete, also out of the coordinator's page store. Idempotent on a retired corpus.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Delete(self, request, context):
+        """Delete a corpus that is not pinned (retired, or never published) from the coordinator's
+        page store and forget it. A pinned (ready, queued or pinning) one is refused.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -188,6 +203,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Unpin,
                     request_deserializer=corpusd_dot_v1_dot_coordinator__pb2.UnpinRequest.FromString,
                     response_serializer=corpusd_dot_v1_dot_coordinator__pb2.UnpinResponse.SerializeToString,
+            ),
+            'Delete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Delete,
+                    request_deserializer=corpusd_dot_v1_dot_coordinator__pb2.DeleteRequest.FromString,
+                    response_serializer=corpusd_dot_v1_dot_coordinator__pb2.DeleteResponse.SerializeToString,
             ),
             'ListHolders': grpc.unary_unary_rpc_method_handler(
                     servicer.ListHolders,
@@ -373,6 +393,33 @@ class Coordinator:
             '/corpusd.v1.Coordinator/Unpin',
             corpusd_dot_v1_dot_coordinator__pb2.UnpinRequest.SerializeToString,
             corpusd_dot_v1_dot_coordinator__pb2.UnpinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Delete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corpusd.v1.Coordinator/Delete',
+            corpusd_dot_v1_dot_coordinator__pb2.DeleteRequest.SerializeToString,
+            corpusd_dot_v1_dot_coordinator__pb2.DeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,

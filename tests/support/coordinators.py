@@ -15,17 +15,20 @@ from holder.launch import HolderProcess
 from tests.support.holders import start_holder
 
 
-def synthetic_corpus(store: Path, model_dir: Path, tokens: int, seed: int = 0) -> str:
+def synthetic_corpus(
+    store: Path, model_dir: Path, tokens: int, seed: int = 0, name: str = ""
+) -> str:
     """A corpus of ``tokens`` random tokens with random latent rows, committed to ``store`` like a
     real pin (same manifest, files and checksums) but without the prefill: placement and holders
-    only read pages, and a few seconds of prefill per corpus would dominate these tests."""
+    only read pages, and a few seconds of prefill per corpus would dominate these tests. ``name``
+    defaults to ``synthetic-<tokens>-<seed>``."""
     cfg = ModelConfig.from_dir(model_dir)
     g = torch.Generator().manual_seed(seed)
     toks = torch.randint(0, 256, (tokens,), generator=g)
     fp = fingerprint(model_dir)
     cid = corpus_id(tuple(toks.tolist()), fp, 64, "float32")
     m = Manifest(
-        corpus_id=cid, name=f"synthetic-{tokens}-{seed}", state="ready", source_kind="test",
+        corpus_id=cid, name=name or f"synthetic-{tokens}-{seed}", state="ready", source_kind="test",
         source_digest="sha256:" + "0" * 64, token_count=tokens, page_size=64,
         n_pages=-(-tokens // 64), n_layers=cfg.num_hidden_layers, kv_dim=cfg.kv_dim,
         index_dim=cfg.index_head_dim, dtype="float32", model_fingerprint=fp, tokenizer="bytes",

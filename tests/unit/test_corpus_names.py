@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from corpusd.corpus.names import MIN_PREFIX, CorpusNameError, resolve_name
+from corpusd.corpus.names import MIN_PREFIX, CorpusNameError, resolve_in, resolve_name
 
 A = "ab12cd34ef56" + "0" * 20
 B = "ab12cd99" + "1" * 24
@@ -58,3 +58,24 @@ def test_retired_corpora_are_ignored_and_others_must_be_ready() -> None:
     assert resolve_name("repo", [C(B, "repo", "retired"), C(A, "repo")]).corpus_id == A
     e = _refused("repo", [C(A, "repo", "queued")], "not_ready", "is queued, not ready")
     assert (e.corpus_id, e.state) == (A, "queued")
+
+
+def test_resolve_in_takes_any_state_and_searches_the_groups_in_turn() -> None:
+    """``unpin`` looks among pinned corpora first, then retired; ``rm`` the other way round."""
+    pinned, retired = C(A, "repo", "queued"), C(B, "repo", "retired")
+    assert resolve_in("repo", [pinned], [retired]) is pinned  # not_ready is no refusal here
+    assert resolve_in("repo", [retired], [pinned]) is retired
+    assert resolve_in(B, [pinned], [retired]) is retired  # an exact id beats a name anywhere
+    assert resolve_in(B[:MIN_PREFIX], [pinned], [retired]) is retired
+    assert resolve_in(B[: MIN_PREFIX - 1], [pinned], [retired]) is None  # too short a prefix
+    assert resolve_in("other", [pinned], [retired]) is None
+    assert resolve_in("", [pinned], [retired]) is None
+    assert resolve_in("repo", [], [C(A, "repo", "stored"), C(A, "repo", "ready")]).corpus_id == A
+    with pytest.raises(
+        CorpusNameError, match="corpus 'repo' is ambiguous: ab12cd34ef56, ab12cd99"
+    ) as e:
+        resolve_in("repo", [pinned, C(B, "repo", "ready")], [])
+    assert e.value.reason == "ambiguous"
+    x, y = C("ab12cd00" + "2" * 24, "x"), C("ab12cd00" + "3" * 24, "y")
+    with pytest.raises(CorpusNameError, match="ambiguous"):  # a prefix both ids share
+        resolve_in("ab12cd00", [x, y])

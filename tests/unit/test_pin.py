@@ -328,7 +328,7 @@ def test_no_coordinator_reads_the_same_everywhere(tmp_path: Path, monkeypatch, c
 
     monkeypatch.setenv("CORPUSD_HOME", str(tmp_path))
     monkeypatch.delenv("CORPUSD_COORDINATOR", raising=False)
-    for argv in (["status"], ["agents", "--corpus", "x"]):
+    for argv in (["status"], ["agents", "--corpus", "x"], ["unpin", "x"]):
         assert main(argv) == 2
         assert capsys.readouterr().err.strip() == f"corpusd: error: {env.NO_COORDINATOR}"
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
@@ -339,5 +339,6 @@ def test_no_coordinator_reads_the_same_everywhere(tmp_path: Path, monkeypatch, c
         if "--coordinator" in a.option_strings
     ]
     found = {name for name, h in flags if "up.json" in h}  # the holder's registers nowhere
-    assert found == {"pin", "demo", "status", "agent", "agents"}, flags  # by default
+    want = {"pin", "demo", "status", "agent", "agents", "ls", "unpin", "rm"}
+    assert found == want, flags  # by default
     assert not any(h.endswith("(default: )") for _, h in flags), flags
