@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
 from dataclasses import MISSING, fields, replace
@@ -360,6 +361,34 @@ def cmd_down(a: argparse.Namespace) -> int:
     return down(a.state_dir)
 
 
+def cmd_ps(a: argparse.Namespace) -> int:
+    """The daemons of a ``corpusd up``: running or exited, pid, id, address, metrics, uptime."""
+    from corpusd import ps
+    from corpusd.coordinator.status import as_json
+
+    root = env.up_dir(a.state_dir)
+    procs = ps.processes(root)
+    if a.json:
+        print(as_json(procs))
+    elif not procs:
+        print(f"no daemons: nothing was started with `corpusd up` in {root}")
+    else:
+        print(ps.render(procs))
+    return 0
+
+
+def cmd_logs(a: argparse.Namespace) -> int:
+    """The tail of every daemon's log (or one's), and with --follow what they append."""
+    from corpusd import ps
+
+    if a.lines < 0:
+        raise ValueError(f"--lines must be >= 0, got {a.lines}")
+    logs = ps.log_files(env.up_dir(a.state_dir), a.daemon)
+    with contextlib.suppress(KeyboardInterrupt):  # the way out of --follow
+        ps.show_logs(logs, a.lines, a.follow, sys.stdout)
+    return 0
+
+
 def cmd_agents(a: argparse.Namespace) -> int:
     from requester.agents import run_agents
 
@@ -499,6 +528,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-dir", default="", help="its state directory (default: $CORPUSD_HOME/up)"
     )
     pw.set_defaults(func=cmd_down)
+    up_state = "the state directory of `corpusd up` (default: $CORPUSD_HOME/up)"
+    pq = sub.add_parser("ps", help="the daemons `corpusd up` started: pids, ports, uptime")
+    pq.add_argument("--state-dir", default="", help=up_state)
+    pq.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    pq.set_defaults(func=cmd_ps)
+    po = sub.add_parser("logs", help="the logs of the daemons `corpusd up` started")
+    po.add_argument(
+        "daemon",
+        nargs="?",
+        default="",
+        help="up, coordinator, holder-0, …, agent (as `corpusd ps` names them; default: all)",
+    )
+    po.add_argument(
+        "-n", "--lines", type=int, default=20, help="last lines of each log; 0: all (default: 20)"
+    )
+    po.add_argument(
+        "-f", "--follow", action="store_true", help="then print what they append, until Ctrl-C"
+    )
+    po.add_argument("--state-dir", default="", help=up_state)
+    po.set_defaults(func=cmd_logs)
     pg = sub.add_parser("agents", help="run N sub-agents with different questions over a corpus")
     pg.add_argument("--corpus", required=True, help="corpus id, name or id prefix")
     pg.add_argument("--agents", type=int, default=8, help="sub-agents (sessions) run at once")

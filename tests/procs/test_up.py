@@ -71,6 +71,17 @@ def test_up_pin_agents_status_down(home: dict[str, str], tmp_path: Path) -> None
         status = corpusd(home, "status")
         assert "holders (2 live of 2)" in status and "agent workers (1 live of 1)" in status
         assert "repo" in status and "ready" in status
+        rows = [line.split() for line in corpusd(home, "ps").splitlines()[1:]]
+        assert [r[0] for r in rows] == ["up", "coordinator", "holder-0", "holder-1", "agent"]
+        assert all(r[1] == "running" for r in rows) and sorted(
+            int(r[2]) for r in rows[1:]
+        ) == sorted(pids)
+        assert "published corpus" in corpusd(home, "logs", "coordinator", "-n", "0")
+        assert "==> holder-1 (" in corpusd(home, "logs", "-n", "1")
+        repo = corpusd(home, "ls").splitlines()[2].split()
+        assert repo[0] == "repo" and repo[3] == "1" and repo[5] == "ready", repo
+        unpinned = corpusd(home, "unpin", "repo")
+        assert unpinned.startswith("unpinned repo (corpus ") and "released" in unpinned
     finally:
         corpusd(home, "down")
     deadline = time.monotonic() + 30
@@ -78,6 +89,9 @@ def test_up_pin_agents_status_down(home: dict[str, str], tmp_path: Path) -> None
         time.sleep(0.2)
     assert not any(alive(p) for p in pids), "a daemon outlived corpusd down"
     assert not (root / "up.json").exists()
+    gone = json.loads(corpusd(home, "ps", "--json"))  # after down: all exited, logs still there
+    assert [p["running"] for p in gone] == [False] * 5
+    assert "stopped 4 daemons" in corpusd(home, "logs", "up")
 
 
 def test_ctrl_c_stops_every_daemon(home: dict[str, str]) -> None:
