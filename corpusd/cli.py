@@ -401,6 +401,33 @@ def cmd_agents(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ask(a: argparse.Namespace) -> int:
+    """One question over a corpus, the answer streamed as it is generated."""
+    from requester.ask import ask
+
+    address = env.coordinator(a.coordinator) if not a.agent else ""
+    if not (address or a.agent):
+        raise ValueError(f"{env.NO_COORDINATOR}; or give --agent HOST:PORT")
+    if not a.question.strip():
+        raise ValueError("the question is empty")
+    if not 1 <= a.max_tokens <= 4096 or a.temperature < 0:
+        raise ValueError("--max-tokens must be in 1..4096 and --temperature >= 0")
+    finish = asyncio.run(
+        ask(
+            a.corpus,
+            a.question,
+            sys.stdout,
+            sys.stderr,
+            coordinator=address,
+            agent=a.agent,
+            max_tokens=a.max_tokens,
+            temperature=a.temperature,
+            seed=a.seed,
+        )
+    )
+    return 0 if finish else 1
+
+
 def cmd_model_init(a: argparse.Namespace) -> int:
     from corpusd.model.tiny import init_tiny
 
@@ -558,6 +585,25 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"coordinator host:port (default: {env.COORDINATOR_DEFAULT})",
     )
     pg.set_defaults(func=cmd_agents)
+    pk = sub.add_parser("ask", help="ask one question over a corpus; the answer streams as made")
+    pk.add_argument("question", help="the question (quote it)")
+    pk.add_argument("--corpus", required=True, help="corpus id, name or id prefix")
+    pk.add_argument(
+        "--max-tokens", type=int, default=64, help="answer length, at most (default: 64)"
+    )
+    pk.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled"
+    )
+    pk.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    pk.add_argument(
+        "--coordinator",
+        default="",
+        help=f"coordinator host:port (default: {env.COORDINATOR_DEFAULT})",
+    )
+    pk.add_argument(
+        "--agent", default="", help="an agent worker's host:port, instead of the coordinator's pick"
+    )
+    pk.set_defaults(func=cmd_ask)
     pm = sub.add_parser("model", help="model checkpoints")
     msub = pm.add_subparsers(dest="model_command", required=True)
     pi = msub.add_parser("init", help="write the deterministic tiny default checkpoint")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.env import running_up
 from corpusd.model.tiny import TINY_FINGERPRINT
+from requester.ask import PROMPT
 from requester.client import Client, SessionRef
 
 QUESTIONS = (
@@ -43,7 +44,7 @@ class Run:
 
 
 async def _one(c: Client, corpus: str, question: str, max_tokens: int, t0: float) -> Run:
-    s = await c.open_session(corpus, f"\n\nQ: {question}\nA:", reserve_tokens=max_tokens)
+    s = await c.open_session(corpus, PROMPT.format(question=question), reserve_tokens=max_tokens)
     r = Run(question, s, opened_s=time.perf_counter() - t0)
     last = time.perf_counter()
     async for chunk in c.generate(s, max_tokens=max_tokens):

@@ -11,6 +11,7 @@ replicas.
 from __future__ import annotations
 
 import asyncio
+import io
 import re
 import urllib.request
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import grpc
 import pytest
 import torch
 
+from corpusd.cli import main as cli_main
 from corpusd.coordinator.client import CoordinatorClient, PageTable
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
 from corpusd.corpus.store import PageStore
@@ -28,6 +30,7 @@ from corpusd.model import ModelConfig, partial_attention
 from holder.launch import HolderProcess
 from indexer import index_scores
 from indexer.select import select_topk
+from requester.ask import PROMPT, ask, printable
 from requester.client import AgentError, Client
 from requester.launch import AgentProcess, start_agent
 from tests.support.checks import rel
@@ -214,6 +217,50 @@ def test_attend_equals_the_torch_reference(cluster: Cluster, tiny_dir: Path) -> 
     sel = select_topk(index_scores(iq, iw, ikeys, cfg.index_head_dim**-0.5), cfg.index_topk)
     ro, rl = partial_attention(q, rows, sel, cfg.softmax_scale, cfg.kv_lora_rank)
     assert rel(o2, ro) < 1e-5 and torch.allclose(l2, rl, atol=1e-5)
+
+
+def test_corpusd_ask_streams_the_answer_the_api_gives(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`corpusd ask` (issue 19): one question, its answer written to stdout chunk by chunk as
+    the worker makes it, the same text as a `Client`'s greedy completion of the same prompt;
+    bad input exits 2 with one line."""
+    addr, question = cluster.coord.address, "what is on line 41?"
+
+    async def api() -> str:
+        async with Client(coordinator=addr) as c:
+            s = await c.open_session(cluster.cid, PROMPT.format(question=question))
+            done = await c.complete(s, max_tokens=12)
+            await c.close_session(s)
+            return done.text
+
+    writes: list[str] = []
+
+    class Out(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return super().write(text)
+
+    out, err = Out(), io.StringIO()
+    finish = asyncio.run(ask(cluster.cid, question, out, err, coordinator=addr, max_tokens=12))
+    want = printable(asyncio.run(api())) + "\n"
+    assert finish == "length" and out.getvalue() == want
+    assert len([w for w in writes if w]) >= 3, writes  # streamed, not written once at the end
+    assert err.getvalue().startswith("(the built-in tiny model has random weights")
+    assert re.search(r"\[12 tokens, length; first token [\d,]+ ms, then", err.getvalue())
+
+    rc = cli_main(["ask", question, "--corpus", cluster.cid[:8], "--max-tokens", "12",
+                   "--coordinator", addr])  # fmt: skip
+    assert rc == 0 and capsys.readouterr().out == want
+    for args, words in (
+        (["--corpus", "nosuch", "q"], "NOT_FOUND: unknown corpus 'nosuch'"),
+        (["--corpus", cluster.cid, ""], "the question is empty"),
+        (["--corpus", cluster.cid, "q", "--max-tokens", "0"], "--max-tokens must be in 1..4096"),
+        (["--corpus", cluster.cid, "q", "--max-tokens", "40"], "INVALID_ARGUMENT"),  # agent: 32
+    ):
+        assert cli_main(["ask", *args, "--coordinator", addr]) == 2, args
+        got = capsys.readouterr().err
+        assert got.startswith("corpusd: error: ") and words in got and got.count("\n") == 1, got
 
 
 def test_coordinator_killed_mid_generation_costs_no_token(

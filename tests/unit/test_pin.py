@@ -339,6 +339,6 @@ def test_no_coordinator_reads_the_same_everywhere(tmp_path: Path, monkeypatch, c
         if "--coordinator" in a.option_strings
     ]
     found = {name for name, h in flags if "up.json" in h}  # the holder's registers nowhere
-    want = {"pin", "demo", "status", "agent", "agents", "ls", "unpin", "rm"}
+    want = {"pin", "demo", "status", "agent", "agents", "ls", "unpin", "rm", "ask"}
     assert found == want, flags  # by default
     assert not any(h.endswith("(default: )") for _, h in flags), flags
