@@ -74,7 +74,7 @@ SGLANG_ENV = {
 SGLANG_FLAGS = [
     "--attention-backend", "nsa", "--page-size", "64",
     "--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse",
-    "--kv-cache-dtype", "auto", "--skip-tokenizer-init", "--disable-cuda-graph",
+    "--kv-cache-dtype", "auto", "--skip-tokenizer-init",
     "--grammar-backend", "none", "--enable-metrics", "--context-length", "16384",
     "--enable-fp32-lm-head",
     "--mem-fraction-static", "0.3", "--max-total-tokens", "65536", "--log-level", "info",
@@ -139,12 +139,23 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
 
 # -- one SGLang server ---------------------------------------------------------------------------
 class Server:
-    def __init__(self, mode: str, model: Path, port: int, cd: Corpusd, log: Path) -> None:
+    def __init__(
+        self, mode: str, model: Path, port: int, cd: Corpusd, log: Path,
+        graph_bs: tuple[int, ...] = (),
+    ) -> None:  # fmt: skip
         env = {**os.environ, **SGLANG_ENV}
         flags = ["--model-path", str(model), "--port", str(port), *SGLANG_FLAGS]
+        if graph_bs:  # capture only the batch sizes measured (each capture JITs kernels: ~12 s)
+            flags += ["--cuda-graph-max-bs", str(max(graph_bs)), "--cuda-graph-bs"]
+            flags += [str(b) for b in sorted(graph_bs)]
+        else:
+            flags.append("--disable-cuda-graph")
         if mode == "route":
             env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "requester.sglang"
             env["CORPUSD_COORDINATOR"] = cd.coordinator
+            # the device path's window: the longest corpus, in whole 1,024-token steps
+            longest = max(map(len, cd.tokens.values()))
+            env.setdefault("CORPUSD_SGLANG_WINDOW", str(-(-longest // 1024) * 1024))
         if mode == "fetch":
             extra = {
                 "backend_name": "corpusd",
@@ -259,6 +270,7 @@ def vectors(meta: dict[str, Any], vocab: int) -> list[list[float]]:
 def measure(
     server: Server, mode: str, corpus: str, corpus_tokens: list[int], suffixes: list[list[int]],
     n_tokens: int, vocab: int, teacher: list[list[int]] | None, forced_steps: int,
+    streams: tuple[int, ...] = (8,),
 ) -> dict[str, Any]:  # fmt: skip
     """(1) Free-running greedy answers, one request at a time; (2) teacher-forced steps: for
     every position of the reference answers (``teacher``, stock's; this mode's own when None),
@@ -292,6 +304,18 @@ def measure(
     with ThreadPoolExecutor(len(prompts)) as pool:  # one thread per prompt
         steps = list(pool.map(forced, range(len(prompts))))
     result["forced"] = steps
+    by_streams = {s: concurrent(server, mode, corpus, prompts, s, n_tokens, vocab) for s in streams}
+    result["concurrent"] = by_streams[streams[0]]
+    result["concurrent_by_streams"] = {str(s): c for s, c in by_streams.items()}
+    return result
+
+
+def concurrent(
+    server: Server, mode: str, corpus: str, prompts: list[list[int]], streams: int,
+    n_tokens: int, vocab: int,
+) -> dict[str, Any]:  # fmt: skip
+    """``streams`` concurrent streamed requests (the prompts in turn), timed client-side, with
+    SGLang's KV-pool use sampled; their tokens are the prompts' greedy answers in one batch."""
     peak = [server.used_tokens()]
     stop = threading.Event()
 
@@ -302,27 +326,27 @@ def measure(
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    with ThreadPoolExecutor(len(prompts)) as pool:
+    chosen = [prompts[i % len(prompts)] for i in range(streams)]
+    with ThreadPoolExecutor(streams) as pool:
         t0 = time.monotonic()
         futs = [
             pool.submit(server.stream, request(p, n_tokens, mode, corpus, 100 + i, vocab, False))
-            for i, p in enumerate(prompts)
+            for i, p in enumerate(chosen)
         ]
         arrivals, batched = zip(*(f.result() for f in futs), strict=True)
     stop.set()
     sampler.join()
     gaps = [b - a for t in arrivals for a, b in itertools.pairwise(t)]
     ttft = [t[0] - t0 for t in arrivals if t]
-    result["concurrent"] = {
-        "streams": len(prompts),
+    return {
+        "streams": streams,
         "tokens_each": n_tokens,
         "ttft_p50_ms": 1e3 * statistics.median(ttft),
         "inter_token_p50_ms": 1e3 * statistics.median(gaps),
         "inter_token_p90_ms": 1e3 * statistics.quantiles(gaps, n=10)[-1],
         "kv_pool_peak_tokens": max(v for v in peak if not math.isnan(v)),
-        "tokens": list(batched),
+        "tokens": list(batched[: len(prompts)]),
     }
-    return result
 
 
 def argmax(v: list[float]) -> int:
@@ -410,7 +434,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     try:
         for mode in modes:
             print(f"== {mode}", flush=True)
-            server = Server(mode, model, a.port, cd, work / f"sglang-{mode}.log")
+            log = work / f"sglang-{mode}.log"
+            graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
+            server = Server(mode, model, a.port, cd, log, graph_bs=graph_bs)
             try:
                 start_s = server.wait()
                 for r in regimes:
@@ -419,7 +445,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         teacher = [g["tokens"] for g in runs[r]["stock"]["greedy"]]
                     m = measure(
                         server, mode, r, cd.tokens[r], suffixes, a.tokens, vocab, teacher,
-                        forced_steps=a.forced_steps,
+                        forced_steps=a.forced_steps, streams=a.streams,
                     )  # fmt: skip
                     runs[r][mode] = {"server_start_s": start_s, **m}
                     # after every step, so a run cut short by a time limit keeps what it measured
@@ -458,6 +484,8 @@ def summarize(
         "tokens_each": a.tokens,
         "holders": a.holders,
         "holder_device": a.holder_device,
+        "cuda_graph_bs": [] if a.no_cuda_graph else list(a.graph_bs or a.streams),
+        "streams": list(a.streams),
         "sglang_flags": SGLANG_FLAGS,
         "sglang_env": SGLANG_ENV,
         "failed": failed,
@@ -474,6 +502,9 @@ def summarize(
                 m: [g["cached_tokens"] for g in v["greedy"]] for m, v in by_mode.items()
             },
             "concurrent": {m: v["concurrent"] for m, v in by_mode.items() if "concurrent" in v},
+            "concurrent_by_streams": {
+                m: v["concurrent_by_streams"] for m, v in by_mode.items() if "concurrent" in v
+            },
             "vs_stock": {
                 m: compare(by_mode["stock"], v) for m, v in by_mode.items() if m != "stock"
             },
@@ -511,6 +542,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--holders", type=int, default=2)
     ap.add_argument("--holder-device", default="cpu")
+    ap.add_argument(
+        "--streams",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=(8,),
+        help="concurrent stream counts to time, comma-separated (the first is 'concurrent')",
+    )
+    ap.add_argument(
+        "--graph-bs",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=(),
+        help="batch sizes SGLang captures CUDA graphs for (default: --streams); larger run eager",
+    )
+    ap.add_argument(
+        "--no-cuda-graph",
+        action="store_true",
+        help="run every server with --disable-cuda-graph (the plugin's host path needs it)",
+    )
     ap.add_argument("--port", type=int, default=30123)
     ap.add_argument(
         "--fit-steps",
@@ -544,12 +592,14 @@ def main(argv: list[str] | None = None) -> int:
         ans = v["stock_answers"]
         print(f"{r}: stock answers {ans['distinct']} distinct, {ans['corpus_dependent']} change "
               f"without the corpus: {ans['text'][:2]}")  # fmt: skip
-    print(f"{'mode':<6} {'ttft ms':>8} {'itl p50 ms':>10} {'kv tokens':>9}  (sparse, 8 streams)")
-    for m, c in out["regimes"].get("sparse", {}).get("concurrent", {}).items():
-        print(
-            f"{m:<6} {c['ttft_p50_ms']:>8.1f} {c['inter_token_p50_ms']:>10.1f} "
-            f"{c['kv_pool_peak_tokens']:>9.0f}"
-        )
+    print(f"{'regime':<7} {'mode':<6} {'streams':>7} {'ttft ms':>8} {'itl p50 ms':>10} {'kv':>6}")
+    for r, v in out["regimes"].items():
+        for m, by in v.get("concurrent_by_streams", {}).items():
+            for n, c in by.items():
+                print(
+                    f"{r:<7} {m:<6} {n:>7} {c['ttft_p50_ms']:>8.1f} "
+                    f"{c['inter_token_p50_ms']:>10.1f} {c['kv_pool_peak_tokens']:>6.0f}"
+                )
     return 1 if out["failed"] else 0
 
 

@@ -31,11 +31,12 @@ from sglang.srt.layers.attention.nsa_backend import NativeSparseAttnBackend, NSA
 from corpusd.model.partial import partial_attention
 from indexer.scores import index_scores
 from indexer.select import select_topk
+from requester.sglang import device, topk
 from requester.sglang import lse as lse_mod
-from requester.sglang import topk
 from requester.sglang.binding import Binding
 from requester.sglang.link import CorpusLink
 from requester.sglang.positions import to_corpusd_layout
+from requester.sglang.resident import Resident
 
 
 @dataclass
@@ -49,6 +50,11 @@ class CorpusBatch:
     ue8m0: bool
     mode: str  # "decode" or "extend": the timings' label
     index_q: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # The device path (resident.py): the tables, and per token its corpus's arena base page and
+    # length, on the GPU. None on the host path.
+    resident: Resident | None = None
+    base: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
     corpus_sel: dict[int, torch.Tensor] = field(default_factory=dict)  # layer → [N, k]
     _rows: dict[tuple[int, str], list[tuple[Binding, torch.Tensor]]] = field(default_factory=dict)
 
@@ -97,6 +103,8 @@ class CorpusIndexerMetadata(NSAIndexerMetadata):
         if lengths is None:
             lengths = self.get_seqlens_expanded()
         lengths = lengths[:n].to(torch.int64)
+        if cb.resident is not None:
+            return self._device_topk(cb, logits, lengths, ks, q_fp8[:n], w[:n], topk_)
         starts = ks[:n].to(torch.int64) if ks is not None else torch.zeros_like(lengths)
         width = int(lengths.max()) if n else 0
         cols = (starts[:, None] + torch.arange(width, device=logits.device)[None]).clamp(
@@ -118,6 +126,32 @@ class CorpusIndexerMetadata(NSAIndexerMetadata):
         own = own_part.to(torch.int32)
         cb.link.timings.add(f"corpus top-k ({cb.mode})", time.perf_counter() - t0)
         return own
+
+    def _device_topk(
+        self,
+        cb: CorpusBatch,
+        logits: torch.Tensor,
+        lengths: torch.Tensor,
+        ks: Any,
+        q_fp8: torch.Tensor,
+        w: torch.Tensor,
+        topk_: int,
+    ) -> torch.Tensor:
+        """The device path's selection (graph-safe in decode): the corpus scored by SGLang's
+        fp8 kernel over the arena, one exact top-k with the own logits."""
+        assert cb.resident is not None and cb.base is not None and cb.tokens is not None
+        n = logits.shape[0]
+        if ks is None:  # paged (decode): column j is own position j
+            own = logits
+        else:  # ragged (prefill, eager): row i's keys start at column ks[i]
+            width = int(lengths.max()) if n else 0
+            cols = ks[:n].to(torch.int64)[:, None] + torch.arange(width, device=logits.device)
+            own = logits.gather(1, cols.clamp(max=logits.shape[1] - 1))
+        base, tokens = cb.base[:n], cb.tokens[:n]
+        scores = device.corpus_scores(cb.resident, self.layer_id, q_fp8, w, base, tokens)
+        corpus, own_sel = device.fused_topk(scores, tokens, own, lengths, topk_)
+        cb.corpus_sel[self.layer_id] = corpus
+        return own_sel
 
 
 @cache
@@ -146,7 +180,10 @@ class CorpusNSABackend(NativeSparseAttnBackend):
     @staticmethod
     def _corpus(forward_batch: Any) -> CorpusBatch | None:
         cb = getattr(forward_batch, "corpusd", None)
-        return cb if cb is not None and any(b is not None for b in cb.bindings) else None
+        if cb is None:
+            return None
+        # The device path runs for every decode batch (its graphs serve any binding).
+        return cb if cb.resident is not None or any(cb.bindings) else None
 
     def set_nsa_prefill_impl(self, forward_batch: Any = None) -> None:
         super().set_nsa_prefill_impl(forward_batch)
@@ -232,6 +269,8 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         layer: Any,
         cb: CorpusBatch,
     ) -> torch.Tensor:
+        if cb.resident is not None:
+            return self._with_corpus_device(o, q, q_rope, layer, cb)
         t0 = time.perf_counter()
         sel = cb.corpus_sel.pop(layer.layer_id, None)
         assert sel is not None and self._lse is not None, (
@@ -240,17 +279,7 @@ class CorpusNSABackend(NativeSparseAttnBackend):
             f"flashmla_kv/flashmla_sparse with SGLANG_NSA_FUSE_TOPK=0"
         )
         h = layer.tp_q_head_num
-        q_all = (
-            torch.cat(
-                [
-                    q.reshape(-1, h, layer.v_head_dim),
-                    q_rope.reshape(-1, h, layer.head_dim - layer.v_head_dim),
-                ],
-                -1,
-            )
-            if q_rope is not None
-            else q.reshape(-1, h, layer.head_dim)
-        )
+        q_all = _q_all(q, q_rope, layer)
         n = sel.shape[0]
         o_loc = o.reshape(-1, h, layer.v_head_dim)[:n]
         lse_loc = self._lse[:n]
@@ -271,6 +300,38 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         out = o.clone().reshape(-1, h, layer.v_head_dim)
         out[:n] = merged
         cb.link.timings.add(f"corpus attention ({cb.mode})", time.perf_counter() - t0)
+        return out.view_as(o)
+
+    def _with_corpus_device(
+        self,
+        o: torch.Tensor,
+        q: torch.Tensor,
+        q_rope: torch.Tensor | None,
+        layer: Any,
+        cb: CorpusBatch,
+    ) -> torch.Tensor:
+        """The corpus partial over the holders' mapped pools, merged with the local one: tensor
+        ops only (captured in SGLang's decode graphs)."""
+        sel = cb.corpus_sel.pop(layer.layer_id, None)
+        assert sel is not None and self._lse is not None and cb.resident is not None, (
+            f"layer {layer.layer_id}: no corpus selection or local LSE; the corpusd plugin "
+            f"supports --nsa-prefill-backend flashmla_sparse and --nsa-decode-backend "
+            f"flashmla_kv/flashmla_sparse with SGLANG_NSA_FUSE_TOPK=0"
+        )
+        assert cb.base is not None
+        h = layer.tp_q_head_num
+        q_all = _q_all(q, q_rope, layer)
+        n = sel.shape[0]
+        o_loc = o.reshape(-1, h, layer.v_head_dim)[:n]
+        qc = to_corpusd_layout(q_all[:n]).to(torch.bfloat16)
+        base2 = _sparse_lse_base2(str(q_all.device))
+        o_cor, l_cor = device.corpus_partial(
+            cb.resident, layer.layer_id, qc, sel, cb.base[:n], layer.scaling, layer.v_head_dim,
+            base2,
+        )  # fmt: skip
+        merged, _ = lse_mod.merge_local_corpus(o_loc, self._lse[:n], o_cor, l_cor)
+        out = o.clone().reshape(-1, h, layer.v_head_dim)
+        out[:n] = merged
         return out.view_as(o)
 
     def _forward(
@@ -319,6 +380,15 @@ class CorpusNSABackend(NativeSparseAttnBackend):
     ) -> torch.Tensor:
         base = super().forward_decode
         return self._forward(base, q, k, v, layer, forward_batch, save_kv_cache, q_rope, kw)
+
+
+def _q_all(q: torch.Tensor, q_rope: torch.Tensor | None, layer: Any) -> torch.Tensor:
+    """``[n, h, head_dim]``: the absorbed query with its rope band (SGLang's layout)."""
+    h = layer.tp_q_head_num
+    if q_rope is None:
+        return q.reshape(-1, h, layer.head_dim)
+    rope = q_rope.reshape(-1, h, layer.head_dim - layer.v_head_dim)
+    return torch.cat([q.reshape(-1, h, layer.v_head_dim), rope], -1)
 
 
 def _tp_size() -> int:

@@ -27,11 +27,12 @@ from sglang.srt.server_args import get_global_server_args
 
 from corpusd.model import ModelConfig
 from corpusd.model.checkpoint import fingerprint
-from requester.sglang.backend import CorpusBatch, create_corpus_nsa_backend
+from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
 from requester.sglang.binding import corpora_of_batch
 from requester.sglang.link import CorpusLink
 from requester.sglang.pagehash import sglang_key_scales_ue8m0
-from requester.sglang.positions import INDEX_DIM, ROPE_START, ROPE_WIDTH, shift_positions
+from requester.sglang.positions import INDEX_DIM, ROPE_START, ROPE_WIDTH
+from requester.sglang.resident import Resident
 
 log = logging.getLogger("corpusd.sglang")
 
@@ -41,6 +42,7 @@ log = logging.getLogger("corpusd.sglang")
 # in __init__, which is on the model-loading path.
 os.environ.setdefault("SGLANG_NSA_FUSE_TOPK", "0")
 ATTENTION_BACKENDS["nsa"] = create_corpus_nsa_backend
+GRAPH_MAX_BS = 16  # the largest decode CUDA graph the device path is known to replay cleanly
 
 
 def _hook_indexer(ix: Any, model: DeepseekV32ForCausalLM) -> None:
@@ -69,11 +71,6 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             raise RuntimeError(
                 "corpusd plugin: set SGLANG_NSA_FUSE_TOPK=0 (it needs the unfused top-k)"
             )
-        if not args.disable_cuda_graph:
-            raise RuntimeError(
-                "corpusd plugin: pass --disable-cuda-graph (a corpus partial is an "
-                "RPC per layer; it cannot be captured in a CUDA graph)"
-            )
         mcfg = ModelConfig.from_dir(args.model_path)
         widths = (mcfg.kv_lora_rank, mcfg.qk_rope_head_dim, mcfg.index_head_dim)
         if widths != (ROPE_START, ROPE_WIDTH, INDEX_DIM):
@@ -88,6 +85,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             fingerprint(args.model_path),
             args.page_size,
         )
+        self.corpusd_resident = self._device_path(args, mcfg)
         self.corpusd_indexers = [
             layer.self_attn.indexer
             for layer in self.model.layers
@@ -100,12 +98,104 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         fmts = {getattr(ix, "scale_fmt", None) for ix in self.corpusd_indexers} or {None}
         assert len(fmts) == 1, f"indexers disagree on scale_fmt: {fmts}"
         self.corpusd_key_ue8m0 = sglang_key_scales_ue8m0(args.page_size, fmts.pop())
+        if self.corpusd_resident is not None:
+            self.corpusd_resident.ue8m0 = self.corpusd_key_ue8m0
         log.info(
-            "corpusd plugin: %d NSA layers hooked, coordinator %s, index key scales %s",
+            "corpusd plugin: %d NSA layers hooked, coordinator %s, index key scales %s, %s path",
             len(self.corpusd_indexers),
             self.corpusd_link.coordinator,
             "ue8m0" if self.corpusd_key_ue8m0 else "fp32",
+            "host (gRPC)" if self.corpusd_resident is None else "device (CUDA IPC)",
         )
+
+    def _device_path(self, args: Any, mcfg: ModelConfig) -> Resident | None:
+        """The device path's tables with this GPU's holders mapped, or None for the host path
+        (``CORPUSD_SGLANG_PATH``: ``auto`` takes the device path when a holder shares its pool
+        with this GPU). The host path calls holders per layer from the host, which a CUDA graph
+        cannot capture, so it needs ``--disable-cuda-graph``."""
+        choice = os.environ.get("CORPUSD_SGLANG_PATH", "auto")
+        if choice not in ("auto", "device", "host"):
+            raise RuntimeError(f"corpusd plugin: CORPUSD_SGLANG_PATH={choice!r}: auto|device|host")
+        tp = int(getattr(args, "tp_size", 1))
+        res = None
+        if choice != "host" and tp == 1:
+            dev = torch.device("cuda", torch.cuda.current_device())
+            res = Resident(
+                n_layers=mcfg.num_hidden_layers,
+                page_size=args.page_size,
+                index_dim=mcfg.index_head_dim,
+                arena_tokens=int(os.environ.get("CORPUSD_SGLANG_ARENA", "65536")),
+                window_tokens=int(os.environ.get("CORPUSD_SGLANG_WINDOW", "16384")),
+                device=dev,
+                ue8m0=True,  # set from the indexers below
+            )
+            if not self.corpusd_link.map_holders(res, dev):
+                res = None
+            else:
+                _sparse_lse_base2(str(dev))  # probed now, never inside a graph capture
+        if res is None and choice == "device":
+            raise RuntimeError(
+                "corpusd plugin: CORPUSD_SGLANG_PATH=device, but no holder shares its pool with "
+                "this GPU (start holders with --device on this GPU and --dtype bfloat16 first; "
+                "tensor parallelism is host path only)"
+            )
+        max_bs = int(getattr(args, "cuda_graph_max_bs", 0) or 0)
+        if res is not None and not args.disable_cuda_graph and max_bs > GRAPH_MAX_BS:
+            # Measured on an H100 (issue 17's note): decode graphs replayed with more than 16
+            # bound requests hit an illegal memory access (cause not found yet); eager decode of
+            # 64 and graphs of up to 16 ran clean.
+            raise RuntimeError(
+                f"corpusd plugin: pass --cuda-graph-max-bs {GRAPH_MAX_BS} or less (this is "
+                f"{max_bs}): larger decode batches run eager; graphs above {GRAPH_MAX_BS} bound "
+                "requests are a known open defect of the device path"
+            )
+        if res is None and not args.disable_cuda_graph:
+            raise RuntimeError(
+                "corpusd plugin: no corpusd holder on this GPU, so corpus attention goes over "
+                "gRPC per layer, which a CUDA graph cannot capture: pass --disable-cuda-graph, "
+                "or start holders on this GPU before the server"
+            )
+        return res
+
+    def _device_batch(self, forward_batch: Any, n_tokens: int) -> CorpusBatch | None:
+        """The device path's per-token view of the batch. A prefill (never inside a graph)
+        records each request slot's corpus in the tables, loading a new corpus first; a decode
+        step only reads the tables, so SGLang's captured graphs serve any binding."""
+        res = self.corpusd_resident
+        assert res is not None
+        res.size_requests(int(forward_batch.req_to_token_pool.req_to_token.shape[0]))
+        mode = "extend" if forward_batch.forward_mode.is_extend() else "decode"
+        if mode == "extend":
+            bs = int(forward_batch.batch_size)
+            names = corpora_of_batch(getattr(forward_batch, "rids", None), bs)
+            link = self.corpusd_link
+            bindings = [link.bind(c) if c else None for c in names]
+            placed = [link.load_resident(b, res) if b else None for b in bindings]
+            res.bind(forward_batch.req_pool_indices[:bs], placed)
+            if not any(placed):
+                return None
+            per_req = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
+            base_r, tokens_r = res.rows_of(forward_batch.req_pool_indices[:bs])
+            rep = per_req.to(base_r.device)
+            base, tokens = base_r.repeat_interleave(rep), tokens_r.repeat_interleave(rep)
+        else:
+            base, tokens = res.rows_of(forward_batch.req_pool_indices)
+            bindings = []
+        pad = n_tokens - base.shape[0]  # padded rows (DP attention): unbound
+        assert pad >= 0, f"{base.shape=} vs {n_tokens=}"
+        if pad:
+            base = torch.cat([base, base.new_zeros(pad)])
+            tokens = torch.cat([tokens, tokens.new_zeros(pad)])
+        cb = CorpusBatch(
+            self.corpusd_link,
+            bindings,
+            torch.empty(0, dtype=torch.int64),
+            tokens.to(torch.int64),
+            self.corpusd_key_ue8m0,
+            mode,
+        )
+        cb.resident, cb.base, cb.tokens = res, base, tokens
+        return cb
 
     def _corpus_batch(self, forward_batch: Any, n_tokens: int) -> CorpusBatch | None:
         bs = int(forward_batch.batch_size)
@@ -137,16 +227,20 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         input_embeds: Any = None,
         pp_proxy_tensors: Any = None,
     ) -> Any:
-        cb = self._corpus_batch(forward_batch, positions.shape[0])
+        idle = forward_batch.forward_mode.is_idle()
+        if self.corpusd_resident is not None and not idle:
+            cb = self._device_batch(forward_batch, positions.shape[0])
+        else:
+            cb = self._corpus_batch(forward_batch, positions.shape[0])
         forward_batch.corpusd = cb
         for ix, default in zip(self.corpusd_indexers, self._cp_default, strict=True):
             # True only keeps forward_cuda off its "seq_len <= index_topk" shortcut (no logits);
             # the context-parallel branch still needs nsa_cp_metadata, which stays None.
             ix.nsa_enable_prefill_cp = default or cb is not None
         if cb is not None:
-            # corpus_len is already per token (shift_positions with one token per "request").
-            ones = torch.ones_like(cb.corpus_len)
-            positions = shift_positions(positions, cb.corpus_len, ones).to(positions.dtype)
+            # corpus_len is per token: own tokens sit after their corpus (positions.py).
+            shift = cb.corpus_len.to(positions.device)
+            positions = (positions + shift[: positions.shape[0]]).to(positions.dtype)
             forward_batch.positions = positions
         return super().forward(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
 

@@ -28,6 +28,8 @@ import torch
 from requester.sglang.resident import Resident
 
 INT64_MIN = torch.iinfo(torch.int64).min
+#: Key chunks per query row in the sparse partial (:func:`sparse_partial`).
+SPLITS = 1
 _LOW32 = (1 << 32) - 1
 
 
@@ -49,16 +51,14 @@ def order_keys(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def exact_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-    """Columns of the ``k`` best valid scores of each row, ascending, ``-1`` padded (int64
-    ``[n, k]``); among equal scores the lowest column wins. One ``topk`` over int64 keys (no
-    sort of the row, no host sync)."""
+    """Columns of the ``k`` best valid scores of each row, ``-1`` padded (int64 ``[n, k]``, in no
+    particular order); among equal scores the lowest column wins. One unsorted ``topk`` over
+    int64 keys (no host sync)."""
     n, m = scores.shape
     keys = order_keys(scores, valid)
     width = min(k, m)
-    top = keys.topk(width, dim=1).values
+    top = keys.topk(width, dim=1, sorted=False).values
     col = torch.where(top != INT64_MIN, _LOW32 - (top & _LOW32), -1)
-    col = torch.where(col >= 0, col, torch.iinfo(torch.int64).max).sort(dim=1).values
-    col = torch.where(col == torch.iinfo(torch.int64).max, -1, col)
     if width < k:
         col = torch.cat([col, col.new_full((n, k - width), -1)], dim=1)
     return col
@@ -192,30 +192,53 @@ def corpus_scores(
 
 
 def sparse_partial(
-    q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, scale: float, d_v: int, base2: bool
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    d_v: int,
+    base2: bool,
+    splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention of ``q [n, h, d_qk]`` (bf16, corpusd's rope layout) over ``kv [N,
     d_qk]`` rows ``rows [n, k]`` (int32, -1 unused): ``(O [n, h, d_v] float32, LSE [n, h]
-    natural, -inf empty)``. FlashMLA's sparse kernel on CUDA (heads padded to its 64; ``base2``:
-    its LSE's base, probed once by the caller), :func:`corpusd.model.partial.partial_attention`
-    elsewhere."""
-    from requester.sglang import lse as lse_mod
+    natural, -inf empty)``. FlashMLA's sparse kernel on CUDA, :func:`corpusd.model.partial.
+    partial_attention` elsewhere.
 
+    FlashMLA's sparse kernel gives each (query row, 64 heads) one CTA, which walks all ``k``
+    rows: ``splits`` > 1 cuts them into that many chunks, each a query row of its own, and
+    merges the chunks' partials by LSE here (exact: a softmax split by keys). More CTAs, each
+    shorter, against a merge that reads ``splits`` float32 partials; None takes
+    :data:`SPLITS` (measured by ``tools/bench_device_path.py``). ``base2``: the kernel's LSE
+    base, probed once by the caller."""
     if not q.is_cuda:
         from corpusd.model.partial import partial_attention
 
-        o, lse = partial_attention(q.float(), kv.float(), rows, scale, d_v)
-        return o, lse
+        return partial_attention(q.float(), kv.float(), rows, scale, d_v)
     from sgl_kernel.flash_mla import flash_mla_sparse_fwd
 
+    from requester.sglang import lse as lse_mod
+
     n, h, d = q.shape
+    k = rows.shape[1]
+    splits = SPLITS if splits is None else splits
+    while splits > 1 and (k % splits or (k // splits) % 64):  # FlashMLA: top-k % 64 == 0
+        splits //= 2
     pad = 64 if torch.cuda.get_device_capability(q.device)[0] < 10 else 128
     q_in = q if h % pad == 0 else torch.cat([q, q.new_zeros(n, pad - h % pad, d)], 1)
-    o, _, raw = flash_mla_sparse_fwd(q=q_in, kv=kv[:, None], indices=rows[:, None], sm_scale=scale,
+    q_in = q_in.repeat_interleave(splits, dim=0) if splits > 1 else q_in
+    idx = rows.reshape(n * splits, k // splits)
+    o, _, raw = flash_mla_sparse_fwd(q=q_in, kv=kv[:, None], indices=idx[:, None], sm_scale=scale,
                                      d_v=d_v)  # fmt: skip
-    empty = (rows < 0).all(dim=1)[:, None].expand(n, h)
+    empty = (idx < 0).all(dim=1)[:, None].expand(n * splits, h)
     lse = lse_mod.to_natural(raw[:, :h], base2).masked_fill(empty, -math.inf)
-    return o[:, :h].float().masked_fill(empty[..., None], 0.0), lse
+    o = o[:, :h].float().masked_fill(empty[..., None], 0.0)
+    if splits == 1:
+        return o, lse
+    lse = lse.reshape(n, splits, h)
+    total = torch.logsumexp(lse, dim=1)  # -inf where every chunk is empty
+    w = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total)[:, None])
+    return (w[..., None] * o.reshape(n, splits, h, -1)).sum(1), total
 
 
 def corpus_partial(
@@ -235,6 +258,8 @@ def corpus_partial(
 
     holder, rows = corpus_rows(positions, base, res.page_holder, res.page_frame, res.page_size)
     n, h, _ = q.shape
+    if len(res.pools) == 1:  # every resident page is on this holder (or unused: -1)
+        return sparse_partial(q, res.pools[0][layer], rows, scale, d_v, base2)
     o = torch.zeros(n, h, d_v, device=q.device)
     lse = empty_lse(n, h, q.device)
     for slot, pools in enumerate(res.pools):

@@ -19,10 +19,12 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import grpc
 import torch
 
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.model import ModelConfig
+from corpusd.transport import cuda_ipc
 from indexer.fp8 import fp8_view
 from requester.corpus_view import CorpusView
 from requester.fanout import CorpusBinding, Fanout
@@ -30,6 +32,7 @@ from requester.metrics import RequesterMetrics
 from requester.plan import Geometry
 from requester.predicate import Predicate, Profile
 from requester.sglang.binding import Binding, PinnedCorpus, resolve
+from requester.sglang.resident import ArenaCorpus, Resident
 
 log = logging.getLogger("corpusd.sglang")
 
@@ -160,3 +163,48 @@ class CorpusLink:
     async def _page_table(self, corpus_id: str) -> CorpusView:
         async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:
             return CorpusView.from_page_table(await c.page_table(corpus_id))
+
+    # -- the device path (requester/sglang/resident.py) -------------------------------------------
+    def map_holders(self, res: Resident, device: torch.device) -> list[str]:
+        """Map the pools of every registered holder on ``device`` into ``res`` (CUDA IPC);
+        returns their addresses. Holders elsewhere, or on the CPU, are skipped (logged)."""
+        return self._run(self._map_holders(res, device))
+
+    async def _map_holders(self, res: Resident, device: torch.device) -> list[str]:
+        async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:
+            holders = [h.info for h in await c.list_holders()]
+        here = cuda_ipc.device_uuid(device)
+        mapped = []
+        for h in holders:
+            if not h.device.startswith("cuda") or h.address in res.holder_slot:
+                continue
+            try:
+                shared, page_size, _ = await self.fanout.client(h.address).share_pool(here)
+            except grpc.aio.AioRpcError as e:
+                log.info("holder %s not mapped: %s", h.address, e.details())
+                continue
+            if page_size != res.page_size or shared[0].dtype != "bfloat16":
+                log.warning(
+                    "holder %s not mapped: %d-token %s pages (the device path needs %d-token "
+                    "bfloat16 pages)", h.address, page_size, shared[0].dtype, res.page_size,
+                )  # fmt: skip
+                continue
+            res.add_pool(h.address, [cuda_ipc.open_shared(s) for s in shared])
+            mapped.append(h.address)
+        log.info("corpusd plugin: %d holder pools on this GPU mapped: %s", len(mapped), mapped)
+        return mapped
+
+    def load_resident(self, b: Binding, res: Resident) -> ArenaCorpus:
+        """Corpus ``b`` in ``res``'s arena (loaded once: its page table and every layer's
+        index keys). Raises CorpusBindingError when it cannot be served from this GPU."""
+        if b.corpus_id in res.corpora:
+            return res.corpora[b.corpus_id]
+        res.check(b.corpus_id, b.tokens)
+        view, keys = self._run(self._resident_inputs(b.corpus_id, res.n_layers))
+        return res.load(view, keys)
+
+    async def _resident_inputs(
+        self, corpus_id: str, n_layers: int
+    ) -> tuple[CorpusView, list[torch.Tensor]]:
+        c = await self._corpus(corpus_id)
+        return c.view, [await c.index_keys(layer) for layer in range(n_layers)]

@@ -69,9 +69,9 @@ class Resident:
         index_dim: int,
         arena_tokens: int,
         window_tokens: int,
-        req_slots: int,
         device: torch.device | str,
         ue8m0: bool,
+        req_slots: int = 0,
     ) -> None:
         p = page_size
         self.n_layers, self.page_size, self.index_dim = n_layers, p, index_dim
@@ -97,6 +97,14 @@ class Resident:
         return self.window_pages * self.page_size
 
     # -- set-up (before graph capture) -------------------------------------------------------------
+    def size_requests(self, req_slots: int) -> None:
+        """Make room for ``req_slots`` request slots (SGLang's request pool size, known at the
+        first forward, which runs before any graph is captured; it never changes after)."""
+        if req_slots > self.req_base.shape[0]:
+            self.req_base = torch.zeros(req_slots, dtype=torch.int32, device=self.device)
+            self.req_tokens = torch.zeros(req_slots, dtype=torch.int32, device=self.device)
+            log.info("corpusd plugin: %d request slots", req_slots)
+
     def add_pool(self, address: str, layers: list[torch.Tensor]) -> int:
         """Map holder ``address``'s pools (one ``[rows, kv_dim]`` tensor per layer)."""
         assert len(layers) == self.n_layers, f"{address}: {len(layers)=} vs {self.n_layers=}"
