@@ -21,6 +21,18 @@ VARIABLES = {
         "coordinator address (host:port) when --coordinator is not given",
         "the one `corpusd up` runs, if any",
     ),
+    "CORPUSD_SGLANG_PATH": (
+        "SGLang plugin: device (holder pools by CUDA IPC, CUDA graphs on), host (gRPC), or auto",
+        "auto",
+    ),
+    "CORPUSD_SGLANG_WINDOW": (
+        "SGLang plugin, device path: the longest corpus one decode step scores (tokens)",
+        "16384",
+    ),
+    "CORPUSD_SGLANG_ARENA": (
+        "SGLang plugin, device path: index-key arena for every bound corpus (tokens)",
+        "65536",
+    ),
 }
 
 
