@@ -26,6 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CollectorRegistry, start_http_server
 
+from corpusd.rpc import DecodeGuard
+
 
 @dataclass
 class Daemon:
@@ -135,7 +137,9 @@ async def listen(
     """Start a daemon's gRPC server (``add`` puts its servicer on it) beside the health
     service, both SERVING, and its Prometheus endpoint (``metrics_port`` 0: any free port,
     -1: none). Raises PortInUse when either port cannot be bound (nothing is left serving)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *options])
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), *options], interceptors=[DecodeGuard()]
+    )
     add(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

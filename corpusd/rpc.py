@@ -1,18 +1,20 @@
 """What servicers and clients share: a refusal with its gRPC status, wire decoding that
-refuses, the error a client raises for a refused call, and :class:`Rpc`, the one decorator
+refuses, the error a client raises for a refused call, :class:`Rpc`, the one decorator
 every servicer's methods wear (count the call by status, answer refusals and failures with a
-status, never let a bad request take the daemon down)."""
+status, never let a bad request take the daemon down), and :class:`DecodeGuard`, the server
+interceptor that answers a request whose bytes do not parse (grpc itself says UNKNOWN)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
+from google.protobuf.message import DecodeError
 from prometheus_client import Counter
 
 T = TypeVar("T")
@@ -143,3 +145,55 @@ class Rpc:
         self.requests(service).labels(method, code.name).inc()
         await context.abort(code, detail)
         raise AssertionError("context.abort returned")  # it raises AbortError
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT, naming the message type and what is wrong, to a call of a
+    corpusd service (``/corpusd.v1.*``) whose request bytes do not parse (truncated, a bad
+    varint, invalid UTF-8 in a string field): grpc would answer UNKNOWN with the parser's
+    exception. Such a request never reaches the servicer. Other services (health) pass as they
+    are."""
+
+    PREFIX = "/corpusd.v1."
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method = getattr(details, "method", "")
+        if handler is None or not method.startswith(self.PREFIX) or handler.request_streaming:
+            return handler
+        parse = handler.request_deserializer
+        assert parse is not None, f"{method}: no request deserializer"
+
+        def decode(raw: bytes) -> Any:
+            try:
+                return parse(raw)
+            except DecodeError as e:
+                return _Undecodable(f"request is not a valid message for {method}: {e}")
+
+        unary, stream = handler.unary_unary, handler.unary_stream
+        if unary is not None:
+
+            async def unary_guarded(request: Any, context: Any) -> Any:
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+                return await unary(request, context)
+
+            return handler._replace(request_deserializer=decode, unary_unary=unary_guarded)
+        assert stream is not None, f"{method}: neither unary nor server-streaming"
+
+        async def stream_guarded(request: Any, context: Any) -> AsyncIterator[Any]:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+            async for reply in stream(request, context):
+                yield reply
+
+        return handler._replace(request_deserializer=decode, unary_stream=stream_guarded)
+
+
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    detail: str

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from corpusd.corpus.store import CorruptPages, PageStore, StoreError
+from corpusd.corpus.store import CorruptPages, PageStore, StoreError, is_corpus_id
 from corpusd.rpc import Reject
 from holder.pool import FramePool, PoolFull
 
@@ -39,10 +39,13 @@ def load_pages(
 
     Raises:
         Corrupt: DATA_LOSS, a page (or the manifest) fails its digest or cannot be read.
-        Reject: NOT_FOUND (not in the store), FAILED_PRECONDITION (pinned for another
+        Reject: INVALID_ARGUMENT (not a corpus id), NOT_FOUND (not in the store),
+            FAILED_PRECONDITION (pinned for another
             geometry or model, or with nothing to check its pages against), OUT_OF_RANGE (no
             such page), RESOURCE_EXHAUSTED (no free frames).
     """
+    if not is_corpus_id(corpus_id):  # before it is a path: "../x", or too long to open
+        raise Reject(S.INVALID_ARGUMENT, f"corpus_id {corpus_id[:80]!r} is not a corpus id")
     try:
         m = store.manifest(corpus_id)
     except CorruptPages as e:

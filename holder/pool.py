@@ -188,7 +188,8 @@ class FramePool:
         held = self.corpora.get(corpus_id)
         if held is None:
             return 0
-        chosen = list(held.pages) if not pages else [p for p in pages if p in held.pages]
+        # a page named twice is freed once (a KeyError on the second pop was an INTERNAL)
+        chosen = list(held.pages) if not pages else sorted(set(pages) & held.pages.keys())
         frames = [held.pages.pop(p) for p in chosen]
         self.return_frames(frames)
         if not held.pages:

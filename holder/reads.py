@@ -56,9 +56,15 @@ class PoolReads:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer, latent ``[len(frames), P, kv_dim]`` and (when ``index_keys``) index keys
         ``[len(frames), P, index_dim]`` of the pages in ``frames``."""
-        rows, n, p = self._page_rows(frames), len(frames), self.pool.geo.page_size
-        lat = [self.pool.latent[i][rows].view(n, p, -1) for i in layers]
-        idx = [self.pool.index_keys[i][rows].view(n, p, -1) for i in layers] if index_keys else []
+        geo, n = self.pool.geo, len(frames)
+        rows, p = self._page_rows(frames), geo.page_size
+        # explicit widths: no pages ([0, P, -1]) cannot be reshaped with an inferred one
+        lat = [self.pool.latent[i][rows].view(n, p, geo.kv_dim) for i in layers]
+        idx = (
+            [self.pool.index_keys[i][rows].view(n, p, geo.index_dim) for i in layers]
+            if index_keys
+            else []
+        )
         return lat, idx
 
     def index_key_chunks(

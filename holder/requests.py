@@ -155,12 +155,25 @@ class RequestChecks:
         return TopKCall(request.corpus_id, request.layer, q, w, limit, int(request.k), arith)
 
     def fetch(self, request: holder_pb2.FetchRequest) -> tuple[list[int], list[int]]:
-        """(layers, frames of the requested pages); all layers when none are named."""
+        """(layers, frames of the requested pages); all layers when none are named.
+        RESOURCE_EXHAUSTED when the reply would exceed the message limit."""
+        geo = self.pool.geo
         self.held(request.corpus_id)
-        layers = list(request.layers) or list(range(self.pool.geo.n_layers))
+        layers = list(request.layers) or list(range(geo.n_layers))
         for layer in layers:
             self.layer(layer)
-        return layers, self.frames_of(request.corpus_id, list(request.pages))
+        frames = self.frames_of(request.corpus_id, list(request.pages))
+        width = geo.kv_dim + (geo.index_dim if request.index_keys else 0)
+        elt = torch.empty((), dtype=geo.dtype).element_size()
+        nbytes = len(frames) * len(layers) * geo.page_size * width * elt
+        if nbytes > self.cfg.max_message_bytes:
+            raise Reject(
+                S.RESOURCE_EXHAUSTED,
+                f"fetch of {len(frames):,} pages × {len(layers)} layers is {nbytes:,} bytes, past "
+                f"this holder's message limit of {self.cfg.max_message_bytes:,}; fetch fewer "
+                "pages per call",
+            )
+        return layers, frames
 
     def frames_of(self, corpus_id: str, pages: list[int]) -> list[int]:
         """The frames holding ``pages`` of a held corpus: OUT_OF_RANGE past its last page,

@@ -153,8 +153,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             raise Reject(S.RESOURCE_EXHAUSTED, str(e)) from None
         # Count the session now, so a burst of choices spreads before the next reports arrive.
         r = live[chosen]
-        r.generating += 1
-        r.kv_tokens += request.session_tokens
+        # saturating: the fields are uint32/uint64, and a report may claim their maximum
+        r.generating = min(r.generating + 1, 2**32 - 1)
+        r.kv_tokens = min(r.kv_tokens + request.session_tokens, 2**64 - 1)
         return pb.ChooseWorkerResponse(worker_id=chosen, address=r.address)
 
     # -- corpora --------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,16 @@ from corpusd.corpus.names import CorpusNameError, resolve_name
 
 MANIFEST = "manifest.json"
 TOKENS = "tokens.safetensors"
+
+
+ID_RULE = "1 to 64 letters and digits"
+_ID = re.compile(r"[0-9A-Za-z]{1,64}")
+
+
+def is_corpus_id(text: str) -> bool:
+    """Whether ``text`` may name a corpus directory: pin's ids are 32 hex digits; anything with
+    a path separator, a dot or of a length no file system takes is refused before it is a path."""
+    return _ID.fullmatch(text) is not None
 
 
 def layer_file(layer: int) -> str:
@@ -174,10 +185,13 @@ class PageStore:
         return sorted(d.name for d in self.corpora.iterdir() if (d / MANIFEST).is_file())
 
     def has(self, corpus_id: str) -> bool:
-        return (self.corpora / corpus_id / MANIFEST).is_file()
+        return is_corpus_id(corpus_id) and (self.corpora / corpus_id / MANIFEST).is_file()
 
     def manifest(self, corpus_id: str) -> Manifest:
-        """Raises StoreError (not stored) or CorruptPages (an unreadable manifest)."""
+        """Raises StoreError (not a corpus id, or not stored) or CorruptPages (an unreadable
+        manifest)."""
+        if not is_corpus_id(corpus_id):
+            raise StoreError(f"{corpus_id[:80]!r} is not a corpus id ({ID_RULE})")
         path = self.corpora / corpus_id / MANIFEST
         if not path.is_file():
             raise StoreError(f"corpus {corpus_id!r} is not in the store at {self.root}")

@@ -138,3 +138,66 @@ def test_streams_are_counted_once_when_they_end() -> None:
     assert svc.count("Stream", "OK") == 1
     assert _call(ctx, drain(Msg("reject")))[1:] == (S.OUT_OF_RANGE, "page 1")
     assert svc.count("Stream", "OUT_OF_RANGE") == 1 and svc.count("Stream", "OK") == 1
+
+
+def test_a_request_that_does_not_parse_gets_invalid_argument_not_unknown() -> None:
+    """grpc answers UNKNOWN ("Unexpected DecodeError") to request bytes that do not parse; with
+    ``DecodeGuard`` (every daemon's server has it) it is INVALID_ARGUMENT naming the method, and
+    the servicer never sees the request. Good requests, streams and health pass as before."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1._async import HealthServicer
+
+    from corpusd.rpc import DecodeGuard
+    from corpusd.v1 import holder_pb2, holder_pb2_grpc
+
+    seen: list[Any] = []
+
+    class Servicer(holder_pb2_grpc.HolderServicer):
+        async def Info(self, request: Any, context: Any) -> Any:
+            seen.append(request)
+            return holder_pb2.InfoResponse(holder_id="h")
+
+        async def IndexKeys(self, request: Any, context: Any) -> AsyncIterator[Any]:
+            seen.append(request)
+            yield holder_pb2.IndexKeysChunk(pages=[request.layer])
+
+    async def go(guarded: bool) -> list[tuple[grpc.StatusCode, str]]:
+        server = grpc.aio.server(interceptors=[DecodeGuard()] if guarded else [])
+        holder_pb2_grpc.add_HolderServicer_to_server(Servicer(), server)
+        health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        out = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            unary = ch.unary_unary("/corpusd.v1.Holder/Info")
+            stream = ch.unary_stream("/corpusd.v1.Holder/IndexKeys")
+            good = holder_pb2.IndexKeysRequest(corpus_id="c", layer=3).SerializeToString()
+            for call in (
+                unary(b"\xff\xff\xff"),  # a truncated varint
+                _drain(stream(good[:-1])),  # cut inside the last field
+                _drain(stream(b"\x0a\x02\xff\xfe")),  # corpus_id with invalid UTF-8
+            ):
+                try:
+                    await call
+                    out.append((S.OK, ""))
+                except grpc.aio.AioRpcError as e:
+                    out.append((e.code(), e.details() or ""))
+            assert holder_pb2.InfoResponse.FromString(await unary(b"")).holder_id == "h"
+            assert await _drain(stream(good)) == 1
+            r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+        await server.stop(0)
+        return out
+
+    unguarded = asyncio.run(go(False))
+    assert [c for c, _ in unguarded] == [S.UNKNOWN] * 3  # what grpc does by itself
+    seen.clear()
+    got = asyncio.run(go(True))
+    assert [c for c, _ in got] == [S.INVALID_ARGUMENT] * 3, got
+    assert "request is not a valid message for /corpusd.v1.Holder/Info" in got[0][1]
+    assert "/corpusd.v1.Holder/IndexKeys" in got[1][1] and "UTF-8" in got[2][1], got
+    assert len(seen) == 2  # only the two good calls reached the servicer
+
+
+async def _drain(call: Any) -> int:
+    return len([m async for m in call])
