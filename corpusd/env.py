@@ -33,6 +33,11 @@ VARIABLES = {
         "SGLang plugin, device path: index-key arena for every bound corpus (tokens)",
         "65536",
     ),
+    "CORPUSD_SGLANG_GRAPH_MAX_BS": (
+        "SGLang plugin, device path: the largest --cuda-graph-max-bs it accepts (raise only to "
+        "reproduce the open >16 defect)",
+        "16",
+    ),
 }
 
 

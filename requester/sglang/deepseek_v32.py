@@ -140,7 +140,9 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 "tensor parallelism is host path only)"
             )
         max_bs = int(getattr(args, "cuda_graph_max_bs", 0) or 0)
-        if res is not None and not args.disable_cuda_graph and max_bs > GRAPH_MAX_BS:
+        # CORPUSD_SGLANG_GRAPH_MAX_BS raises the cap, to reproduce the defect below (a bench flag)
+        cap = int(os.environ.get("CORPUSD_SGLANG_GRAPH_MAX_BS", GRAPH_MAX_BS))
+        if res is not None and not args.disable_cuda_graph and max_bs > cap:
             # Measured on an H100 (issue 17's note): decode graphs replayed with more than 16
             # bound requests hit an illegal memory access (cause not found yet); eager decode of
             # 64 and graphs of up to 16 ran clean.

@@ -35,7 +35,7 @@ def _resident(tokens: list[int], pools: int = 2, window: int = 4096) -> tuple[Re
     g = torch.Generator().manual_seed(SEED)
     res = Resident(
         n_layers=1, page_size=64, index_dim=128, arena_tokens=4 * window, window_tokens=window,
-        device="cuda", ue8m0=False, req_slots=32,
+        device="cuda", ue8m0=False, req_slots=128,
     )  # fmt: skip
     for i in range(pools):
         res.add_pool(f"h{i}", [torch.randn(64 * 200, 576, generator=g).bfloat16().cuda()])
@@ -96,15 +96,18 @@ def _layer_step(res: Resident, inp: dict[str, torch.Tensor], k: int) -> tuple[to
     return corpus, own, o, lse
 
 
-def test_layer_step_in_a_cuda_graph_follows_the_tables_and_times_it() -> None:
+@pytest.mark.parametrize("n", [8, 24, 64])
+def test_layer_step_in_a_cuda_graph_follows_the_tables_and_times_it(n: int) -> None:
+    """``n`` rows: SGLang's decode graphs above 16 requests crashed (issue 17); this captures the
+    plugin's own part of a layer alone at those sizes."""
     from requester.sglang.backend import _sparse_lse_base2
 
     assert _sparse_lse_base2("cuda")  # the build these tests run on: base-2 LSE
     res, (a, b) = _resident([3656, 1000], pools=1)
     g = torch.Generator(device="cuda").manual_seed(SEED)
-    n, h, k, own_w = 8, 64, 2048, 256
-    slots = torch.arange(n, device="cuda")
-    res.bind(slots, [a, b, None, a, a, b, a, None])
+    h, k, own_w = 64, 2048, 256
+    slots = torch.arange(n, device="cuda") * 2 + 1  # request slots need not be 0..n-1
+    res.bind(slots, ([a, b, None, a, a, b, a, None] * 8)[:n])
     inp = {
         "slots": slots,
         "q_fp8": torch.randn(n, 64, 128, generator=g, device="cuda").to(torch.float8_e4m3fn),
@@ -128,7 +131,7 @@ def test_layer_step_in_a_cuda_graph_follows_the_tables_and_times_it() -> None:
     for x, y in zip(out, eager, strict=True):
         assert torch.equal(x, y)
     # Rebind: slot 2 now reads corpus b, slot 0 is unbound; new queries. The graph follows.
-    res.bind(torch.tensor([0, 2]), [None, b])
+    res.bind(slots[[0, 2]], [None, b])
     for key in ("q_fp8", "own", "q"):
         inp[key].copy_(torch.randn(inp[key].shape, generator=g, device="cuda").to(inp[key].dtype))
     graph.replay()
