@@ -27,6 +27,7 @@ from sglang.srt.server_args import get_global_server_args
 
 from corpusd.model import ModelConfig
 from corpusd.model.checkpoint import fingerprint
+from requester.sglang import admission
 from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
 from requester.sglang.binding import corpora_of_batch
 from requester.sglang.link import CorpusLink
@@ -86,6 +87,9 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             args.page_size,
         )
         self.corpusd_resident = self._device_path(args, mcfg)
+        # an unknown or unservable corpus fails its request at admission, not the forward
+        admission.register(self)
+        admission.install()
         self.corpusd_indexers = [
             layer.self_attn.indexer
             for layer in self.model.layers
