@@ -21,9 +21,11 @@ def _latent(g: torch.Generator, n: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows with per-tile magnitudes spread over 2^-12 … 2^6 (so tiles land in every binade,
     subnormal codes included), and a few exact zeros inside tiles."""
     x = torch.randn(n, f8.D_QK, generator=g)
-    x[:, : f8.D_NOPE] *= torch.exp2(torch.randint(-12, 7, (n, f8.N_TILES, 1), generator=g)).repeat(
-        1, 1, f8.TILE
-    ).reshape(n, f8.D_NOPE)
+    x[:, : f8.D_NOPE] *= (
+        torch.exp2(torch.randint(-12, 7, (n, f8.N_TILES, 1), generator=g))
+        .repeat(1, 1, f8.TILE)
+        .reshape(n, f8.D_NOPE)
+    )
     x[:, ::37] = 0.0
     return x.to(dtype)
 
