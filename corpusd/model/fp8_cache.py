@@ -26,28 +26,29 @@ from __future__ import annotations
 
 import torch
 
+from corpusd.corpus.manifest import FP8_ROW_BYTES, KV_FORMATS
+from corpusd.model.config import ModelConfigError
 from corpusd.model.partial import partial_attention
 
-#: page formats of the latent cache: rows in the cache dtype, or FlashMLA's fp8 rows
-KV_FORMATS = ("plain", "fp8_e4m3")
-FP8 = "fp8_e4m3"
+FP8 = KV_FORMATS[1]  # "fp8_e4m3"
 D_NOPE, D_ROPE, TILE = 512, 64, 128
 N_TILES = D_NOPE // TILE
 D_QK = D_NOPE + D_ROPE
 ROW_BYTES = D_NOPE + 4 * N_TILES + 2 * D_ROPE  # 656
+assert ROW_BYTES == FP8_ROW_BYTES, f"{ROW_BYTES=} {FP8_ROW_BYTES=}"
 SCALE_AT, ROPE_AT = D_NOPE, D_NOPE + 4 * N_TILES  # byte offsets of the scales and the rope part
 FP8_MAX = 448.0
 
 
 def check_layout(kv_lora_rank: int, qk_rope_head_dim: int) -> None:
-    """Raise ValueError, naming the field, unless a model's latent row fits the fp8 layout
-    (kv_lora_rank 512, qk_rope_head_dim 64)."""
+    """Raise ModelConfigError (a ValueError), naming the field, unless a model's latent row fits
+    the fp8 layout (kv_lora_rank 512, qk_rope_head_dim 64)."""
     for name, got, want in (
         ("kv_lora_rank", kv_lora_rank, D_NOPE),
         ("qk_rope_head_dim", qk_rope_head_dim, D_ROPE),
     ):
         if got != want:
-            raise ValueError(
+            raise ModelConfigError(
                 f"the fp8_e4m3 page format needs {name} {want} (FlashMLA's 656-byte row), "
                 f"this model has {name} {got}; pin it with --kv-format plain"
             )
