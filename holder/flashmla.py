@@ -126,6 +126,7 @@ def _raw_fp8(
         qp = q.new_zeros(n, hp, d)
         qp[:, :h] = q
         q = qp
+    q = q.contiguous()  # viewed as [n, 1, hp, d] below
     k = indices.shape[1]
     kp = max(TOPK_ALIGN, math.ceil(k / TOPK_ALIGN) * TOPK_ALIGN)
     from holder.triton_mla import prep_sparse_indices
