@@ -139,9 +139,12 @@ def test_flashmla_fp8_lse_base_and_auto_choice() -> None:
 
 @pytest.mark.gpu
 @cuda
-def test_quantize_equals_sglangs_quantizer_on_gpu() -> None:
+def test_quantize_agrees_with_sglangs_quantizer_on_gpu() -> None:
     """Our bytes against SGLang's own ``quantize_k_cache`` (its Triton kernel) on bf16 rows,
-    where SGLang is installed; the CPU test checks an independent re-implementation."""
+    where SGLang is installed (the CPU test checks an independent IEEE re-implementation).
+    Triton divides float32 approximately (``div.full.f32``, within 2 ulp) where we divide
+    exactly, so the claim is: rope bytes equal, scales within 2 ulp, codes at most one step
+    apart and equal in more than 99 % of places."""
     try:
         from sglang.srt.layers.attention.nsa.quant_k_cache import quantize_k_cache
     except Exception as e:  # not installed, or a build without the NSA backend
@@ -149,7 +152,14 @@ def test_quantize_equals_sglangs_quantizer_on_gpu() -> None:
     g = torch.Generator().manual_seed(torch.seed() % (1 << 31))
     lat = torch.randn(4096, D, generator=g) * torch.exp2(torch.randint(-6, 6, (4096, 1)))
     lat = lat.bfloat16().cuda()
-    theirs = quantize_k_cache(lat.view(64, 64, 1, D)).view(torch.uint8).reshape(4096, -1)
-    ours = f8.quantize(lat)
-    diff = (theirs != ours).nonzero()
-    assert diff.numel() == 0, f"{len(diff)} bytes differ from SGLang's, first {diff[:4].tolist()}"
+    theirs = quantize_k_cache(lat.view(64, 64, 1, D)).view(torch.uint8).reshape(4096, -1).cpu()
+    ours = f8.quantize(lat).cpu()
+    assert torch.equal(theirs[:, 528:], ours[:, 528:]), "rope bytes differ"
+    scales = [x[:, 512:528].contiguous().view(torch.int32) for x in (theirs, ours)]
+    ulps = (scales[0] - scales[1]).abs()
+    assert int(ulps.max()) <= 2, f"scales {int(ulps.max())} ulp apart"
+    a, b = theirs[:, :512].int(), ours[:, :512].int()
+    zero = (a & 0x7F == 0) & (b & 0x7F == 0)  # +0 and -0
+    step = torch.where(zero, 0, (a - b).abs())
+    same = float((step == 0).float().mean())
+    assert int(step.max()) <= 1 and same > 0.99, f"codes: max step {int(step.max())}, {same=:.4f}"
