@@ -102,10 +102,13 @@ class Worker:
         return await self._bind(CorpusView.from_page_table(table))
 
     async def _bind(self, view: CorpusView) -> CorpusBinding:
-        tokens = None
+        tokens, kv_format = None, "plain"
         if self.store is not None and view.corpus_id in self.store.ids():
             tokens = self.store.read_tokens(view.corpus_id).to(torch.int64)
-        b = await self.fanout.bind(view, self.geometry, model=self.model, tokens=tokens)
+            kv_format = self.store.manifest(view.corpus_id).kv_format
+        b = await self.fanout.bind(
+            view, self.geometry, model=self.model, tokens=tokens, kv_format=kv_format
+        )
         if self.cfg.indexer == "replica":
             for layer in range(self.mcfg.num_hidden_layers):
                 await b.index_keys(layer)
