@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from corpusd.model.fp8_cache import D_NOPE, D_ROPE, ROPE_AT, ROW_BYTES, SCALE_AT, TILE
+from corpusd.model.fp8_cache import D_NOPE, D_ROPE, N_TILES, ROPE_AT, ROW_BYTES, SCALE_AT, TILE
 from holder.triton_mla import _DOT_F32, _LOG2E, _merge_kernel, _pow2, plan
 
 
@@ -37,7 +37,8 @@ def _fp8_partial_kernel(
     q_ptr, k8_ptr, ks_ptr, kr_ptr, idx_ptr, o_ptr, lse_ptr,
     n_kv, k, k_per_split, scale2, h,
     s_qn, s_qh, s_k8, s_ks, s_kr, s_in, s_on, s_os, s_oh, s_ln, s_ls,
-    D_V: tl.constexpr, D_PE: tl.constexpr, TILE_W: tl.constexpr, SCALE_COL: tl.constexpr,
+    D_V: tl.constexpr, D_PE: tl.constexpr, TILE_W: tl.constexpr, N_TILES: tl.constexpr,
+    SCALE_COL: tl.constexpr,
     ROPE_COL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     OUT_BASE2: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
@@ -69,15 +70,17 @@ def _fp8_partial_kernel(
         r = tl.where(valid, idx, 0)
         codes = tl.load(k8_ptr + r[:, None] * s_k8 + dv[None, :], mask=valid[:, None], other=0)
         scales = tl.load(
-            ks_ptr + r[:, None] * s_ks + SCALE_COL + dv[None, :] // TILE_W,
+            ks_ptr + r[:, None] * s_ks + SCALE_COL + tl.arange(0, N_TILES)[None, :],
             mask=valid[:, None],
             other=0.0,
-        )
+        )  # [BLOCK_N, 4]: one per tile, broadcast over its 128 codes below
         # FlashMLA's dequantization: bf16(fp8) · bf16(scale), rounded to bf16 (the float32
         # product of a 4-bit and an 8-bit significand is exact, so one rounding, as in bf16 mul)
-        s_bf = _round_bf16(scales)
-        k_nope = _round_bf16(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s_bf)
-        k_nope = k_nope.to(tl.bfloat16)  # exact: already a bf16 value
+        vals = tl.reshape(
+            codes.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BLOCK_N, N_TILES, TILE_W]
+        )
+        vals = _round_bf16(vals * _round_bf16(scales)[:, :, None])
+        k_nope = tl.reshape(vals, [BLOCK_N, D_V]).to(tl.bfloat16)  # exact: bf16 values
         k_pe = tl.load(kr_ptr + r[:, None] * s_kr + ROPE_COL + dp[None, :], mask=valid[:, None],
                        other=0.0)  # fmt: skip
         k_nope = k_nope.to(q_nope.dtype)
@@ -154,6 +157,7 @@ def triton_fp8_partial_attention(
         "D_V": d_v,
         "D_PE": D_ROPE,
         "TILE_W": TILE,
+        "N_TILES": N_TILES,
         "SCALE_COL": SCALE_AT // 4,
         "ROPE_COL": ROPE_AT // 2,
         "BLOCK_H": bh,
