@@ -199,6 +199,8 @@ def _detach(cfg: UpConfig, root: Path) -> int:
         str(root),
         "--capacity-tokens",
         str(cfg.capacity_tokens),
+        "--kv-format",
+        cfg.kv_format,
         "--timeout-s",
         str(cfg.timeout_s),
     ]

@@ -98,3 +98,24 @@ def test_manifest_kv_format_default_and_refusal() -> None:
     assert (old.kv_format, old.page_format, old.latent_width) == ("plain", "bfloat16", 576)
     with pytest.raises(ValueError, match="kv_format"):
         Manifest.from_json(json.dumps({**d, "kv_format": "fp4"}))
+
+
+def test_up_in_the_background_keeps_the_holders_format(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``corpusd up --detach 1`` re-runs itself in the background: the flags it passes on include
+    ``--kv-format`` (it once dropped it, so fp8 pins found only plain holders)."""
+    import corpusd.up as up_mod
+
+    seen: list[list[str]] = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(args: list[str], **_: object) -> None:
+        seen.append(args)
+        raise Stop
+
+    monkeypatch.setattr(up_mod.subprocess, "Popen", popen)
+    with pytest.raises(Stop):
+        up_mod._detach(up_mod.UpConfig(kv_format="fp8_e4m3", detach=1), tmp_path)
+    (args,) = seen
+    assert args[args.index("--kv-format") + 1] == "fp8_e4m3", args
