@@ -23,6 +23,7 @@ from typing import Any
 from corpusd import env
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
+from corpusd.corpus.manifest import KV_FORMATS
 from corpusd.daemon import Daemon
 from holder.launch import start_holder
 from requester.launch import start_agent
@@ -39,6 +40,11 @@ class UpConfig:
     capacity_tokens: int = field(
         default=65536, metadata={"help": "per holder (its pool is allocated up front)"}
     )
+    kv_format: str = field(
+        default="plain",
+        metadata={"help": "the holders' latent rows: plain, or fp8_e4m3 for pins made with "
+                  "--kv-format fp8_e4m3", "choices": KV_FORMATS},
+    )  # fmt: skip
     detach: int = field(
         default=0,
         metadata={"help": "1 (or the flag alone): start in the background, return once serving",
@@ -51,6 +57,8 @@ class UpConfig:
             raise ValueError(f"holders must be in 1..64, got {self.holders}")
         if self.capacity_tokens <= 0 or not self.timeout_s > 0:
             raise ValueError("capacity_tokens and timeout_s must be > 0")
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
         if self.detach not in (0, 1):
             raise ValueError(f"detach must be 0 or 1, got {self.detach}")
 
@@ -99,7 +107,7 @@ def up(cfg: UpConfig) -> int:
         print(f"starting a coordinator, {cfg.holders} holders and an agent under {root}")
         coord = start_coordinator(root / "coordinator", store, timeout=cfg.timeout_s)
         daemons.append(coord)
-        cap = ("--capacity-tokens", str(cfg.capacity_tokens))
+        cap = ("--capacity-tokens", str(cfg.capacity_tokens), "--kv-format", cfg.kv_format)
         with ThreadPoolExecutor(cfg.holders + 1) as pool:
             hs = [
                 pool.submit(
@@ -191,6 +199,8 @@ def _detach(cfg: UpConfig, root: Path) -> int:
         str(root),
         "--capacity-tokens",
         str(cfg.capacity_tokens),
+        "--kv-format",
+        cfg.kv_format,
         "--timeout-s",
         str(cfg.timeout_s),
     ]
