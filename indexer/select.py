@@ -48,7 +48,7 @@ def _top(
     positions ``[n, m]``, best first. Needs ``m <= T``."""
     t = scores.shape[1]
     lo = t if limit is None else max(0, min(t, int(limit.min())))
-    if lo == t:
+    if limit is None or lo == t:
         return scores.float().topk(m, dim=1)
     pos = torch.arange(lo, t, device=scores.device)
     tail = scores[:, lo:].float().masked_fill(pos[None, :] >= limit[:, None], float("-inf"))

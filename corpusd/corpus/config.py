@@ -3,11 +3,13 @@ builds its parser without importing the model)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from corpusd.corpus.manifest import PAGE_SIZE
 
 DTYPES = ("float32", "bfloat16")
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +31,14 @@ class PinConfig:
     max_tokens: int = field(default=1 << 20, metadata={"help": "refuse larger corpora"})
     max_file_bytes: int = field(default=1 << 20, metadata={"help": "skip larger files"})
     chunk: int = field(default=256, metadata={"help": "prefill chunk (tokens)"})
-    dtype: str = field(default="float32", metadata={"help": "cache dtype", "choices": DTYPES})
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "cache and prefill dtype (bfloat16 for GPU pins)", "choices": DTYPES},
+    )
+    device: str = field(
+        default="cpu",
+        metadata={"help": "where the prefill runs: cpu, cuda or cuda:N (pages are stored alike)"},
+    )
 
     def __post_init__(self) -> None:
         for key in ("page_size", "max_tokens", "max_file_bytes", "chunk"):
@@ -37,3 +46,5 @@ class PinConfig:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
