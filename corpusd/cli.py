@@ -314,12 +314,18 @@ def cmd_rm(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    """Pin a sample repository: a tar of a few of corpusd's own source files."""
+    """Pin a sample repository: a tar of a few of corpusd's own source files, or (--package)
+    of an installed package's source."""
     from corpusd.corpus.pin import DEMO_FILES, sample_repo
 
-    out = sample_repo()
-    print(f"sample repository: {out} ({len(DEMO_FILES)} files of corpusd's own source)")
-    a.name = a.name or "sample-repo"
+    out = sample_repo(a.package)
+    what = (
+        f"{a.package}'s installed source"
+        if a.package
+        else (f"{len(DEMO_FILES)} files of corpusd's own source")
+    )
+    print(f"sample repository: {out} ({what}, {out.stat().st_size:,} bytes)")
+    a.name = a.name or a.package or "sample-repo"
     a.corpus = str(out)
     return cmd_pin(a)
 
@@ -442,9 +448,9 @@ def cmd_model_init(a: argparse.Namespace) -> int:
         overrides.update(index_topk=a.index_topk)
     if a.index_arith != "exact":
         overrides.update(index_arith=a.index_arith)
-    init_tiny(out, seed=a.seed, **overrides)
+    init_tiny(out, seed=a.seed, preset=a.preset, **overrides)
     what = "".join(f", {k} {v}" for k, v in overrides.items())
-    print(f"wrote the tiny DeepSeek-V3.2 checkpoint (seed {a.seed}{what}) to {out}")
+    print(f"wrote the tiny DeepSeek-V3.2 checkpoint ({a.preset}, seed {a.seed}{what}) to {out}")
     return 0
 
 
@@ -500,6 +506,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_dataclass_flags(pd, PinConfig, skip=("corpus",))
     add_dataclass_flags(pd, PublishConfig)
+    pd.add_argument(
+        "--package",
+        default="",
+        help="pin this installed package's *.py source instead (e.g. prometheus_client, ~200 KB)",
+    )
     pd.set_defaults(func=cmd_demo)
     ph = sub.add_parser("holder", help="serve pinned pages of one device over gRPC")
     add_dataclass_flags(ph, HolderConfig)
@@ -607,9 +618,16 @@ def build_parser() -> argparse.ArgumentParser:
     pk.set_defaults(func=cmd_ask)
     pm = sub.add_parser("model", help="model checkpoints")
     msub = pm.add_subparsers(dest="model_command", required=True)
-    pi = msub.add_parser("init", help="write the deterministic tiny default checkpoint")
+    pi = msub.add_parser("init", help="write a deterministic tiny checkpoint (random weights)")
     pi.add_argument("dir")
     pi.add_argument("--seed", type=int, default=0)
+    pi.add_argument(
+        "--preset",
+        choices=("cpu", "sglang"),
+        default="cpu",
+        help="cpu: BPE tokenizer, 8 × 128 indexer, pins fast on a CPU (default); sglang: "
+        "byte tokens and V3.2's 64 × 128 indexer, the shape SGLang and the GPU tests need",
+    )
     pi.add_argument("--force", action="store_true")
     pi.add_argument("--heads", type=int, choices=(64, 128), help="attention heads (default: 64)")
     pi.add_argument(

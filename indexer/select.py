@@ -8,6 +8,14 @@ import torch
 def select_topk(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None) -> torch.Tensor:
     """Pick the ``k`` best-scoring keys of every row.
 
+    One ``topk(k + 1)`` decides most rows: where the k-th best score is finite and beats the
+    (k+1)-th, no tie straddles the cut and the top k are the answer. Rows with a tie at the cut,
+    fewer than k eligible keys, or a NaN/inf among their best (``topk`` ranks NaN highest) go
+    through :func:`select_topk_exact`, which defines the result. Under causality only the last
+    ``T - min(limit)`` columns need masking: they are scored apart (a copy of that tail, not of
+    the row), and the two candidate lists merged, since the row's top ``k + 1`` lies in their
+    union. Same output as :func:`select_topk_exact`, bit for bit.
+
     Args:
         scores: float ``[n, T]``; column ``t`` is the key at position ``t``.
         k: how many keys to keep per row.
@@ -19,6 +27,45 @@ def select_topk(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None)
         has fewer than ``k`` eligible keys. Among equal scores at the cut the lowest positions
         win, so the result does not depend on the top-k kernel's tie order.
     """
+    n, t = scores.shape
+    if k >= t or n == 0:
+        return select_topk_exact(scores, k, limit)
+    vals, idx = _top(scores, k + 1, limit)
+    kth, nxt = vals[:, k - 1], vals[:, k]
+    clean = (kth > nxt) & torch.isfinite(vals[:, :k]).all(dim=1)
+    out = idx[:, :k].sort(dim=1).values
+    if not bool(clean.all()):
+        rows = (~clean).nonzero().flatten()
+        sub = None if limit is None else limit[rows]
+        out[rows] = select_topk_exact(scores[rows], k, sub)
+    return out
+
+
+def _top(
+    scores: torch.Tensor, m: int, limit: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk(m)`` of every row with positions ``>= limit`` excluded (``-inf``); values and
+    positions ``[n, m]``, best first. Needs ``m <= T``."""
+    t = scores.shape[1]
+    lo = t if limit is None else max(0, min(t, int(limit.min())))
+    if limit is None or lo == t:
+        return scores.float().topk(m, dim=1)
+    pos = torch.arange(lo, t, device=scores.device)
+    tail = scores[:, lo:].float().masked_fill(pos[None, :] >= limit[:, None], float("-inf"))
+    if lo < m:  # too few unmasked columns to take m from: mask a full copy
+        full = torch.cat([scores[:, :lo].float(), tail], dim=1)
+        return full.topk(m, dim=1)
+    hv, hi = scores[:, :lo].float().topk(m, dim=1)
+    tv, ti = tail.topk(min(m, t - lo), dim=1)
+    v, j = torch.cat([hv, tv], dim=1).topk(m, dim=1)
+    return v, torch.cat([hi, ti + lo], dim=1).gather(1, j)
+
+
+def select_topk_exact(
+    scores: torch.Tensor, k: int, limit: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`select_topk` by definition, over the whole ``[n, T]`` matrix: the reference the
+    fast path falls back to (and is tested against)."""
     n, t = scores.shape
     pos = torch.arange(t, device=scores.device)
     eligible = torch.isfinite(scores) | (scores == float("inf"))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.env import running_up
-from corpusd.model.tiny import TINY_FINGERPRINT
+from corpusd.model.tiny import TINY_FINGERPRINTS
 from requester.ask import PROMPT
 from requester.client import Client, SessionRef
 
@@ -76,7 +76,7 @@ async def run_agents(coordinator: str, corpus: str, agents: int, max_tokens: int
         "",
     ]
     pinned = corpora.get(runs[0].session.corpus_id)
-    if pinned is not None and pinned.model_fingerprint == TINY_FINGERPRINT:
+    if pinned is not None and pinned.model_fingerprint in TINY_FINGERPRINTS.values():
         lines[-1:] = [
             "  (the built-in tiny model has random weights: its answers are noise; what this",
             "   shows is the path, one prefill forked by every agent with attention routed to",

@@ -10,7 +10,7 @@ import time
 from typing import TextIO
 
 from corpusd.coordinator.client import CoordinatorClient
-from corpusd.model.tiny import TINY_FINGERPRINT
+from corpusd.model.tiny import TINY_FINGERPRINTS
 from requester.client import Client
 
 #: the prompt a question becomes after the corpus (also ``corpusd agents``')
@@ -77,6 +77,6 @@ async def _tiny(coordinator: str, corpus_id: str) -> bool:
     """Whether the corpus was pinned with the random-weight tiny model."""
     async with CoordinatorClient(coordinator) as cc:
         return any(
-            x.corpus_id == corpus_id and x.model_fingerprint == TINY_FINGERPRINT
+            x.corpus_id == corpus_id and x.model_fingerprint in TINY_FINGERPRINTS.values()
             for x in await cc.list_corpora()
         )

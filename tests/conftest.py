@@ -10,9 +10,18 @@ import torch
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CPU default (``corpusd model init``): BPE tokenizer, 8 × 128 indexer."""
     from corpusd.model.tiny import init_tiny
 
     return init_tiny(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def sglang_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``corpusd model init --preset sglang``: byte tokens, V3.2's 64 × 128 indexer."""
+    from corpusd.model.tiny import init_tiny
+
+    return init_tiny(tmp_path_factory.mktemp("sglang-model"), preset="sglang")
 
 
 @pytest.fixture(scope="session")

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (model / "config.json").exists():
         import subprocess
 
-        init = [sys.executable, "-m", "corpusd", "model", "init", str(model)]
+        init = [sys.executable, "-m", "corpusd", "model", "init", str(model), "--preset", "sglang"]
         subprocess.run([*init, "--index-topk", "2048", "--index-arith", "fp8"], check=True)
     cd = start_corpusd(work, model, {"sparse": REGIMES["sparse"]}, a.holders, a.device)
     try:

@@ -146,7 +146,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     mdir = work / "model"
     if not (mdir / "config.json").exists():
-        init_tiny(mdir)
+        init_tiny(mdir, preset="sglang")  # byte tokens: the corpus sizes below are bytes
     src = work / f"corpus-{a.tokens}"
     if not src.exists():
         src.mkdir()

@@ -1,19 +1,32 @@
-"""Pin throughput and peak RSS of the tiny model at several corpus sizes, on this CPU.
+"""Pin throughput: a real ~200 KB source tar end to end, and tok/s at several corpus sizes.
 
-Each size runs in a fresh subprocess (so peak RSS is its own): a corpus directory of real
-source text (this Python's standard library, in sorted order) cut to the target token count is
-pinned into a temporary store. Next to the measured rate it prints the FLOP model of the pin
-(indexer + attention + projections) and this machine's fp32 matmul rate measured in the same
-run, so the table says how far from the compute floor the pin runs.
+Every pin is ``corpusd pin``'s own code (``corpusd.corpus.pin.pin``) in a fresh subprocess, so
+peak memory is its own. Two measurements:
 
-    python -m tools.bench_pin                  # 4k, 16k, 64k tokens
-    python -m tools.bench_pin --sizes 4096     # one size
-Writes bench/results/pin-cpu.json.
+- ``tar``: the installed source of a real third-party package (default ``prometheus_client``,
+  a corpusd dependency, ~200 KB), tarred as ``corpusd demo --package`` does, pinned with the
+  default model: wall seconds (tokenize + load + prefill + write) and prefill tok/s. This is
+  the README's first command.
+- ``rows``: corpora of real source text (this Python's standard library, sorted) cut to about
+  each target token count with the model's tokenizer: prefill tok/s, peak RSS (and peak GPU
+  memory on CUDA), and the pin's FLOP model (indexer + sparse attention) against this
+  machine's fp32 matmul rate measured in the same run (CPU).
+
+``--profile`` first times the prefill's phases (indexer scores, top-k, projections, attention,
+MLPs) over the tar's first ``--profile`` tokens. ``--device cuda[:N]`` runs the same code on a
+GPU (default there: the SGLang-shaped preset in bf16, 1,024-token chunks, 16k/64k/256k tokens);
+``--device cpu`` with the same flags exercises that path here.
+
+    python -m tools.bench_pin                       # CPU default: the tar, then 4k and 16k
+    python -m tools.bench_pin --sizes 4096 --no-tar --out /tmp/pin.json
+    python -m tools.bench_pin --device cuda:0       # GPU: writes bench/results/pin-<gpu>.json
+Writes bench/results/pin-cpu.json (or pin-<gpu>.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -24,38 +37,56 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from corpusd.model import ModelConfig
 
 
-def matmul_gflops() -> float:
-    """fp32 GEMM rate at the indexer's shape ([n·H_I, 128] @ [128, 1024]), median of 9."""
-    a, b = torch.randn(16384, 128), torch.randn(128, 1024)
-    out = torch.empty(16384, 1024)
+def matmul_gflops(device: str = "cpu") -> float:
+    """fp32 GEMM rate at the indexer's shape ([16384, 128] @ [128, 1024]), median of 9."""
+    a, b = torch.randn(16384, 128, device=device), torch.randn(128, 1024, device=device)
+    out = torch.empty(16384, 1024, device=device)
     times = []
     for _ in range(12):
         t = time.perf_counter()
         torch.mm(a, b, out=out)
+        if device != "cpu":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t)
     times = sorted(times[3:])
     return 2 * 16384 * 128 * 1024 / times[len(times) // 2] / 1e9
 
 
-def make_corpus(root: Path, tokens: int) -> None:
-    """Copy stdlib ``*.py`` files (sorted) until their bytes (= byte tokens) reach ``tokens``."""
+def make_corpus(root: Path, tokens: int, model_dir: str | Path | None = None) -> None:
+    """Copy stdlib ``*.py`` files (sorted) until they tokenize (with ``model_dir``'s tokenizer,
+    bytes without one, as pin renders them) to about ``tokens``; the last file is cut to fit."""
+    from corpusd.corpus.layout import FILE_HEADER
+    from corpusd.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+    tok: Tokenizer = ByteTokenizer()
+    if model_dir is not None:
+        cfg = ModelConfig.from_dir(model_dir)
+        tok = load_tokenizer(model_dir, cfg.bos_token_id, cfg.eos_token_id)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    total = 0
-    for f in sorted(stdlib.glob("*.py")):
+    total = 1
+    files = [f for f in sorted(stdlib.rglob("*.py")) if "test" not in f.relative_to(stdlib).parts]
+    for i, f in enumerate(files):
+        name = f.relative_to(stdlib).as_posix().replace("/", "_")
         text = f.read_text(encoding="utf-8", errors="replace")
-        data = text.encode()
-        budget = tokens - total - len(f"### file: {f.name}\n") - 2
-        if budget <= 0:
+        head = len(tok.encode(FILE_HEADER.format(path=name)))
+        n = head + len(tok.encode(text + ("" if text.endswith("\n") else "\n")))
+        if total + n > tokens:
+            budget = tokens - total - head - 1
+            if budget <= 0:
+                break
+            text = text[: max(1, len(text) * budget // n)]
+            n = budget
+        (root / f"{i:05d}_{name}").write_text(text, encoding="utf-8")
+        total += n
+        if total >= tokens - 1:
             break
-        data = data[:budget].decode("utf-8", errors="ignore").encode()
-        (root / f.name).write_bytes(data)
-        total += len(data) + len(f"### file: {f.name}\n") + 1
 
 
 def flop_model(cfg: ModelConfig, t: int, chunk: int) -> dict[str, float]:
@@ -71,81 +102,187 @@ def flop_model(cfg: ModelConfig, t: int, chunk: int) -> dict[str, float]:
     return {"indexer": indexer, "attention": attn * layers}
 
 
-def run_one(tokens: int, chunk: int) -> dict[str, object]:
+def pin_once(corpus: str, model: str, device: str, chunk: int, dtype: str) -> dict[str, Any]:
+    """One ``pin`` into a temporary store; its numbers."""
     from corpusd.corpus.pin import PinConfig, pin
 
+    with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as quiet:
+        if device != "cpu":
+            torch.cuda.reset_peak_memory_stats(device)
+        cfg = PinConfig(
+            corpus=corpus, model=model, store=f"{tmp}/store", chunk=chunk, dtype=dtype,
+            device=device,
+        )  # fmt: skip
+        r = pin(cfg, quiet)
+    m = r.manifest
+    row: dict[str, Any] = {
+        "tokens": m.token_count,
+        "prefill_s": m.prefill_seconds,
+        "pin_s": round(r.seconds, 3),
+        "tok_per_s": round(m.token_count / m.prefill_seconds, 1),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+    if device != "cpu":
+        row["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated(device) / (1 << 20), 1)
+    return row
+
+
+def run_size(tokens: int, model: str, device: str, chunk: int, dtype: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
         src.mkdir()
-        make_corpus(src, tokens)
-        model = os.environ["BENCH_MODEL"]
-        with open(os.devnull, "w") as quiet:
-            r = pin(
-                PinConfig(corpus=str(src), model=model, store=f"{tmp}/store", chunk=chunk), quiet
-            )
-        m = r.manifest
-        flops = flop_model(ModelConfig.from_dir(model), m.token_count, chunk)
-        return {
-            "tokens": m.token_count,
-            "prefill_s": m.prefill_seconds,
-            "pin_s": round(r.seconds, 3),
-            "tok_per_s": round(m.token_count / m.prefill_seconds, 1),
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            "indexer_gflop": round(flops["indexer"] / 1e9, 1),
-            "attention_gflop": round(flops["attention"] / 1e9, 1),
-        }
+        make_corpus(src, tokens, model)
+        row = pin_once(str(src), model, device, chunk, dtype)
+    flops = flop_model(ModelConfig.from_dir(model), row["tokens"], chunk)
+    row["indexer_gflop"] = round(flops["indexer"] / 1e9, 1)
+    row["attention_gflop"] = round(flops["attention"] / 1e9, 1)
+    return row
+
+
+def profile(tar: str, model_dir: str, tokens: int, chunk: int) -> dict[str, float]:
+    """Seconds per prefill phase over the tar's first ``tokens`` tokens (CPU, fp32)."""
+    from corpusd.corpus.ingest import ingest
+    from corpusd.corpus.layout import render
+    from corpusd.model import KVCache, load_model
+    from corpusd.model import model as mm
+    from corpusd.tokenizer import load_tokenizer
+
+    cfg = ModelConfig.from_dir(model_dir)
+    tok = load_tokenizer(model_dir, cfg.bos_token_id, cfg.eos_token_id)
+    t0 = time.perf_counter()
+    ids = render(ingest(tar), tok, 1 << 30).tokens[:tokens]
+    spent: collections.defaultdict[str, float] = collections.defaultdict(float)
+    spent["tokenize"] = time.perf_counter() - t0
+    model = load_model(model_dir)
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            spent[name] += time.perf_counter() - t
+            return out
+
+        return wrapper
+
+    saved = (mm.index_scores, mm.select_topk, mm.partial_attention)
+    mm.index_scores = timed("indexer scores", mm.index_scores)
+    mm.select_topk = timed("top-k", mm.select_topk)
+    mm.partial_attention = timed("sparse attention", mm.partial_attention)
+    for layer in model.layers:
+        layer.project = timed("projections (q, latent, index q/k)", layer.project)  # type: ignore[method-assign]
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.output = timed("attention output (W_UV, o_proj)", attn.output)  # type: ignore[method-assign]
+        mlp.forward = timed(f"mlp ({type(mlp).__name__})", mlp.forward)
+    try:
+        tensor = torch.tensor(ids)
+        cache = KVCache(cfg, len(ids), torch.float32)
+        t0 = time.perf_counter()
+        for start in range(0, len(ids), chunk):
+            mm.forward_tokens(model, tensor[start : start + chunk], cache, want_logits=False)
+        spent["prefill (total)"] = time.perf_counter() - t0
+    finally:
+        mm.index_scores, mm.select_topk, mm.partial_attention = saved
+    spent["tokens"] = len(ids)
+    return {k: round(v, 3) for k, v in spent.items()}
+
+
+def _child(args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "tools.bench_pin", *args],
+        check=True, capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def device_name(device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    return next((g for g in ("h200", "h100", "a100", "l40s") if g in name), "cuda")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 65536])
-    p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--out", default="bench/results/pin-cpu.json")
-    p.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--preset", choices=("cpu", "sglang"), help="default: cpu (sglang on CUDA)")
+    p.add_argument("--sizes", type=int, nargs="+", help="default: 4096 16384 (CUDA: 16k 64k 256k)")
+    p.add_argument("--chunk", type=int, help="prefill chunk (default: 256; CUDA: 1024)")
+    p.add_argument("--dtype", help="cache and model dtype (default: float32; CUDA: bfloat16)")
+    p.add_argument("--package", default="prometheus_client", help="the tar: this package's source")
+    p.add_argument("--no-tar", action="store_true", help="skip the tar")
+    p.add_argument("--profile", type=int, default=0, help="time the phases over N tar tokens")
+    p.add_argument("--out", help="default: bench/results/pin-<device>.json")
+    p.add_argument("--one", help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.one:
-        print(json.dumps(run_one(a.one, a.chunk)))
+    cuda = a.device != "cpu"
+    chunk = a.chunk or (1024 if cuda else 256)
+    dtype = a.dtype or ("bfloat16" if cuda else "float32")
+    if a.one:  # a child: one pin, its row as the last line of stdout
+        model = os.environ["BENCH_MODEL"]
+        if a.one == "profile":
+            row = profile(os.environ["BENCH_TAR"], model, a.profile, chunk)
+        elif a.one == "tar":
+            row = pin_once(os.environ["BENCH_TAR"], model, a.device, chunk, dtype)
+        else:
+            row = run_size(int(a.one), model, a.device, chunk, dtype)
+        print(json.dumps(row))
         return
+    preset = a.preset or ("sglang" if cuda else "cpu")
+    sizes = a.sizes or ([16384, 65536, 262144] if cuda else [4096, 16384])
+    from corpusd.corpus.pin import sample_repo
     from corpusd.model.tiny import init_tiny
 
-    with tempfile.TemporaryDirectory() as model_dir:
-        init_tiny(model_dir)
-        gflops = matmul_gflops()
+    common = ["--device", a.device, "--chunk", str(chunk), "--dtype", dtype]
+    result: dict[str, Any] = {
+        "what": f"corpusd pin, tiny model ({preset} preset), {a.device}, {dtype}; "
+        "tok/s = tokens / prefill s",
+        "command": "python -m tools.bench_pin " + " ".join(sys.argv[1:]),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "cpu": platform.processor() or platform.machine(),
+            "device": device_name(a.device),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        "preset": preset,
+        "chunk": chunk,
+        "dtype": dtype,
+        "load_avg_before": [round(x, 2) for x in os.getloadavg()],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = init_tiny(Path(tmp) / "model", preset=preset)
+        env = {**os.environ, "BENCH_MODEL": str(model_dir), "CORPUSD_HOME": tmp}
+        if not a.no_tar or a.profile:
+            os.environ["CORPUSD_HOME"] = tmp
+            tar = sample_repo(a.package)
+            env["BENCH_TAR"] = str(tar)
+            result["tar"] = {"package": a.package, "bytes": tar.stat().st_size}
+            if a.profile:
+                phases = _child(["--one", "profile", "--profile", str(a.profile), *common], env)
+                result["profile"] = phases
+                total = phases["prefill (total)"]
+                print(f"prefill phases over {phases['tokens']:,} tokens ({total:.1f} s):")
+                for k, v in sorted(phases.items(), key=lambda kv: -kv[1]):
+                    if k not in ("tokens", "prefill (total)"):
+                        print(f"  {k:36s} {v:8.2f} s  {100 * v / total:5.1f} %")
+            if not a.no_tar:
+                row = _child(["--one", "tar", *common], env)
+                result["tar"].update(row)
+                print(f"tar {a.package} ({tar.stat().st_size:,} bytes): {json.dumps(row)}")
+        gflops = matmul_gflops(a.device)
+        result["matmul_fp32_gflops"] = round(gflops, 1)
         rows = []
-        for size in a.sizes:
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "tools.bench_pin",
-                    "--one",
-                    str(size),
-                    "--chunk",
-                    str(a.chunk),
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
-                env={**os.environ, "BENCH_MODEL": model_dir},
-            )
-            row = json.loads(out.stdout.strip().splitlines()[-1])
+        for size in sizes:
+            row = _child(["--one", str(size), *common], env)
             floor = (row["indexer_gflop"] + row["attention_gflop"]) / gflops
             row["compute_floor_s"] = round(floor, 2)
             row["of_floor"] = round(floor / row["prefill_s"], 2)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
-    cpu = platform.processor() or platform.machine()
-    print(f"\nmatmul fp32: {gflops:.1f} GFLOP/s on {os.cpu_count()} cores ({cpu})")
-    head = (
-        "tokens",
-        "prefill s",
-        "tok/s",
-        "peak RSS",
-        "indexer GF",
-        "attn GF",
-        "floor s",
-        "floor/act",
-    )
+        result["rows"] = rows
+    result["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"\nmatmul fp32: {gflops:.1f} GFLOP/s ({result['machine']['device']})")
+    head = ("tokens", "prefill s", "tok/s", "peak RSS", "indexer GF", "attn GF", "floor/act")
     print(" ".join(f"{h:>10}" for h in head))
     for r in rows:
         cells = (
@@ -155,29 +292,13 @@ def main() -> None:
             f"{r['peak_rss_mib']:,.0f}Mi",
             f"{r['indexer_gflop']:,.0f}",
             f"{r['attention_gflop']:,.0f}",
-            f"{r['compute_floor_s']:.1f}",
             f"{r['of_floor']:.2f}",
         )
         print(" ".join(f"{c:>10}" for c in cells))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(
-        json.dumps(
-            {
-                "what": "corpusd pin, tiny model, CPU, fp32 cache; tok/s = tokens / prefill s",
-                "command": "python -m tools.bench_pin " + " ".join(sys.argv[1:]),
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "torch": torch.__version__,
-                    "threads": torch.get_num_threads(),
-                },
-                "matmul_fp32_gflops": round(gflops, 1),
-                "chunk": a.chunk,
-                "rows": rows,
-            },
-            indent=2,
-        )
-    )
-    print(f"wrote {a.out}")
+    out = Path(a.out or f"bench/results/pin-{device_name(a.device)}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

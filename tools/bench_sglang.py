@@ -437,7 +437,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     model = work / "model"
     if not (model / "config.json").exists():
         init = work / "model-init" if a.fit_steps else model
-        cmd = [sys.executable, "-m", "corpusd", "model", "init", str(init), "--index-topk", "2048"]
+        cmd = [sys.executable, "-m", "corpusd", "model", "init", str(init), "--preset", "sglang"]
+        cmd += ["--index-topk", "2048"]
         # fp8: the pin prefill selects with SGLang's indexer arithmetic (indexer/fp8.py)
         subprocess.run([*cmd, "--index-arith", a.index_arith], check=True)
         if a.fit_steps:  # decisive logits: near-ties no longer flip free-running greedy tokens

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from corpusd.cli import add_dataclass_flags
 from corpusd.corpus.layout import FILE_HEADER
 from corpusd.model import DeepseekV32, load_model, save_checkpoint
-from corpusd.tokenizer import ByteTokenizer
+from corpusd.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 _GENERATED = ("corpusd/v1/",)  # protobuf output: serialized descriptors, not text worth fitting
@@ -51,16 +51,19 @@ def default_text_files(root: Path = ROOT) -> list[Path]:
     return [root / "README.md", *files]
 
 
-def text_tokens(files: list[Path], root: Path = ROOT) -> torch.Tensor:
+def text_tokens(
+    files: list[Path], root: Path = ROOT, tokenizer: Tokenizer | None = None
+) -> torch.Tensor:
     """The files as a pinned corpus renders them (``FILE_HEADER`` with the path, the text ending
-    in a newline), concatenated and byte-tokenized: int64 ``[n]``. No BOS: each training
-    sequence gets its own."""
+    in a newline), concatenated and tokenized (the model's tokenizer; bytes by default): int64
+    ``[n]``. No BOS: each training sequence gets its own."""
     parts = []
     for p in files:
         text = p.read_text(encoding="utf-8")
         path = p.resolve().relative_to(root) if p.resolve().is_relative_to(root) else p.name
         parts.append(FILE_HEADER.format(path=path) + text + ("" if text.endswith("\n") else "\n"))
-    return torch.tensor(ByteTokenizer().encode("".join(parts)), dtype=torch.int64)
+    tok = tokenizer if tokenizer is not None else ByteTokenizer()
+    return torch.tensor(tok.encode("".join(parts)), dtype=torch.int64)
 
 
 def causal_probs(q: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
@@ -206,7 +209,10 @@ def fit(cfg: FitConfig) -> FitResult:
             f"--seq-len {cfg.seq_len} > index_topk {model.cfg.index_topk}: training attends "
             "densely, so sequences must fit in the top-k; lower --seq-len"
         )
-    tokens = text_tokens([Path(t) for t in cfg.text] if cfg.text else default_text_files())
+    mc = model.cfg
+    tokenizer = load_tokenizer(cfg.src, mc.bos_token_id, mc.eos_token_id)
+    files = [Path(t) for t in cfg.text] if cfg.text else default_text_files()
+    tokens = text_tokens(files, tokenizer=tokenizer)
     tokens = tokens.to(cfg.device)
     if tokens.numel() <= cfg.seq_len:
         raise ValueError(f"the text has {tokens.numel()} tokens, not more than --seq-len")
@@ -258,13 +264,16 @@ def fit(cfg: FitConfig) -> FitResult:
 
 
 def write_like(model: DeepseekV32, src: Path, out: Path) -> None:
-    """Save ``model`` as bf16 shards + index, with ``src``'s own config.json (byte for byte)."""
+    """Save ``model`` as bf16 shards + index, with ``src``'s own config.json (byte for byte) and
+    its tokenizer.json when it has one."""
     save_checkpoint(model, out, dtype=torch.bfloat16)
     written = json.loads((out / "config.json").read_text())
     assert written == json.loads((src / "config.json").read_text()), (
         f"config.json of {out} differs from {src}'s: the model's config did not round-trip"
     )
     shutil.copyfile(src / "config.json", out / "config.json")
+    if (src / "tokenizer.json").is_file():
+        shutil.copyfile(src / "tokenizer.json", out / "tokenizer.json")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,7 +116,7 @@ def main() -> None:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as d:
         tmp = a.keep or Path(d)
-        model = init_tiny(tmp / "model")
+        model = init_tiny(tmp / "model", preset="sglang")  # as fuzz-cpu.json was measured
         with fuzz_cluster(tmp, model) as cluster:
             result = run(cluster, a.n, a.seed, a.concurrency, frozenset(a.only.split(",")) - {""})
     result = {

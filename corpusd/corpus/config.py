@@ -3,11 +3,13 @@ builds its parser without importing the model)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from corpusd.corpus.manifest import KV_FORMATS, PAGE_SIZE
 
 DTYPES = ("float32", "bfloat16")
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +31,10 @@ class PinConfig:
     max_tokens: int = field(default=1 << 20, metadata={"help": "refuse larger corpora"})
     max_file_bytes: int = field(default=1 << 20, metadata={"help": "skip larger files"})
     chunk: int = field(default=256, metadata={"help": "prefill chunk (tokens)"})
-    dtype: str = field(default="float32", metadata={"help": "cache dtype", "choices": DTYPES})
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "cache and prefill dtype (bfloat16 for GPU pins)", "choices": DTYPES},
+    )
     kv_format: str = field(
         default="plain",
         metadata={
@@ -37,6 +42,10 @@ class PinConfig:
             "656-byte rows, as SGLang's --kv-cache-dtype fp8_e4m3; kv_lora_rank 512, rope 64)",
             "choices": KV_FORMATS,
         },
+    )
+    device: str = field(
+        default="cpu",
+        metadata={"help": "where the prefill runs: cpu, cuda or cuda:N (pages are stored alike)"},
     )
 
     def __post_init__(self) -> None:
@@ -47,3 +56,5 @@ class PinConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")

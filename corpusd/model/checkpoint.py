@@ -192,8 +192,9 @@ def save_checkpoint(
 
 
 def fingerprint(model_dir: str | Path) -> str:
-    """A content fingerprint of a checkpoint: ``sha256:<hex>`` over the canonical config and every
-    weight file's name, size, safetensors header and 16 sampled 64 KiB windows.
+    """A content fingerprint of a checkpoint: ``sha256:<hex>`` over the canonical config, every
+    weight file's name, size, safetensors header and 16 sampled 64 KiB windows, and the whole
+    ``tokenizer.json`` when there is one (it gives token ids their meaning).
 
     Sampling keeps this O(1) in checkpoint size (a real V3.2 checkpoint is ~700 GB); any two
     checkpoints that differ in config, tensor layout or in weights at the sampled windows differ
@@ -211,6 +212,9 @@ def fingerprint(model_dir: str | Path) -> str:
             for i in range(16):
                 fh.seek(size * i // 16)
                 h.update(fh.read(1 << 16))
+    tokenizer = model_dir / "tokenizer.json"
+    if tokenizer.is_file():  # absent: the byte-level tokenizer, as before (same fingerprints)
+        h.update(b"tokenizer.json:" + hashlib.sha256(tokenizer.read_bytes()).digest())
     return "sha256:" + h.hexdigest()
 
 

@@ -63,6 +63,10 @@ class Router(nn.Module):
         return ids, w * c.routed_scaling_factor
 
 
+#: Run every expert on every row when there are at most this many experts per routed one.
+DENSE_MAX_RATIO = 4
+
+
 class Experts(nn.Module):
     """Routed experts stored stacked: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
 
@@ -73,6 +77,18 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x [n, H]``, the router's ``ids``/``w [n, top_k]`` → ``Σ_j w[:, j] · expert_ids[j](x)``.
+
+        With few experts per routed one (``E <= DENSE_MAX_RATIO · top_k``, as in the tiny
+        models) every expert runs on every row in three batched matmuls and the unrouted ones
+        get weight 0: at most that many times the FLOPs, but ~8 ops instead of ~11 per expert,
+        and on a busy 2-core CPU each op's thread barrier costs more than the FLOPs. Real
+        V3.2 (256 experts, 8 routed) takes the per-expert loop. Both compute each routed
+        expert's rows identically; only the order of the final weighted sum differs.
+        """
+        e = self.gate_up_proj.shape[0]
+        if x.shape[0] > 1 and e <= DENSE_MAX_RATIO * ids.shape[1]:
+            return self._dense(x, ids, w)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             tok, slot = torch.where(ids == e)
@@ -80,6 +96,13 @@ class Experts(nn.Module):
             y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w[tok, slot, None].to(x.dtype)
             out.index_add_(0, tok, y)
         return out
+
+    def _dense(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.matmul(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E,n,I]
+        y = torch.matmul(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, n, H]
+        dense_w = torch.zeros(x.shape[0], y.shape[0], dtype=x.dtype, device=x.device)
+        dense_w.scatter_(1, ids, w.to(x.dtype))  # [n, E]: 0 for experts not routed to
+        return torch.einsum("ne,enh->nh", dense_w, y)
 
 
 class MoE(nn.Module):

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-_GATHER_ELEMS = 16 << 20  # float32 elements of one gathered block (64 MiB)
+_GATHER_ELEMS = 4 << 20  # float32 elements of one gathered block (16 MiB)
 
 
 def partial_attention(
@@ -34,27 +34,26 @@ def partial_attention(
     Raises:
         IndexError: an index ``>= N``.
     """
-    n, _, d = q.shape
+    n, h, d = q.shape
     assert kv.dim() == 2 and kv.shape[1] == d, f"{kv.shape=} vs {q.shape=}"
     assert indices.dim() == 2 and indices.shape[0] == n, f"{indices.shape=} vs {q.shape=}"
     if indices.numel() and int(indices.max()) >= kv.shape[0]:
         raise IndexError(f"index {int(indices.max())} out of range for {kv.shape[0]} cache rows")
-    # Rows go in chunks so the gathered [chunk, k, d] block stays ~64 MiB whatever n·k is.
+    # Rows go in blocks so the gathered [block, k, d] rows stay ~16 MiB (in this CPU's L3)
+    # whatever n·k is; the score block is updated in place (a pass fewer per op).
     step = max(1, _GATHER_ELEMS // max(1, indices.shape[1] * d))
-    if n > step:
-        parts = [
-            partial_attention(q[i : i + step], kv, indices[i : i + step], scale, d_v)
-            for i in range(0, n, step)
-        ]
-        return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
-    valid = indices >= 0
-    rows = kv[indices.clamp(min=0)].float()  # [n, k, d]
-    s = torch.einsum("nhd,nkd->nhk", q.float(), rows) * scale
-    s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [n, h]; -inf for empty rows
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    o = torch.einsum("nhk,nkv->nhv", p, rows[..., :d_v])
-    return o.to(q.dtype), lse
+    o = torch.empty(n, h, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(n, h, dtype=torch.float32, device=q.device)
+    for i in range(0, n, step):
+        ind = indices[i : i + step]
+        rows = kv[ind.clamp(min=0)].float()  # [b, k, d]
+        s = torch.bmm(q[i : i + step].float(), rows.transpose(1, 2))  # [b, h, k]
+        s.mul_(scale).masked_fill_((ind < 0)[:, None, :], float("-inf"))
+        part = torch.logsumexp(s, dim=-1)  # [b, h]; -inf for empty rows
+        s.sub_(torch.where(torch.isinf(part), 0.0, part)[..., None]).exp_()
+        o[i : i + step] = torch.bmm(s, rows[..., :d_v])
+        lse[i : i + step] = part
+    return o, lse
 
 
 def merge_partials(

@@ -1,14 +1,24 @@
-"""The embedded default model: a deterministic tiny DeepSeek-V3.2 with random weights.
+"""The embedded default models: deterministic tiny DeepSeek-V3.2s with random weights.
 
-It has the real model's attention geometry where kernels care (64 heads, kv_lora_rank 512,
-rope 64 → 576-wide latent rows, 64 index heads × 128) and is small elsewhere, so one checkpoint
-serves CPU tests, the GPU kernels (FlashMLA needs h ∈ {64, 128}) and SGLang runs. Weights are a
-pure function of (parameter name, seed): the same directory comes out on every machine.
+Two presets, both with the real model's attention geometry where kernels care (64 heads,
+kv_lora_rank 512, rope 64 → 576-wide latent rows) and small elsewhere:
+
+- ``cpu`` (the default): a 16,384-id BPE tokenizer trained on source code
+  (``tiny_tokenizer.json``, written beside the weights as ``tokenizer.json``) and an 8-head × 128
+  indexer. A pin's indexer scores every earlier token, so its cost is ~T²·H_I·D_I: ~5x fewer
+  tokens for the same text and 8x fewer index heads are what let a 200 KB source tar pin in
+  minutes on 2 CPU cores (bench/results/pin-cpu.json).
+- ``sglang``: SGLang-shaped for GPU work: byte-level tokens and DeepSeek-V3.2's 64 × 128 indexer
+  (SGLang's NSA kernels assume it); FlashMLA needs h ∈ {64, 128}.
+
+Weights are a pure function of (parameter name, seed): the same directory comes out on every
+machine.
 """
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +29,7 @@ from corpusd.model.config import ModelConfig, RopeConfig
 from corpusd.model.model import DeepseekV32
 from corpusd.tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID
 
-TINY = ModelConfig(
+SGLANG = ModelConfig(
     vocab_size=BYTE_VOCAB_SIZE,
     hidden_size=256,
     intermediate_size=512,
@@ -49,6 +59,13 @@ TINY = ModelConfig(
     eos_token_id=EOS_ID,
     rope=RopeConfig(),
 )
+#: The CPU default's BPE (tools/train_tokenizer.py); ids 0 / 1 are its <bos> / <eos>.
+TOKENIZER_JSON = Path(__file__).with_name("tiny_tokenizer.json")
+# 8 index heads, not fewer: a key that every head scores <= 0 scores exactly 0 after the ReLU,
+# and with 4 random heads such exact ties reach the top-k cut at a few thousand tokens, where the
+# transformers oracle breaks them differently from corpusd (lowest position first).
+TINY = replace(SGLANG, vocab_size=16384, index_n_heads=8, bos_token_id=0, eos_token_id=1)
+PRESETS = {"cpu": TINY, "sglang": SGLANG}
 
 
 def _tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -67,9 +84,9 @@ def _tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=g) / shape[-1] ** 0.5
 
 
-def build_tiny(seed: int = 0, **overrides: object) -> DeepseekV32:
+def build_tiny(seed: int = 0, preset: str = "cpu", **overrides: object) -> DeepseekV32:
     """The tiny model in float32 (bf16-rounded weights, as the saved checkpoint holds them)."""
-    cfg = replace(TINY, **overrides)  # type: ignore[arg-type]
+    cfg = replace(preset_config(preset), **overrides)  # type: ignore[arg-type]
     with torch.device("meta"):
         model = DeepseekV32(cfg)
     sd = {
@@ -80,14 +97,30 @@ def build_tiny(seed: int = 0, **overrides: object) -> DeepseekV32:
     return model.eval()
 
 
-#: ``fingerprint`` of ``init_tiny(dir)`` (seed 0, no overrides): the same bytes on every machine,
-#: so a corpus pinned for the random-weight default is recognised without reading a model
-#: (tests/unit/test_checkpoint.py holds it to a fresh checkpoint).
-TINY_FINGERPRINT = "sha256:e9b0d264e177ac1837c19d1b61828d4abc665dca3c6c02be694fb4317951102b"
+def preset_config(preset: str) -> ModelConfig:
+    """The config of a preset by name; ValueError names the presets."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}: one of {', '.join(PRESETS)}")
+    return PRESETS[preset]
 
 
-def init_tiny(out_dir: str | Path, seed: int = 0, **overrides: object) -> Path:
-    """Write the tiny checkpoint (bf16 safetensors shards + index + config.json) to ``out_dir``."""
+#: ``fingerprint`` of ``init_tiny(dir, preset=…)`` (seed 0, no overrides): the same bytes on
+#: every machine, so a corpus pinned for a random-weight default is recognised without reading
+#: a model (tests/unit/test_checkpoint.py holds them to fresh checkpoints). ``sglang``'s is the
+#: old default's, unchanged.
+TINY_FINGERPRINTS = {
+    "cpu": "sha256:1700c248606d67f06d2aceda88a559f816ad14b25a24da9b75635077980fac05",
+    "sglang": "sha256:e9b0d264e177ac1837c19d1b61828d4abc665dca3c6c02be694fb4317951102b",
+}
+
+
+def init_tiny(out_dir: str | Path, seed: int = 0, preset: str = "cpu", **overrides: object) -> Path:
+    """Write a tiny checkpoint (bf16 safetensors shards + index + config.json, and the
+    ``cpu`` preset's tokenizer.json) to ``out_dir``."""
     out = Path(out_dir)
-    save_checkpoint(build_tiny(seed, **overrides), out, dtype=torch.bfloat16)
+    save_checkpoint(build_tiny(seed, preset, **overrides), out, dtype=torch.bfloat16)
+    if preset == "cpu":
+        shutil.copyfile(TOKENIZER_JSON, out / "tokenizer.json")
+    else:  # a byte-level preset written over a BPE one must not keep its tokenizer
+        (out / "tokenizer.json").unlink(missing_ok=True)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -129,7 +130,9 @@ def test_the_readme_demo_line_stops_the_daemons_when_a_step_fails(
     fail fast (a pin of a tar that does not exist) and the installs are left out."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     line = readme.split("```bash\n", 1)[1].splitlines()[0].split("   #", 1)[0]
-    line = line[line.index("corpusd up") :].replace("corpusd demo", "corpusd pin --corpus /no.tar")
+    line = re.sub(
+        r"corpusd demo[^&;)]*", "corpusd pin --corpus /no.tar ", line[line.index("corpusd up") :]
+    )
     shell = f'corpusd() {{ "{sys.executable}" -m corpusd "$@"; }}; {line}'
     r = subprocess.run(["bash", "-c", shell], env=home, capture_output=True, text=True, timeout=300)
     root = Path(home["CORPUSD_HOME"]) / "up"

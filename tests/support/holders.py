@@ -14,11 +14,21 @@ from holder.launch import start_holder as _start
 def pin_sample(
     tmp: Path, model_dir: Path, tokens: int = 1000, dtype: str = "float32", kv_format: str = "plain"
 ) -> str:
-    """Pin ~``tokens`` byte tokens of text into ``tmp/store`` (cache in ``dtype``, latent rows in
-    ``kv_format``); returns the corpus id."""
-    body = "".join(f"line {i}: the quick brown fox {i * 7919 % 1000}\n" for i in range(tokens))[
-        :tokens
-    ]
+    """Pin ~``tokens`` tokens (in the model's own tokenizer: bytes, or the CPU default's BPE)
+    of text into ``tmp/store`` (cache in ``dtype``, latent rows in ``kv_format``); returns the
+    corpus id."""
+    from corpusd.model import ModelConfig
+    from corpusd.tokenizer import load_tokenizer
+
+    cfg = ModelConfig.from_dir(model_dir)
+    tok = load_tokenizer(model_dir, cfg.bos_token_id, cfg.eos_token_id)
+    lines = (f"line {i}: the quick brown fox {i * 7919 % 1000}\n" for i in range(1 << 30))
+    body, count = "", 0
+    while count < tokens:  # one line's tokens, as the file's own stream counts them
+        line = next(lines)
+        body += line
+        count += len(tok.encode(line))
+    body = body[: len(body) * tokens // count]
     src = tmp / "repo.tar"
     with tarfile.open(src, "w") as tar:
         info = tarfile.TarInfo("src/main.txt")

@@ -21,15 +21,22 @@ def _logits(model, toks: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyp
 
 
 def test_tiny_checkpoint_is_sharded_and_deterministic(tiny_dir: Path, tmp_path: Path) -> None:
-    from corpusd.model.tiny import TINY_FINGERPRINT, init_tiny
+    from corpusd.model.tiny import TINY_FINGERPRINTS, init_tiny
 
     index = json.loads((tiny_dir / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1, "tiny checkpoint should exercise sharding"
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in index["weight_map"]
     again = init_tiny(tmp_path / "again")
-    assert fingerprint(again) == fingerprint(tiny_dir) == TINY_FINGERPRINT
+    assert fingerprint(again) == fingerprint(tiny_dir) == TINY_FINGERPRINTS["cpu"]
+    sglang = init_tiny(tmp_path / "sglang", preset="sglang")
+    assert fingerprint(sglang) == TINY_FINGERPRINTS["sglang"]
     other = init_tiny(tmp_path / "other", seed=1)
     assert fingerprint(other) != fingerprint(tiny_dir)
+    # The tokenizer gives ids their meaning: another tokenizer.json, another fingerprint.
+    (again / "tokenizer.json").write_text("{}")
+    assert fingerprint(again) != TINY_FINGERPRINTS["cpu"]
+    # A byte-level preset written over the BPE one leaves no tokenizer.json behind.
+    assert not (init_tiny(again, preset="sglang") / "tokenizer.json").exists()
 
 
 def test_we_read_what_transformers_saves(hf_model, tiny_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -93,7 +93,10 @@ def test_index_loss_trains_the_indexer_alone(tiny_model) -> None:  # type: ignor
         assert abs(float(index_kl(layer, x, cos, sin, own[:, None, :]))) <= 1e-5
 
 
-def test_fit_lowers_loss_and_writes_a_loadable_checkpoint(tiny_dir: Path, tmp_path: Path) -> None:
+def test_fit_lowers_loss_and_writes_a_loadable_checkpoint(sglang_dir: Path, tmp_path: Path) -> None:
+    # fit_tiny fits the checkpoints SGLang runs use (tools/bench_sglang.py): the sglang preset,
+    # byte tokens, so the six steps below see a 64-token window of the repeated line.
+    tiny_dir = sglang_dir
     text = tmp_path / "notes.md"
     text.write_text("The holder keeps the pinned pages; the requester merges partials.\n" * 8)
     out = tmp_path / "fitted"

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import indexer.select
 from corpusd.model import merge_partials, partial_attention
-from indexer import index_scores, select_topk
+from indexer import index_scores, select_topk, select_topk_exact
 from tests.support.checks import rel
 
 
@@ -119,6 +120,39 @@ def test_select_topk_without_limit_and_k_beyond_length() -> None:
     scores = torch.tensor([[3.0, 1.0, 3.0, 2.0]])
     assert select_topk(scores, 2).tolist() == [[0, 2]]
     assert select_topk(scores, 6).tolist() == [[0, 1, 2, 3, -1, -1]]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_select_topk_fast_path_equals_exact_on_prefill_shaped_rows(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill chunk: 64 rows at positions 3000…3063 over 3064 keys, continuous scores with
+    planted ties at the cut, NaN, ±inf and a row with fewer eligible keys than k. The fast path
+    must give the exact reference's answer bit for bit, and decide most rows itself."""
+    g = torch.Generator().manual_seed(seed)
+    n, t, k = 64, 3064, 128
+    scores = torch.randn(n, t, generator=g)
+    limit = torch.arange(t - n, t) + 1
+    limit[5] = 100  # fewer eligible keys than k
+    top = scores[7].topk(k + 1).indices
+    scores[7, top[-1]] = scores[7, top[-2]]  # a tie straddling the cut
+    scores[9, 17] = float("nan")
+    scores[11, 40] = float("inf")
+    scores[13, :200] = float("-inf")
+    want = select_topk_exact(scores, k, limit)
+    slow_rows = []
+    real = indexer.select.select_topk_exact
+
+    def counting(s: torch.Tensor, kk: int, lim: torch.Tensor | None = None) -> torch.Tensor:
+        slow_rows.append(s.shape[0])
+        return real(s, kk, lim)
+
+    monkeypatch.setattr(indexer.select, "select_topk_exact", counting)
+    got = select_topk(scores, k, limit)
+    assert torch.equal(got, want), f"{(got != want).any(dim=1).nonzero().flatten().tolist()=}"
+    assert sum(slow_rows) <= 6, f"{slow_rows=}: the fast path decided too few rows"
+    no_limit = select_topk(scores, k)
+    assert torch.equal(no_limit, real(scores, k))
 
 
 def test_index_scores_match_formula_across_key_blocks() -> None:

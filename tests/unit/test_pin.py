@@ -18,7 +18,7 @@ from corpusd.corpus.layout import FILE_HEADER
 from corpusd.corpus.pin import PinConfig, pin
 from corpusd.corpus.store import PageStore, StoreError
 from corpusd.model import KVCache, forward_tokens, load_model
-from corpusd.tokenizer import BOS_ID, ByteTokenizer
+from corpusd.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def _tar(path: Path, files: dict[str, bytes]) -> Path:
@@ -48,19 +48,23 @@ def _store_listing(root: Path) -> list[str]:
 
 
 def test_pinned_pages_equal_the_models_prefill(tmp_path: Path, tiny_dir: Path, tiny_model) -> None:  # type: ignore[no-untyped-def]
-    src = _tar(tmp_path / "repo.tar", FILES)
+    # This file's own source: real, varied text, past 2 × index_topk in BPE tokens too.
+    files = {**FILES, "src/c.py": Path(__file__).read_bytes()}
+    src = _tar(tmp_path / "repo.tar", files)
     r = _pin(tmp_path, tiny_dir, src, page_size=64, chunk=100)
     m = r.manifest
     assert not r.reused and m.state == "ready" and m.name == "repo"
-    assert [f[0] for f in m.files] == ["README.md", "src/a.py", "src/b.py"]
+    assert [f[0] for f in m.files] == ["README.md", "src/a.py", "src/b.py", "src/c.py"]
     assert [s[:2] for s in m.skipped] == [("logo.png", "binary")]
     store = PageStore(tmp_path / "store")
     tokens = store.read_tokens(m.corpus_id)
     # The stream: BOS, then each file's header + text; spans cover exactly those tokens.
-    assert int(tokens[0]) == BOS_ID and m.token_count == len(tokens)
-    tok = ByteTokenizer()
+    cfg = tiny_model.cfg
+    assert int(tokens[0]) == cfg.bos_token_id and m.token_count == len(tokens)
+    tok = load_tokenizer(tiny_dir, cfg.bos_token_id, cfg.eos_token_id)
+    assert m.tokenizer == tok.name
     for path, start, end in m.files:
-        text = (FILE_HEADER.format(path=path)).encode() + FILES[path]
+        text = (FILE_HEADER.format(path=path)).encode() + files[path]
         assert tok.decode(tokens[start:end].tolist()).encode() == text
     assert m.token_count > 2 * tiny_model.cfg.index_topk  # sparse selection happened during pin
     # Pages hold exactly what one monolithic prefill of the same tokens produces.
@@ -228,8 +232,12 @@ def test_corrupt_archive_and_token_limit_write_nothing(tmp_path: Path, tiny_dir:
     bad.write_bytes(good.read_bytes()[:700])
     with pytest.raises(CorpusError, match="corrupt"):
         _pin(tmp_path, tiny_dir, bad)
-    with pytest.raises(CorpusError, match=r"token limit of 100 at file 'src/a\.py'"):
-        _pin(tmp_path, tiny_dir, good, max_tokens=100)
+    cfg = load_model(tiny_dir).cfg
+    tok = load_tokenizer(tiny_dir, cfg.bos_token_id, cfg.eos_token_id)
+    readme = [FILE_HEADER.format(path="README.md"), FILES["README.md"].decode()]
+    limit = 1 + sum(len(tok.encode(t)) for t in readme) + 1  # BOS, README.md, 1 of src/a.py
+    with pytest.raises(CorpusError, match=rf"token limit of {limit} at file 'src/a\.py'"):
+        _pin(tmp_path, tiny_dir, good, max_tokens=limit)
     assert _store_listing(tmp_path / "store") == []
 
 
@@ -255,7 +263,9 @@ def test_cli_pin_summary_and_errors(tmp_path: Path, tiny_dir: Path, capsys) -> N
     assert "page_size must be > 0" in capsys.readouterr().err
 
 
-def test_tokenizer_json_in_the_model_dir_is_used(tmp_path: Path, tiny_dir: Path) -> None:
+def test_tokenizer_json_in_the_model_dir_is_used(
+    tmp_path: Path, tiny_dir: Path, sglang_dir: Path
+) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from corpusd.tokenizer import HFTokenizer, load_tokenizer
@@ -269,7 +279,13 @@ def test_tokenizer_json_in_the_model_dir_is_used(tmp_path: Path, tiny_dir: Path)
     loaded = load_tokenizer(model_dir, bos_id=5, eos_id=6)
     assert isinstance(loaded, HFTokenizer) and loaded.bos_id == 5
     assert loaded.encode("def x return y") == [1, 3, 2, 0]
-    assert isinstance(load_tokenizer(tiny_dir, 256, 257), ByteTokenizer)
+    assert isinstance(load_tokenizer(sglang_dir, 256, 257), ByteTokenizer)
+    # The CPU default's BPE: far fewer tokens than bytes on source code, and lossless.
+    bpe = load_tokenizer(tiny_dir, 0, 1)
+    text = Path(__file__).read_text()
+    ids = bpe.encode(text)
+    assert isinstance(bpe, HFTokenizer) and len(ids) < len(text.encode()) / 3
+    assert bpe.decode(ids) == text and max(ids) < 16384
 
 
 def test_console_script_runs(tmp_path: Path, tiny_dir: Path) -> None:
