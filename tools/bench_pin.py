@@ -108,7 +108,8 @@ def pin_once(corpus: str, model: str, device: str, chunk: int, dtype: str) -> di
 
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as quiet:
         if device != "cpu":
-            torch.cuda.reset_peak_memory_stats(device)
+            torch.empty(1, device=device)  # a CUDA context first: the stats need one
+            torch.cuda.reset_peak_memory_stats(torch.device(device))
         cfg = PinConfig(
             corpus=corpus, model=model, store=f"{tmp}/store", chunk=chunk, dtype=dtype,
             device=device,
@@ -123,7 +124,8 @@ def pin_once(corpus: str, model: str, device: str, chunk: int, dtype: str) -> di
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
     if device != "cpu":
-        row["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated(device) / (1 << 20), 1)
+        peak = torch.cuda.max_memory_allocated(torch.device(device))
+        row["peak_gpu_mib"] = round(peak / (1 << 20), 1)
     return row
 
 
@@ -188,9 +190,10 @@ def profile(tar: str, model_dir: str, tokens: int, chunk: int) -> dict[str, floa
 
 def _child(args: list[str], env: dict[str, str]) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "tools.bench_pin", *args],
-        check=True, capture_output=True, text=True, env=env,
-    )  # fmt: skip
+        [sys.executable, "-m", "tools.bench_pin", *args], capture_output=True, text=True, env=env
+    )
+    if out.returncode:  # the child's own error, not only its exit status
+        raise SystemExit(f"bench_pin {' '.join(args)} failed:\n{out.stderr[-4000:]}")
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
