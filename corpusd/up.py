@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corpusd import env
+from corpusd import env, local_ca, security
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.daemon import Daemon
@@ -45,19 +45,28 @@ class UpConfig:
                   "const": 1},
     )  # fmt: skip
     timeout_s: float = field(default=180.0, metadata={"help": "for everything to come up"})
+    insecure: int = field(
+        default=0,
+        metadata={"help": "1 (or the flag alone): plaintext and no tokens (default: TLS with a "
+                  "local CA and tokens made in <state-dir>/tls)", "const": 1},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if not 1 <= self.holders <= 64:
             raise ValueError(f"holders must be in 1..64, got {self.holders}")
         if self.capacity_tokens <= 0 or not self.timeout_s > 0:
             raise ValueError("capacity_tokens and timeout_s must be > 0")
-        if self.detach not in (0, 1):
-            raise ValueError(f"detach must be 0 or 1, got {self.detach}")
+        if self.detach not in (0, 1) or self.insecure not in (0, 1):
+            raise ValueError(
+                f"detach and insecure must be 0 or 1, got {self.detach}, {self.insecure}"
+            )
 
 
 def describe(info: dict[str, Any]) -> str:
+    scheme = "https" if info.get("security") else "http"
+
     def url(port: int) -> str:
-        return f"http://127.0.0.1:{port}/metrics" if port >= 0 else "-"
+        return f"{scheme}://127.0.0.1:{port}/metrics" if port >= 0 else "-"
 
     c = info["coordinator"]
     lines = [
@@ -68,6 +77,10 @@ def describe(info: dict[str, Any]) -> str:
         lines.append(f"  holder       {h['address']:<22} {url(h['metrics'])}")
     a = info["agent"]
     lines.append(f"  agent        {a['address']:<22} {url(a['metrics'])}")
+    if sec := info.get("security"):
+        lines.append(f"  TLS (mutual) and tokens: CA, certificate and tokens in {sec['dir']}")
+    else:
+        lines.append("  plaintext, no tokens (--insecure)")
     lines.append("  other commands find the coordinator through up.json; stop: corpusd down")
     return "\n".join(lines)
 
@@ -97,9 +110,13 @@ def up(cfg: UpConfig) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         print(f"starting a coordinator, {cfg.holders} holders and an agent under {root}")
-        coord = start_coordinator(root / "coordinator", store, timeout=cfg.timeout_s)
+        ca = None if cfg.insecure else local_ca.ensure(root / "tls")
+        flags, envs = _security(ca)
+        coord = start_coordinator(
+            root / "coordinator", store, *flags, timeout=cfg.timeout_s, env=envs["admin"]
+        )
         daemons.append(coord)
-        cap = ("--capacity-tokens", str(cfg.capacity_tokens))
+        cap = ("--capacity-tokens", str(cfg.capacity_tokens), *flags)
         with ThreadPoolExecutor(cfg.holders + 1) as pool:
             hs = [
                 pool.submit(
@@ -111,6 +128,7 @@ def up(cfg: UpConfig) -> int:
                     coord.address,
                     *cap,
                     timeout=cfg.timeout_s,
+                    env=envs["holder"],
                 )
                 for i in range(cfg.holders)
             ]
@@ -121,13 +139,18 @@ def up(cfg: UpConfig) -> int:
                 model,
                 "--coordinator",
                 coord.address,
+                *flags,
                 timeout=cfg.timeout_s,
+                env=envs["agent"],
             )
             holders = [f.result() for f in hs]
             daemons += holders
             agent = ag.result()
             daemons.append(agent)
-        asyncio.run(_ready(coord.address, cfg.holders, cfg.timeout_s))
+        ident = None
+        if ca is not None:
+            ident = security.identity_from(str(ca.ca), str(ca.cert), str(ca.key), ca.token("admin"))
+        asyncio.run(_ready(coord.address, cfg.holders, cfg.timeout_s, ident))
         info = {
             "pid": os.getpid(),
             "state_dir": str(root),
@@ -136,6 +159,7 @@ def up(cfg: UpConfig) -> int:
             "coordinator": {"address": coord.address, "metrics": coord.metrics_port},
             "holders": [{"address": h.address, "metrics": h.metrics_port} for h in holders],
             "agent": {"address": agent.address, "metrics": agent.metrics_port},
+            "security": {"dir": str(ca.dir)} if ca is not None else None,
         }
         tmp = root / "up.json.tmp"
         tmp.write_text(json.dumps(info, indent=1))
@@ -166,9 +190,24 @@ def up(cfg: UpConfig) -> int:
     return 0
 
 
-async def _ready(address: str, holders: int, timeout: float) -> None:
+def _security(ca: local_ca.LocalCA | None) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """The daemons' TLS flags, and each role's environment with its token (tokens travel in
+    the environment, never on a command line others can read in ps)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CORPUSD_TLS_")}
+    base.pop(security.ENV_TOKEN, None)
+    if ca is None:
+        return ["--insecure", "1"], {r: base for r in ("admin", "holder", "agent")}
+    flags = ["--tls-cert", str(ca.cert), "--tls-key", str(ca.key), "--tls-ca", str(ca.ca)]
+    flags += ["--auth-tokens", str(ca.tokens)]
+    envs = {r: {**base, security.ENV_TOKEN: ca.token(r)} for r in ("admin", "holder", "agent")}
+    return flags, envs
+
+
+async def _ready(
+    address: str, holders: int, timeout: float, ident: security.Identity | None
+) -> None:
     """Until the coordinator sees every holder live and the agent reported."""
-    async with CoordinatorClient(address) as c:
+    async with CoordinatorClient(address, ident=ident or security.Identity()) as c:
         await c.wait_holders(holders, timeout)
         deadline = time.monotonic() + timeout
         while not any(w.live for w in await c.list_workers()):
@@ -198,6 +237,8 @@ def _detach(cfg: UpConfig, root: Path) -> int:
         args += ["--store", cfg.store]
     if cfg.model:
         args += ["--model", cfg.model]
+    if cfg.insecure:
+        args += ["--insecure", "1"]
     with log.open("ab") as out:
         proc = subprocess.Popen(
             args,

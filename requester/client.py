@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 import torch
 
+from corpusd import security
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
 from corpusd.rpc import StatusError
 from corpusd.v1 import agent_pb2, agent_pb2_grpc
@@ -68,11 +69,21 @@ class Completion:
 
 
 class Client:
-    def __init__(self, agent: str = "", coordinator: str = "", timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        agent: str = "",
+        coordinator: str = "",
+        timeout: float = 120.0,
+        ident: security.Identity | None = None,
+    ) -> None:
+        """``ident``: TLS and token (default: this process's: flags, ``CORPUSD_TLS_*`` and
+        ``CORPUSD_TOKEN``, else a running secure ``corpusd up``'s; see corpusd.security)."""
         if not (agent or coordinator):
             raise ValueError("give an agent address or a coordinator address")
-        self.agent, self.timeout = agent, timeout
-        self.coordinator = CoordinatorClient(coordinator, timeout=timeout) if coordinator else None
+        self.agent, self.timeout, self.ident = agent, timeout, ident
+        self.coordinator = (
+            CoordinatorClient(coordinator, timeout=timeout, ident=ident) if coordinator else None
+        )
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, agent_pb2_grpc.AgentStub] = {}
         self._attend_at = ""  # the worker chosen for Attend calls
@@ -92,8 +103,9 @@ class Client:
 
     def _stub(self, address: str) -> agent_pb2_grpc.AgentStub:
         if address not in self._stubs:
-            ch = grpc.aio.insecure_channel(
+            ch = security.channel(
                 address,
+                ident=self.ident,
                 options=[
                     ("grpc.max_receive_message_length", 256 << 20),
                     ("grpc.max_send_message_length", 256 << 20),
