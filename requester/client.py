@@ -15,6 +15,8 @@ tokens (the prompt as the worker tokenized it, then every token it streamed), an
 Generate stream breaks with UNAVAILABLE it opens the session anew on another worker from the
 corpus id and those tokens, and streams on from there, without a gap or a repeat. A greedy
 stream resumes token for token; a sampled one resumes with its seed from the resume point.
+Opening a session (or reopening one) on a worker that does not answer (UNAVAILABLE: dead, and
+the coordinator has not noticed yet) is retried on another worker the coordinator picks.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
 from corpusd.rpc import StatusError
 from corpusd.v1 import agent_pb2, agent_pb2_grpc
 from corpusd.wire import from_proto, to_proto
+
+#: workers an OpenSession (or a resume) tries before it gives up
+OPEN_TRIES = 4
 
 
 class AgentError(StatusError):
@@ -88,6 +93,7 @@ class Client:
         self._stubs: dict[str, agent_pb2_grpc.AgentStub] = {}
         self._attend_at = ""  # the worker chosen for Attend calls
         self._sessions: dict[str, _Resumable] = {}  # by the id open_session returned
+        self.reopened = 0  # OpenSession calls sent again to another worker (one was dead)
 
     async def __aenter__(self) -> Client:
         return self
@@ -136,8 +142,7 @@ class Client:
             req.tokens.SetInParent()  # an empty list is still the tokens choice
             req.tokens.ids.extend(prompt)
             estimate = len(prompt)
-        address = await self._where(estimate + reserve_tokens)
-        r: Any = await self._call(self._stub(address).OpenSession(req, timeout=self.timeout))
+        r, address = await self._open(req, estimate + reserve_tokens)
         ref = SessionRef(r.session_id, address, r.corpus_tokens, r.prompt_tokens, r.corpus_id)
         self._sessions[ref.session_id] = _Resumable(ref, list(r.prompt_ids))
         return ref
@@ -189,9 +194,30 @@ class Client:
         """The session opened anew on a worker other than ``dead``, from its tokens."""
         req = agent_pb2.OpenSessionRequest(corpus=live.ref.corpus_id)
         req.tokens.ids.extend(live.tokens)
-        address = await self._where(len(live.tokens) + 256, exclude=[dead])
-        r: Any = await self._call(self._stub(address).OpenSession(req, timeout=self.timeout))
+        r, address = await self._open(req, len(live.tokens) + 256, exclude=[dead])
         return replace(live.ref, session_id=r.session_id, address=address)
+
+    async def _open(
+        self, req: Any, session_tokens: int, exclude: Sequence[str] = ()
+    ) -> tuple[Any, str]:
+        """OpenSession on the worker the coordinator picks; a worker that does not answer
+        (UNAVAILABLE: it died and its lease has not run out) is excluded and the coordinator
+        asked again, up to OPEN_TRIES workers. Returns ``(reply, address)``; raises AgentError
+        (the last worker's, or the coordinator's when no worker is left)."""
+        gone = list(exclude)
+        for attempt in range(OPEN_TRIES):
+            address = await self._where(session_tokens, exclude=gone)
+            try:
+                r = await self._call(self._stub(address).OpenSession(req, timeout=self.timeout))
+            except AgentError as e:
+                last = attempt == OPEN_TRIES - 1
+                if e.code != grpc.StatusCode.UNAVAILABLE or self.coordinator is None or last:
+                    raise
+                gone.append(address)
+                self.reopened += 1
+                continue
+            return r, address
+        raise AssertionError("unreachable: the last try raises")
 
     async def complete(self, session: SessionRef, **params: Any) -> Completion:
         """``generate`` collected: every token, the text and why it stopped."""
