@@ -42,7 +42,7 @@ from typing import Any
 
 from corpusd.daemon import Daemon
 
-QUESTIONS = [f"\nQ: what is on line {i * 37 % 400}?\nA:" for i in range(8)]
+QUESTIONS = [f"\nQ: what is on line {i * 7 % 50}?\nA:" for i in range(8)]
 
 
 @dataclass
@@ -102,8 +102,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def build(root: Path, model: Path, holders: int, agents: int) -> tuple[list[Member], str, str]:
-    """Start the system, pin a corpus on 2 replicas; returns (members, coordinator, corpus id)."""
+def build(
+    root: Path, model: Path, holders: int, agents: int, members: list[Member]
+) -> tuple[list[Member], str, str]:
+    """Start the system (into ``members``, so a failure can stop what started), pin a corpus
+    on 2 replicas; returns (members, coordinator, corpus id)."""
     from corpusd.coordinator.client import CoordinatorClient
     from corpusd.coordinator.launch import start_coordinator
     from corpusd.corpus.config import PinConfig
@@ -112,7 +115,8 @@ def build(root: Path, model: Path, holders: int, agents: int) -> tuple[list[Memb
     from requester.launch import start_agent
 
     store = root / "store"
-    body = "".join(f"line {i}: the quick brown fox {i * 7919 % 1000}\n" for i in range(400))
+    # ~1,500 byte tokens: a prefill of seconds on a shared 2-core CPU, 24 pages over 3 holders
+    body = "".join(f"line {i}: the quick brown fox {i * 7919 % 1000}\n" for i in range(400))[:1500]
     with tarfile.open(root / "repo.tar", "w") as tar:
         info = tarfile.TarInfo("src/main.txt")
         info.size = len(body.encode())
@@ -139,7 +143,7 @@ def build(root: Path, model: Path, holders: int, agents: int) -> tuple[list[Memb
             "--threads", "1", "--worker-id", f"agent-{i}",
         )  # fmt: skip
 
-    members = [Member("coordinator", "coordinator", coordinator)]
+    members += [Member("coordinator", "coordinator", coordinator)]
     members += [Member(f"holder-{i}", "holder", holder(i)) for i in range(holders)]
     members += [Member(f"agent-{i}", "agent", agent(i)) for i in range(agents)]
     for m in members:
@@ -238,10 +242,19 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from corpusd.model.tiny import init_tiny
 
+    # SIGTERM (timeout, kill) unwinds like Ctrl-C, so the finally below stops every daemon
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     tmp = tempfile.TemporaryDirectory(prefix="chaos-")
     root = Path(tmp.name)
     init_tiny(root / "model")
-    members, coord, cid = build(root, root / "model", a.holders, a.agents)
+    print(f"starting a coordinator, {a.holders} holders, {a.agents} agents in {root}", flush=True)
+    members: list[Member] = []
+    try:
+        members, coord, cid = build(root, root / "model", a.holders, a.agents, members)
+    except BaseException:
+        _stop(members)
+        tmp.cleanup()
+        raise
     victims = [m for m in members if a.coordinator_too or m.kind != "coordinator"]
     chaos = Chaos(victims, time.monotonic())
     try:
@@ -310,14 +323,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {a.out}")
         return 1 if tally.wrong else 0
     finally:
-        for m in members:
-            if m.proc is not None and m.proc.proc.poll() is None:
-                m.proc.proc.send_signal(signal.SIGCONT)
-                try:
-                    m.proc.stop(timeout=20)
-                except Exception:
-                    m.proc.kill()
+        _stop(members)
         tmp.cleanup()
+
+
+def _stop(members: list[Member]) -> None:
+    for m in members:
+        if m.proc is not None and m.proc.proc.poll() is None:
+            m.proc.proc.send_signal(signal.SIGCONT)
+            try:
+                m.proc.stop(timeout=20)
+            except Exception:
+                m.proc.kill()
 
 
 if __name__ == "__main__":

@@ -133,6 +133,10 @@ def test_open_session_on_a_dead_worker_goes_to_another(two: Two, tiny_dir: Path)
             return want, got, c.reopened
 
     assert any(a.proc.poll() is None for a in two.agents), "a worker of the fixture is alive"
-    want, got, reopened = asyncio.run(go())
+    try:
+        want, got, reopened = asyncio.run(go())
+    finally:
+        if victim.proc.poll() is None:  # the test failed before killing it
+            victim.kill()
     assert reopened >= 1  # the dead worker was picked, and the client went elsewhere
     assert got == want and all(len(g) == NEW for g in got)
