@@ -374,7 +374,7 @@ def cmd_ps(a: argparse.Namespace) -> int:
     elif not procs:
         print(f"no daemons: nothing was started with `corpusd up` in {root}")
     else:
-        print(ps.render(procs))
+        print(ps.render(procs, bool((env.running_up(a.state_dir) or {}).get("security"))))
     return 0
 
 
