@@ -16,11 +16,14 @@ Generate stream breaks with UNAVAILABLE it opens the session anew on another wor
 corpus id and those tokens, and streams on from there, without a gap or a repeat. A greedy
 stream resumes token for token; a sampled one resumes with its seed from the resume point.
 Opening a session (or reopening one) on a worker that does not answer (UNAVAILABLE: dead, and
-the coordinator has not noticed yet) is retried on another worker the coordinator picks.
+the coordinator has not noticed yet) is retried on another worker the coordinator picks; a
+coordinator that is unavailable (restarting) is waited for, up to COORDINATOR_WAIT_S.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -36,6 +39,8 @@ from corpusd.wire import from_proto, to_proto
 
 #: workers an OpenSession (or a resume) tries before it gives up
 OPEN_TRIES = 4
+#: seconds a worker choice waits for an unavailable coordinator (a restart) before it fails
+COORDINATOR_WAIT_S = 20.0
 
 
 class AgentError(StatusError):
@@ -123,11 +128,18 @@ class Client:
     async def _where(self, session_tokens: int, exclude: Sequence[str] = ()) -> str:
         if self.coordinator is None:
             return self.agent
-        try:
-            _, address = await self.coordinator.choose_worker(session_tokens, exclude)
-        except CoordinatorError as e:
-            raise AgentError(e.code, f"coordinator: {e.detail}") from None
-        return address
+        # A coordinator restarting (or one whose workers have not reported since it came back)
+        # answers UNAVAILABLE for seconds: wait for it, with backoff, up to COORDINATOR_WAIT_S.
+        deadline, pause = time.monotonic() + COORDINATOR_WAIT_S, 0.1
+        while True:
+            try:
+                _, address = await self.coordinator.choose_worker(session_tokens, exclude)
+                return address
+            except CoordinatorError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() + pause > deadline:
+                    raise AgentError(e.code, f"coordinator: {e.detail}") from None
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)
 
     async def open_session(
         self, corpus: str, prompt: str | Sequence[int], reserve_tokens: int = 256
