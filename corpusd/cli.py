@@ -34,6 +34,7 @@ from corpusd.coordinator.client import (
 from corpusd.coordinator.config import CoordinatorConfig, PublishConfig, StatusConfig
 from corpusd.corpus.config import PinConfig
 from corpusd.corpus.manifest import page_format
+from corpusd.security import SecurityConfig
 from corpusd.up import UpConfig
 from holder.config import HolderConfig
 from requester.config import AgentConfig, WorkerConfig
@@ -380,7 +381,7 @@ def cmd_ps(a: argparse.Namespace) -> int:
     elif not procs:
         print(f"no daemons: nothing was started with `corpusd up` in {root}")
     else:
-        print(ps.render(procs))
+        print(ps.render(procs, bool((env.running_up(a.state_dir) or {}).get("security"))))
     return 0
 
 
@@ -491,6 +492,21 @@ def cmd_holder(a: argparse.Namespace) -> int:
 
 
 _NO_COORD = "no coordinator is found (default: $CORPUSD_STORE)"
+#: SecurityConfig fields only a daemon uses
+_SERVER_ONLY = ("auth_tokens",)
+
+
+def _configure_security(a: argparse.Namespace) -> None:
+    """The command's TLS and token flags (with their env defaults) become this process's
+    identity; a daemon's bind is checked against them before anything starts."""
+    if not hasattr(a, "tls_cert"):
+        return
+    from corpusd import security
+
+    values: dict[str, Any] = {f.name: getattr(a, f.name, f.default) for f in fields(SecurityConfig)}
+    security.configure(SecurityConfig(**values))
+    if hasattr(a, "host"):
+        security.serving(a.host)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -500,6 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp = sub.add_parser("pin", help="tokenize, prefill and store a corpus")
     add_dataclass_flags(pp, PinConfig)
     add_dataclass_flags(pp, PublishConfig)
+    add_dataclass_flags(pp, SecurityConfig, skip=_SERVER_ONLY)
     pp.set_defaults(func=cmd_pin)
     pd = sub.add_parser(
         "demo", help="pin (and publish, with a coordinator) a sample repository on the tiny model"
@@ -511,9 +528,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="pin this installed package's *.py source instead (e.g. prometheus_client, ~200 KB)",
     )
+    add_dataclass_flags(pd, SecurityConfig, skip=_SERVER_ONLY)
     pd.set_defaults(func=cmd_demo)
     ph = sub.add_parser("holder", help="serve pinned pages of one device over gRPC")
     add_dataclass_flags(ph, HolderConfig)
+    add_dataclass_flags(ph, SecurityConfig)
     ph.set_defaults(func=cmd_holder)
     pc = sub.add_parser(
         "calibrate", help="measure the route/fetch/local cost model and write its profile"
@@ -529,15 +548,18 @@ def build_parser() -> argparse.ArgumentParser:
     pc.set_defaults(func=cmd_calibrate)
     ps = sub.add_parser("serve", help="run the coordinator: holders, placement, page table")
     add_dataclass_flags(ps, CoordinatorConfig)
+    add_dataclass_flags(ps, SecurityConfig)
     ps.set_defaults(func=cmd_serve)
     pt = sub.add_parser("status", help="a coordinator's holders, corpora and agent workers")
     add_dataclass_flags(pt, StatusConfig)
+    add_dataclass_flags(pt, SecurityConfig, skip=_SERVER_ONLY)
     pt.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     pt.set_defaults(func=cmd_status)
     pl = sub.add_parser(
         "ls", help="corpora: name, id, tokens, replicas, holders, state, age (ls --json: JSON)"
     )
     add_dataclass_flags(pl, StatusConfig)
+    add_dataclass_flags(pl, SecurityConfig, skip=_SERVER_ONLY)
     pl.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     pl.add_argument("--store", default="", help=f"page store listed when {_NO_COORD}")
     pl.set_defaults(func=cmd_ls)
@@ -547,15 +569,18 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("corpus", metavar="NAME|ID", help="corpus name, id, or id prefix (≥ 8)")
     pn.add_argument("--delete", action="store_true", help="also delete it from the page store")
     add_dataclass_flags(pn, StatusConfig)
+    add_dataclass_flags(pn, SecurityConfig, skip=_SERVER_ONLY)
     pn.set_defaults(func=cmd_unpin)
     pr = sub.add_parser("rm", help="delete an unpinned corpus from the page store")
     pr.add_argument("corpus", metavar="NAME|ID", help="corpus name, id, or id prefix (≥ 8)")
     add_dataclass_flags(pr, StatusConfig)
+    add_dataclass_flags(pr, SecurityConfig, skip=_SERVER_ONLY)
     pr.add_argument("--store", default="", help=f"page store it is deleted from when {_NO_COORD}")
     pr.set_defaults(func=cmd_rm)
     pa = sub.add_parser("agent", help="run a decode worker serving the Agent API")
     add_dataclass_flags(pa, AgentConfig)
     add_dataclass_flags(pa, WorkerConfig, skip=("trace",))
+    add_dataclass_flags(pa, SecurityConfig)
     pa.set_defaults(func=cmd_agent, trace=False)
     pu = sub.add_parser(
         "up", help="coordinator + holders + agent on loopback with the tiny model (Ctrl-C stops)"
@@ -596,6 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help=f"coordinator host:port (default: {env.COORDINATOR_DEFAULT})",
     )
+    add_dataclass_flags(pg, SecurityConfig, skip=_SERVER_ONLY)
     pg.set_defaults(func=cmd_agents)
     pk = sub.add_parser("ask", help="ask one question over a corpus; the answer streams as made")
     pk.add_argument("question", help="the question (quote it)")
@@ -615,6 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument(
         "--agent", default="", help="an agent worker's host:port, instead of the coordinator's pick"
     )
+    add_dataclass_flags(pk, SecurityConfig, skip=_SERVER_ONLY)
     pk.set_defaults(func=cmd_ask)
     pm = sub.add_parser("model", help="model checkpoints")
     msub = pm.add_subparsers(dest="model_command", required=True)
@@ -649,6 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _configure_security(args)
         return int(args.func(args))
     except CoordinatorError as e:
         print(f"corpusd: error: coordinator: {e}", file=sys.stderr)

@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CollectorRegistry, start_http_server
 
+from corpusd import security
 from corpusd.rpc import DecodeGuard
 
 
@@ -107,6 +108,7 @@ class Listening:
     health: HealthServicer
     port: int
     metrics_port: int  # -1: none
+    scheme: str = "http"  # of the metrics endpoint: "https" when the daemon serves TLS
 
     async def until_signal(
         self, name: str, drain_s: float, tasks: Sequence[asyncio.Task[Any]] = ()
@@ -136,15 +138,23 @@ async def listen(
 ) -> Listening:
     """Start a daemon's gRPC server (``add`` puts its servicer on it) beside the health
     service, both SERVING, and its Prometheus endpoint (``metrics_port`` 0: any free port,
-    -1: none). Raises PortInUse when either port cannot be bound (nothing is left serving)."""
+    -1: none), with TLS and tokens as this process is configured (:mod:`corpusd.security`).
+    Raises PortInUse when either port cannot be bound (nothing is left serving), ValueError for
+    a non-loopback ``host`` without TLS or --insecure."""
+    sec = security.serving(host)
     server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0), *options], interceptors=[DecodeGuard()]
+        options=[("grpc.so_reuseport", 0), *options],
+        interceptors=[*sec.interceptors, DecodeGuard()],
     )
     add(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = (
+            server.add_secure_port(f"{host}:{port}", sec.credentials)
+            if sec.credentials is not None
+            else server.add_insecure_port(f"{host}:{port}")
+        )
     except RuntimeError:  # grpcio raises where older versions returned 0
         bound = 0
     if bound == 0:
@@ -152,14 +162,16 @@ async def listen(
     mport = -1
     if metrics_port >= 0:
         try:
-            httpd, _ = start_http_server(metrics_port, addr=host, registry=registry)
+            httpd, _ = start_http_server(
+                metrics_port, addr=host, registry=registry, **sec.metrics_tls
+            )
         except OSError as e:
             raise PortInUse(f"--metrics-port {metrics_port}: {e.strerror}") from None
         mport = httpd.server_address[1]
     await server.start()
     for name in (service, ""):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return Listening(server, health, bound, mport)
+    return Listening(server, health, bound, mport, sec.scheme)
 
 
 def write_endpoint(state_dir: Path, endpoint: dict[str, Any]) -> None:

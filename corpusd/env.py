@@ -21,6 +21,16 @@ VARIABLES = {
         "coordinator address (host:port) when --coordinator is not given",
         "the one `corpusd up` runs, if any",
     ),
+    "CORPUSD_TLS_CA": (
+        "PEM CA every peer's certificate must chain to; with it, clients speak TLS",
+        "a running secure `corpusd up`'s, for loopback addresses",
+    ),
+    "CORPUSD_TLS_CERT": ("PEM certificate this process presents (mutual TLS)", "as above"),
+    "CORPUSD_TLS_KEY": ("the key of CORPUSD_TLS_CERT", "as above"),
+    "CORPUSD_TOKEN": (
+        "bearer token this process sends (its right: admin, agent or holder); TLS only",
+        "as above (`up`'s admin token)",
+    ),
     "CORPUSD_SGLANG_PATH": (
         "SGLang plugin: device (holder pools by CUDA IPC, CUDA graphs on), host (gRPC), or auto",
         "auto",

@@ -104,11 +104,13 @@ def duration(seconds: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
-def render(procs: Sequence[Proc]) -> str:
-    """``corpusd ps``'s table: daemon, state, pid, id, address, metrics URL, uptime."""
+def render(procs: Sequence[Proc], tls: bool = False) -> str:
+    """``corpusd ps``'s table: daemon, state, pid, id, address, metrics URL (https when the
+    ``up`` serves ``tls``), uptime."""
     rows = [("DAEMON", "STATE", "PID", "ID", "ADDRESS", "METRICS", "UPTIME")]
     for p in procs:
-        metrics = f"http://127.0.0.1:{p.metrics_port}/metrics" if p.metrics_port >= 0 else "-"
+        scheme = "https" if tls else "http"
+        metrics = f"{scheme}://127.0.0.1:{p.metrics_port}/metrics" if p.metrics_port >= 0 else "-"
         rows.append(
             (
                 p.name,

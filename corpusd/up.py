@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corpusd import env
+from corpusd import env, local_ca, security
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.manifest import KV_FORMATS
@@ -51,6 +51,11 @@ class UpConfig:
                   "const": 1},
     )  # fmt: skip
     timeout_s: float = field(default=180.0, metadata={"help": "for everything to come up"})
+    insecure: int = field(
+        default=0,
+        metadata={"help": "1 (or the flag alone): plaintext and no tokens (default: TLS with a "
+                  "local CA and tokens made in <state-dir>/tls)", "const": 1},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if not 1 <= self.holders <= 64:
@@ -59,13 +64,17 @@ class UpConfig:
             raise ValueError("capacity_tokens and timeout_s must be > 0")
         if self.kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
-        if self.detach not in (0, 1):
-            raise ValueError(f"detach must be 0 or 1, got {self.detach}")
+        if self.detach not in (0, 1) or self.insecure not in (0, 1):
+            raise ValueError(
+                f"detach and insecure must be 0 or 1, got {self.detach}, {self.insecure}"
+            )
 
 
 def describe(info: dict[str, Any]) -> str:
+    scheme = "https" if info.get("security") else "http"
+
     def url(port: int) -> str:
-        return f"http://127.0.0.1:{port}/metrics" if port >= 0 else "-"
+        return f"{scheme}://127.0.0.1:{port}/metrics" if port >= 0 else "-"
 
     c = info["coordinator"]
     lines = [
@@ -76,6 +85,10 @@ def describe(info: dict[str, Any]) -> str:
         lines.append(f"  holder       {h['address']:<22} {url(h['metrics'])}")
     a = info["agent"]
     lines.append(f"  agent        {a['address']:<22} {url(a['metrics'])}")
+    if sec := info.get("security"):
+        lines.append(f"  TLS (mutual) and tokens: CA, certificate and tokens in {sec['dir']}")
+    else:
+        lines.append("  plaintext, no tokens (--insecure)")
     lines.append("  other commands find the coordinator through up.json; stop: corpusd down")
     return "\n".join(lines)
 
@@ -105,9 +118,13 @@ def up(cfg: UpConfig) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         print(f"starting a coordinator, {cfg.holders} holders and an agent under {root}")
-        coord = start_coordinator(root / "coordinator", store, timeout=cfg.timeout_s)
+        ca = None if cfg.insecure else local_ca.ensure(root / "tls")
+        flags, envs = _security(ca)
+        coord = start_coordinator(
+            root / "coordinator", store, *flags, timeout=cfg.timeout_s, env=envs["admin"]
+        )
         daemons.append(coord)
-        cap = ("--capacity-tokens", str(cfg.capacity_tokens), "--kv-format", cfg.kv_format)
+        cap = ("--capacity-tokens", str(cfg.capacity_tokens), "--kv-format", cfg.kv_format, *flags)
         with ThreadPoolExecutor(cfg.holders + 1) as pool:
             hs = [
                 pool.submit(
@@ -119,6 +136,7 @@ def up(cfg: UpConfig) -> int:
                     coord.address,
                     *cap,
                     timeout=cfg.timeout_s,
+                    env=envs["holder"],
                 )
                 for i in range(cfg.holders)
             ]
@@ -129,13 +147,18 @@ def up(cfg: UpConfig) -> int:
                 model,
                 "--coordinator",
                 coord.address,
+                *flags,
                 timeout=cfg.timeout_s,
+                env=envs["agent"],
             )
             holders = [f.result() for f in hs]
             daemons += holders
             agent = ag.result()
             daemons.append(agent)
-        asyncio.run(_ready(coord.address, cfg.holders, cfg.timeout_s))
+        ident = None
+        if ca is not None:
+            ident = security.identity_from(str(ca.ca), str(ca.cert), str(ca.key), ca.token("admin"))
+        asyncio.run(_ready(coord.address, cfg.holders, cfg.timeout_s, ident))
         info = {
             "pid": os.getpid(),
             "state_dir": str(root),
@@ -144,6 +167,7 @@ def up(cfg: UpConfig) -> int:
             "coordinator": {"address": coord.address, "metrics": coord.metrics_port},
             "holders": [{"address": h.address, "metrics": h.metrics_port} for h in holders],
             "agent": {"address": agent.address, "metrics": agent.metrics_port},
+            "security": {"dir": str(ca.dir)} if ca is not None else None,
         }
         tmp = root / "up.json.tmp"
         tmp.write_text(json.dumps(info, indent=1))
@@ -174,9 +198,24 @@ def up(cfg: UpConfig) -> int:
     return 0
 
 
-async def _ready(address: str, holders: int, timeout: float) -> None:
+def _security(ca: local_ca.LocalCA | None) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """The daemons' TLS flags, and each role's environment with its token (tokens travel in
+    the environment, never on a command line others can read in ps)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CORPUSD_TLS_")}
+    base.pop(security.ENV_TOKEN, None)
+    if ca is None:
+        return ["--insecure", "1"], {r: base for r in ("admin", "holder", "agent")}
+    flags = ["--tls-cert", str(ca.cert), "--tls-key", str(ca.key), "--tls-ca", str(ca.ca)]
+    flags += ["--auth-tokens", str(ca.tokens)]
+    envs = {r: {**base, security.ENV_TOKEN: ca.token(r)} for r in ("admin", "holder", "agent")}
+    return flags, envs
+
+
+async def _ready(
+    address: str, holders: int, timeout: float, ident: security.Identity | None
+) -> None:
     """Until the coordinator sees every holder live and the agent reported."""
-    async with CoordinatorClient(address) as c:
+    async with CoordinatorClient(address, ident=ident or security.Identity()) as c:
         await c.wait_holders(holders, timeout)
         deadline = time.monotonic() + timeout
         while not any(w.live for w in await c.list_workers()):
@@ -208,6 +247,8 @@ def _detach(cfg: UpConfig, root: Path) -> int:
         args += ["--store", cfg.store]
     if cfg.model:
         args += ["--model", cfg.model]
+    if cfg.insecure:
+        args += ["--insecure", "1"]
     with log.open("ab") as out:
         proc = subprocess.Popen(
             args,

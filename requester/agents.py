@@ -114,14 +114,15 @@ async def run_agents(coordinator: str, corpus: str, agents: int, max_tokens: int
     ]
     info = running_up()
     if info is not None and info["coordinator"]["address"] == coordinator:
-        lines += [f"  coordinator  {'':<14} {_url(info['coordinator']['metrics'])}"]
+        tls = bool(info.get("security"))
+        lines += [f"  coordinator  {'':<14} {_url(info['coordinator']['metrics'], tls)}"]
         lines += [
-            f"  holder       {h['address']:<14} {_url(h['metrics'])}" for h in info["holders"]
+            f"  holder       {h['address']:<14} {_url(h['metrics'], tls)}" for h in info["holders"]
         ]
     else:
         lines.append(f"  holders: {len(holders)} registered; their metrics ports are in their logs")
     return "\n".join(lines)
 
 
-def _url(port: int) -> str:
-    return f"http://127.0.0.1:{port}/metrics" if port >= 0 else "-"
+def _url(port: int, tls: bool) -> str:
+    return f"{'https' if tls else 'http'}://127.0.0.1:{port}/metrics" if port >= 0 else "-"

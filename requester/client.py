@@ -15,10 +15,15 @@ tokens (the prompt as the worker tokenized it, then every token it streamed), an
 Generate stream breaks with UNAVAILABLE it opens the session anew on another worker from the
 corpus id and those tokens, and streams on from there, without a gap or a repeat. A greedy
 stream resumes token for token; a sampled one resumes with its seed from the resume point.
+Opening a session (or reopening one) on a worker that does not answer (UNAVAILABLE: dead, and
+the coordinator has not noticed yet) is retried on another worker the coordinator picks; a
+coordinator that is unavailable (restarting) is waited for, up to COORDINATOR_WAIT_S.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,10 +31,16 @@ from typing import Any
 import grpc
 import torch
 
+from corpusd import security
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
 from corpusd.rpc import StatusError
 from corpusd.v1 import agent_pb2, agent_pb2_grpc
 from corpusd.wire import from_proto, to_proto
+
+#: workers an OpenSession (or a resume) tries before it gives up
+OPEN_TRIES = 4
+#: seconds a worker choice waits for an unavailable coordinator (a restart) before it fails
+COORDINATOR_WAIT_S = 20.0
 
 
 class AgentError(StatusError):
@@ -68,15 +79,26 @@ class Completion:
 
 
 class Client:
-    def __init__(self, agent: str = "", coordinator: str = "", timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        agent: str = "",
+        coordinator: str = "",
+        timeout: float = 120.0,
+        ident: security.Identity | None = None,
+    ) -> None:
+        """``ident``: TLS and token (default: this process's: flags, ``CORPUSD_TLS_*`` and
+        ``CORPUSD_TOKEN``, else a running secure ``corpusd up``'s; see corpusd.security)."""
         if not (agent or coordinator):
             raise ValueError("give an agent address or a coordinator address")
-        self.agent, self.timeout = agent, timeout
-        self.coordinator = CoordinatorClient(coordinator, timeout=timeout) if coordinator else None
+        self.agent, self.timeout, self.ident = agent, timeout, ident
+        self.coordinator = (
+            CoordinatorClient(coordinator, timeout=timeout, ident=ident) if coordinator else None
+        )
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, agent_pb2_grpc.AgentStub] = {}
         self._attend_at = ""  # the worker chosen for Attend calls
         self._sessions: dict[str, _Resumable] = {}  # by the id open_session returned
+        self.reopened = 0  # OpenSession calls sent again to another worker (one was dead)
 
     async def __aenter__(self) -> Client:
         return self
@@ -92,8 +114,9 @@ class Client:
 
     def _stub(self, address: str) -> agent_pb2_grpc.AgentStub:
         if address not in self._stubs:
-            ch = grpc.aio.insecure_channel(
+            ch = security.channel(
                 address,
+                ident=self.ident,
                 options=[
                     ("grpc.max_receive_message_length", 256 << 20),
                     ("grpc.max_send_message_length", 256 << 20),
@@ -105,11 +128,18 @@ class Client:
     async def _where(self, session_tokens: int, exclude: Sequence[str] = ()) -> str:
         if self.coordinator is None:
             return self.agent
-        try:
-            _, address = await self.coordinator.choose_worker(session_tokens, exclude)
-        except CoordinatorError as e:
-            raise AgentError(e.code, f"coordinator: {e.detail}") from None
-        return address
+        # A coordinator restarting (or one whose workers have not reported since it came back)
+        # answers UNAVAILABLE for seconds: wait for it, with backoff, up to COORDINATOR_WAIT_S.
+        deadline, pause = time.monotonic() + COORDINATOR_WAIT_S, 0.1
+        while True:
+            try:
+                _, address = await self.coordinator.choose_worker(session_tokens, exclude)
+                return address
+            except CoordinatorError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() + pause > deadline:
+                    raise AgentError(e.code, f"coordinator: {e.detail}") from None
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)
 
     async def open_session(
         self, corpus: str, prompt: str | Sequence[int], reserve_tokens: int = 256
@@ -124,8 +154,7 @@ class Client:
             req.tokens.SetInParent()  # an empty list is still the tokens choice
             req.tokens.ids.extend(prompt)
             estimate = len(prompt)
-        address = await self._where(estimate + reserve_tokens)
-        r: Any = await self._call(self._stub(address).OpenSession(req, timeout=self.timeout))
+        r, address = await self._open(req, estimate + reserve_tokens)
         ref = SessionRef(r.session_id, address, r.corpus_tokens, r.prompt_tokens, r.corpus_id)
         self._sessions[ref.session_id] = _Resumable(ref, list(r.prompt_ids))
         return ref
@@ -177,9 +206,30 @@ class Client:
         """The session opened anew on a worker other than ``dead``, from its tokens."""
         req = agent_pb2.OpenSessionRequest(corpus=live.ref.corpus_id)
         req.tokens.ids.extend(live.tokens)
-        address = await self._where(len(live.tokens) + 256, exclude=[dead])
-        r: Any = await self._call(self._stub(address).OpenSession(req, timeout=self.timeout))
+        r, address = await self._open(req, len(live.tokens) + 256, exclude=[dead])
         return replace(live.ref, session_id=r.session_id, address=address)
+
+    async def _open(
+        self, req: Any, session_tokens: int, exclude: Sequence[str] = ()
+    ) -> tuple[Any, str]:
+        """OpenSession on the worker the coordinator picks; a worker that does not answer
+        (UNAVAILABLE: it died and its lease has not run out) is excluded and the coordinator
+        asked again, up to OPEN_TRIES workers. Returns ``(reply, address)``; raises AgentError
+        (the last worker's, or the coordinator's when no worker is left)."""
+        gone = list(exclude)
+        for attempt in range(OPEN_TRIES):
+            address = await self._where(session_tokens, exclude=gone)
+            try:
+                r = await self._call(self._stub(address).OpenSession(req, timeout=self.timeout))
+            except AgentError as e:
+                last = attempt == OPEN_TRIES - 1
+                if e.code != grpc.StatusCode.UNAVAILABLE or self.coordinator is None or last:
+                    raise
+                gone.append(address)
+                self.reopened += 1
+                continue
+            return r, address
+        raise AssertionError("unreachable: the last try raises")
 
     async def complete(self, session: SessionRef, **params: Any) -> Completion:
         """``generate`` collected: every token, the text and why it stopped."""

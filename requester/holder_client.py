@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
 import torch
 
+from corpusd import security
 from corpusd.transport import cuda_ipc
 from corpusd.transport.cuda_ipc import SharedTensor
 from corpusd.v1 import holder_pb2, holder_pb2_grpc
@@ -38,7 +38,7 @@ class HolderClient:
             ("grpc.max_send_message_length", max_message_bytes),
         ]
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=opts)
+        self.channel = security.channel(address, opts)
         self.stub = holder_pb2_grpc.HolderStub(self.channel)
 
     async def close(self) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import torch
 
+from corpusd import security
 from corpusd.transport import nvshmem_ring as nr
 from corpusd.v1 import transport_pb2, transport_pb2_grpc
 
@@ -144,7 +145,7 @@ class NvshmemClient:
     async def join(cls, address: str, requester_id: str, device: int) -> NvshmemClient:
         """Take a requester slot of the holder's job and initialise NVSHMEM with it (collective:
         returns once the holder and every other requester of the job initialised too)."""
-        channel = grpc.aio.insecure_channel(address)
+        channel = security.channel(address)
         stub = transport_pb2_grpc.TransportStub(channel)
         reply = await stub.Join(
             transport_pb2.JoinRequest(requester_id=requester_id, host=socket.gethostname())

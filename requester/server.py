@@ -120,7 +120,7 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
     )
     tasks = []
     if coord is not None:
-        url = f"http://{cfg.host}:{metrics_port}/metrics" if metrics_port >= 0 else ""
+        url = f"{up.scheme}://{cfg.host}:{metrics_port}/metrics" if metrics_port >= 0 else ""
         tasks.append(asyncio.create_task(report_load(svc, worker_id, address, url)))
     await up.until_signal(worker_id, cfg.drain_s, tasks)
     await svc.close()

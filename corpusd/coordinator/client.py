@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from corpusd import security
 from corpusd.rpc import StatusError
 from corpusd.v1 import coordinator_pb2 as pb
 from corpusd.v1 import coordinator_pb2_grpc
@@ -160,9 +161,12 @@ def _table(t: pb.PageTable) -> PageTable:
 
 
 class CoordinatorClient:
-    def __init__(self, address: str, timeout: float | None = 30.0) -> None:
+    def __init__(
+        self, address: str, timeout: float | None = 30.0, ident: security.Identity | None = None
+    ) -> None:
+        """``ident``: TLS and token to use (default: this process's, see corpusd.security)."""
         self.address, self.timeout = address, timeout
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = security.channel(address, ident=ident)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
 
     async def close(self) -> None:

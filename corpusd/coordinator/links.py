@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 
+from corpusd import security
 from corpusd.v1 import holder_pb2, holder_pb2_grpc
 
 #: Codes meaning "the holder was not reached or did not answer in time".
@@ -40,7 +41,7 @@ class Links:
 
     def _stub(self, address: str) -> holder_pb2_grpc.HolderStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            self._channels[address] = security.channel(address)
         return holder_pb2_grpc.HolderStub(self._channels[address])
 
     async def _drop(self, address: str) -> None:

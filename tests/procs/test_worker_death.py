@@ -103,3 +103,40 @@ def test_a_killed_worker_costs_the_client_no_token(two: Two) -> None:
     assert victim is not None and victim.proc.poll() is not None  # it was killed mid-stream
     assert all(len(g) == NEW for g in got)
     assert got == want
+
+
+def test_open_session_on_a_dead_worker_goes_to_another(two: Two, tiny_dir: Path) -> None:
+    """A worker killed before the coordinator notices (its lease has not run out): the
+    coordinator still picks it (idle, and its id sorts first), the client's OpenSession gets
+    UNAVAILABLE, and it asks again excluding it; every session decodes what it would have."""
+    victim = start_agent(
+        two.tmp / "store", two.tmp / "victim", tiny_dir, "--coordinator", two.coord.address,
+        "--report-s", "0.3", "--threads", "1", "--worker-id", "0-victim",
+    )  # fmt: skip
+
+    async def go() -> tuple[list[list[int]], list[list[int]], int]:
+        async with CoordinatorClient(two.coord.address) as cc:
+            for _ in range(100):  # the victim reported
+                ws = [w for w in await cc.list_workers() if w.live]
+                if any(w.report.worker_id == "0-victim" for w in ws):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the victim worker did not report")
+        alive = next(a for a in two.agents if a.proc.poll() is None)
+        async with Client(agent=alive.address) as ref:
+            want, _ = await _streams(ref, two.cid, None)
+        await asyncio.sleep(1.0)  # reports after the reference run: every worker idle
+        victim.kill()
+        async with Client(coordinator=two.coord.address) as c:
+            got, _ = await _streams(c, two.cid, None)
+            return want, got, c.reopened
+
+    assert any(a.proc.poll() is None for a in two.agents), "a worker of the fixture is alive"
+    try:
+        want, got, reopened = asyncio.run(go())
+    finally:
+        if victim.proc.poll() is None:  # the test failed before killing it
+            victim.kill()
+    assert reopened >= 1  # the dead worker was picked, and the client went elsewhere
+    assert got == want and all(len(g) == NEW for g in got)

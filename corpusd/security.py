@@ -1,0 +1,230 @@
+"""TLS and bearer tokens for every port: the flags (:class:`SecurityConfig`), the server side
+(credentials, the token interceptor, the loopback rule) and the client side (:func:`channel`,
+the one way corpusd opens a gRPC channel).
+
+A process has one identity, set once by its command (:func:`configure`) or taken from the
+environment (``CORPUSD_TLS_CA``, ``CORPUSD_TLS_CERT``, ``CORPUSD_TLS_KEY``, ``CORPUSD_TOKEN``).
+With neither, a client talking to a loopback address uses the credentials of a running secure
+``corpusd up`` (its ``up.json`` names them), so the CLI just works after ``up``; it never sends
+them anywhere else.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from corpusd.auth import TokenAuth, check_token, load_tokens
+
+ENV_CA, ENV_CERT, ENV_KEY, ENV_TOKEN = (
+    "CORPUSD_TLS_CA",
+    "CORPUSD_TLS_CERT",
+    "CORPUSD_TLS_KEY",
+    "CORPUSD_TOKEN",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    """TLS and token flags, shared by every daemon and client command."""
+
+    tls_cert: str = field(
+        default="",
+        metadata={"help": "PEM certificate this process presents (default: $CORPUSD_TLS_CERT)"},
+    )
+    tls_key: str = field(default="", metadata={"help": "its PEM key (default: $CORPUSD_TLS_KEY)"})
+    tls_ca: str = field(
+        default="",
+        metadata={"help": "PEM CA that peers' certificates must chain to; a daemon given one "
+                  "requires client certificates (mutual TLS) (default: $CORPUSD_TLS_CA)"},
+    )  # fmt: skip
+    auth_tokens: str = field(
+        default="",
+        metadata={"help": "daemons: file of 'RIGHT TOKEN' lines (mode 0600) that calls must "
+                  "carry one of; needs TLS"},
+    )  # fmt: skip
+    insecure: int = field(
+        default=0,
+        metadata={"help": "1 (or the flag alone): plaintext and no tokens, also off loopback",
+                  "const": 1},
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if self.insecure not in (0, 1):
+            raise ValueError(f"insecure must be 0 or 1, got {self.insecure}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.insecure and (self.tls_cert or self.tls_ca or self.auth_tokens):
+            raise ValueError("--insecure contradicts --tls-cert/--tls-ca/--auth-tokens")
+        if self.auth_tokens and not self.tls_cert:
+            raise ValueError(
+                "--auth-tokens needs --tls-cert/--tls-key: tokens never travel in clear"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What a process presents and trusts: PEM bytes (empty: none) and its bearer token."""
+
+    ca: bytes = b""
+    cert: bytes = b""
+    key: bytes = b""
+    token: str = ""
+    insecure: bool = False
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca)
+
+
+def _read(path: str, what: str) -> bytes:
+    if not path:
+        return b""
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as e:
+        raise ValueError(f"{what} {path}: {e.strerror}") from None
+
+
+def identity_from(ca: str, cert: str, key: str, token: str, insecure: bool = False) -> Identity:
+    """An identity from paths and a token. Raises ValueError naming the missing file, a cert
+    without its key, or a token without a CA (a token is only sent over TLS)."""
+    if bool(cert) != bool(key):
+        raise ValueError("a TLS certificate and its key go together (--tls-cert/--tls-key)")
+    if token and not ca and not insecure:
+        raise ValueError(
+            f"a bearer token is only sent over TLS: give a CA (--tls-ca or ${ENV_CA}) too"
+        )
+    return Identity(
+        _read(ca, "--tls-ca"),
+        _read(cert, "--tls-cert"),
+        _read(key, "--tls-key"),
+        check_token(token, "token") if token else "",
+        insecure,
+    )
+
+
+_configured: Identity | None = None
+_server: SecurityConfig | None = None
+
+
+def configure(cfg: SecurityConfig) -> None:
+    """Set this process's identity and (for daemons) what its servers require from its
+    command's flags, each defaulting to its env var. Raises ValueError (see
+    :func:`identity_from`)."""
+    global _configured, _server
+    e = os.environ.get
+    if not cfg.insecure:
+        cfg = SecurityConfig(
+            tls_cert=cfg.tls_cert or e(ENV_CERT, ""),
+            tls_key=cfg.tls_key or e(ENV_KEY, ""),
+            tls_ca=cfg.tls_ca or e(ENV_CA, ""),
+            auth_tokens=cfg.auth_tokens,
+        )
+    token = e(ENV_TOKEN, "")
+    if cfg.insecure:
+        _configured = Identity(insecure=True)
+    elif cfg.tls_ca or cfg.tls_cert or token:
+        _configured = identity_from(cfg.tls_ca, cfg.tls_cert, cfg.tls_key, token)
+    else:  # nothing given: client_identity may still find a running secure `up`
+        _configured = None
+    _server = cfg
+
+
+def _loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def client_identity(address: str) -> Identity:
+    """Who this process is towards ``address``: as configured, else from the env vars, else
+    (for the daemons a running secure ``corpusd up`` started: its up.json names them) that
+    ``up``'s, else plaintext."""
+    if _configured is not None:
+        return _configured
+    e = os.environ.get
+    if any(e(v) for v in (ENV_CA, ENV_CERT, ENV_KEY, ENV_TOKEN)):
+        return identity_from(e(ENV_CA, ""), e(ENV_CERT, ""), e(ENV_KEY, ""), e(ENV_TOKEN, ""))
+    if _loopback(address):
+        from corpusd import env
+
+        info = env.running_up() or {}
+        sec = info.get("security")
+        if sec and address in _up_addresses(info):
+            from corpusd.local_ca import LocalCA
+
+            ca = LocalCA(Path(sec["dir"]))
+            return identity_from(str(ca.ca), str(ca.cert), str(ca.key), ca.token("admin"))
+    return Identity()
+
+
+def _up_addresses(info: dict[str, Any]) -> set[str]:
+    """Every daemon address a ``corpusd up`` names in its ``up.json``."""
+    parts = [info.get("coordinator") or {}, info.get("agent") or {}, *info.get("holders", ())]
+    return {str(p.get("address", "")) for p in parts}
+
+
+def channel(
+    address: str, options: Sequence[tuple[str, Any]] = (), ident: Identity | None = None
+) -> grpc.aio.Channel:
+    """A grpc.aio channel to ``address``: TLS (with a client certificate when there is one and
+    the bearer token as call credentials) when the identity has a CA, else plaintext."""
+    me = ident if ident is not None else client_identity(address)
+    if not me.tls:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=me.ca, private_key=me.key or None, certificate_chain=me.cert or None
+    )
+    if me.token:
+        creds = grpc.composite_channel_credentials(
+            creds, grpc.access_token_call_credentials(me.token)
+        )
+    return grpc.aio.secure_channel(address, creds, options=list(options))
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """How a daemon's ports are served: gRPC credentials (None: plaintext), interceptors to put
+    first, and the metrics endpoint's TLS arguments (for prometheus_client)."""
+
+    credentials: grpc.ServerCredentials | None
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...]
+    metrics_tls: dict[str, Any]
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.credentials is not None else "http"
+
+
+def serving(host: str) -> Serving:
+    """The server side of this process's configuration for a bind on ``host``. Raises
+    ValueError for a non-loopback bind without TLS unless --insecure, or a bad tokens file."""
+    cfg = _server or SecurityConfig()
+    cert, key, ca = cfg.tls_cert, cfg.tls_key, cfg.tls_ca
+    if cfg.insecure or not cert:
+        if not cfg.insecure and not _loopback(f"{host}:0"):
+            raise ValueError(
+                f"--host {host} is not loopback: serve it with TLS (--tls-cert/--tls-key) or "
+                f"pass --insecure to serve plaintext anyway"
+            )
+        return Serving(None, (), {})
+    pair = (_read(key, "--tls-key"), _read(cert, "--tls-cert"))
+    creds = grpc.ssl_server_credentials(
+        [pair], root_certificates=_read(ca, "--tls-ca") or None, require_client_auth=bool(ca)
+    )
+    interceptors = (TokenAuth(load_tokens(cfg.auth_tokens)),) if cfg.auth_tokens else ()
+    metrics: dict[str, Any] = {"certfile": cert, "keyfile": key}
+    if ca:
+        metrics.update(client_cafile=ca, client_auth_required=True)
+    return Serving(creds, interceptors, metrics)
