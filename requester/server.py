@@ -83,6 +83,11 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
     coord = CoordinatorClient(cfg.coordinator, timeout=10.0) if cfg.coordinator else None
     holders = tuple(a.strip() for a in cfg.holders.split(",") if a.strip())
     svc = AgentService(cfg, worker, tok, coord, holders, fingerprint(model_dir))
+    http = None
+    if cfg.http_port >= 0:
+        from requester.http import HttpApi, bind  # starlette and uvicorn: only when served
+
+        http = HttpApi(svc, bind(cfg.host, cfg.http_port), cfg.drain_s)
     options = [
         ("grpc.max_receive_message_length", 256 << 20),
         ("grpc.max_send_message_length", 256 << 20),
@@ -99,12 +104,16 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
     metrics_port = up.metrics_port
     address = f"{cfg.host}:{up.port}"
     worker_id = cfg.worker_id or f"agent-{up.port}"
+    if http is not None:
+        http.start()
+        log.info("%s: OpenAI-compatible API on http://%s:%d/v1", worker_id, cfg.host, http.port)
     write_endpoint(
         Path(cfg.state_dir),
         {
             "worker_id": worker_id,
             "address": address,
             "metrics_port": metrics_port,
+            "http_port": http.port if http is not None else -1,
             "pid": os.getpid(),
         },
     )
@@ -122,7 +131,11 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
     if coord is not None:
         url = f"http://{cfg.host}:{metrics_port}/metrics" if metrics_port >= 0 else ""
         tasks.append(asyncio.create_task(report_load(svc, worker_id, address, url)))
-    await up.until_signal(worker_id, cfg.drain_s, tasks)
+    await up.until_signal(
+        worker_id, cfg.drain_s, tasks, http.stop_accepting if http is not None else None
+    )
+    if http is not None:
+        await http.stopped(cfg.drain_s)
     await svc.close()
     await worker.close()
     if coord is not None:
@@ -131,7 +144,10 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
 
 
 def run(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
-    check_ports(cfg.host, {"--port": cfg.port, "--metrics-port": cfg.metrics_port})
+    check_ports(
+        cfg.host,
+        {"--port": cfg.port, "--metrics-port": cfg.metrics_port, "--http-port": cfg.http_port},
+    )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
     try:
