@@ -23,7 +23,7 @@ from typing import Any
 from corpusd import env
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
-from corpusd.daemon import Daemon
+from corpusd.daemon import Daemon, check_ports
 from holder.launch import start_holder
 from requester.launch import start_agent
 
@@ -45,14 +45,84 @@ class UpConfig:
                   "const": 1},
     )  # fmt: skip
     timeout_s: float = field(default=180.0, metadata={"help": "for everything to come up"})
+    coordinator_port: int = field(default=0, metadata={"help": "0: pick a free port"})
+    holder_ports: str = field(
+        default="", metadata={"help": "comma-separated, one per holder ('': free ports)"}
+    )
+    agent_port: int = field(default=0, metadata={"help": "the agent's gRPC port; 0: a free one"})
+    metrics_ports: str = field(
+        default="",
+        metadata={
+            "help": "Prometheus ports: one base port P (coordinator P, holders P+1…, agent last) "
+            "or one per daemon in that order, comma-separated ('': free ports)"
+        },
+    )
+    http_port: int = field(
+        default=-1,
+        metadata={"help": "the agent's OpenAI-compatible HTTP API; 0: a free port, -1: off"},
+    )
 
     def __post_init__(self) -> None:
         if not 1 <= self.holders <= 64:
             raise ValueError(f"holders must be in 1..64, got {self.holders}")
+        ports = self.ports()  # raises ValueError for a malformed list
+        named = [(f, p) for f, ps in ports.items() for p in ps if p > 0]
+        seen: dict[int, str] = {}
+        for flag, port in named:
+            if port in seen:
+                raise ValueError(f"port {port} is given twice ({seen[port]} and {flag})")
+            seen[port] = flag
         if self.capacity_tokens <= 0 or not self.timeout_s > 0:
             raise ValueError("capacity_tokens and timeout_s must be > 0")
         if self.detach not in (0, 1):
             raise ValueError(f"detach must be 0 or 1, got {self.detach}")
+
+    def ports(self) -> dict[str, list[int]]:
+        """Every port asked for, by flag: ``--holder-ports`` one per holder, ``--metrics-ports``
+        coordinator, holders, agent (0: a free one; ``--http-port`` -1: none). Raises ValueError
+        for a list of the wrong length or a port outside 0..65535."""
+        n = self.holders
+        holders = _port_list("--holder-ports", self.holder_ports) or [0] * n
+        if len(holders) != n:
+            raise ValueError(f"--holder-ports: {len(holders)} ports for {n} holders")
+        metrics = _port_list("--metrics-ports", self.metrics_ports) or [0]
+        if len(metrics) == 1 and metrics[0] > 0:
+            metrics = [metrics[0] + i for i in range(n + 2)]
+            if metrics[-1] > 65535:
+                raise ValueError(f"--metrics-ports: {metrics[0]}…{metrics[-1]} pass 65535")
+        elif len(metrics) == 1:
+            metrics = [0] * (n + 2)
+        if len(metrics) != n + 2:
+            raise ValueError(
+                f"--metrics-ports: {len(metrics)} ports; give one base port or {n + 2} "
+                f"(coordinator, {n} holders, agent)"
+            )
+        for flag, port in (
+            ("--coordinator-port", self.coordinator_port),
+            ("--agent-port", self.agent_port),
+        ):
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{flag}: {port}; must be in 0..65535 (0: a free port)")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port: {self.http_port}; must be in -1..65535")
+        return {
+            "--coordinator-port": [self.coordinator_port],
+            "--holder-ports": holders,
+            "--agent-port": [self.agent_port],
+            "--metrics-ports": metrics,
+            "--http-port": [self.http_port],
+        }
+
+
+def _port_list(flag: str, text: str) -> list[int]:
+    try:
+        ports = [int(x) for x in text.split(",")] if text.strip() else []
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not a comma-separated list of ports") from None
+    bad = [p for p in ports if not 0 <= p <= 65535]
+    if bad:
+        raise ValueError(f"{flag}: {bad[0]} is outside 0..65535")
+    return ports
 
 
 def describe(info: dict[str, Any]) -> str:
@@ -68,6 +138,8 @@ def describe(info: dict[str, Any]) -> str:
         lines.append(f"  holder       {h['address']:<22} {url(h['metrics'])}")
     a = info["agent"]
     lines.append(f"  agent        {a['address']:<22} {url(a['metrics'])}")
+    if a.get("http", -1) >= 0:
+        lines.append(f"  OpenAI API   http://127.0.0.1:{a['http']}/v1")
     lines.append("  other commands find the coordinator through up.json; stop: corpusd down")
     return "\n".join(lines)
 
@@ -76,13 +148,22 @@ def up(cfg: UpConfig) -> int:
     root = env.up_dir(cfg.state_dir)
     if (other := env.running_up(cfg.state_dir)) is not None:
         raise ValueError(f"corpusd up is already running (pid {other['pid']}) in {root}")
+    for flag, ps in cfg.ports().items():  # refused here, before any daemon starts
+        for p in ps:
+            check_ports("127.0.0.1", {flag: p})
     if cfg.detach:
         return _detach(cfg, root)
     from corpusd.corpus.pin import default_model  # torch: `down` and `--help` go without
 
+    ports = cfg.ports()
     root.mkdir(parents=True, exist_ok=True)
     store = Path(cfg.store).expanduser() if cfg.store else env.default_store_dir()
     model = Path(cfg.model) if cfg.model else default_model(sys.stderr)
+    metrics = ports["--metrics-ports"]
+
+    def listen_on(port: int, metrics_port: int) -> tuple[str, ...]:
+        return ("--port", str(port), "--metrics-port", str(metrics_port))
+
     daemons: list[Daemon] = []
     stopping = False
 
@@ -97,7 +178,12 @@ def up(cfg: UpConfig) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         print(f"starting a coordinator, {cfg.holders} holders and an agent under {root}")
-        coord = start_coordinator(root / "coordinator", store, timeout=cfg.timeout_s)
+        coord = start_coordinator(
+            root / "coordinator",
+            store,
+            *listen_on(cfg.coordinator_port, metrics[0]),
+            timeout=cfg.timeout_s,
+        )
         daemons.append(coord)
         cap = ("--capacity-tokens", str(cfg.capacity_tokens))
         with ThreadPoolExecutor(cfg.holders + 1) as pool:
@@ -110,6 +196,7 @@ def up(cfg: UpConfig) -> int:
                     "--coordinator",
                     coord.address,
                     *cap,
+                    *listen_on(ports["--holder-ports"][i], metrics[1 + i]),
                     timeout=cfg.timeout_s,
                 )
                 for i in range(cfg.holders)
@@ -121,6 +208,9 @@ def up(cfg: UpConfig) -> int:
                 model,
                 "--coordinator",
                 coord.address,
+                *listen_on(cfg.agent_port, metrics[-1]),
+                "--http-port",
+                str(cfg.http_port),
                 timeout=cfg.timeout_s,
             )
             holders = [f.result() for f in hs]
@@ -135,7 +225,11 @@ def up(cfg: UpConfig) -> int:
             "model": str(model),
             "coordinator": {"address": coord.address, "metrics": coord.metrics_port},
             "holders": [{"address": h.address, "metrics": h.metrics_port} for h in holders],
-            "agent": {"address": agent.address, "metrics": agent.metrics_port},
+            "agent": {
+                "address": agent.address,
+                "metrics": agent.metrics_port,
+                "http": agent.http_port,
+            },
         }
         tmp = root / "up.json.tmp"
         tmp.write_text(json.dumps(info, indent=1))
@@ -194,6 +288,12 @@ def _detach(cfg: UpConfig, root: Path) -> int:
         "--timeout-s",
         str(cfg.timeout_s),
     ]
+    args += ["--coordinator-port", str(cfg.coordinator_port), "--agent-port", str(cfg.agent_port)]
+    args += ["--http-port", str(cfg.http_port)]
+    if cfg.holder_ports:
+        args += ["--holder-ports", cfg.holder_ports]
+    if cfg.metrics_ports:
+        args += ["--metrics-ports", cfg.metrics_ports]
     if cfg.store:
         args += ["--store", cfg.store]
     if cfg.model:

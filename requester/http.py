@@ -70,7 +70,10 @@ def api_error(e: Exception, param: str | None = None) -> ApiError:
         status = HTTP_STATUS.get(e.code, 500)
         head = str(e).split(":", 1)[0]
         code = "model_not_found" if e.code == Code.NOT_FOUND else e.code.name.lower()
-        return ApiError(status, str(e), head if head in PARAMS else param, code)
+        named = head if head in PARAMS else param
+        if head == "prompt" and param:  # a chat's prompt is its messages
+            named = param
+        return ApiError(status, str(e), named, code)
     if isinstance(e, (CoordinatorError, CorpusUnavailable, grpc.aio.AioRpcError)):
         return ApiError(503, f"unavailable: {e}", None, "unavailable")
     log.error("HTTP request failed", exc_info=e)

@@ -189,7 +189,7 @@ def parse(body: Any, chat: bool) -> TextRequest:
             max_tokens = v
             break
     stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else stop if stop is not None else []
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
         raise bad("stop", "must be a non-empty string or an array of them", "invalid_type")
     if len(stops) > MAX_STOP:
@@ -247,8 +247,10 @@ def chat_text(messages: Sequence[tuple[str, str]], deepseek: bool) -> str:
 
 class StopText:
     """Applies stop strings to streamed text: ``push`` returns the text safe to send (a tail
-    that may begin a stop string is held back) and whether a stop string was met (the text is
-    then cut before it); ``flush`` returns what is held back once generation ends."""
+    that may begin a stop string is held back) and whether a stop string was met; the answer is
+    cut before the stop string that completes first (the longest, if several end at one
+    character), whatever pieces the text comes in. ``flush`` returns what is held back once
+    generation ends."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops, self.held = tuple(stops), ""
@@ -257,14 +259,18 @@ class StopText:
     def push(self, text: str) -> tuple[str, bool]:
         if not self.stops:
             return text, False
-        buf = self.held + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.held = ""
-            return buf[:cut], True
-        split = max(len(buf) - self.keep, 0)
-        self.held = buf[split:]
-        return buf[:split], False
+        out = []
+        for ch in text:
+            self.held += ch
+            ends = [len(s) for s in self.stops if self.held.endswith(s)]
+            if ends:
+                out.append(self.held[: len(self.held) - max(ends)])
+                self.held = ""
+                return "".join(out), True
+            if len(self.held) > self.keep:
+                out.append(self.held[0])
+                self.held = self.held[1:]
+        return "".join(out), False
 
     def flush(self) -> str:
         out, self.held = self.held, ""

@@ -89,7 +89,10 @@ def test_eight_streamed_chats_give_the_grpc_apis_tokens(http: Http) -> None:
         async with http.client() as c:
             stream = await c.chat.completions.create(
                 model="docs",
-                messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": q}],
+                messages=[
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": q},
+                ],
                 max_tokens=12,
                 temperature=0,
                 stream=True,
@@ -118,9 +121,7 @@ def test_eight_streamed_chats_give_the_grpc_apis_tokens(http: Http) -> None:
         want = chat_text([("system", "be brief"), ("user", q)], deepseek=False)
         assert prompt == list(want.encode()) and finish == "length"
         assert bytes(t for t in ids if t < 256).decode(errors="replace").startswith(text)
-    want_ids = asyncio.run(
-        _gather(grpc_tokens(http.agent.address, "docs", p, 12) for p, *_ in got)
-    )
+    want_ids = asyncio.run(_gather(grpc_tokens(http.agent.address, "docs", p, 12) for p, *_ in got))
     assert [g[1] for g in got] == want_ids
     # they were stepped together, not one after another
     port = http.agent.metrics_port
@@ -163,17 +164,15 @@ def test_completions_whole_and_streamed_stop_strings_and_seed(http: Http) -> Non
             )
             assert sampled.choices[0].model_extra["token_ids"] == want
             # a stop string: the text is cut before it and finish_reason is "stop"
-            if len(ch.text) > 3:
-                stop = ch.text[2:4]
-                cut = await c.completions.create(
-                    model="docs", prompt=prompt, max_tokens=10, temperature=0, stop=[stop]
-                )
-                assert cut.choices[0].text == ch.text[: ch.text.find(stop)]
-                assert cut.choices[0].finish_reason == "stop"
+            assert len(ch.text) > 3, ch.text
+            stop = ch.text[2:4]
+            cut = await c.completions.create(
+                model="docs", prompt=prompt, max_tokens=10, temperature=0, stop=["\x00Z", stop]
+            )
+            assert cut.choices[0].text == ch.text[: ch.text.find(stop)]
+            assert cut.choices[0].finish_reason == "stop"
             models = await c.models.list()
-            assert [(m.id, m.model_extra["corpus_id"]) for m in models.data] == [
-                ("docs", http.cid)
-            ]
+            assert [(m.id, m.model_extra["corpus_id"]) for m in models.data] == [("docs", http.cid)]
 
     asyncio.run(go())
 
