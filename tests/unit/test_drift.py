@@ -1,0 +1,59 @@
+"""The calibration drift detector (issue 19, defect 9): the median of measured/predicted cost
+over a window of decisions, a warning once per window outside [1/2, 2], and its metrics."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from requester.drift import Drift
+from requester.metrics import RequesterMetrics
+
+
+def test_a_window_outside_the_band_warns_once_and_counts(caplog: pytest.LogCaptureFixture) -> None:
+    m = RequesterMetrics()
+    d = Drift(
+        window=10,
+        profile="corpusd calibrate (test)",
+        on_window=lambda p, r: m.ratio_median.labels(p).set(r),
+        on_drift=lambda p, r: m.drift.labels(p).inc(),
+    )
+    rng = random.Random(0)
+
+    def feed(prim: str, ratio: float, n: int) -> list[float | None]:
+        # noise around ``ratio``: the median, not one sample, decides
+        return [d.observe(prim, ratio * rng.uniform(0.8, 1.25) * 1e-3, 1e-3) for _ in range(n)]
+
+    with caplog.at_level(logging.WARNING, "corpusd.requester"):
+        assert feed("route", 1.0, 10) == [None] * 10  # in the band: no warning
+        assert not caplog.records
+        got = feed("route", 9.5, 30)  # three windows 9.5× too slow: three warnings, one each
+    closed = [r for r in got if r is not None]
+    assert [i for i, r in enumerate(got) if r is not None] == [9, 19, 29]
+    assert all(7 < r < 12 for r in closed)
+    assert len(caplog.records) == 3
+    assert "route: measured/predicted cost median" in caplog.records[0].getMessage()
+    assert "corpusd calibrate (test)" in caplog.records[0].getMessage()
+    reg = m.registry
+    assert (
+        reg.get_sample_value(
+            "corpusd_requester_calibration_drift_windows_total", {"primitive": "route"}
+        )
+        == 3
+    )
+    median = reg.get_sample_value(
+        "corpusd_requester_measured_over_predicted_median", {"primitive": "route"}
+    )
+    assert median == closed[-1]
+    # per primitive: a fetch window too fast counts on its own; 2× exactly is still in the band
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "corpusd.requester"):
+        assert feed("fetch", 0.3, 10)[-1] is not None
+        assert [d.observe("local", 2.0, 1.0) for _ in range(10)] == [None] * 10
+        assert [d.observe("local", 0.5, 1.0) for _ in range(10)] == [None] * 10
+    assert len(caplog.records) == 1 and caplog.records[0].getMessage().startswith("fetch:")
+    # a decision with no prediction (0 or inf) is no ratio
+    assert d.observe("route", 1.0, 0.0) is None and d.observe("route", 1.0, float("inf")) is None
+    assert d.ratios["route"] == []
