@@ -61,6 +61,18 @@ class UpConfig:
         default=-1,
         metadata={"help": "the agent's OpenAI-compatible HTTP API; 0: a free port, -1: off"},
     )
+    calibrate: str = field(
+        default="",
+        metadata={
+            "help": "the cost model's profile ($CORPUSD_HOME/profile.json): auto = a quick "
+            "calibration when it is missing or stale (another model or device, or older than "
+            "--calibration-max-age-days), always, or off (default: $CORPUSD_CALIBRATE, else auto)",
+            "choices": ("", *env.CALIBRATE_MODES),
+        },
+    )
+    calibration_max_age_days: float = field(
+        default=30.0, metadata={"help": "a profile older than this is stale"}
+    )
 
     def __post_init__(self) -> None:
         if not 1 <= self.holders <= 64:
@@ -76,6 +88,10 @@ class UpConfig:
             raise ValueError("capacity_tokens and timeout_s must be > 0")
         if self.detach not in (0, 1):
             raise ValueError(f"detach must be 0 or 1, got {self.detach}")
+        if not self.calibration_max_age_days > 0:
+            raise ValueError(
+                f"calibration_max_age_days must be > 0: {self.calibration_max_age_days}"
+            )
 
     def ports(self) -> dict[str, list[int]]:
         """Every port asked for, by flag: ``--holder-ports`` one per holder, ``--metrics-ports``
@@ -140,8 +156,53 @@ def describe(info: dict[str, Any]) -> str:
     lines.append(f"  agent        {a['address']:<22} {url(a['metrics'])}")
     if a.get("http", -1) >= 0:
         lines.append(f"  OpenAI API   http://127.0.0.1:{a['http']}/v1")
+    cal = info.get("calibration")
+    if cal and cal["ran"]:
+        done = f"quick, {cal['seconds']} s" if cal["ok"] else f"FAILED, see {cal['log']}"
+        lines.append(f"  calibration  {cal['profile']} ({done}): {cal['why']}")
+    elif cal:
+        lines.append(f"  calibration  {cal['profile']} (current, or --calibrate off)")
     lines.append("  other commands find the coordinator through up.json; stop: corpusd down")
     return "\n".join(lines)
+
+
+def calibration_due(mode: str, path: Path, model: Path, max_age_days: float) -> str:
+    """Why ``up`` should calibrate now ("" = it should not): ``mode`` off never, always always,
+    auto when the profile at ``path`` is missing, unreadable or stale for ``model`` on this
+    device."""
+    if mode == "off":
+        return ""
+    if mode == "always":
+        return "asked (--calibrate always)"
+    if not path.is_file():
+        return f"there is no profile at {path}"
+    from corpusd.model import fingerprint
+    from requester.calibrate import device_name
+    from requester.predicate import Profile
+
+    try:
+        profile = Profile.load(path)
+    except ValueError as e:
+        return str(e)
+    why = profile.stale(fingerprint(model), device_name(), max_age_days * 86400, time.time())
+    return f"{path} is stale: {why}" if why else ""
+
+
+def _calibrate(root: Path, model: Path, out: Path, timeout: float) -> dict[str, Any]:
+    """``corpusd calibrate --quick`` into ``out`` (its log: ``root/calibrate.log``); what
+    happened, for up.json. A failure is reported, not raised: the agent then starts on the
+    profile there was."""
+    t0 = time.perf_counter()
+    log = root / "calibrate.log"
+    cmd = [sys.executable, "-m", "corpusd", "calibrate", "--quick", "--model", str(model)]
+    with log.open("ab") as f:
+        try:
+            rc = subprocess.run(
+                [*cmd, "--out", str(out)], stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+    return {"ok": rc == 0, "seconds": round(time.perf_counter() - t0, 1), "log": str(log)}
 
 
 def up(cfg: UpConfig) -> int:
@@ -153,6 +214,7 @@ def up(cfg: UpConfig) -> int:
             check_ports("127.0.0.1", {flag: p})
     if cfg.detach:
         return _detach(cfg, root)
+    mode = env.calibrate_mode(cfg.calibrate)
     from corpusd.corpus.pin import default_model  # torch: `down` and `--help` go without
 
     ports = cfg.ports()
@@ -176,8 +238,13 @@ def up(cfg: UpConfig) -> int:
     # never raises KeyboardInterrupt, so Ctrl-C / kill -INT would not stop the daemons.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    profile = env.home() / "profile.json"
+    why = calibration_due(mode, profile, model, cfg.calibration_max_age_days)
+    calibration: dict[str, Any] = {"profile": str(profile), "ran": bool(why), "why": why}
     try:
         print(f"starting a coordinator, {cfg.holders} holders and an agent under {root}")
+        if why:
+            print(f"calibrating the cost model (quick), beside the holders' start: {why}")
         coord = start_coordinator(
             root / "coordinator",
             store,
@@ -186,7 +253,7 @@ def up(cfg: UpConfig) -> int:
         )
         daemons.append(coord)
         cap = ("--capacity-tokens", str(cfg.capacity_tokens))
-        with ThreadPoolExecutor(cfg.holders + 1) as pool:
+        with ThreadPoolExecutor(cfg.holders + 2) as pool:
             hs = [
                 pool.submit(
                     start_holder,
@@ -201,6 +268,17 @@ def up(cfg: UpConfig) -> int:
                 )
                 for i in range(cfg.holders)
             ]
+            cal = pool.submit(_calibrate, root, model, profile, cfg.timeout_s) if why else None
+            if cal is not None:  # the agent loads the profile as it starts
+                calibration.update(cal.result())
+                ok = calibration["ok"]
+                print(
+                    f"calibrated in {calibration['seconds']} s: {profile}"
+                    if ok
+                    else f"calibration failed (see {calibration['log']}); the agent uses "
+                    f"{'the old profile' if profile.is_file() else 'the built-in constants'}",
+                    flush=True,
+                )
             ag = pool.submit(
                 start_agent,
                 store,
@@ -225,6 +303,7 @@ def up(cfg: UpConfig) -> int:
             "model": str(model),
             "coordinator": {"address": coord.address, "metrics": coord.metrics_port},
             "holders": [{"address": h.address, "metrics": h.metrics_port} for h in holders],
+            "calibration": calibration,
             "agent": {
                 "address": agent.address,
                 "metrics": agent.metrics_port,
@@ -290,6 +369,9 @@ def _detach(cfg: UpConfig, root: Path) -> int:
     ]
     args += ["--coordinator-port", str(cfg.coordinator_port), "--agent-port", str(cfg.agent_port)]
     args += ["--http-port", str(cfg.http_port)]
+    args += ["--calibration-max-age-days", str(cfg.calibration_max_age_days)]
+    if cfg.calibrate:
+        args += ["--calibrate", cfg.calibrate]
     if cfg.holder_ports:
         args += ["--holder-ports", cfg.holder_ports]
     if cfg.metrics_ports:

@@ -35,6 +35,11 @@ class Profile:
     splice_us_per_row: float = 0.05  # gather + k_pe rotation of one fetched row
     prefill_us_per_token: float = 4000.0
     source: str = "defaults (not calibrated)"
+    # what it was measured for and when (``corpusd up`` recalibrates when these do not match)
+    model_fingerprint: str = ""
+    device: str = ""
+    created_at: float = 0.0  # unix seconds; 0: never calibrated
+    mode: str = ""  # "full" or "quick"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -47,6 +52,20 @@ class Profile:
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    def stale(self, fingerprint: str, device: str, max_age_s: float, now: float) -> str:
+        """Why this profile does not fit (a model or device other than the one given, older
+        than ``max_age_s``, never calibrated); "" when it fits."""
+        if not self.created_at:
+            return "it holds no calibration (defaults)"
+        if self.model_fingerprint != fingerprint:
+            return f"it was measured for model {self.model_fingerprint[:19] or '(unknown)'}…"
+        if self.device != device:
+            return f"it was measured on {self.device or '(unknown device)'}, this is {device}"
+        age = now - self.created_at
+        if age > max_age_s:
+            return f"it is {age / 86400:.1f} days old (more than {max_age_s / 86400:g})"
+        return ""
 
     @classmethod
     def load(cls, path: Path) -> Profile:
