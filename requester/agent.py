@@ -102,6 +102,18 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             )
             return st
 
+    def unbind(self, corpus_id: str, why: str) -> None:
+        """Forget a corpus this worker bound (the coordinator says it is no longer pinned): its
+        binding with every cached page and key, the names that led to it, its sessions (a stream
+        in flight ends NOT_FOUND). The next session of that name binds afresh."""
+        for sid in [s.id for s in self.worker.sessions.values() if s.corpus.corpus_id == corpus_id]:
+            self.scheduler.cancel(
+                sid, Reject(Code.NOT_FOUND, f"corpus {corpus_id} was {why}; session {sid} closed")
+            )
+        closed = self.worker.detach(corpus_id)
+        self.names = {n: c for n, c in self.names.items() if c != corpus_id}
+        log.info("dropped corpus %s (%s): %d sessions closed", corpus_id[:12], why, len(closed))
+
     async def _bind_from_coordinator(self, name: str) -> CorpusBinding:
         assert self.coordinator is not None
         corpora = await self.coordinator.list_corpora()

@@ -49,7 +49,9 @@ async def report_load(svc: AgentService, worker_id: str, address: str, metrics_u
             metrics_url=metrics_url,
         )
         try:
-            await svc.coordinator.report_worker(report)
+            _, unpinned = await svc.coordinator.report_worker(report)
+            for cid in unpinned:  # unpinned since it was bound: drop its pages and sessions
+                svc.unbind(cid, "unpinned")
             if down:
                 log.info("coordinator %s is back", svc.coordinator.address)
             down = False

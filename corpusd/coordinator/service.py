@@ -120,7 +120,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if request.worker_id not in self.workers:
             log.info("agent worker %s at %s", request.worker_id, request.address)
         self.workers[request.worker_id] = (request, time.time())
-        return pb.ReportWorkerResponse(lease_seconds=self.lease_s)
+        gone = []
+        for cid in request.corpora:
+            row = self.state.corpus(cid)
+            if row is None or row.state == "retired":
+                gone.append(cid)
+        return pb.ReportWorkerResponse(lease_seconds=self.lease_s, unpinned=gone)
 
     @rpc("ListWorkers")
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: Any) -> Any:

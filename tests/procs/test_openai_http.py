@@ -21,10 +21,11 @@ from typing import Any
 
 import pytest
 
+from corpusd.cli import main as cli_main
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
 from holder.launch import HolderProcess
-from requester.client import Client
+from requester.client import AgentError, Client
 from requester.launch import AgentProcess, start_agent
 from requester.openai_api import chat_text
 from tests.procs.test_agent import metric
@@ -261,3 +262,49 @@ def test_a_client_that_leaves_mid_stream_closes_its_session(http: Http) -> None:
 
     asyncio.run(go())
     assert _sessions(http) == 0
+
+
+def test_unpin_makes_the_agent_drop_the_corpus_and_a_repin_binds_afresh(
+    http: Http, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 19: ``corpusd unpin`` tells the agent workers, in the reply to their load report,
+    to drop what they hold of the corpus: its binding (page table, index keys, fetched pages)
+    and its sessions. Runs last: it unpins the module's corpus (and pins it again)."""
+    addr = http.coord.address
+
+    async def bound() -> list[tuple[str, ...]]:
+        async with CoordinatorClient(addr) as cc:
+            return [w.report.corpora for w in await cc.list_workers()]
+
+    async def before() -> tuple[Any, list[int]]:
+        async with Client(agent=http.agent.address) as c:
+            s = await c.open_session("docs", list(b"\nQ: x?\nA:"))  # left open
+        return s, await grpc_tokens(http.agent.address, "docs", list(b"\nQ: y?\nA:"), 4)
+
+    session, want = asyncio.run(before())
+    assert asyncio.run(bound()) == [(http.cid,)]
+    assert cli_main(["unpin", "docs", "--coordinator", addr]) == 0
+    assert capsys.readouterr().out.startswith("unpinned docs")
+    deadline = time.monotonic() + 15
+    while asyncio.run(bound()) != [()]:  # the next report (every 0.3 s) drops it
+        assert time.monotonic() < deadline, asyncio.run(bound())
+        time.sleep(0.2)
+    assert _sessions(http) == 0  # the open session went with it
+
+    async def generate() -> None:
+        async with Client(agent=http.agent.address) as c:
+            with pytest.raises(AgentError, match="NOT_FOUND: no session"):
+                await c.complete(session, max_tokens=2)
+
+    asyncio.run(generate())
+    got, err = _post(http, "/completions", b'{"model": "docs", "prompt": "x"}')
+    assert got in (400, 404) and "docs" in err["error"]["message"], err
+    with urllib.request.urlopen(http.base + "/models", timeout=10) as r:
+        assert json.loads(r.read())["data"] == []
+
+    async def repin() -> list[int]:
+        async with CoordinatorClient(addr) as cc:
+            await cc.pin(http.cid, replicas=1, wait=True, timeout=60)
+        return await grpc_tokens(http.agent.address, "docs", list(b"\nQ: y?\nA:"), 4)
+
+    assert asyncio.run(repin()) == want  # bound afresh from the new page table

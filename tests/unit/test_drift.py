@@ -57,3 +57,25 @@ def test_a_window_outside_the_band_warns_once_and_counts(caplog: pytest.LogCaptu
     # a decision with no prediction (0 or inf) is no ratio
     assert d.observe("route", 1.0, 0.0) is None and d.observe("route", 1.0, float("inf")) is None
     assert d.ratios["route"] == []
+
+
+def test_a_profile_is_stale_for_another_model_device_or_age(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from corpusd import env
+    from requester.predicate import Profile
+
+    day, now = 86400.0, 1.8e9
+    p = Profile(model_fingerprint="sha256:aa", device="cpu X x2", created_at=now - 2 * day)
+    assert p.stale("sha256:aa", "cpu X x2", 30 * day, now) == ""
+    assert "model sha256:aa" in p.stale("sha256:bb", "cpu X x2", 30 * day, now)
+    assert "measured on cpu X x2, this is cuda H100" in p.stale(
+        "sha256:aa", "cuda H100", 30 * day, now
+    )
+    assert "2.0 days old (more than 1)" in p.stale("sha256:aa", "cpu X x2", day, now)
+    assert "no calibration" in Profile().stale("sha256:aa", "cpu X x2", 30 * day, now)
+    monkeypatch.delenv("CORPUSD_CALIBRATE", raising=False)
+    assert env.calibrate_mode() == "auto" and env.calibrate_mode("off") == "off"
+    monkeypatch.setenv("CORPUSD_CALIBRATE", "never")
+    with pytest.raises(ValueError, match=r"\$CORPUSD_CALIBRATE: 'never'; one of auto, always, off"):
+        env.calibrate_mode()
