@@ -188,13 +188,17 @@ def calibration_due(mode: str, path: Path, model: Path, max_age_days: float) -> 
     return f"{path} is stale: {why}" if why else ""
 
 
-def _calibrate(root: Path, model: Path, out: Path, timeout: float) -> dict[str, Any]:
-    """``corpusd calibrate --quick`` into ``out`` (its log: ``root/calibrate.log``); what
-    happened, for up.json. A failure is reported, not raised: the agent then starts on the
-    profile there was."""
+def _calibrate(
+    root: Path, model: Path, out: Path, holder: str, store: Path, probe: str, timeout: float
+) -> dict[str, Any]:
+    """``corpusd calibrate --quick`` into ``out`` against ``holder`` (it loads the ``probe``
+    corpus of ``store`` and releases it after); its log: ``root/calibrate.log``. Returns what
+    happened, for up.json. A failure is reported, not raised: the agent keeps the profile there
+    was."""
     t0 = time.perf_counter()
     log = root / "calibrate.log"
     cmd = [sys.executable, "-m", "corpusd", "calibrate", "--quick", "--model", str(model)]
+    cmd += ["--holder", holder, "--corpus", probe, "--store", str(store)]
     with log.open("ab") as f:
         try:
             rc = subprocess.run(
@@ -216,6 +220,8 @@ def up(cfg: UpConfig) -> int:
         return _detach(cfg, root)
     mode = env.calibrate_mode(cfg.calibrate)
     from corpusd.corpus.pin import default_model  # torch: `down` and `--help` go without
+    from corpusd.corpus.store import PageStore
+    from requester.calibrate import probe_corpus
 
     ports = cfg.ports()
     root.mkdir(parents=True, exist_ok=True)
@@ -243,8 +249,10 @@ def up(cfg: UpConfig) -> int:
     calibration: dict[str, Any] = {"profile": str(profile), "ran": bool(why), "why": why}
     try:
         print(f"starting a coordinator, {cfg.holders} holders and an agent under {root}")
+        probe = ""
         if why:
-            print(f"calibrating the cost model (quick), beside the holders' start: {why}")
+            print(f"calibrating the cost model (quick) on holder-0 as it starts: {why}")
+            probe = probe_corpus(PageStore(store), model, min(1024, cfg.capacity_tokens))
         coord = start_coordinator(
             root / "coordinator",
             store,
@@ -268,17 +276,6 @@ def up(cfg: UpConfig) -> int:
                 )
                 for i in range(cfg.holders)
             ]
-            cal = pool.submit(_calibrate, root, model, profile, cfg.timeout_s) if why else None
-            if cal is not None:  # the agent loads the profile as it starts
-                calibration.update(cal.result())
-                ok = calibration["ok"]
-                print(
-                    f"calibrated in {calibration['seconds']} s: {profile}"
-                    if ok
-                    else f"calibration failed (see {calibration['log']}); the agent uses "
-                    f"{'the old profile' if profile.is_file() else 'the built-in constants'}",
-                    flush=True,
-                )
             ag = pool.submit(
                 start_agent,
                 store,
@@ -291,6 +288,29 @@ def up(cfg: UpConfig) -> int:
                 str(cfg.http_port),
                 timeout=cfg.timeout_s,
             )
+            if probe:  # against holder-0 as soon as it serves; the agent reloads the profile
+                try:
+                    calibration.update(
+                        _calibrate(
+                            root,
+                            model,
+                            profile,
+                            hs[0].result().address,
+                            store,
+                            probe,
+                            cfg.timeout_s,
+                        )
+                    )
+                finally:
+                    PageStore(store).delete(probe)
+                ok = calibration["ok"]
+                print(
+                    f"calibrated in {calibration['seconds']} s: {profile}"
+                    if ok
+                    else f"calibration failed (see {calibration['log']}); the agent uses "
+                    f"{'the old profile' if profile.is_file() else 'the built-in constants'}",
+                    flush=True,
+                )
             holders = [f.result() for f in hs]
             daemons += holders
             agent = ag.result()

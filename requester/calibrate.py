@@ -268,18 +268,25 @@ def run(
         proc = start_holder(store.root, scratch / "holder", mdir)
         holder = proc.address
     elif not corpus:
-        raise ValueError("--holder needs --corpus (a corpus that holder holds in full)")
+        raise ValueError(
+            "--holder needs --corpus (a corpus of the store that holder holds, or can load)"
+        )
     corpus = store.resolve(corpus)
 
     async def go() -> Profile:
         client = HolderClient(holder)
+        assigned = False
         try:
-            if proc is not None:
+            held = {c.corpus_id for c in (await client.info()).corpora if c.frames}
+            if corpus not in held:  # a probe corpus on a holder of `corpusd up`, or ours
                 await client.assign(corpus)
+                assigned = True
             return await calibrate(
                 model, client, corpus, store.read_tokens(corpus), reps, print, rows, ks, chunk
             )
         finally:
+            if assigned:  # leave the holder as it was
+                await client.release(corpus)
             await client.close()
 
     try:

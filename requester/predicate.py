@@ -13,6 +13,7 @@ Every term is a constant measured by ``corpusd calibrate``; evaluating it is ari
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -50,8 +51,11 @@ class Profile:
             raise ValueError("profile beta_bytes_per_us must be > 0")
 
     def save(self, path: Path) -> None:
+        """Write atomically (a worker watching the file never reads half of it)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        os.replace(tmp, path)
 
     def stale(self, fingerprint: str, device: str, max_age_s: float, now: float) -> str:
         """Why this profile does not fit (a model or device other than the one given, older

@@ -62,6 +62,38 @@ async def report_load(svc: AgentService, worker_id: str, address: str, metrics_u
         await asyncio.sleep(svc.cfg.report_s)
 
 
+async def watch_profile(worker: Worker, path: Path, every_s: float = 1.0) -> None:
+    """Reload the predicate's profile when ``path`` changes (``corpusd up`` calibrates beside
+    the agent's start; ``corpusd calibrate`` rewrites it): the next decision uses it. A file
+    that is not a profile is logged once and the one in use kept."""
+    seen = _mtime(path)
+    while True:
+        await asyncio.sleep(every_s)
+        now = _mtime(path)
+        if now == seen or now is None:
+            continue
+        seen = now
+        try:
+            profile = Profile.load(path)
+        except ValueError as e:
+            log.warning("profile not reloaded: %s", e)
+            continue
+        worker.fanout.predicate.profile = profile
+        worker.fanout.drift.profile = profile.source
+        log.info("reloaded the cost-model profile %s (%s)", path, profile.source)
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def profile_path(path: str) -> Path:
+    return Path(path) if path else env.home() / "profile.json"
+
+
 def load_profile(path: str) -> Profile:
     """The agent's calibration: ``path``, else ``$CORPUSD_HOME/profile.json`` when
     ``corpusd calibrate`` wrote one, else the built-in constants. Raises ValueError for a file
@@ -129,7 +161,7 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
         f"coordinator {cfg.coordinator}" if coord else f"holders {', '.join(holders) or 'none'}",
         metrics_port,
     )
-    tasks = []
+    tasks = [asyncio.create_task(watch_profile(worker, profile_path(wcfg.profile)))]
     if coord is not None:
         url = f"http://{cfg.host}:{metrics_port}/metrics" if metrics_port >= 0 else ""
         tasks.append(asyncio.create_task(report_load(svc, worker_id, address, url)))

@@ -298,7 +298,8 @@ def test_unpin_makes_the_agent_drop_the_corpus_and_a_repin_binds_afresh(
 
     asyncio.run(generate())
     got, err = _post(http, "/completions", b'{"model": "docs", "prompt": "x"}')
-    assert got in (400, 404) and "docs" in err["error"]["message"], err
+    assert got == 404 and "unknown corpus 'docs'" in err["error"]["message"], err
+    assert err["error"]["code"] == "model_not_found" and err["error"]["param"] == "model", err
     with urllib.request.urlopen(http.base + "/models", timeout=10) as r:
         assert json.loads(r.read())["data"] == []
 

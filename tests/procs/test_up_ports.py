@@ -10,9 +10,11 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
+from corpusd.corpus.store import PageStore
 from corpusd.model import fingerprint
 from requester.calibrate import device_name
 from requester.predicate import Profile
@@ -56,6 +58,13 @@ def test_up_listens_on_the_given_ports_and_calibrates_first(
         p = Profile.load(Path(cal["profile"]))
         assert p.mode == "quick" and p.model_fingerprint == fingerprint(tiny_dir)
         assert p.device == device_name() and p.created_at > 0 and p.alpha_us > 0
+        # measured on holder-0 over a probe corpus, which is gone from the store after, and the
+        # agent (started meanwhile) took the new profile up
+        assert PageStore(Path(home["CORPUSD_HOME"]) / "store").ids() == []
+        deadline = time.monotonic() + 10
+        while "reloaded the cost-model profile" not in (root / "agent" / "agent.log").read_text():
+            assert time.monotonic() < deadline, "the agent did not reload the profile"
+            time.sleep(0.2)
         # a bad port flag is refused before anything starts, even beside a running up
         for args, words in [
             (["--holders", "2", "--holder-ports", "5000"], "--holder-ports: 1 ports for 2"),
