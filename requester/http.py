@@ -19,6 +19,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import datetime
 from typing import Any
 
 import grpc
@@ -123,7 +124,9 @@ class OpenAIApi:
                 fp = svc.fingerprint
                 for c in await svc.coordinator.list_corpora():
                     if c.state == "ready" and (not fp or c.model_fingerprint in ("", fp)):
-                        data.append(_model(c.name or c.corpus_id, c.corpus_id, c.tokens))
+                        data.append(
+                            _model(c.name or c.corpus_id, c.corpus_id, c.tokens, c.created_at)
+                        )
             else:
                 for cid, b in svc.worker.corpora.items():
                     data.append(_model(cid, cid, b.view.token_count))
@@ -199,11 +202,15 @@ async def _body(request: Request) -> Any:
         raise ApiError(400, f"the body is not JSON: {e}", None, "invalid_json") from None
 
 
-def _model(name: str, corpus_id: str, tokens: int) -> dict[str, Any]:
+def _model(name: str, corpus_id: str, tokens: int, created_at: str = "") -> dict[str, Any]:
+    """A corpus as an OpenAI model object (``created``: when its pages were made, unix s)."""
+    created = 0
+    with contextlib.suppress(ValueError):
+        created = int(datetime.fromisoformat(created_at).timestamp()) if created_at else 0
     return {
         "id": name,
         "object": "model",
-        "created": 0,
+        "created": created,
         "owned_by": "corpusd",
         "corpus_id": corpus_id,
         "corpus_tokens": tokens,
