@@ -1,5 +1,6 @@
-"""The calibration drift detector (issue 19, defect 9): the median of measured/predicted cost
-over a window of decisions, a warning once per window outside [1/2, 2], and its metrics."""
+"""What goes stale and how it shows (issue 19): the calibration drift detector (the median of
+measured/predicted cost over a window, a warning once per window outside [1/2, 2], its metrics),
+a stale calibration profile, and an agent worker's binding of a corpus unpinned since."""
 
 from __future__ import annotations
 
@@ -79,3 +80,32 @@ def test_a_profile_is_stale_for_another_model_device_or_age(
     monkeypatch.setenv("CORPUSD_CALIBRATE", "never")
     with pytest.raises(ValueError, match=r"\$CORPUSD_CALIBRATE: 'never'; one of auto, always, off"):
         env.calibrate_mode()
+
+
+def test_the_coordinator_voids_bindings_of_unpinned_or_republished_corpora() -> None:
+    """What ReportWorker's reply tells a worker to drop (issue 19): a corpus retired or gone, or
+    one unpinned and published again between two of its reports (its page table changed)."""
+    from types import SimpleNamespace
+
+    from corpusd.coordinator.service import CoordinatorService
+    from corpusd.v1 import coordinator_pb2 as pb
+
+    rows: dict[str, SimpleNamespace] = {}
+    fake = SimpleNamespace(bound_since={}, state=SimpleNamespace(corpus=rows.get))
+
+    def report(now: float, *corpora: str) -> list[str]:
+        req = pb.WorkerReport(worker_id="w", corpora=list(corpora))
+        return CoordinatorService._unpinned(fake, req, now)  # type: ignore[arg-type]
+
+    rows["a"] = SimpleNamespace(state="ready", updated_at=10.0)
+    rows["b"] = SimpleNamespace(state="ready", updated_at=10.0)
+    assert report(11, "a", "b") == [] and report(12, "a", "b") == []
+    rows["a"] = SimpleNamespace(state="retired", updated_at=13.0)
+    assert report(14, "a", "b") == ["a"]  # unpinned
+    assert report(15, "b") == []  # the worker dropped it
+    rows["b"] = SimpleNamespace(state="ready", updated_at=16.0)  # unpinned and re-pinned at 16
+    assert report(17, "b") == ["b"]  # bound before 16: its page table is stale
+    assert report(18) == [] and report(19, "b") == []  # dropped, bound afresh: kept
+    assert report(20, "ghost") == ["ghost"]  # deleted (or never pinned here)
+    rows["b"] = SimpleNamespace(state="pinning", updated_at=21.0)
+    assert report(22, "b") == ["b"]
