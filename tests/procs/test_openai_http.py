@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import urllib.error
 import urllib.request
@@ -234,6 +235,46 @@ def test_bad_requests_get_openai_errors_and_change_nothing(http: Http) -> None:
     assert _sessions(http) == 0
     got, ok = _post(http, "/completions", b'{"model": "docs", "prompt": "x", "max_tokens": 2}')
     assert got == 200 and ok["choices"][0]["finish_reason"] == "length"
+
+
+def test_random_bodies_get_a_4xx_or_an_answer_never_a_500(http: Http) -> None:
+    """Bodies drawn around valid ones (fields dropped, values swapped for other JSON types and
+    edge values): each gets an answer or an OpenAI error below 500, and the agent serves on."""
+    rng = random.Random(19)
+    values: list[Any] = [None, True, 0, -1, 1, 2**64, 1.5, float("nan"), "", "x", "docs", [], [1],
+                         [[1]], ["a", "b"], {}, {"type": "text"}, [{"role": "user"}]]  # fmt: skip
+    base = {
+        "/completions": {"model": "docs", "prompt": "x", "max_tokens": 1, "temperature": 0},
+        "/chat/completions": {
+            "model": "docs", "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "user", "content": "x"}],
+        },
+    }  # fmt: skip
+    keys = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "seed",
+            "n", "stream", "stop_token_ids", "corpus", "logprobs", "echo", "stream_options",
+            "max_completion_tokens", "response_format", "return_token_ids"]  # fmt: skip
+    codes: dict[int, int] = {}
+    for _ in range(150):
+        path = rng.choice(list(base))
+        body: dict[str, Any] = dict(base[path])
+        for _ in range(rng.randint(1, 3)):
+            key = rng.choice(keys)
+            if rng.random() < 0.3:
+                body.pop(key, None)
+            else:
+                body[key] = rng.choice(values)
+        if body.get("stream") is True:
+            body["stream"] = False  # an SSE body is not JSON; streaming is tested above
+        if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 2:
+            body["max_tokens"] = 2  # keep the valid ones short
+        raw = json.dumps(body).encode()
+        status, reply = _post(http, path, raw)
+        codes[status] = codes.get(status, 0) + 1
+        assert status in (200, 400, 404), (body, status, reply)
+        if status != 200:
+            assert set(reply["error"]) == {"message", "type", "param", "code"}, reply
+    assert codes.get(400, 0) > 30 and codes.get(200, 0) > 5, codes
+    assert _sessions(http) == 0
 
 
 def _sessions(http: Http, want: float = 0, wait_s: float = 10) -> float:
