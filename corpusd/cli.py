@@ -33,6 +33,7 @@ from corpusd.coordinator.client import (
 )
 from corpusd.coordinator.config import CoordinatorConfig, PublishConfig, StatusConfig
 from corpusd.corpus.config import PinConfig
+from corpusd.corpus.manifest import page_format
 from corpusd.up import UpConfig
 from holder.config import HolderConfig
 from requester.config import AgentConfig, WorkerConfig
@@ -79,9 +80,7 @@ def summary(r: PinResult) -> str:
     """The one-screen report printed after a pin."""
     m = r.manifest
     disk = sum(f.stat().st_size for f in r.path.iterdir())
-    per_layer = (
-        m.n_pages * m.page_size * (m.kv_dim + m.index_dim) * (4 if m.dtype == "float32" else 2)
-    )
+    per_layer = m.n_pages * m.page_size * m.token_layer_bytes
     reasons: dict[str, int] = {}
     for _, reason, _ in m.skipped:
         reasons[reason] = reasons.get(reason, 0) + 1
@@ -94,8 +93,9 @@ def summary(r: PinResult) -> str:
         f"skipped: {skipped}",
         f"  tokens    {m.token_count:,} → {count(m.n_pages, 'page')} of {m.page_size}",
         f"  model     {r.model_dir}  ({m.n_layers} layers, {m.tokenizer})",
-        f"  cache     {m.dtype}, per layer {_mib(per_layer)} "
-        f"(latent {m.kv_dim} + index {m.index_dim} per token), {_mib(disk)} on disk",
+        f"  cache     {m.page_format}, per layer {_mib(per_layer)} "
+        f"(latent {m.kv_dim}{' as fp8 rows' if m.kv_format != 'plain' else ''} + index "
+        f"{m.index_dim} per token), {_mib(disk)} on disk",
         f"  prefill   {m.prefill_seconds:,.1f} s ({rate:,.0f} tok/s)"
         + ("  [done earlier; nothing recomputed]" if r.reused else ""),
         f"  stored    {r.path}",
@@ -123,7 +123,8 @@ def cmd_pin(a: argparse.Namespace) -> int:
         model_dir = Path(cfg.model) if cfg.model else default_model(sys.stderr)
         cfg = replace(cfg, model=str(model_dir))
         fp = fingerprint(model_dir)
-        loads = preflight.fitting(holders, publish.replicas, fp, cfg.page_size, cfg.dtype)
+        want = page_format(cfg.dtype, cfg.kv_format)
+        loads = preflight.fitting(holders, publish.replicas, fp, cfg.page_size, want)
 
         def admit(pages: int) -> None:
             if note := preflight.room(loads, pages, publish.replicas):

@@ -39,8 +39,8 @@ VARIABLES = {
         "65536",
     ),
     "CORPUSD_SGLANG_GRAPH_MAX_BS": (
-        "SGLang plugin, device path: the largest --cuda-graph-max-bs it accepts (raise only to "
-        "reproduce the open >16 defect)",
+        "SGLang plugin, device path: the largest decode CUDA graph it lets SGLang capture (larger "
+        "batches run eager; raise only to reproduce the open >16 defect)",
         "16",
     ),
 }

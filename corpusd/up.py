@@ -16,13 +16,14 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from corpusd import env
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
+from corpusd.corpus.manifest import KV_FORMATS
 from corpusd.daemon import Daemon, check_ports
 from holder.launch import start_holder
 from requester.launch import start_agent
@@ -39,6 +40,11 @@ class UpConfig:
     capacity_tokens: int = field(
         default=65536, metadata={"help": "per holder (its pool is allocated up front)"}
     )
+    kv_format: str = field(
+        default="plain",
+        metadata={"help": "the holders' latent rows: plain, or fp8_e4m3 for pins made with "
+                  "--kv-format fp8_e4m3", "choices": KV_FORMATS},
+    )  # fmt: skip
     detach: int = field(
         default=0,
         metadata={"help": "1 (or the flag alone): start in the background, return once serving",
@@ -86,6 +92,8 @@ class UpConfig:
             seen[port] = flag
         if self.capacity_tokens <= 0 or not self.timeout_s > 0:
             raise ValueError("capacity_tokens and timeout_s must be > 0")
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
         if self.detach not in (0, 1):
             raise ValueError(f"detach must be 0 or 1, got {self.detach}")
         if not self.calibration_max_age_days > 0:
@@ -192,13 +200,14 @@ def _calibrate(
     root: Path, model: Path, out: Path, holder: str, store: Path, probe: str, timeout: float
 ) -> dict[str, Any]:
     """``corpusd calibrate --quick`` into ``out`` against ``holder`` (it loads the ``probe``
-    corpus of ``store`` and releases it after); its log: ``root/calibrate.log``. Returns what
-    happened, for up.json. A failure is reported, not raised: the agent keeps the profile there
-    was."""
+    corpus of ``store`` and releases it after; "": a holder of its own); its log:
+    ``root/calibrate.log``. Returns what happened, for up.json. A failure is reported, not
+    raised: the agent keeps the profile there was."""
     t0 = time.perf_counter()
     log = root / "calibrate.log"
     cmd = [sys.executable, "-m", "corpusd", "calibrate", "--quick", "--model", str(model)]
-    cmd += ["--holder", holder, "--corpus", probe, "--store", str(store)]
+    if holder:  # else it starts a holder of its own, over a temporary store
+        cmd += ["--holder", holder, "--corpus", probe, "--store", str(store)]
     with log.open("ab") as f:
         try:
             rc = subprocess.run(
@@ -251,7 +260,8 @@ def up(cfg: UpConfig) -> int:
         print(f"starting a coordinator, {cfg.holders} holders and an agent under {root}")
         probe = ""
         if why:
-            print(f"calibrating the cost model (quick) on holder-0 as it starts: {why}")
+            print(f"calibrating the cost model (quick): {why}")
+        if why and cfg.kv_format == "plain":  # on holder-0 as it starts, over a probe corpus
             probe = probe_corpus(PageStore(store), model, min(1024, cfg.capacity_tokens))
         coord = start_coordinator(
             root / "coordinator",
@@ -260,7 +270,7 @@ def up(cfg: UpConfig) -> int:
             timeout=cfg.timeout_s,
         )
         daemons.append(coord)
-        cap = ("--capacity-tokens", str(cfg.capacity_tokens))
+        cap = ("--capacity-tokens", str(cfg.capacity_tokens), "--kv-format", cfg.kv_format)
         with ThreadPoolExecutor(cfg.holders + 2) as pool:
             hs = [
                 pool.submit(
@@ -288,21 +298,16 @@ def up(cfg: UpConfig) -> int:
                 str(cfg.http_port),
                 timeout=cfg.timeout_s,
             )
-            if probe:  # against holder-0 as soon as it serves; the agent reloads the profile
+            if why:  # against holder-0 as soon as it serves (fp8 holders take no plain probe:
+                # then a holder of its own); the agent reloads the profile when it is written
                 try:
+                    address = hs[0].result().address if probe else ""
                     calibration.update(
-                        _calibrate(
-                            root,
-                            model,
-                            profile,
-                            hs[0].result().address,
-                            store,
-                            probe,
-                            cfg.timeout_s,
-                        )
+                        _calibrate(root, model, profile, address, store, probe, cfg.timeout_s)
                     )
                 finally:
-                    PageStore(store).delete(probe)
+                    if probe:
+                        PageStore(store).delete(probe)
                 ok = calibration["ok"]
                 print(
                     f"calibrated in {calibration['seconds']} s: {profile}"
@@ -373,33 +378,12 @@ async def _ready(address: str, holders: int, timeout: float) -> None:
 def _detach(cfg: UpConfig, root: Path) -> int:
     root.mkdir(parents=True, exist_ok=True)
     log = root / "up.log"
-    args = [
-        sys.executable,
-        "-m",
-        "corpusd",
-        "up",
-        "--holders",
-        str(cfg.holders),
-        "--state-dir",
-        str(root),
-        "--capacity-tokens",
-        str(cfg.capacity_tokens),
-        "--timeout-s",
-        str(cfg.timeout_s),
-    ]
-    args += ["--coordinator-port", str(cfg.coordinator_port), "--agent-port", str(cfg.agent_port)]
-    args += ["--http-port", str(cfg.http_port)]
-    args += ["--calibration-max-age-days", str(cfg.calibration_max_age_days)]
-    if cfg.calibrate:
-        args += ["--calibrate", cfg.calibrate]
-    if cfg.holder_ports:
-        args += ["--holder-ports", cfg.holder_ports]
-    if cfg.metrics_ports:
-        args += ["--metrics-ports", cfg.metrics_ports]
-    if cfg.store:
-        args += ["--store", cfg.store]
-    if cfg.model:
-        args += ["--model", cfg.model]
+    # every flag but --detach, from the config itself, so none is dropped on the way
+    args = [sys.executable, "-m", "corpusd", "up", "--state-dir", str(root)]
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name not in ("detach", "state_dir") and value != "":
+            args += ["--" + f.name.replace("_", "-"), str(value)]
     with log.open("ab") as out:
         proc = subprocess.Popen(
             args,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from corpusd.corpus.manifest import PAGE_SIZE
+from corpusd.corpus.manifest import KV_FORMATS, PAGE_SIZE
 
 DTYPES = ("float32", "bfloat16")
 GPU_HOST_THREADS = 2
@@ -68,6 +68,14 @@ class HolderConfig:
     dtype: str = field(
         default="float32",
         metadata={"help": "pool dtype: float32 or bfloat16; must match the pins"},
+    )
+    kv_format: str = field(
+        default="plain",
+        metadata={
+            "help": "latent row format of the pool: plain or fp8_e4m3 (FlashMLA's 656-byte "
+            "rows); must match the pins",
+            "choices": KV_FORMATS,
+        },
     )
     kernel: str = field(
         default="auto",
@@ -148,6 +156,10 @@ class HolderConfig:
             raise ValueError("nvshmem_peers must be >= 0, nvshmem_rows / nvshmem_topk > 0")
         if self.nvshmem_peers and not self.device.startswith("cuda"):
             raise ValueError("nvshmem_peers needs a cuda device")
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
+        if self.nvshmem_peers and self.kv_format != "plain":
+            raise ValueError("nvshmem_peers needs --kv-format plain (the ring attends plain rows)")
         if self.nvshmem_peers and self.dtype != "bfloat16":
             # the ring carries q and O in bf16: a float32 pool would answer other bits than its
             # gRPC Attend does

@@ -11,6 +11,12 @@ Where both GPU kernels fit, "auto" returns ``flashmla|triton``: each request run
 measured faster at its row and head count (``prefer_triton``). The choice depends on the request's
 shape only, so the gRPC and NVSHMEM paths run the same kernel on the same request and return the
 same bits.
+
+A pool of FlashMLA's fp8 rows (``kv_format`` "fp8_e4m3": uint8 ``[N, 656]``, see
+``corpusd/model/fp8_cache.py``) is served by the same three names: each kernel's function takes
+such a pool where it would take a plain one. "auto" picks FlashMLA's fp8 sparse decode on SM90
+when it fits (bf16), else Triton on CUDA, else the torch reference; the per-request split above
+was measured for bf16 rows only, so it is not applied to fp8 pools.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from corpusd.model.fp8_cache import fp8_partial_attention
 from corpusd.model.partial import partial_attention
 from holder import flashmla  # imports sgl_kernel only when first used
 
@@ -37,6 +44,7 @@ class Kernel:
     priority: int  # higher wins in "auto"
     fits: Callable[[torch.dtype, int, int], bool] = lambda dtype, d, d_v: True  # pool dtype, widths
     pick: Callable[[int, int], Kernel] | None = None  # per request: (rows, heads) → kernel to run
+    formats: tuple[str, ...] = ("plain", "fp8_e4m3")  # latent row formats it attends
 
     def resolve(self, rows: int, heads: int) -> Kernel:
         """The kernel that runs a request of ``rows`` query rows and ``heads`` heads."""
@@ -51,9 +59,21 @@ def register(kernel: Kernel) -> None:
     REGISTRY[kernel.name] = kernel
 
 
+def _torch(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if kv.dtype == torch.uint8:  # fp8 rows
+        return fp8_partial_attention(q, kv, indices, scale, d_v)
+    return partial_attention(q, kv, indices, scale, d_v)
+
+
 def _triton(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if kv.dtype == torch.uint8:  # fp8 rows
+        from holder.triton_mla_fp8 import triton_fp8_partial_attention
+
+        return triton_fp8_partial_attention(q, kv, indices, scale, d_v)
     from holder.triton_mla import triton_partial_attention
 
     return triton_partial_attention(q, kv, indices, scale, d_v)
@@ -67,7 +87,7 @@ def _triton_usable(device: str) -> bool:
     )
 
 
-register(Kernel("torch", partial_attention, lambda device: True, priority=0))
+register(Kernel("torch", _torch, lambda device: True, priority=0))
 register(Kernel("triton", _triton, _triton_usable, priority=10))
 register(
     Kernel(
@@ -118,6 +138,7 @@ def per_request(fast_wide: Kernel, fast_narrow: Kernel) -> Kernel:
         max(fast_wide.priority, fast_narrow.priority),
         lambda dtype, d, d_v: fast_wide.fits(dtype, d, d_v) and fast_narrow.fits(dtype, d, d_v),
         pick,
+        ("plain",),
     )
 
 
@@ -127,18 +148,21 @@ def choose(
     dtype: torch.dtype | None = None,
     d: int | None = None,
     d_v: int | None = None,
+    kv_format: str = "plain",
 ) -> Kernel:
     """``name`` = a registered kernel or "auto": the highest-priority kernel available on
     ``device`` that fits the pool (``dtype``, query width ``d``, value width ``d_v``; skipped when
-    not given), or both GPU kernels chosen per request where both fit. Raises ValueError naming
-    the choices when the named kernel is unknown, unavailable, or does not fit the pool."""
+    not given; rows in ``kv_format``), or, for plain rows, both GPU kernels chosen per request
+    where both fit. Raises ValueError naming the choices when the named kernel is unknown,
+    unavailable, or does not fit the pool."""
 
     def fits(k: Kernel) -> bool:
-        return dtype is None or d is None or d_v is None or k.fits(dtype, d, d_v)
+        shape_ok = dtype is None or d is None or d_v is None or k.fits(dtype, d, d_v)
+        return shape_ok and kv_format in k.formats
 
     if name == "auto":
         usable = {k.name: k for k in REGISTRY.values() if k.available(device) and fits(k)}
-        if "flashmla" in usable and "triton" in usable:
+        if "flashmla" in usable and "triton" in usable and kv_format == "plain":
             return per_request(usable["flashmla"], usable["triton"])
         return max(usable.values(), key=lambda k: k.priority)
     kernel = REGISTRY.get(name)
@@ -147,5 +171,8 @@ def choose(
     if not kernel.available(device):
         raise ValueError(f"kernel {name!r} is not available on {device}")
     if not fits(kernel):
-        raise ValueError(f"kernel {name!r} does not fit a {dtype} pool of width {d} (d_v {d_v})")
+        raise ValueError(
+            f"kernel {name!r} does not fit a {dtype} pool of width {d} (d_v {d_v}, {kv_format} "
+            "rows)"
+        )
     return kernel

@@ -61,6 +61,7 @@ def load_pages(
             ("kv_dim", m.kv_dim, geo.kv_dim),
             ("index_dim", m.index_dim, geo.index_dim),
             ("dtype", m.dtype, str(geo.dtype).removeprefix("torch.")),
+            ("kv_format", m.kv_format, geo.kv_format),
         )
         if a != b
     ]

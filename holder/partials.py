@@ -22,7 +22,7 @@ Partial = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 def partial_cpu(pool: FramePool, kernel: Kernel, call: AttendCall) -> Partial:
     """``(O, LSE, None)`` of ``call`` over its layer's pool rows (checked by the servicer)."""
     kv = pool.latent[call.layer]
-    o, lse = kernel.fn(call.q.to(kv.dtype), kv, call.rows, call.scale, pool.geo.d_v)
+    o, lse = kernel.fn(call.q.to(pool.geo.dtype), kv, call.rows, call.scale, pool.geo.d_v)
     return o, lse, None
 
 
@@ -40,7 +40,7 @@ def partial_gpu(pool: FramePool, staging: StagingPool, kernel: Kernel, call: Att
             rd = call.rows.to(dev, non_blocking=True)
             wrong = rows_outside(pool.row_mask(call.corpus_id, dev), rd)
             bad = torch.stack((~torch.isfinite(qd).all(), wrong))
-            o, lse = kernel.fn(qd.to(kv.dtype), kv, rd, call.scale, pool.geo.d_v)
+            o, lse = kernel.fn(qd.to(pool.geo.dtype), kv, rd, call.scale, pool.geo.d_v)
             host = (
                 torch.empty(o.shape, dtype=o.dtype, pin_memory=True),
                 torch.empty(lse.shape, dtype=lse.dtype, pin_memory=True),

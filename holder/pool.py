@@ -13,12 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from corpusd.corpus.manifest import FP8_ROW_BYTES, KV_FORMATS, page_format
+
 
 @dataclass(frozen=True, slots=True)
 class Geometry:
     """The pool's shape. A latent row is ``kv_dim`` wide: ``d_v`` values (``c_KV``, the model's
     kv_lora_rank: 512 for V3.2), then the rope band (qk_rope_head_dim: the other columns).
-    ``d_v`` is what kernels take as the value width; it is the model's, never assumed."""
+    ``d_v`` is what kernels take as the value width; it is the model's, never assumed.
+    ``kv_format`` "fp8_e4m3" stores each latent row as FlashMLA's 656-byte fp8 row (uint8);
+    ``dtype`` is then the index keys' and the partials' dtype."""
 
     n_layers: int
     page_size: int
@@ -28,17 +32,38 @@ class Geometry:
     frames: int
     device: str = "cpu"
     d_v: int = field(kw_only=True)
+    kv_format: str = field(default="plain", kw_only=True)
 
     def __post_init__(self) -> None:
         assert min(self.n_layers, self.page_size, self.kv_dim, self.index_dim, self.frames) > 0, (
             f"{self=}"
         )
         assert 0 < self.d_v < self.kv_dim, f"d_v must be in 1..kv_dim - 1: {self=}"
+        assert self.kv_format in KV_FORMATS, f"{self.kv_format=}"
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_format != "plain"
+
+    @property
+    def latent_width(self) -> int:
+        """Elements of a stored latent row: ``kv_dim``, or 656 bytes for fp8 rows."""
+        return FP8_ROW_BYTES if self.fp8 else self.kv_dim
+
+    @property
+    def latent_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.fp8 else self.dtype
+
+    @property
+    def page_format(self) -> str:
+        """What this pool loads, as manifests and the coordinator's registry name it."""
+        return page_format(str(self.dtype).removeprefix("torch."), self.kv_format)
 
     @property
     def bytes_per_frame(self) -> int:
         elt = torch.empty((), dtype=self.dtype).element_size()
-        return self.n_layers * self.page_size * (self.kv_dim + self.index_dim) * elt
+        latent = self.latent_width * torch.empty((), dtype=self.latent_dtype).element_size()
+        return self.n_layers * self.page_size * (latent + self.index_dim * elt)
 
 
 @dataclass(slots=True)
@@ -62,8 +87,12 @@ class FramePool:
         self.geo = geo
         rows = geo.frames * geo.page_size
         dt, dev = geo.dtype, geo.device
+        # fp8 pools round their rows up to FlashMLA's 64-row block (it reads the pool as
+        # [blocks, 64, 1, 656]); the extra rows belong to no frame and are never addressed
+        stored = -(-rows // 64) * 64 if geo.fp8 else rows
         self.latent = [
-            torch.zeros(rows, geo.kv_dim, dtype=dt, device=dev) for _ in range(geo.n_layers)
+            torch.zeros(stored, geo.latent_width, dtype=geo.latent_dtype, device=dev)
+            for _ in range(geo.n_layers)
         ]
         self.index_keys = [
             torch.zeros(rows, geo.index_dim, dtype=dt, device=dev) for _ in range(geo.n_layers)
@@ -166,7 +195,7 @@ class FramePool:
         latent: list[torch.Tensor],
         keys: list[torch.Tensor],
     ) -> None:
-        """Copy one page (per layer ``[P, kv_dim]`` / ``[P, index_dim]``) into ``frame``."""
+        """Copy one page (per layer ``[P, latent_width]`` / ``[P, index_dim]``) into ``frame``."""
         held = self.corpora[corpus_id]
         p = self.geo.page_size
         lo = frame * p

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from corpusd.model import fp8_cache
 from holder.pool import FramePool
 from holder.requests import TopKCall
 from indexer import index_scores, select_topk
@@ -54,12 +55,15 @@ class PoolReads:
     def pages(
         self, frames: list[int], layers: list[int], index_keys: bool
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per layer, latent ``[len(frames), P, kv_dim]`` and (when ``index_keys``) index keys
-        ``[len(frames), P, index_dim]`` of the pages in ``frames``."""
+        """Per layer, latent ``[len(frames), P, kv_dim]`` (fp8 rows dequantized) and (when
+        ``index_keys``) index keys ``[len(frames), P, index_dim]`` of the pages in ``frames``."""
         geo, n = self.pool.geo, len(frames)
         rows, p = self._page_rows(frames), geo.page_size
         # explicit widths: no pages ([0, P, -1]) cannot be reshaped with an inferred one
-        lat = [self.pool.latent[i][rows].view(n, p, geo.kv_dim) for i in layers]
+        lat = [self.pool.latent[i][rows] for i in layers]
+        if geo.fp8:  # a fetch ships the rows a route attends: dequantized, in the pool's dtype
+            lat = [fp8_cache.dequantize(x, geo.dtype) for x in lat]
+        lat = [x.view(n, p, geo.kv_dim) for x in lat]
         idx = (
             [self.pool.index_keys[i][rows].view(n, p, geo.index_dim) for i in layers]
             if index_keys

@@ -27,7 +27,7 @@ def describe(svc: HolderService, address: str) -> HolderInfo:
         capacity_frames=geo.frames,
         page_size=geo.page_size,
         model_fingerprint=svc.fingerprint,
-        dtype=str(geo.dtype).removeprefix("torch."),
+        dtype=geo.page_format,  # "bfloat16+fp8_e4m3" for fp8 rows: placed only fp8 pins
     )
 
 

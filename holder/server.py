@@ -19,7 +19,7 @@ import torch
 
 from corpusd.corpus.store import PageStore
 from corpusd.daemon import check_ports, listen, write_endpoint
-from corpusd.model import ModelConfig, fingerprint
+from corpusd.model import ModelConfig, fingerprint, fp8_cache
 from corpusd.v1 import holder_pb2_grpc
 from holder.config import HolderConfig
 from holder.kernels import choose
@@ -44,6 +44,7 @@ def build(cfg: HolderConfig, model_dir: Path) -> HolderService:
         dtype=getattr(torch, cfg.dtype),
         frames=cfg.frames,
         device=cfg.device,
+        kv_format=cfg.kv_format,
     )
     if cfg.capacity_bytes:
         frames = cfg.capacity_bytes // geo.bytes_per_frame
@@ -53,7 +54,9 @@ def build(cfg: HolderConfig, model_dir: Path) -> HolderService:
                 f"({geo.bytes_per_frame:,} bytes)"
             )
         geo = replace(geo, frames=frames)
-    kernel = choose(cfg.kernel, cfg.device, geo.dtype, geo.kv_dim, geo.d_v)
+    if geo.fp8:
+        fp8_cache.check_layout(mcfg.kv_lora_rank, mcfg.qk_rope_head_dim)
+    kernel = choose(cfg.kernel, cfg.device, geo.dtype, geo.kv_dim, geo.d_v, geo.kv_format)
     return HolderService(
         cfg, FramePool(geo), PageStore(cfg.store), kernel, fingerprint(model_dir), HolderMetrics()
     )
@@ -134,13 +137,14 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
         },
     )
     log.info(
-        "%s serving on %s:%d (kernel %s, device %s, %d frames of %d, restored %d pages); "
-        "metrics on :%d",
+        "%s serving on %s:%d (kernel %s, device %s, pages %s, %d frames of %d, restored %d "
+        "pages); metrics on :%d",
         holder_id,
         cfg.host,
         port,
         svc.kernel.name,
         cfg.device,
+        svc.pool.geo.page_format,
         svc.pool.geo.frames,
         cfg.page_size,
         restored,

@@ -275,6 +275,12 @@ class HolderService(holder_pb2_grpc.HolderServicer):
                 f"holder {self.cfg.holder_id} keeps its pool on {geo.device}; only a GPU pool is "
                 "shared (start the holder with --device cuda:N)",
             )
+        if geo.fp8:
+            raise Reject(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"holder {self.cfg.holder_id} holds fp8 rows; the SGLang device path maps plain "
+                "pools only: use Attend",
+            )
         here = cuda_ipc.device_uuid(geo.device)
         if request.device_uuid != here:
             raise Reject(

@@ -93,13 +93,17 @@ class Fanout(Connections):
         model: DeepseekV32 | None = None,
         tokens: torch.Tensor | None = None,
         refresh: Callable[[], Awaitable[CorpusView]] | None = None,
+        kv_format: str = "plain",
     ) -> CorpusBinding:
         """A binding of the corpus ``view`` describes; route transports to its holders are
         chosen (NVSHMEM joined) now, before any decoding. ``model`` and ``tokens`` make
-        ``local`` possible (re-prefill here); ``refresh`` re-reads the page table on failover."""
+        ``local`` possible (re-prefill here, its rows in the pin's ``kv_format``); ``refresh``
+        re-reads the page table on failover."""
         for address in view.holders:
             await self.route(address)
-        return CorpusBinding(self, view, geometry, model=model, tokens=tokens, refresh=refresh)
+        return CorpusBinding(
+            self, view, geometry, model=model, tokens=tokens, refresh=refresh, kv_format=kv_format
+        )
 
     def record(
         self, layer: int, g: GroupWork, d: Decision, measured_s: float, forced: bool
@@ -154,9 +158,11 @@ class CorpusBinding:
         tokens: torch.Tensor | None = None,
         refresh: Callable[[], Awaitable[CorpusView]] | None = None,
         force: str | None = None,
+        kv_format: str = "plain",
     ) -> None:
         self.engine, self.view, self.geo = engine, view, geometry
         self.model, self.tokens, self.refresh = model, tokens, refresh
+        self.kv_format = kv_format
         self.force = force  # the monolithic baseline pins "local"
         self.pages = PageCache(view.page_size, engine.fetch_cache_bytes if not force else 0)
         self.keys: dict[int, torch.Tensor] = {}  # replica indexer: layer → [T, D_I]
@@ -437,7 +443,7 @@ class CorpusBinding:
             )
         async with self.lock:
             if self.local is None:
-                self.local = LocalRows(self.model, self.tokens)
+                self.local = LocalRows(self.model, self.tokens, kv_format=self.kv_format)
             done = await self.engine.off(self.local.ensure, int(uniq.max()) + 1)
         self.engine.metrics.prefilled.inc(done)
         return self.local.rows(layer, uniq)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from corpusd.model import DeepseekV32, KVCache, forward_tokens
+from corpusd.model import DeepseekV32, KVCache, forward_tokens, fp8_cache
 from corpusd.model.partial import partial_attention
 from corpusd.model.rope import shift_band
 
@@ -56,11 +56,16 @@ class LocalRows:
     """The corpus's cache re-prefilled on the requester from its tokens, grown on demand.
 
     A canonical chunk's rows depend on the chunk's tokens before them, so rows up to position
-    ``e`` need the prefill of tokens ``0 … e``; ``ensure`` extends what is computed.
+    ``e`` need the prefill of tokens ``0 … e``; ``ensure`` extends what is computed. For a
+    corpus pinned in fp8 rows (``kv_format``), ``rows`` returns the computed rows quantized and
+    dequantized as pin stored them, so a recomputed chunk attends the holders' keys.
     """
 
-    def __init__(self, model: DeepseekV32, tokens: torch.Tensor, chunk: int = 256) -> None:
+    def __init__(
+        self, model: DeepseekV32, tokens: torch.Tensor, chunk: int = 256, kv_format: str = "plain"
+    ) -> None:
         self.model, self.tokens, self.chunk = model, tokens, chunk
+        self.kv_format = kv_format
         dtype = next(model.parameters()).dtype
         self.cache = KVCache(model.cfg, min(len(tokens), 1024), dtype)
 
@@ -90,7 +95,10 @@ class LocalRows:
         assert positions.numel() == 0 or int(positions.max()) < self.cache.length, (
             f"rows up to {int(positions.max())} asked, {self.cache.length} computed"
         )
-        return self.cache.latent[layer][positions]
+        rows = self.cache.latent[layer][positions]
+        if self.kv_format == fp8_cache.FP8:
+            rows = fp8_cache.dequantize(fp8_cache.quantize(rows), rows.dtype)
+        return rows
 
 
 def attend_canonical(

@@ -23,7 +23,7 @@ import torch
 
 from corpusd.coordinator.client import PageTable
 from corpusd.corpus.store import PageStore
-from corpusd.model import DeepseekV32, KVCache
+from corpusd.model import DeepseekV32, KVCache, fp8_cache
 from corpusd.model.mla import Projections
 from corpusd.model.partial import merge_partials
 from indexer import index_scores
@@ -102,10 +102,13 @@ class Worker:
         return await self._bind(CorpusView.from_page_table(table))
 
     async def _bind(self, view: CorpusView) -> CorpusBinding:
-        tokens = None
+        tokens, kv_format = None, "plain"
         if self.store is not None and view.corpus_id in self.store.ids():
             tokens = self.store.read_tokens(view.corpus_id).to(torch.int64)
-        b = await self.fanout.bind(view, self.geometry, model=self.model, tokens=tokens)
+            kv_format = self.store.manifest(view.corpus_id).kv_format
+        b = await self.fanout.bind(
+            view, self.geometry, model=self.model, tokens=tokens, kv_format=kv_format
+        )
         if self.cfg.indexer == "replica":
             for layer in range(self.mcfg.num_hidden_layers):
                 await b.index_keys(layer)
@@ -136,6 +139,8 @@ class Worker:
         t = m.token_count
         tokens = self.store.read_tokens(corpus_id).to(torch.int64)
         local = LocalRows(self.model, tokens)
+        if m.kv_format != "plain":  # fp8 rows: attend what the holders attend
+            lat = tuple(fp8_cache.dequantize(x.reshape(-1, x.shape[-1])) for x in lat)
         local.load(
             [x.reshape(-1, x.shape[-1])[:t].to(self.geometry.dtype) for x in lat],
             [x.reshape(-1, x.shape[-1])[:t].to(self.geometry.dtype) for x in keys],

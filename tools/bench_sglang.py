@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -256,6 +257,30 @@ def request(
     return body
 
 
+def binding_probe(server: Server, corpus: str, prompt: list[int], vocab: int) -> dict[str, Any]:
+    """Requests the plugin cannot bind (an unknown corpus, a malformed id) must each fail alone
+    with a clear message, and the server must go on serving (issue 17, item 4)."""
+    out: dict[str, Any] = {}
+    bad = {
+        "unknown corpus": request_fields("no-such-corpus", "probe"),
+        "malformed id": {"rid": f"corpusd:{corpus}"},
+    }
+    for label, fields in bad.items():
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 4},
+            **fields,
+        }
+        try:
+            meta = server.post(body, timeout=120)["meta_info"]
+            out[label] = {"http": 200, "finish_reason": meta.get("finish_reason")}
+        except urllib.error.HTTPError as e:
+            out[label] = {"http": e.code, "body": e.read().decode(errors="replace")[:500]}
+    after = server.post(request(prompt, 4, "route", corpus, 10**6, vocab, False), timeout=120)
+    out["after"] = {"tokens": len(after["output_ids"]), "server_alive": server.proc.poll() is None}
+    return out
+
+
 def vectors(meta: dict[str, Any], vocab: int) -> list[list[float]]:
     """Per output position, the log-softmax over the whole vocabulary."""
     out = []
@@ -447,6 +472,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         server, mode, r, cd.tokens[r], suffixes, a.tokens, vocab, teacher,
                         forced_steps=a.forced_steps, streams=a.streams,
                     )  # fmt: skip
+                    if mode == "route":
+                        m["binding_probe"] = binding_probe(server, r, suffixes[0], vocab)
+                        print(f"binding probe: {m['binding_probe']}", flush=True)
                     runs[r][mode] = {"server_start_s": start_s, **m}
                     # after every step, so a run cut short by a time limit keeps what it measured
                     save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
@@ -504,6 +532,9 @@ def summarize(
             "concurrent": {m: v["concurrent"] for m, v in by_mode.items() if "concurrent" in v},
             "concurrent_by_streams": {
                 m: v["concurrent_by_streams"] for m, v in by_mode.items() if "concurrent" in v
+            },
+            "binding_probe": {
+                m: v["binding_probe"] for m, v in by_mode.items() if "binding_probe" in v
             },
             "vs_stock": {
                 m: compare(by_mode["stock"], v) for m, v in by_mode.items() if m != "stock"

@@ -32,7 +32,7 @@ S = grpc.StatusCode
 def _fits(h: HolderRow, m: Manifest) -> bool:
     return (h.page_size, h.dtype, h.model_fingerprint) == (
         m.page_size,
-        m.dtype,
+        m.page_format,
         m.model_fingerprint,
     )
 
@@ -62,7 +62,7 @@ class Publisher:
             raise Reject(
                 S.FAILED_PRECONDITION,
                 f"no registered holder can load corpus {m.corpus_id} (needs page size "
-                f"{m.page_size}, dtype {m.dtype}, model {m.model_fingerprint[:12]}…)",
+                f"{m.page_size}, dtype {m.page_format}, model {m.model_fingerprint[:12]}…)",
             )
         live = [h for h in fit if h.live(now)]
         if replicas > len(live):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from corpusd.corpus.manifest import PAGE_SIZE
+from corpusd.corpus.manifest import KV_FORMATS, PAGE_SIZE
 
 DTYPES = ("float32", "bfloat16")
 
@@ -30,6 +30,14 @@ class PinConfig:
     max_file_bytes: int = field(default=1 << 20, metadata={"help": "skip larger files"})
     chunk: int = field(default=256, metadata={"help": "prefill chunk (tokens)"})
     dtype: str = field(default="float32", metadata={"help": "cache dtype", "choices": DTYPES})
+    kv_format: str = field(
+        default="plain",
+        metadata={
+            "help": "latent page format: plain (rows in --dtype) or fp8_e4m3 (FlashMLA's "
+            "656-byte rows, as SGLang's --kv-cache-dtype fp8_e4m3; kv_lora_rank 512, rope 64)",
+            "choices": KV_FORMATS,
+        },
+    )
 
     def __post_init__(self) -> None:
         for key in ("page_size", "max_tokens", "max_file_bytes", "chunk"):
@@ -37,3 +45,5 @@ class PinConfig:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")

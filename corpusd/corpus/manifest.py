@@ -17,6 +17,18 @@ FORMAT = "corpusd-pages-v1"
 #: loads, and an SGLang server binds, only corpora pinned with its own page size.
 PAGE_SIZE = 64
 STATES = ("pinning", "ready", "retired")
+#: how latent rows are stored: "plain" rows of ``kv_dim`` values in the manifest's dtype, or
+#: FlashMLA's 656-byte fp8 rows (``corpusd/model/fp8_cache.py``; index keys stay in the dtype)
+KV_FORMATS = ("plain", "fp8_e4m3")
+FP8_ROW_BYTES = 656  # 512 fp8 values, 4 float32 scales, 64 bf16 rope values
+
+
+def page_format(dtype: str, kv_format: str) -> str:
+    """What a holder must hold to load a corpus: its dtype, with ``+fp8_e4m3`` for fp8 rows
+    ("float32", "bfloat16", "bfloat16+fp8_e4m3"). A plain corpus's string is its dtype alone,
+    so the ids of corpora pinned before formats existed do not change."""
+    assert kv_format in KV_FORMATS, f"{kv_format=}"
+    return dtype if kv_format == "plain" else f"{dtype}+{kv_format}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +40,8 @@ class Manifest:
     ``page_digests`` holds one hex digest per page (``store.page_digest``: BLAKE2b-128 over the
     page's bytes in every layer), so a holder checks exactly the pages it loads. A manifest
     written before page digests existed has none; its files are checked whole instead.
+    ``kv_format`` says how latent rows are stored (``KV_FORMATS``); ``kv_dim`` stays the logical
+    row width (576) either way.
     """
 
     corpus_id: str
@@ -52,9 +66,11 @@ class Manifest:
     created_at: str = ""
     prefill_seconds: float = 0.0
     format: str = FORMAT
+    kv_format: str = "plain"
 
     def __post_init__(self) -> None:
         assert self.state in STATES, f"{self.state=}"
+        assert self.kv_format in KV_FORMATS, f"{self.kv_format=} is not one of {KV_FORMATS}"
         assert self.n_pages == -(-self.token_count // self.page_size), (
             f"{self.n_pages=} for {self.token_count=} {self.page_size=}"
         )
@@ -68,6 +84,29 @@ class Manifest:
 
         dtype: torch.dtype = getattr(torch, self.dtype)
         return dtype
+
+    @property
+    def page_format(self) -> str:
+        return page_format(self.dtype, self.kv_format)
+
+    @property
+    def latent_width(self) -> int:
+        """Elements of one stored latent row: ``kv_dim``, or 656 bytes for fp8 rows."""
+        return self.kv_dim if self.kv_format == "plain" else FP8_ROW_BYTES
+
+    @property
+    def token_layer_bytes(self) -> int:
+        """Stored bytes per token and layer: its latent row and its index key."""
+        elt = 4 if self.dtype == "float32" else 2
+        latent = self.kv_dim * elt if self.kv_format == "plain" else FP8_ROW_BYTES
+        return latent + self.index_dim * elt
+
+    @property
+    def latent_dtype(self) -> torch.dtype:
+        """The stored latent rows' dtype: ``torch_dtype``, or uint8 for fp8 rows."""
+        import torch
+
+        return self.torch_dtype if self.kv_format == "plain" else torch.uint8
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

@@ -21,9 +21,10 @@ from corpusd import env
 from corpusd.corpus.config import DTYPES, PinConfig
 from corpusd.corpus.ingest import CorpusError, ingest
 from corpusd.corpus.layout import Layout, render
-from corpusd.corpus.manifest import Manifest, corpus_id
+from corpusd.corpus.manifest import Manifest, corpus_id, page_format
 from corpusd.corpus.store import PageStore
 from corpusd.model import KVCache, ModelConfig, fingerprint, forward_tokens, load_model
+from corpusd.model import fp8_cache as fp8
 from corpusd.progress import Progress
 from corpusd.tokenizer import load_tokenizer
 
@@ -72,19 +73,21 @@ def pin(
     cfg: PinConfig, stream: TextIO | None = None, admit: Callable[[int], None] | None = None
 ) -> PinResult:
     """Pin ``cfg.corpus``. Raises CorpusError (bad source), ModelConfigError/CheckpointError (bad
-    model) before anything is written; StoreError on a store problem. ``admit(n_pages)`` is
-    called once the tokens are counted, before the prefill: whatever it raises stops the pin
-    with nothing written."""
+    model, or one whose latent row does not fit ``cfg.kv_format``) before anything is written;
+    StoreError on a store problem. ``admit(n_pages)`` is called once the tokens are counted,
+    before the prefill: whatever it raises stops the pin with nothing written."""
     out = stream if stream is not None else sys.stderr
     t0 = time.perf_counter()
     model_dir = Path(cfg.model) if cfg.model else default_model(out)
     model_cfg = ModelConfig.from_dir(model_dir)
+    if cfg.kv_format == fp8.FP8:
+        fp8.check_layout(model_cfg.kv_lora_rank, model_cfg.qk_rope_head_dim)
     tokenizer = load_tokenizer(model_dir, model_cfg.bos_token_id, model_cfg.eos_token_id)
     ingested = ingest(cfg.corpus, max_file_bytes=cfg.max_file_bytes)
     limit = min(cfg.max_tokens, model_cfg.max_position_embeddings)
     layout = render(ingested, tokenizer, limit)
     fp = fingerprint(model_dir)
-    cid = corpus_id(layout.tokens, fp, cfg.page_size, cfg.dtype)
+    cid = corpus_id(layout.tokens, fp, cfg.page_size, page_format(cfg.dtype, cfg.kv_format))
     if admit is not None:
         admit(-(-len(layout.tokens) // cfg.page_size))
     store = PageStore(cfg.store or env.default_store_dir())
@@ -123,14 +126,16 @@ def pin(
         skipped=tuple((s.path, s.reason, s.detail) for s in ingested.skipped),
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         prefill_seconds=round(t_prefill, 3),
+        kv_format=cfg.kv_format,
     )
     with store.writer(cid) as w:
         w.write_tokens(torch.tensor(layout.tokens))
         for layer in range(model_cfg.num_hidden_layers):
             n = cache.length
-            w.write_layer(
-                layer, cache.latent[layer][:n], cache.index_keys[layer][:n], cfg.page_size
-            )
+            latent = cache.latent[layer][:n]
+            if cfg.kv_format == fp8.FP8:
+                latent = fp8.quantize(latent)
+            w.write_layer(layer, latent, cache.index_keys[layer][:n], cfg.page_size)
         manifest = w.write_manifest(manifest)  # with the files' checksums and page digests
     return PinResult(manifest, store.corpora / cid, model_dir, False, time.perf_counter() - t0)
 

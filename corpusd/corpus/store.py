@@ -4,7 +4,8 @@ Layout under ``root``::
 
     corpora/<corpus_id>/manifest.json
     corpora/<corpus_id>/tokens.safetensors        "tokens" int32 [T]
-    corpora/<corpus_id>/layer_000.safetensors     "latent" [n_pages, P, kv_dim],
+    corpora/<corpus_id>/layer_000.safetensors     "latent" [n_pages, P, kv_dim] (fp8_e4m3
+                                                  format: uint8 [n_pages, P, 656]),
                                                   "index_keys" [n_pages, P, index_dim]
     tmp/<corpus_id>.<pid>.<nonce>/                a corpus being written; never read
 
@@ -226,7 +227,8 @@ class PageStore:
     def read_pages(
         self, corpus_id: str, layer: int, pages: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent ``[len(pages), P, kv_dim]`` and index keys ``[len(pages), P, index_dim]``.
+        """Latent ``[len(pages), P, kv_dim]`` (uint8 ``[len(pages), P, 656]`` for fp8 rows) and
+        index keys ``[len(pages), P, index_dim]``, as stored.
 
         Reads only the requested pages (safetensors slices of the memory-mapped file), unchecked
         (``read_checked`` checks them). Raises StoreError for an unknown corpus, layer or page
@@ -251,7 +253,7 @@ class PageStore:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not pages:
             return (
-                torch.empty(0, m.page_size, m.kv_dim, dtype=m.torch_dtype),
+                torch.empty(0, m.page_size, m.latent_width, dtype=m.latent_dtype),
                 torch.empty(0, m.page_size, m.index_dim, dtype=m.torch_dtype),
             )
         path = self.corpora / m.corpus_id / layer_file(layer)
@@ -287,7 +289,7 @@ class PageStore:
         latent: list[torch.Tensor] = []
         keys: list[torch.Tensor] = []
         want = [
-            ((len(pages), m.page_size, m.kv_dim), m.torch_dtype),
+            ((len(pages), m.page_size, m.latent_width), m.latent_dtype),
             ((len(pages), m.page_size, m.index_dim), m.torch_dtype),
         ]
         for layer in range(m.n_layers):

@@ -27,6 +27,7 @@ from sglang.srt.server_args import get_global_server_args
 
 from corpusd.model import ModelConfig
 from corpusd.model.checkpoint import fingerprint
+from requester.sglang import admission
 from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
 from requester.sglang.binding import corpora_of_batch
 from requester.sglang.link import CorpusLink
@@ -86,6 +87,9 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             args.page_size,
         )
         self.corpusd_resident = self._device_path(args, mcfg)
+        # an unknown or unservable corpus fails its request at admission, not the forward
+        admission.register(self)
+        admission.install()
         self.corpusd_indexers = [
             layer.self_attn.indexer
             for layer in self.model.layers
@@ -143,14 +147,18 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         # CORPUSD_SGLANG_GRAPH_MAX_BS raises the cap, to reproduce the defect below (a bench flag)
         cap = int(os.environ.get("CORPUSD_SGLANG_GRAPH_MAX_BS", GRAPH_MAX_BS))
         if res is not None and not args.disable_cuda_graph and max_bs > cap:
-            # Measured on an H100 (issue 17's note): decode graphs replayed with more than 16
-            # bound requests hit an illegal memory access (cause not found yet); eager decode of
-            # 64 and graphs of up to 16 ran clean.
-            raise RuntimeError(
-                f"corpusd plugin: pass --cuda-graph-max-bs {GRAPH_MAX_BS} or less (this is "
-                f"{max_bs}): larger decode batches run eager; graphs above {GRAPH_MAX_BS} bound "
-                "requests are a known open defect of the device path"
-            )
+            # Measured on an H100 (issue 17's note): with decode graphs above 16 bound requests
+            # captured, replays hit an illegal memory access (cause not found yet; even bs=1
+            # replays fail once a 32 or 64 graph exists); eager decode of 64 runs clean. So the
+            # plugin captures up to the cap and SGLang runs larger decode batches eager.
+            kept = sorted(b for b in (getattr(args, "cuda_graph_bs", None) or []) if b <= cap)
+            log.warning(
+                "corpusd plugin: decode CUDA graphs capped at %d requests (asked %d); larger "
+                "batches run eager (a known open defect of the device path, issue 17)",
+                cap, max_bs,
+            )  # fmt: skip
+            args.cuda_graph_max_bs = cap
+            args.cuda_graph_bs = kept or [b for b in (1, 2, 4, 8, 16) if b <= cap]
         if res is None and not args.disable_cuda_graph:
             raise RuntimeError(
                 "corpusd plugin: no corpusd holder on this GPU, so corpus attention goes over "

@@ -34,7 +34,7 @@ async def held(h: HolderProcess) -> dict[str, dict[int, int]]:
     return {x.corpus_id: {pf.page: pf.frame for pf in x.frames} for x in info.corpora}
 
 
-async def until(cond, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+async def until(cond, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not await cond():
         assert time.monotonic() < deadline, "condition not met in time"

@@ -11,9 +11,11 @@ from holder.launch import HolderProcess
 from holder.launch import start_holder as _start
 
 
-def pin_sample(tmp: Path, model_dir: Path, tokens: int = 1000, dtype: str = "float32") -> str:
-    """Pin ~``tokens`` byte tokens of text into ``tmp/store`` (cache in ``dtype``); returns the
-    corpus id."""
+def pin_sample(
+    tmp: Path, model_dir: Path, tokens: int = 1000, dtype: str = "float32", kv_format: str = "plain"
+) -> str:
+    """Pin ~``tokens`` byte tokens of text into ``tmp/store`` (cache in ``dtype``, latent rows in
+    ``kv_format``); returns the corpus id."""
     body = "".join(f"line {i}: the quick brown fox {i * 7919 % 1000}\n" for i in range(tokens))[
         :tokens
     ]
@@ -24,7 +26,13 @@ def pin_sample(tmp: Path, model_dir: Path, tokens: int = 1000, dtype: str = "flo
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
     r = pin(
-        PinConfig(corpus=str(src), model=str(model_dir), store=str(tmp / "store"), dtype=dtype),
+        PinConfig(
+            corpus=str(src),
+            model=str(model_dir),
+            store=str(tmp / "store"),
+            dtype=dtype,
+            kv_format=kv_format,
+        ),
         io.StringIO(),
     )
     return r.manifest.corpus_id

@@ -1,0 +1,81 @@
+"""Binding errors fail one request at admission, never the forward (issue 17, item 4).
+
+A request bound to a corpus (``rid = "corpusd:<corpus>:<unique>"``) whose corpus is unknown, not
+ready, pinned for another model or page size, or too long for this server's window used to raise
+inside the scheduler's forward, which stops the whole server. SGLang already has a path for a
+request it refuses at admission: ``Req.set_finish_with_abort(message)`` before
+``Scheduler._add_request_to_queue`` (how it answers a session id that does not exist). The client
+gets that message with an HTTP 400 and every other request goes on. This module wraps
+``_add_request_to_queue`` (the class attribute, once; no fork) to run the same checks the
+prefill would run before the request reaches a batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from requester.sglang.binding import CorpusBindingError, corpus_of_rid
+
+log = logging.getLogger("corpusd.sglang")
+
+
+class _Model(Protocol):
+    corpusd_link: Any
+    corpusd_resident: Any
+
+
+_MODEL: _Model | None = None  # the plugin's model in this scheduler process (TP rank)
+
+
+def register(model: _Model) -> None:
+    """The plugin model whose link and arena admission checks against."""
+    global _MODEL
+    _MODEL = model
+
+
+def refusal(rid: str | None, model: _Model | None = None) -> str | None:
+    """Why request ``rid`` cannot be served by this server (one line), or None when it can (or
+    is not bound to a corpus). Never raises."""
+    model = model if model is not None else _MODEL
+    try:
+        name = corpus_of_rid(rid)
+        if name is None or model is None:
+            return None
+        b = model.corpusd_link.bind(name)
+        if model.corpusd_resident is not None:
+            model.corpusd_resident.check(b.corpus_id, b.tokens)
+    except CorpusBindingError as e:
+        return f"corpusd: {e}"
+    except Exception as e:  # the coordinator unreachable, say: this request fails, not the server
+        log.warning("corpusd plugin: request %r refused: %s: %s", rid, type(e).__name__, e)
+        return f"corpusd: cannot bind request {rid!r}: {type(e).__name__}: {e}"
+    return None
+
+
+def wrap_scheduler(scheduler_cls: Any) -> bool:
+    """Make ``scheduler_cls._add_request_to_queue`` refuse a request that cannot be bound, the
+    way SGLang refuses an unknown session. Idempotent; True when it wrapped now."""
+    orig = scheduler_cls._add_request_to_queue
+    if getattr(orig, "_corpusd_admission", False):
+        return False
+
+    def _add_request_to_queue(self: Any, req: Any, *args: Any, **kw: Any) -> Any:
+        retracted = bool(kw.get("is_retracted", args[0] if args else False))
+        if not retracted and not req.finished():
+            why = refusal(getattr(req, "rid", None))
+            if why is not None:
+                req.set_finish_with_abort(why)
+        return orig(self, req, *args, **kw)
+
+    _add_request_to_queue._corpusd_admission = True  # type: ignore[attr-defined]
+    scheduler_cls._add_request_to_queue = _add_request_to_queue
+    return True
+
+
+def install() -> None:
+    """Wrap SGLang's scheduler (in the scheduler process, from the plugin model's __init__)."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    if wrap_scheduler(Scheduler):
+        log.info("corpusd plugin: corpus bindings checked at admission")

@@ -1,0 +1,110 @@
+"""The SGLang plugin refuses a request it cannot bind at admission (issue 17, item 4): the
+request finishes with a one-line abort, the forward never sees it, other requests go on.
+SGLang is not needed: the wrapper is tested on a stand-in scheduler class with SGLang's
+``_add_request_to_queue(req, is_retracted=False)`` signature and a Req with its abort API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from requester.sglang import admission
+from requester.sglang.binding import CorpusBindingError
+
+
+@dataclass
+class _Binding:
+    corpus_id: str
+    tokens: int
+
+
+class _Link:
+    def __init__(self, known: dict[str, int], fail: Exception | None = None) -> None:
+        self.known, self.fail = known, fail
+
+    def bind(self, name: str) -> _Binding:
+        if self.fail is not None:
+            raise self.fail
+        if name not in self.known:
+            raise CorpusBindingError(f"corpus {name!r} is not pinned")
+        return _Binding(f"id-{name}", self.known[name])
+
+
+class _Resident:
+    window = 100
+
+    def check(self, corpus_id: str, tokens: int) -> None:
+        if tokens > self.window:
+            raise CorpusBindingError(
+                f"corpus {corpus_id} has {tokens} tokens; window {self.window}"
+            )
+
+
+@dataclass
+class _Model:
+    corpusd_link: Any
+    corpusd_resident: Any = None
+
+
+@dataclass
+class _Req:
+    rid: str
+    aborted: str | None = None
+
+    def finished(self) -> bool:
+        return self.aborted is not None
+
+    def set_finish_with_abort(self, msg: str) -> None:
+        self.aborted = msg
+
+
+@dataclass
+class _Scheduler:
+    queue: list[_Req] = field(default_factory=list)
+
+    def _add_request_to_queue(self, req: _Req, is_retracted: bool = False) -> None:
+        self.queue.append(req)
+
+
+@pytest.fixture
+def scheduler(monkeypatch: pytest.MonkeyPatch) -> type[_Scheduler]:
+    cls = type("Scheduler", (_Scheduler,), {})
+    model = _Model(_Link({"docs": 10, "huge": 1000}), _Resident())
+    monkeypatch.setattr(admission, "_MODEL", model)
+    assert admission.wrap_scheduler(cls)
+    assert not admission.wrap_scheduler(cls)  # once
+    return cls
+
+
+def test_bad_bindings_abort_only_their_request(scheduler: type[_Scheduler]) -> None:
+    s = scheduler()
+    reqs = [
+        _Req("corpusd:docs:1"),  # pinned, fits
+        _Req("plain-request"),  # not bound to a corpus
+        _Req("corpusd:nope:2"),  # unknown corpus
+        _Req("corpusd:huge:3"),  # longer than the server's window
+        _Req("corpusd:docs"),  # malformed id (no unique part)
+    ]
+    for r in reqs:
+        s._add_request_to_queue(r)
+    assert s.queue == reqs  # every request is queued: aborted ones finish with their message
+    assert reqs[0].aborted is None and reqs[1].aborted is None
+    assert reqs[2].aborted == "corpusd: corpus 'nope' is not pinned"
+    assert reqs[3].aborted is not None and "window 100" in reqs[3].aborted
+    assert reqs[4].aborted is not None and "want 'corpusd:<corpus>:<unique>'" in reqs[4].aborted
+
+
+def test_retracted_requests_are_not_rechecked(scheduler: type[_Scheduler]) -> None:
+    s = scheduler()
+    r = _Req("corpusd:nope:1")
+    s._add_request_to_queue(r, is_retracted=True)
+    assert r.aborted is None and s.queue == [r]
+
+
+def test_unexpected_errors_refuse_the_request_not_the_server() -> None:
+    model = _Model(_Link({}, fail=ConnectionError("coordinator 127.0.0.1:1 unreachable")))
+    why = admission.refusal("corpusd:docs:1", model)
+    assert why is not None and "ConnectionError" in why and "unreachable" in why
+    assert admission.refusal("other", model) is None
