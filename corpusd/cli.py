@@ -335,7 +335,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     from holder.launch import start_holder
     from requester.calibrate import run
 
-    run(a.model, a.store, a.out, a.holder, a.corpus, a.repeats, start_holder)
+    run(a.model, a.store, a.out, a.holder, a.corpus, a.repeats, start_holder, a.quick)
     return 0
 
 
@@ -544,6 +544,11 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--out", default="", help="profile path (default: $CORPUSD_HOME/profile.json)")
     pc.add_argument(
         "--repeats", type=int, default=5, help="timings per measured point (the median is kept)"
+    )
+    pc.add_argument(
+        "--quick",
+        action="store_true",
+        help="seconds, not minutes: fewer points, against random pages in a temporary store",
     )
     pc.set_defaults(func=cmd_calibrate)
     ps = sub.add_parser("serve", help="run the coordinator: holders, placement, page table")

@@ -111,16 +111,23 @@ class Listening:
     scheme: str = "http"  # of the metrics endpoint: "https" when the daemon serves TLS
 
     async def until_signal(
-        self, name: str, drain_s: float, tasks: Sequence[asyncio.Task[Any]] = ()
+        self,
+        name: str,
+        drain_s: float,
+        tasks: Sequence[asyncio.Task[Any]] = (),
+        on_drain: Callable[[], None] | None = None,
     ) -> None:
         """Serve until SIGTERM or SIGINT, then drain: health turns NOT_SERVING, new RPCs are
-        refused, running ones get ``drain_s``; the daemon's background ``tasks`` are cancelled."""
+        refused, running ones get ``drain_s``; the daemon's background ``tasks`` are cancelled.
+        ``on_drain`` is called as the drain starts (another listener stops accepting)."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         logging.getLogger("corpusd").info("%s draining (up to %.1f s)", name, drain_s)
+        if on_drain is not None:
+            on_drain()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(drain_s)
         for task in tasks:

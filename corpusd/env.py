@@ -31,6 +31,11 @@ VARIABLES = {
         "bearer token this process sends (its right: admin, agent or holder); TLS only",
         "as above (`up`'s admin token)",
     ),
+    "CORPUSD_CALIBRATE": (
+        "corpusd up: calibrate the cost model when the profile is missing or stale (auto), "
+        "always, or off; --calibrate overrides it",
+        "auto",
+    ),
     "CORPUSD_SGLANG_PATH": (
         "SGLang plugin: device (holder pools by CUDA IPC, CUDA graphs on), host (gRPC), or auto",
         "auto",
@@ -57,6 +62,19 @@ NO_COORDINATOR = (
 )
 #: How every --coordinator flag's default is found (see ``coordinator``).
 COORDINATOR_DEFAULT = "$CORPUSD_COORDINATOR, else the running `corpusd up`'s (its up.json)"
+
+
+CALIBRATE_MODES = ("auto", "always", "off")
+
+
+def calibrate_mode(flag: str = "") -> str:
+    """``corpusd up``'s calibration: the flag, else $CORPUSD_CALIBRATE, else auto. Raises
+    ValueError for another value."""
+    mode = flag or os.environ.get("CORPUSD_CALIBRATE", "") or "auto"
+    if mode not in CALIBRATE_MODES:
+        where = "--calibrate" if flag else "$CORPUSD_CALIBRATE"
+        raise ValueError(f"{where}: {mode!r}; one of {', '.join(CALIBRATE_MODES)}")
+    return mode
 
 
 def home() -> Path:

@@ -228,3 +228,20 @@ def serving(host: str) -> Serving:
     if ca:
         metrics.update(client_cafile=ca, client_auth_required=True)
     return Serving(creds, interceptors, metrics)
+
+
+def http_serving(host: str) -> tuple[dict[str, Any], dict[str, str] | None]:
+    """An HTTP port on ``host`` (the agent's OpenAI API) served as the daemon's gRPC port is:
+    uvicorn's TLS arguments (the same certificate, and the CA clients must present a certificate
+    of) and the tokens (token → right) a request's ``Authorization: Bearer`` must name, or None
+    when the daemon takes no tokens. Raises as :func:`serving` does."""
+    sec = serving(host)
+    cfg = _server or SecurityConfig()
+    if sec.credentials is None:
+        return {}, None
+    import ssl
+
+    tls: dict[str, Any] = {"ssl_certfile": cfg.tls_cert, "ssl_keyfile": cfg.tls_key}
+    if cfg.tls_ca:
+        tls.update(ssl_ca_certs=cfg.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return tls, (load_tokens(cfg.auth_tokens) if cfg.auth_tokens else None)

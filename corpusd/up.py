@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from corpusd import env, local_ca, security
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.manifest import KV_FORMATS
-from corpusd.daemon import Daemon
+from corpusd.daemon import Daemon, check_ports
 from holder.launch import start_holder
 from requester.launch import start_agent
 
@@ -56,10 +56,45 @@ class UpConfig:
         metadata={"help": "1 (or the flag alone): plaintext and no tokens (default: TLS with a "
                   "local CA and tokens made in <state-dir>/tls)", "const": 1},
     )  # fmt: skip
+    coordinator_port: int = field(default=0, metadata={"help": "0: pick a free port"})
+    holder_ports: str = field(
+        default="", metadata={"help": "comma-separated, one per holder ('': free ports)"}
+    )
+    agent_port: int = field(default=0, metadata={"help": "the agent's gRPC port; 0: a free one"})
+    metrics_ports: str = field(
+        default="",
+        metadata={
+            "help": "Prometheus ports: one base port P (coordinator P, holders P+1…, agent last) "
+            "or one per daemon in that order, comma-separated ('': free ports)"
+        },
+    )
+    http_port: int = field(
+        default=-1,
+        metadata={"help": "the agent's OpenAI-compatible HTTP API; 0: a free port, -1: off"},
+    )
+    calibrate: str = field(
+        default="",
+        metadata={
+            "help": "the cost model's profile ($CORPUSD_HOME/profile.json): auto = a quick "
+            "calibration when it is missing or stale (another model or device, or older than "
+            "--calibration-max-age-days), always, or off (default: $CORPUSD_CALIBRATE, else auto)",
+            "choices": ("", *env.CALIBRATE_MODES),
+        },
+    )
+    calibration_max_age_days: float = field(
+        default=30.0, metadata={"help": "a profile older than this is stale"}
+    )
 
     def __post_init__(self) -> None:
         if not 1 <= self.holders <= 64:
             raise ValueError(f"holders must be in 1..64, got {self.holders}")
+        ports = self.ports()  # raises ValueError for a malformed list
+        named = [(f, p) for f, ps in ports.items() for p in ps if p > 0]
+        seen: dict[int, str] = {}
+        for flag, port in named:
+            if port in seen:
+                raise ValueError(f"port {port} is given twice ({seen[port]} and {flag})")
+            seen[port] = flag
         if self.capacity_tokens <= 0 or not self.timeout_s > 0:
             raise ValueError("capacity_tokens and timeout_s must be > 0")
         if self.kv_format not in KV_FORMATS:
@@ -68,6 +103,57 @@ class UpConfig:
             raise ValueError(
                 f"detach and insecure must be 0 or 1, got {self.detach}, {self.insecure}"
             )
+        if not self.calibration_max_age_days > 0:
+            raise ValueError(
+                f"calibration_max_age_days must be > 0: {self.calibration_max_age_days}"
+            )
+
+    def ports(self) -> dict[str, list[int]]:
+        """Every port asked for, by flag: ``--holder-ports`` one per holder, ``--metrics-ports``
+        coordinator, holders, agent (0: a free one; ``--http-port`` -1: none). Raises ValueError
+        for a list of the wrong length or a port outside 0..65535."""
+        n = self.holders
+        holders = _port_list("--holder-ports", self.holder_ports) or [0] * n
+        if len(holders) != n:
+            raise ValueError(f"--holder-ports: {len(holders)} ports for {n} holders")
+        metrics = _port_list("--metrics-ports", self.metrics_ports) or [0]
+        if len(metrics) == 1 and metrics[0] > 0:
+            metrics = [metrics[0] + i for i in range(n + 2)]
+            if metrics[-1] > 65535:
+                raise ValueError(f"--metrics-ports: {metrics[0]}…{metrics[-1]} pass 65535")
+        elif len(metrics) == 1:
+            metrics = [0] * (n + 2)
+        if len(metrics) != n + 2:
+            raise ValueError(
+                f"--metrics-ports: {len(metrics)} ports; give one base port or {n + 2} "
+                f"(coordinator, {n} holders, agent)"
+            )
+        for flag, port in (
+            ("--coordinator-port", self.coordinator_port),
+            ("--agent-port", self.agent_port),
+        ):
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{flag}: {port}; must be in 0..65535 (0: a free port)")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port: {self.http_port}; must be in -1..65535")
+        return {
+            "--coordinator-port": [self.coordinator_port],
+            "--holder-ports": holders,
+            "--agent-port": [self.agent_port],
+            "--metrics-ports": metrics,
+            "--http-port": [self.http_port],
+        }
+
+
+def _port_list(flag: str, text: str) -> list[int]:
+    try:
+        ports = [int(x) for x in text.split(",")] if text.strip() else []
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not a comma-separated list of ports") from None
+    bad = [p for p in ports if not 0 <= p <= 65535]
+    if bad:
+        raise ValueError(f"{flag}: {bad[0]} is outside 0..65535")
+    return ports
 
 
 def describe(info: dict[str, Any]) -> str:
@@ -89,21 +175,87 @@ def describe(info: dict[str, Any]) -> str:
         lines.append(f"  TLS (mutual) and tokens: CA, certificate and tokens in {sec['dir']}")
     else:
         lines.append("  plaintext, no tokens (--insecure)")
+    if a.get("http", -1) >= 0:
+        lines.append(f"  OpenAI API   http://127.0.0.1:{a['http']}/v1")
+    cal = info.get("calibration")
+    if cal and cal["ran"]:
+        done = f"quick, {cal['seconds']} s" if cal["ok"] else f"FAILED, see {cal['log']}"
+        lines.append(f"  calibration  {cal['profile']} ({done}): {cal['why']}")
+    elif cal:
+        lines.append(f"  calibration  {cal['profile']} (current, or --calibrate off)")
     lines.append("  other commands find the coordinator through up.json; stop: corpusd down")
     return "\n".join(lines)
+
+
+def calibration_due(mode: str, path: Path, model: Path, max_age_days: float) -> str:
+    """Why ``up`` should calibrate now ("" = it should not): ``mode`` off never, always always,
+    auto when the profile at ``path`` is missing, unreadable or stale for ``model`` on this
+    device."""
+    if mode == "off":
+        return ""
+    if mode == "always":
+        return "asked (--calibrate always)"
+    if not path.is_file():
+        return f"there is no profile at {path}"
+    from corpusd.model import fingerprint
+    from requester.calibrate import device_name
+    from requester.predicate import Profile
+
+    try:
+        profile = Profile.load(path)
+    except ValueError as e:
+        return str(e)
+    why = profile.stale(fingerprint(model), device_name(), max_age_days * 86400, time.time())
+    return f"{path} is stale: {why}" if why else ""
+
+
+def _calibrate(
+    root: Path, model: Path, out: Path, holder: str, store: Path, probe: str, timeout: float,
+    environ: dict[str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """``corpusd calibrate --quick`` into ``out`` against ``holder`` (it loads the ``probe``
+    corpus of ``store`` and releases it after; "": a holder of its own); its log:
+    ``root/calibrate.log``. Returns what happened, for up.json. A failure is reported, not
+    raised: the agent keeps the profile there was."""
+    t0 = time.perf_counter()
+    log = root / "calibrate.log"
+    cmd = [sys.executable, "-m", "corpusd", "calibrate", "--quick", "--model", str(model)]
+    if holder:  # else it starts a holder of its own, over a temporary store
+        cmd += ["--holder", holder, "--corpus", probe, "--store", str(store)]
+    with log.open("ab") as f:
+        try:
+            rc = subprocess.run(
+                [*cmd, "--out", str(out)],
+                stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=environ,
+            ).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = -1
+    return {"ok": rc == 0, "seconds": round(time.perf_counter() - t0, 1), "log": str(log)}
 
 
 def up(cfg: UpConfig) -> int:
     root = env.up_dir(cfg.state_dir)
     if (other := env.running_up(cfg.state_dir)) is not None:
         raise ValueError(f"corpusd up is already running (pid {other['pid']}) in {root}")
+    for flag, ps in cfg.ports().items():  # refused here, before any daemon starts
+        for p in ps:
+            check_ports("127.0.0.1", {flag: p})
     if cfg.detach:
         return _detach(cfg, root)
+    mode = env.calibrate_mode(cfg.calibrate)
     from corpusd.corpus.pin import default_model  # torch: `down` and `--help` go without
+    from corpusd.corpus.store import PageStore
+    from requester.calibrate import probe_corpus
 
+    ports = cfg.ports()
     root.mkdir(parents=True, exist_ok=True)
     store = Path(cfg.store).expanduser() if cfg.store else env.default_store_dir()
     model = Path(cfg.model) if cfg.model else default_model(sys.stderr)
+    metrics = ports["--metrics-ports"]
+
+    def listen_on(port: int, metrics_port: int) -> tuple[str, ...]:
+        return ("--port", str(port), "--metrics-port", str(metrics_port))
+
     daemons: list[Daemon] = []
     stopping = False
 
@@ -116,16 +268,29 @@ def up(cfg: UpConfig) -> int:
     # never raises KeyboardInterrupt, so Ctrl-C / kill -INT would not stop the daemons.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    profile = env.home() / "profile.json"
+    why = calibration_due(mode, profile, model, cfg.calibration_max_age_days)
+    calibration: dict[str, Any] = {"profile": str(profile), "ran": bool(why), "why": why}
     try:
         print(f"starting a coordinator, {cfg.holders} holders and an agent under {root}")
+        probe = ""
+        if why:
+            print(f"calibrating the cost model (quick): {why}")
+        if why and cfg.kv_format == "plain":  # on holder-0 as it starts, over a probe corpus
+            probe = probe_corpus(PageStore(store), model, min(1024, cfg.capacity_tokens))
         ca = None if cfg.insecure else local_ca.ensure(root / "tls")
         flags, envs = _security(ca)
         coord = start_coordinator(
-            root / "coordinator", store, *flags, timeout=cfg.timeout_s, env=envs["admin"]
+            root / "coordinator",
+            store,
+            *flags,
+            *listen_on(cfg.coordinator_port, metrics[0]),
+            timeout=cfg.timeout_s,
+            env=envs["admin"],
         )
         daemons.append(coord)
         cap = ("--capacity-tokens", str(cfg.capacity_tokens), "--kv-format", cfg.kv_format, *flags)
-        with ThreadPoolExecutor(cfg.holders + 1) as pool:
+        with ThreadPoolExecutor(cfg.holders + 2) as pool:
             hs = [
                 pool.submit(
                     start_holder,
@@ -135,6 +300,7 @@ def up(cfg: UpConfig) -> int:
                     "--coordinator",
                     coord.address,
                     *cap,
+                    *listen_on(ports["--holder-ports"][i], metrics[1 + i]),
                     timeout=cfg.timeout_s,
                     env=envs["holder"],
                 )
@@ -148,9 +314,33 @@ def up(cfg: UpConfig) -> int:
                 "--coordinator",
                 coord.address,
                 *flags,
+                *listen_on(cfg.agent_port, metrics[-1]),
+                "--http-port",
+                str(cfg.http_port),
                 timeout=cfg.timeout_s,
                 env=envs["agent"],
             )
+            if why:  # against holder-0 as soon as it serves (fp8 holders take no plain probe:
+                # then a holder of its own); the agent reloads the profile when it is written
+                try:
+                    address = hs[0].result().address if probe else ""
+                    cal_env = _client_env(ca, envs["admin"])
+                    calibration.update(
+                        _calibrate(
+                            root, model, profile, address, store, probe, cfg.timeout_s, cal_env
+                        )
+                    )
+                finally:
+                    if probe:
+                        PageStore(store).delete(probe)
+                ok = calibration["ok"]
+                print(
+                    f"calibrated in {calibration['seconds']} s: {profile}"
+                    if ok
+                    else f"calibration failed (see {calibration['log']}); the agent uses "
+                    f"{'the old profile' if profile.is_file() else 'the built-in constants'}",
+                    flush=True,
+                )
             holders = [f.result() for f in hs]
             daemons += holders
             agent = ag.result()
@@ -166,7 +356,12 @@ def up(cfg: UpConfig) -> int:
             "model": str(model),
             "coordinator": {"address": coord.address, "metrics": coord.metrics_port},
             "holders": [{"address": h.address, "metrics": h.metrics_port} for h in holders],
-            "agent": {"address": agent.address, "metrics": agent.metrics_port},
+            "calibration": calibration,
+            "agent": {
+                "address": agent.address,
+                "metrics": agent.metrics_port,
+                "http": agent.http_port,
+            },
             "security": {"dir": str(ca.dir)} if ca is not None else None,
         }
         tmp = root / "up.json.tmp"
@@ -198,6 +393,15 @@ def up(cfg: UpConfig) -> int:
     return 0
 
 
+def _client_env(ca: local_ca.LocalCA | None, base: dict[str, str]) -> dict[str, str]:
+    """``base`` (a role's environment) plus the CA and certificate a client of the daemons
+    presents: how ``up``'s own calibration reaches holder-0 before up.json exists."""
+    if ca is None:
+        return base
+    tls = {security.ENV_CA: ca.ca, security.ENV_CERT: ca.cert, security.ENV_KEY: ca.key}
+    return {**base, **{k: str(v) for k, v in tls.items()}}
+
+
 def _security(ca: local_ca.LocalCA | None) -> tuple[list[str], dict[str, dict[str, str]]]:
     """The daemons' TLS flags, and each role's environment with its token (tokens travel in
     the environment, never on a command line others can read in ps)."""
@@ -227,28 +431,12 @@ async def _ready(
 def _detach(cfg: UpConfig, root: Path) -> int:
     root.mkdir(parents=True, exist_ok=True)
     log = root / "up.log"
-    args = [
-        sys.executable,
-        "-m",
-        "corpusd",
-        "up",
-        "--holders",
-        str(cfg.holders),
-        "--state-dir",
-        str(root),
-        "--capacity-tokens",
-        str(cfg.capacity_tokens),
-        "--kv-format",
-        cfg.kv_format,
-        "--timeout-s",
-        str(cfg.timeout_s),
-    ]
-    if cfg.store:
-        args += ["--store", cfg.store]
-    if cfg.model:
-        args += ["--model", cfg.model]
-    if cfg.insecure:
-        args += ["--insecure", "1"]
+    # every flag but --detach, from the config itself, so none is dropped on the way
+    args = [sys.executable, "-m", "corpusd", "up", "--state-dir", str(root)]
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name not in ("detach", "state_dir") and value != "":
+            args += ["--" + f.name.replace("_", "-"), str(value)]
     with log.open("ab") as out:
         proc = subprocess.Popen(
             args,

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -102,6 +102,18 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             )
             return st
 
+    def unbind(self, corpus_id: str, why: str) -> None:
+        """Forget a corpus this worker bound (the coordinator says it is no longer pinned): its
+        binding with every cached page and key, the names that led to it, its sessions (a stream
+        in flight ends NOT_FOUND). The next session of that name binds afresh."""
+        for sid in [s.id for s in self.worker.sessions.values() if s.corpus.corpus_id == corpus_id]:
+            self.scheduler.cancel(
+                sid, Reject(Code.NOT_FOUND, f"corpus {corpus_id} was {why}; session {sid} closed")
+            )
+        closed = self.worker.detach(corpus_id)
+        self.names = {n: c for n, c in self.names.items() if c != corpus_id}
+        log.info("dropped corpus %s (%s): %d sessions closed", corpus_id[:12], why, len(closed))
+
     async def _bind_from_coordinator(self, name: str) -> CorpusBinding:
         assert self.coordinator is not None
         corpora = await self.coordinator.list_corpora()
@@ -125,11 +137,24 @@ class AgentService(agent_pb2_grpc.AgentServicer):
 
     @rpc("OpenSession")
     async def OpenSession(self, request: Any, context: Any) -> agent_pb2.OpenSessionResponse:
-        cfg = self.cfg
         which = request.WhichOneof("prompt")
         if which is None:
             raise Reject(Code.INVALID_ARGUMENT, "prompt: give text or tokens")
         prompt = list(request.tokens.ids) if which == "tokens" else self.tok.encode(request.text)
+        s, st = await self.open_session(request.corpus, prompt)
+        return agent_pb2.OpenSessionResponse(
+            session_id=s.id,
+            corpus_tokens=st.view.token_count,
+            prompt_tokens=len(prompt),
+            prompt_ids=prompt,
+            corpus_id=st.view.corpus_id,
+        )
+
+    async def open_session(self, corpus: str, prompt: list[int]) -> tuple[Session, CorpusBinding]:
+        """Fork ``corpus`` (id, name or id prefix) with the token ids ``prompt`` after it: what
+        OpenSession and the HTTP API's requests do. Raises Reject (every refusal OpenSession
+        documents) and changes nothing then."""
+        cfg = self.cfg
         if not prompt:
             raise Reject(Code.INVALID_ARGUMENT, "prompt: empty; a session needs at least a token")
         if len(prompt) > cfg.max_prompt_tokens:
@@ -139,7 +164,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 "(--max-prompt-tokens)",
             )
         vocab = self.worker.mcfg.vocab_size
-        bad = [t for t in prompt if t >= vocab]
+        bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise Reject(
                 Code.INVALID_ARGUMENT, f"prompt: token ids {bad[:4]} are outside [0, {vocab})"
@@ -156,83 +181,102 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 f"sessions hold {self.kv_tokens():,} of {cfg.kv_capacity_tokens:,} cache rows; "
                 f"no room for a prompt of {len(prompt):,}",
             )
-        st = await self.corpus(request.corpus)
+        st = await self.corpus(corpus)
         s = self.worker.open(st.view.corpus_id, prompt)
         log.info("session %s on %s: %d prompt tokens", s.id, st.view.corpus_id[:12], len(prompt))
-        return agent_pb2.OpenSessionResponse(
-            session_id=s.id,
-            corpus_tokens=st.view.token_count,
-            prompt_tokens=len(prompt),
-            prompt_ids=prompt,
-            corpus_id=st.view.corpus_id,
+        return s, st
+
+    def close_session(self, session_id: str) -> None:
+        """End a session (its stream, if one runs, fails CANCELLED). Raises Reject NOT_FOUND."""
+        s = self._session(session_id)
+        self.scheduler.cancel(
+            s.id, Reject(Code.CANCELLED, f"session {s.id} was closed while generating")
         )
+        self.worker.close_session(s.id)
 
     def kv_tokens(self) -> int:
         """Cache rows the open sessions hold or are about to (pending tokens)."""
         return sum(s.cache.length + len(s.pending) for s in self.worker.sessions.values())
 
-    def _params(self, p: Any) -> SamplingParams:
+    def params(
+        self,
+        max_tokens: int = 0,
+        temperature: float = 0.0,
+        top_p: float = 0.0,
+        stop_token_ids: Sequence[int] = (),
+        seed: int = 0,
+    ) -> SamplingParams:
+        """Checked sampling parameters (``max_tokens`` 0: the agent's default; ``top_p`` 0:
+        off). Raises Reject INVALID_ARGUMENT naming the parameter."""
         cfg, vocab = self.cfg, self.worker.mcfg.vocab_size
-        max_tokens = p.max_tokens or min(cfg.default_max_tokens, cfg.max_new_tokens)
+        max_tokens = max_tokens or min(cfg.default_max_tokens, cfg.max_new_tokens)
         if max_tokens > cfg.max_new_tokens:
             raise Reject(
                 Code.INVALID_ARGUMENT,
                 f"max_tokens: {max_tokens}; this agent generates at most {cfg.max_new_tokens} "
                 "per call (--max-new-tokens)",
             )
-        if not (math.isfinite(p.temperature) and p.temperature >= 0):
-            raise Reject(Code.INVALID_ARGUMENT, f"temperature: {p.temperature}; must be >= 0")
-        if not (math.isfinite(p.top_p) and 0 <= p.top_p <= 1):
-            raise Reject(Code.INVALID_ARGUMENT, f"top_p: {p.top_p}; must be in [0, 1] (0 = off)")
-        bad = [t for t in p.stop_token_ids if t >= vocab]
+        if max_tokens < 0:
+            raise Reject(Code.INVALID_ARGUMENT, f"max_tokens: {max_tokens}; must be >= 1")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise Reject(Code.INVALID_ARGUMENT, f"temperature: {temperature}; must be >= 0")
+        if not (math.isfinite(top_p) and 0 <= top_p <= 1):
+            raise Reject(Code.INVALID_ARGUMENT, f"top_p: {top_p}; must be in [0, 1] (0 = off)")
+        bad = [t for t in stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise Reject(Code.INVALID_ARGUMENT, f"stop_token_ids: {bad[:4]} outside [0, {vocab})")
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p or 1.0,
-            stop_token_ids=tuple(p.stop_token_ids),
-            seed=p.seed,
+            temperature=temperature,
+            top_p=top_p or 1.0,
+            stop_token_ids=tuple(stop_token_ids),
+            seed=seed,
         )
 
-    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        method = "Generate"
+    async def generate(
+        self, session_id: str, params: SamplingParams
+    ) -> AsyncGenerator[tuple[int, str, str], None]:
+        """Each new token of the session, the text it adds and the session's finish reason
+        ("" until its last token, then "stop" or "length"), as sampled (the session joins the
+        running batch): what Generate streams and the HTTP API's answers are made of. Raises
+        Reject (no such session, busy, finished) before the first token, or what failed a step."""
         t0 = time.perf_counter()
+        s = self._session(session_id)
+        if self.scheduler.busy(s.id):
+            raise Reject(Code.FAILED_PRECONDITION, f"session {s.id} is already generating")
+        if s.done:
+            raise Reject(
+                Code.FAILED_PRECONDITION,
+                f"session {s.id} has finished ({s.finish_reason}); open a new session",
+            )
+        s.gen.manual_seed(params.seed)
+        # The budget counts from this call: tokens generated before it do not use it up.
+        s.params = replace(params, max_tokens=len(s.generated) + params.max_tokens)
+        text, last = _TextStream(self.tok), t0
+        first = True
         try:
-            s = self._session(request.session_id)
-            params = self._params(request.params)
-            if self.scheduler.busy(s.id):
-                raise Reject(Code.FAILED_PRECONDITION, f"session {s.id} is already generating")
-            if s.done:
-                raise Reject(
-                    Code.FAILED_PRECONDITION,
-                    f"session {s.id} has finished ({s.finish_reason}); open a new session",
-                )
-            s.gen.manual_seed(params.seed)
-            # The budget counts from this call: tokens generated before it do not use it up.
-            s.params = replace(params, max_tokens=len(s.generated) + params.max_tokens)
-            text, last = _TextStream(self.tok), t0
-            first = True
             async for tok in self.scheduler.generate(s):
                 now = time.perf_counter()
                 (self.metrics.ttft if first else self.metrics.inter_token).observe(now - last)
                 first, last = False, now
-                yield agent_pb2.GenerateChunk(
-                    token_ids=[tok], text=text.push(tok), finish_reason=s.finish_reason
-                )
+                yield tok, text.push(tok), s.finish_reason
         except SessionBusy as e:
-            await self._abort(method, Reject(Code.FAILED_PRECONDITION, str(e)), context)
+            raise Reject(Code.FAILED_PRECONDITION, str(e)) from None
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        method = "Generate"
+        try:
+            p = request.params
+            params = self.params(p.max_tokens, p.temperature, p.top_p, p.stop_token_ids, p.seed)
+            async for tok, text, finish in self.generate(request.session_id, params):
+                yield agent_pb2.GenerateChunk(token_ids=[tok], text=text, finish_reason=finish)
         except Exception as e:
             await self._abort(method, e, context)
         self.metrics.requests.labels(method, "OK").inc()
 
     @rpc("CloseSession")
     async def CloseSession(self, request: Any, context: Any) -> agent_pb2.CloseSessionResponse:
-        s = self._session(request.session_id)
-        self.scheduler.cancel(
-            s.id, Reject(Code.CANCELLED, f"session {s.id} was closed while generating")
-        )
-        self.worker.close_session(s.id)
+        self.close_session(request.session_id)
         return agent_pb2.CloseSessionResponse()
 
     # -- low level ---------------------------------------------------------------------------------

@@ -9,7 +9,11 @@ the splice (gather + k_pe rotation per row) and the re-prefill rate. The profile
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import os
+import platform
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -18,6 +22,8 @@ from typing import Any
 
 import torch
 
+from corpusd.corpus.manifest import PAGE_SIZE
+from corpusd.corpus.store import PageStore
 from corpusd.daemon import Daemon
 from corpusd.model import DeepseekV32
 from corpusd.model.partial import merge_partials, partial_attention
@@ -27,8 +33,54 @@ from requester.holder_client import HolderClient
 from requester.predicate import Profile
 from requester.sources import LocalRows
 
-GRID_ROWS = (1, 8, 32)
-GRID_K = (128, 512, 2048)
+GRID_ROWS: tuple[int, ...] = (1, 8, 32)
+GRID_K: tuple[int, ...] = (128, 512, 2048)
+#: ``--quick``: fewer points and repeats, against a probe corpus of random pages (no prefill),
+#: so ``corpusd up`` can calibrate in seconds
+QUICK_ROWS: tuple[int, ...] = (1, 8)
+QUICK_K: tuple[int, ...] = (128, 512)
+QUICK_REPEATS, QUICK_TOKENS = 2, 1024
+
+
+def device_name() -> str:
+    """What the profile was measured on: the GPU's name, else the CPU's model and core count."""
+    if torch.cuda.is_available():
+        return f"cuda {torch.cuda.get_device_name(0)}"
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"cpu {model} x{os.cpu_count()}"
+
+
+def probe_corpus(store: PageStore, model_dir: Path, tokens: int = QUICK_TOKENS) -> str:
+    """A corpus of ``tokens`` random tokens with random pages, committed to ``store`` like a
+    pin but without its prefill: timings do not depend on the values. Returns its id."""
+    from dataclasses import replace
+
+    from corpusd.corpus.manifest import Manifest, corpus_id
+    from corpusd.model import ModelConfig, fingerprint
+
+    cfg, fp = ModelConfig.from_dir(model_dir), fingerprint(model_dir)
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, min(cfg.vocab_size, 256), (tokens,), generator=g)
+    cid = corpus_id(tuple(toks.tolist()), fp, PAGE_SIZE, "float32")
+    m = Manifest(
+        corpus_id=cid, name="calibration-probe", state="ready", source_kind="calibration",
+        source_digest="sha256:" + "0" * 64, token_count=tokens, page_size=PAGE_SIZE,
+        n_pages=-(-tokens // PAGE_SIZE), n_layers=cfg.num_hidden_layers, kv_dim=cfg.kv_dim,
+        index_dim=cfg.index_head_dim, dtype="float32", model_fingerprint=fp, tokenizer="bytes",
+    )  # fmt: skip
+    with store.writer(cid) as w:
+        w.write_tokens(toks)
+        for layer in range(cfg.num_hidden_layers):
+            lat = torch.randn(tokens, cfg.kv_dim, generator=g)
+            keys = torch.randn(tokens, cfg.index_head_dim, generator=g)
+            w.write_layer(layer, lat, keys, PAGE_SIZE)
+        w.write_manifest(replace(m, checksums=dict(w.checksums)))
+    return cid
 
 
 async def _median_async(fn: Callable[[], Awaitable[Any]], repeats: int) -> float:
@@ -73,9 +125,10 @@ async def calibrate(
     log: Callable[[str], None] = print,
     grid_rows: tuple[int, ...] = GRID_ROWS,
     grid_k: tuple[int, ...] = GRID_K,
+    prefill_tokens: int = 256,
 ) -> Profile:
     """Measure every constant against ``client``'s holder, which holds all of ``corpus_id``
-    (``tokens`` are its token ids, for the re-prefill rate)."""
+    (``tokens`` are its token ids, for the re-prefill rate over the first ``prefill_tokens``)."""
     cfg = model.cfg
     h, d, d_v = cfg.num_attention_heads, cfg.kv_dim, cfg.kv_lora_rank
     view = await CorpusView.from_holders(corpus_id, {client.address: client})
@@ -133,7 +186,7 @@ async def calibrate(
     log(f"merge                            {merge * 1e3:9.3f} ns per row·head")
     log(f"splice (k_pe rotation)           {splice * 1e3:9.3f} ns per row")
 
-    chunk = min(256, t)
+    chunk = min(prefill_tokens, t)
     local = LocalRows(model, tokens.to(torch.int64))
     t0 = time.perf_counter()
     local.ensure(chunk)
@@ -167,24 +220,43 @@ def run(
     corpus: str,
     repeats: int,
     start_holder: StartHolder,
+    quick: bool = False,
 ) -> Profile:
     """The CLI's work: against ``holder`` (which must hold ``corpus``), or, when no holder is
     given, one ``start_holder`` starts here on loopback over the sample repository pinned into
-    the store. Writes the profile to ``out`` ("" = ``$CORPUSD_HOME/profile.json``)."""
+    the store (``quick``: over a probe corpus of random pages in a temporary store, with fewer
+    points and repeats). Writes the profile, stamped with the model's fingerprint, the device
+    and the time, to ``out`` ("" = ``$CORPUSD_HOME/profile.json``)."""
     import asyncio
+    import shutil
     import sys
     import tempfile
 
     from corpusd import env
     from corpusd.corpus.pin import PinConfig, default_model, pin, sample_repo
-    from corpusd.corpus.store import PageStore
-    from corpusd.model import load_model
+    from corpusd.model import fingerprint, load_model
 
+    t_start = time.perf_counter()
     mdir = Path(model_dir) if model_dir else default_model(sys.stderr)
-    store = PageStore(Path(store_dir) if store_dir else env.default_store_dir())
+    scratch = Path(tempfile.mkdtemp(prefix="corpusd-calibrate-"))
+    quick_store = quick and not holder
+    store = PageStore(
+        scratch / "store"
+        if quick_store
+        else Path(store_dir)
+        if store_dir
+        else env.default_store_dir()
+    )
     model = load_model(mdir, dtype=torch.float32)
     proc = None
-    if not holder:
+    reps, rows, ks, chunk = repeats, GRID_ROWS, GRID_K, 256
+    if quick:
+        reps, rows, ks, chunk = min(repeats, QUICK_REPEATS), QUICK_ROWS, QUICK_K, 64
+    if quick_store:
+        corpus = probe_corpus(store, mdir)
+        proc = start_holder(store.root, scratch / "holder", mdir)
+        holder = proc.address
+    elif not holder:
         corpus = pin(
             PinConfig(
                 corpus=str(sample_repo()),
@@ -193,19 +265,28 @@ def run(
                 name="sample-repo",
             )
         ).manifest.corpus_id
-        proc = start_holder(store.root, Path(tempfile.mkdtemp(prefix="corpusd-calibrate-")), mdir)
+        proc = start_holder(store.root, scratch / "holder", mdir)
         holder = proc.address
     elif not corpus:
-        raise ValueError("--holder needs --corpus (a corpus that holder holds in full)")
+        raise ValueError(
+            "--holder needs --corpus (a corpus of the store that holder holds, or can load)"
+        )
     corpus = store.resolve(corpus)
 
     async def go() -> Profile:
         client = HolderClient(holder)
+        assigned = False
         try:
-            if proc is not None:
+            held = {c.corpus_id for c in (await client.info()).corpora if c.frames}
+            if corpus not in held:  # a probe corpus on a holder of `corpusd up`, or ours
                 await client.assign(corpus)
-            return await calibrate(model, client, corpus, store.read_tokens(corpus), repeats)
+                assigned = True
+            return await calibrate(
+                model, client, corpus, store.read_tokens(corpus), reps, print, rows, ks, chunk
+            )
         finally:
+            if assigned:  # leave the holder as it was
+                await client.release(corpus)
             await client.close()
 
     try:
@@ -213,7 +294,15 @@ def run(
     finally:
         if proc is not None:
             proc.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    profile = dataclasses.replace(
+        profile,
+        model_fingerprint=fingerprint(mdir),
+        device=device_name(),
+        created_at=time.time(),
+        mode="quick" if quick else "full",
+    )
     path = Path(out) if out else env.home() / "profile.json"
     profile.save(path)
-    print(f"wrote {path}")
+    print(f"wrote {path} ({profile.mode}, {time.perf_counter() - t_start:.1f} s)")
     return profile

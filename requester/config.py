@@ -77,6 +77,10 @@ class AgentConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=0, metadata={"help": "0: pick a free port (see endpoint.json)"})
     metrics_port: int = field(default=0, metadata={"help": "0: pick a free port; -1: none"})
+    http_port: int = field(
+        default=-1,
+        metadata={"help": "OpenAI-compatible HTTP API (/v1/...) port; 0: pick a free one, -1: off"},
+    )
     worker_id: str = field(default="", metadata={"help": "name in the coordinator's registry"})
     coordinator: str = field(
         default="",
@@ -119,6 +123,8 @@ class AgentConfig:
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.http_port < -1 or self.http_port > 65535:
+            raise ValueError(f"http_port must be in -1..65535, got {self.http_port}")
         if not self.report_s > 0:
             raise ValueError(f"report_s must be > 0, got {self.report_s}")
 

@@ -38,6 +38,7 @@ from corpusd.rpc import StatusError
 from indexer import index_scores
 from indexer.select import merge_topk, select_topk
 from requester.corpus_view import CorpusUnavailable, CorpusView
+from requester.drift import Drift
 from requester.metrics import RequesterMetrics
 from requester.plan import Geometry, GroupWork, Partial, failure, holder_groups, merge_groups
 from requester.predicate import Decision, Group, Predicate
@@ -78,6 +79,11 @@ class Fanout(Connections):
         self.predicate, self.metrics, self.off, self.trace = predicate, metrics, off, trace
         self.rpc_timeout_s, self.fetch_cache_bytes = rpc_timeout_s, fetch_cache_bytes
         self.step = 0  # the caller's step number, for logs and the trace
+        self.drift = Drift(
+            profile=predicate.profile.source,
+            on_window=lambda p, r: metrics.ratio_median.labels(p).set(r),
+            on_drift=lambda p, r: metrics.drift.labels(p).inc(),
+        )
 
     async def bind(
         self,
@@ -112,6 +118,7 @@ class Fanout(Connections):
         m.measured.labels(d.pick).observe(measured_s)
         if predicted_s > 0:
             m.misprediction.labels(d.pick).set(measured_s / predicted_s)
+        e.drift.observe(d.pick, measured_s, predicted_s)
         log.debug(
             "step %d layer %d holder %s rows %d: %s predicted %.0f µs (%s) measured %.0f µs",
             e.step,

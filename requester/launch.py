@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from corpusd.daemon import Daemon, spawn
@@ -9,6 +10,11 @@ from corpusd.daemon import Daemon, spawn
 
 class AgentProcess(Daemon):
     """A running ``corpusd agent``."""
+
+    @property
+    def http_port(self) -> int:
+        """Its OpenAI-compatible API's port (``--http-port``); -1: not served."""
+        return int(json.loads((self.state_dir / "endpoint.json").read_text())["http_port"])
 
 
 def start_agent(

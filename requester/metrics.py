@@ -36,6 +36,16 @@ class RequesterMetrics(Metrics):
             "measured / predicted cost of the last decision",
             ["primitive"],
         )
+        self.ratio_median = self.gauge(
+            "measured_over_predicted_median",
+            "median measured / predicted cost over the last closed window of decisions",
+            ["primitive"],
+        )
+        self.drift = self.counter(
+            "calibration_drift_windows",
+            "windows whose measured/predicted median fell outside [1/2, 2] (a warning each)",
+            ["primitive"],
+        )
         self.fetched_bytes = self.counter("fetched_bytes", "corpus page bytes pulled")
         self.prefilled = self.counter("reprefilled_tokens", "corpus tokens re-prefilled")
         self.sessions = self.gauge("sessions", "open sessions")

@@ -13,6 +13,7 @@ Every term is a constant measured by ``corpusd calibrate``; evaluating it is ari
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -35,6 +36,11 @@ class Profile:
     splice_us_per_row: float = 0.05  # gather + k_pe rotation of one fetched row
     prefill_us_per_token: float = 4000.0
     source: str = "defaults (not calibrated)"
+    # what it was measured for and when (``corpusd up`` recalibrates when these do not match)
+    model_fingerprint: str = ""
+    device: str = ""
+    created_at: float = 0.0  # unix seconds; 0: never calibrated
+    mode: str = ""  # "full" or "quick"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -45,8 +51,25 @@ class Profile:
             raise ValueError("profile beta_bytes_per_us must be > 0")
 
     def save(self, path: Path) -> None:
+        """Write atomically (a worker watching the file never reads half of it)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        os.replace(tmp, path)
+
+    def stale(self, fingerprint: str, device: str, max_age_s: float, now: float) -> str:
+        """Why this profile does not fit (a model or device other than the one given, older
+        than ``max_age_s``, never calibrated); "" when it fits."""
+        if not self.created_at:
+            return "it holds no calibration (defaults)"
+        if self.model_fingerprint != fingerprint:
+            return f"it was measured for model {self.model_fingerprint[:19] or '(unknown)'}…"
+        if self.device != device:
+            return f"it was measured on {self.device or '(unknown device)'}, this is {device}"
+        age = now - self.created_at
+        if age > max_age_s:
+            return f"it is {age / 86400:.1f} days old (more than {max_age_s / 86400:g})"
+        return ""
 
     @classmethod
     def load(cls, path: Path) -> Profile:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from corpusd import env
+from corpusd import env, security
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, WorkerReport
 from corpusd.corpus.store import PageStore
 from corpusd.daemon import check_ports, listen, write_endpoint
@@ -49,7 +49,9 @@ async def report_load(svc: AgentService, worker_id: str, address: str, metrics_u
             metrics_url=metrics_url,
         )
         try:
-            await svc.coordinator.report_worker(report)
+            _, unpinned = await svc.coordinator.report_worker(report)
+            for cid in unpinned:  # unpinned since it was bound: drop its pages and sessions
+                svc.unbind(cid, "unpinned")
             if down:
                 log.info("coordinator %s is back", svc.coordinator.address)
             down = False
@@ -58,6 +60,38 @@ async def report_load(svc: AgentService, worker_id: str, address: str, metrics_u
                 log.warning("coordinator %s: %s (retrying)", svc.coordinator.address, e)
             down = True
         await asyncio.sleep(svc.cfg.report_s)
+
+
+async def watch_profile(worker: Worker, path: Path, every_s: float = 1.0) -> None:
+    """Reload the predicate's profile when ``path`` changes (``corpusd up`` calibrates beside
+    the agent's start; ``corpusd calibrate`` rewrites it): the next decision uses it. A file
+    that is not a profile is logged once and the one in use kept."""
+    seen = _mtime(path)
+    while True:
+        await asyncio.sleep(every_s)
+        now = _mtime(path)
+        if now == seen or now is None:
+            continue
+        seen = now
+        try:
+            profile = Profile.load(path)
+        except ValueError as e:
+            log.warning("profile not reloaded: %s", e)
+            continue
+        worker.fanout.predicate.profile = profile
+        worker.fanout.drift.profile = profile.source
+        log.info("reloaded the cost-model profile %s (%s)", path, profile.source)
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def profile_path(path: str) -> Path:
+    return Path(path) if path else env.home() / "profile.json"
 
 
 def load_profile(path: str) -> Profile:
@@ -83,6 +117,12 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
     coord = CoordinatorClient(cfg.coordinator, timeout=10.0) if cfg.coordinator else None
     holders = tuple(a.strip() for a in cfg.holders.split(",") if a.strip())
     svc = AgentService(cfg, worker, tok, coord, holders, fingerprint(model_dir))
+    http = None
+    if cfg.http_port >= 0:
+        from requester.http import HttpApi, bind  # starlette and uvicorn: only when served
+
+        tls, tokens = security.http_serving(cfg.host)  # as the gRPC port: TLS and tokens
+        http = HttpApi(svc, bind(cfg.host, cfg.http_port), cfg.drain_s, tls, tokens)
     options = [
         ("grpc.max_receive_message_length", 256 << 20),
         ("grpc.max_send_message_length", 256 << 20),
@@ -99,12 +139,16 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
     metrics_port = up.metrics_port
     address = f"{cfg.host}:{up.port}"
     worker_id = cfg.worker_id or f"agent-{up.port}"
+    if http is not None:
+        http.start()
+        log.info("%s: OpenAI-compatible API on http://%s:%d/v1", worker_id, cfg.host, http.port)
     write_endpoint(
         Path(cfg.state_dir),
         {
             "worker_id": worker_id,
             "address": address,
             "metrics_port": metrics_port,
+            "http_port": http.port if http is not None else -1,
             "pid": os.getpid(),
         },
     )
@@ -118,11 +162,15 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
         f"coordinator {cfg.coordinator}" if coord else f"holders {', '.join(holders) or 'none'}",
         metrics_port,
     )
-    tasks = []
+    tasks = [asyncio.create_task(watch_profile(worker, profile_path(wcfg.profile)))]
     if coord is not None:
         url = f"{up.scheme}://{cfg.host}:{metrics_port}/metrics" if metrics_port >= 0 else ""
         tasks.append(asyncio.create_task(report_load(svc, worker_id, address, url)))
-    await up.until_signal(worker_id, cfg.drain_s, tasks)
+    await up.until_signal(
+        worker_id, cfg.drain_s, tasks, http.stop_accepting if http is not None else None
+    )
+    if http is not None:
+        await http.stopped(cfg.drain_s)
     await svc.close()
     await worker.close()
     if coord is not None:
@@ -131,7 +179,10 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
 
 
 def run(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
-    check_ports(cfg.host, {"--port": cfg.port, "--metrics-port": cfg.metrics_port})
+    check_ports(
+        cfg.host,
+        {"--port": cfg.port, "--metrics-port": cfg.metrics_port, "--http-port": cfg.http_port},
+    )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
     try:

@@ -115,6 +115,18 @@ class Worker:
         self.corpora[view.corpus_id] = b
         return b
 
+    def detach(self, corpus_id: str) -> list[str]:
+        """Drop a bound corpus — its page table, index keys, fetched pages and re-prefilled rows
+        go with its binding — and close the sessions on it; returns their ids. A corpus not
+        bound here is no error (returns [])."""
+        b = self.corpora.pop(corpus_id, None)
+        if b is None:
+            return []
+        gone = [sid for sid, s in self.sessions.items() if s.corpus.corpus_id == corpus_id]
+        for sid in gone:
+            self.close_session(sid)
+        return gone
+
     def attach_monolithic(self, corpus_id: str) -> CorpusBinding:
         """The baseline: the whole corpus cache read from the page store into this process and
         attended locally (no holders). Needs ``store``."""

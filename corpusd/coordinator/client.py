@@ -253,8 +253,9 @@ class CoordinatorClient:
         r: Any = await self._call(self.stub.Delete(req, timeout=self.timeout))
         return Removal(_corpus(r.corpus), 0, r.deleted, r.bytes_deleted)
 
-    async def report_worker(self, w: WorkerReport) -> float:
-        """An agent worker's load report (registers it on first); returns its lease."""
+    async def report_worker(self, w: WorkerReport) -> tuple[float, tuple[str, ...]]:
+        """An agent worker's load report (registers it on first); returns its lease and the
+        corpora it reported bound that are no longer pinned (it should drop them)."""
         req = pb.WorkerReport(
             worker_id=w.worker_id,
             address=w.address,
@@ -267,7 +268,7 @@ class CoordinatorClient:
             metrics_url=w.metrics_url,
         )
         r: Any = await self._call(self.stub.ReportWorker(req, timeout=self.timeout))
-        return float(r.lease_seconds)
+        return float(r.lease_seconds), tuple(r.unpinned)
 
     async def list_workers(self) -> list[WorkerState]:
         r: Any = await self._call(

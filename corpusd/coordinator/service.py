@@ -43,6 +43,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._tasks: set[asyncio.Task[Any]] = set()
         # agent workers: soft state rebuilt from their reports within one lease after a restart
         self.workers: dict[str, tuple[pb.WorkerReport, float]] = {}
+        # worker → corpus → when its reports first listed that corpus bound (this clock)
+        self.bound_since: dict[str, dict[str, float]] = {}
 
     def _background(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -119,8 +121,29 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             raise Reject(S.INVALID_ARGUMENT, f"worker report lacks {', '.join(bad)}")
         if request.worker_id not in self.workers:
             log.info("agent worker %s at %s", request.worker_id, request.address)
-        self.workers[request.worker_id] = (request, time.time())
-        return pb.ReportWorkerResponse(lease_seconds=self.lease_s)
+        now = time.time()
+        self.workers[request.worker_id] = (request, now)
+        return pb.ReportWorkerResponse(
+            lease_seconds=self.lease_s, unpinned=self._unpinned(request, now)
+        )
+
+    def _unpinned(self, request: pb.WorkerReport, now: float) -> list[str]:
+        """The corpora the worker reports bound whose binding is void: no longer pinned
+        (retired, deleted, or being pinned again), or published again since the worker's
+        reports first listed it (unpinned and re-pinned between two reports: its page table
+        has changed)."""
+        since = self.bound_since.setdefault(request.worker_id, {})
+        listed = set(request.corpora)
+        for cid in [c for c in since if c not in listed]:
+            del since[cid]
+        gone = []
+        for cid in request.corpora:
+            first = since.setdefault(cid, now)
+            row = self.state.corpus(cid)
+            if row is None or row.state != "ready" or first < row.updated_at:
+                gone.append(cid)
+                del since[cid]
+        return gone
 
     @rpc("ListWorkers")
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: Any) -> Any:

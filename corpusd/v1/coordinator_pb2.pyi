@@ -231,10 +231,12 @@ class WorkerReport(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., sessions: _Optional[int] = ..., generating: _Optional[int] = ..., max_batch: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_capacity: _Optional[int] = ..., corpora: _Optional[_Iterable[str]] = ..., metrics_url: _Optional[str] = ...) -> None: ...
 
 class ReportWorkerResponse(_message.Message):
-    __slots__ = ("lease_seconds",)
+    __slots__ = ("lease_seconds", "unpinned")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UNPINNED_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
-    def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
+    unpinned: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_seconds: _Optional[float] = ..., unpinned: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

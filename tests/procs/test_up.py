@@ -47,6 +47,7 @@ def home(tmp_path: Path, tiny_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("CORPUSD_COORDINATOR", None)
     env.update(CORPUSD_HOME=str(tmp_path / "home"), CORPUSD_MODEL=str(tiny_dir))
+    env["CORPUSD_CALIBRATE"] = "off"  # seconds each; test_up_ports.py checks that it runs
     return env
 
 

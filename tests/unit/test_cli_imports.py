@@ -20,7 +20,7 @@ import pytest
 from corpusd.cli import INDEX_ARITHS
 from indexer import ARITHS
 
-HEAVY = ("torch", "numpy", "safetensors", "transformers", "triton")
+HEAVY = ("torch", "numpy", "safetensors", "transformers", "triton", "starlette", "uvicorn")
 
 # Runs main() on each argv of argv[1] (JSON) in turn, and says after each which heavy modules
 # are loaded: the first argv that loads one is the culprit.

@@ -1,0 +1,43 @@
+"""``corpusd up --detach`` re-runs itself in the background with every flag it was given (issue
+19: port flags and calibration joined the config; a flag dropped on the way once lost the
+holders' --kv-format). No daemon starts here: the re-exec is caught."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+import corpusd.up as up_mod
+from corpusd.cli import build_parser
+from corpusd.up import UpConfig
+
+
+def test_the_background_up_gets_every_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = UpConfig(
+        holders=3, store="/s", model="/m", capacity_tokens=2048, kv_format="fp8_e4m3", detach=1,
+        timeout_s=99.0, coordinator_port=7001, holder_ports="7002,7003,7004", agent_port=7005,
+        metrics_ports="7100", http_port=8000, calibrate="always", calibration_max_age_days=3.5,
+    )  # fmt: skip
+    defaults = UpConfig()
+    changed = {f.name for f in fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)}
+    assert changed == {f.name for f in fields(cfg)} - {"state_dir"}, "give every field a value"
+    seen: list[list[str]] = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(args: list[str], **_: object) -> None:
+        seen.append(args)
+        raise Stop
+
+    monkeypatch.setattr(up_mod.subprocess, "Popen", popen)
+    with pytest.raises(Stop):
+        up_mod._detach(cfg, tmp_path)
+    (args,) = seen
+    assert args[1:4] == ["-m", "corpusd", "up"]
+    a = build_parser().parse_args(args[3:])
+    again = UpConfig(**{f.name: getattr(a, f.name) for f in fields(UpConfig)})
+    assert again == UpConfig(**{**{f.name: getattr(cfg, f.name) for f in fields(cfg)},
+                                "detach": 0, "state_dir": str(tmp_path)})  # fmt: skip
