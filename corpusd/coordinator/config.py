@@ -17,6 +17,14 @@ class CoordinatorConfig:
         default="",
         metadata={"help": "state.db and endpoint.json (default: $CORPUSD_HOME/coordinator)"},
     )
+    state: str = field(
+        default="sqlite",
+        metadata={
+            "help": "where the page table and registry live: sqlite (state.db in the state "
+            "directory), sqlite:///path, or etcd://h1:2379,h2:2379/prefix (several coordinators, "
+            "one leads)"
+        },
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=0, metadata={"help": "0: pick a free port (see endpoint.json)"})
     metrics_port: int = field(default=0, metadata={"help": "0: pick a free port; -1: none"})
@@ -47,6 +55,15 @@ class CoordinatorConfig:
         for key in ("lease_s", "rpc_timeout_s", "retry_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if not (self.state in ("", "sqlite") or self.state.startswith(("sqlite://", "etcd://"))):
+            raise ValueError(
+                f"state must be sqlite, sqlite:///path or etcd://host:port[,…]/prefix, got "
+                f"{self.state!r}"
+            )
+        if self.state.startswith("etcd://"):
+            from corpusd.coordinator.etcd_state import parse_etcd_url
+
+            parse_etcd_url(self.state)  # raises ValueError naming what is wrong
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
 
