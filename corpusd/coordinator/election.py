@@ -6,7 +6,7 @@ transaction), keeps the lease alive every ``lease_s / 4`` and, once it leads, wr
 through transactions fenced on the key's create revision (etcd_state.py), so a leader that
 lost its lease cannot write even before it notices. Standbys poll the key every
 ``poll_s`` and campaign as soon as it is gone: a dead leader is replaced within its lease
-plus one poll. Standbys answer reads; writes get UNAVAILABLE naming the leader, and clients
+plus one poll (at once by a coordinator restarted on the leader's own address). Standbys answer reads; writes get UNAVAILABLE naming the leader, and clients
 with several addresses move on to it.
 """
 
@@ -55,9 +55,15 @@ class EtcdElection(Leadership):
             lease = None
             try:
                 lease = await c.lease(self.ttl)
+                me = self.state.node.encode()
                 won, _ = await c.transaction(
-                    [tx.version(key) == 0], [tx.put(key, self.state.node.encode(), lease=lease)], []
+                    [tx.version(key) == 0], [tx.put(key, me, lease=lease)], []
                 )
+                if not won:  # a key naming our own address was left by a process before us
+                    # here (we hold its port, so it is gone): take it over without waiting
+                    won, _ = await c.transaction(
+                        [tx.value(key) == me], [tx.delete(key), tx.put(key, me, lease=lease)], []
+                    )
                 if won:
                     kv = await c.get(key)
                     assert kv is not None, "the leader key we just created is gone"

@@ -109,7 +109,7 @@ async def serve(cfg: CoordinatorConfig) -> None:
         async def on_lead() -> None:
             n = await recover(pub)
             metrics.leader_changes.inc()
-            log.info("leader: %d half-done pins of the previous leader rolled back", n)
+            log.info("leading: %d half-done pins rolled back", n)
             pub.capacity_changed.set()
 
         tasks.append(asyncio.create_task(lead.run(on_lead)))

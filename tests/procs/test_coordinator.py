@@ -48,12 +48,15 @@ def corpora(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> tuple[P
 
 @pytest.fixture(scope="module")
 def cluster(
-    tmp_path_factory: pytest.TempPathFactory, corpora: tuple[Path, list[str]], tiny_dir: Path
+    tmp_path_factory: pytest.TempPathFactory,
+    corpora: tuple[Path, list[str]],
+    tiny_dir: Path,
+    module_state_flags: tuple[str, ...],
 ) -> Iterator[tuple[CoordinatorProcess, list[HolderProcess]]]:
     """A coordinator and two holders of 16 frames each (no single one takes a 17-page corpus)."""
     store, _ = corpora
     tmp = tmp_path_factory.mktemp("coord-cluster")
-    co = start_coordinator(tmp / "coord", store, "--retry-s", "0.2")
+    co = start_coordinator(tmp / "coord", store, "--retry-s", "0.2", *module_state_flags)
     hs = start_holders(store, tmp, tiny_dir, co.address, 2, "--capacity-tokens", "1024")
     yield co, hs
     assert [h.stop() for h in hs] == [0, 0]
