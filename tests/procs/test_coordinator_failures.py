@@ -212,6 +212,9 @@ def test_coordinator_crash_mid_publish_is_rolled_back_on_restart(
                 await pin
 
     async def recovered() -> None:
+        log = tmp_path / "coord" / "coordinator.log"
+        # on etcd the coordinator serves reads at once and rolls back once it leads
+        await until(lambda: _logged(log, "1 half-done pins rolled back"))
         async with CoordinatorClient(co.address) as c:
             assert b not in {x.corpus_id for x in await c.list_corpora()}
             for h in hs:
@@ -236,3 +239,7 @@ def test_coordinator_crash_mid_publish_is_rolled_back_on_restart(
 
 async def _holds(h: HolderProcess, cid: str) -> bool:
     return cid in await held(h)
+
+
+async def _logged(log: Path, line: str) -> bool:
+    return line in log.read_text()
