@@ -4,10 +4,10 @@ etcd: ``/prefix/leader`` holds the leader's address and is attached to its etcd 
 ``lease_s``). A coordinator campaigns by creating the key only if it does not exist (one
 transaction), keeps the lease alive every ``lease_s / 4`` and, once it leads, writes only
 through transactions fenced on the key's create revision (etcd_state.py), so a leader that
-lost its lease cannot write even before it notices. Standbys poll the key every
-``poll_s`` and campaign as soon as it is gone: a dead leader is replaced within its lease
-plus one poll (at once by a coordinator restarted on the leader's own address). Standbys answer reads; writes get UNAVAILABLE naming the leader, and clients
-with several addresses move on to it.
+lost its lease cannot write even before it notices. Standbys poll the key every ``poll_s``
+and campaign as soon as it is gone: a dead leader is replaced within its lease plus one poll
+(at once by a coordinator restarted on the leader's own address). Standbys answer reads;
+writes get UNAVAILABLE naming the leader, and clients with several addresses move on to it.
 """
 
 from __future__ import annotations
