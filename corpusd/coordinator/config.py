@@ -38,6 +38,13 @@ class CoordinatorConfig:
     lease_s: float = field(
         default=10.0, metadata={"help": "a holder silent this long is not placed on"}
     )
+    leader_lease_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "etcd: the leader's lease; a standby takes over this long after the leader "
+            "dies (0: --lease-s)"
+        },
+    )
     rpc_timeout_s: float = field(
         default=60.0, metadata={"help": "deadline of each Assign/Release/Info to a holder"}
     )
@@ -64,6 +71,8 @@ class CoordinatorConfig:
             from corpusd.coordinator.etcd_state import parse_etcd_url
 
             parse_etcd_url(self.state)  # raises ValueError naming what is wrong
+        if self.leader_lease_s < 0:
+            raise ValueError(f"leader_lease_s must be >= 0, got {self.leader_lease_s}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
 

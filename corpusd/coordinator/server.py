@@ -61,7 +61,9 @@ async def serve(cfg: CoordinatorConfig) -> None:
     metrics = CoordinatorMetrics()
     links = Links(cfg.rpc_timeout_s)
     pub = Publisher(state, links, buckets, metrics, cfg.max_queue)
-    lead = EtcdElection(state, cfg.lease_s) if isinstance(state, EtcdState) else Leadership()
+    lead: Leadership = Leadership()
+    if isinstance(state, EtcdState):
+        lead = EtcdElection(state, cfg.leader_lease_s or cfg.lease_s)
     loop = asyncio.get_running_loop()
 
     def snapshot() -> Any:  # on the metrics server's thread: read on the loop, wait for it

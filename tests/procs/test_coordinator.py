@@ -148,7 +148,7 @@ def test_bad_input_gets_precise_statuses_and_the_coordinator_keeps_serving(
             # nothing of the refused pins is visible, and the coordinator still serves
             listed = {x.corpus_id: x.state for x in await c.list_corpora()}
             assert set(listed) <= set(corpora[1]) and listed[big] == "retired", listed
-            health = health_pb2_grpc.HealthStub(c.channel)
+            health = health_pb2_grpc.HealthStub(c.channels[0])
             r = await health.Check(health_pb2.HealthCheckRequest(service="corpusd.v1.Coordinator"))
             assert r.status == health_pb2.HealthCheckResponse.SERVING
             assert len((await c.page_table(small)).pages) == 10
