@@ -22,6 +22,7 @@ from typing import Any
 
 from corpusd import env
 from corpusd.coordinator.client import CoordinatorClient
+from corpusd.coordinator.etcd_local import start_etcd
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.daemon import Daemon
 from holder.launch import start_holder
@@ -45,8 +46,17 @@ class UpConfig:
                   "const": 1},
     )  # fmt: skip
     timeout_s: float = field(default=180.0, metadata={"help": "for everything to come up"})
+    state: str = field(
+        default="sqlite",
+        metadata={
+            "help": "sqlite: one coordinator; etcd: a 3-member etcd on loopback and 2 "
+            "coordinators sharing it (one leads; every daemon knows both)"
+        },
+    )
 
     def __post_init__(self) -> None:
+        if self.state not in ("sqlite", "etcd"):
+            raise ValueError(f"state must be sqlite or etcd, got {self.state!r}")
         if not 1 <= self.holders <= 64:
             raise ValueError(f"holders must be in 1..64, got {self.holders}")
         if self.capacity_tokens <= 0 or not self.timeout_s > 0:
@@ -84,6 +94,7 @@ def up(cfg: UpConfig) -> int:
     store = Path(cfg.store).expanduser() if cfg.store else env.default_store_dir()
     model = Path(cfg.model) if cfg.model else default_model(sys.stderr)
     daemons: list[Daemon] = []
+    stack = contextlib.ExitStack()  # etcd, stopped after the daemons
     stopping = False
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -97,8 +108,20 @@ def up(cfg: UpConfig) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         print(f"starting a coordinator, {cfg.holders} holders and an agent under {root}")
-        coord = start_coordinator(root / "coordinator", store, timeout=cfg.timeout_s)
+        flags: tuple[str, ...] = ()
+        if cfg.state == "etcd":
+            etcd = start_etcd(root / "etcd", 3)
+            stack.callback(etcd.stop)
+            flags = ("--state", etcd.url("corpusd"))
+        coord = start_coordinator(root / "coordinator", store, *flags, timeout=cfg.timeout_s)
         daemons.append(coord)
+        address = coord.address
+        if cfg.state == "etcd":  # a standby; both addresses go to every daemon and up.json
+            standby = start_coordinator(
+                root / "coordinator-1", store, *flags, timeout=cfg.timeout_s
+            )
+            daemons.append(standby)
+            address = f"{coord.address},{standby.address}"
         cap = ("--capacity-tokens", str(cfg.capacity_tokens))
         with ThreadPoolExecutor(cfg.holders + 1) as pool:
             hs = [
@@ -108,7 +131,7 @@ def up(cfg: UpConfig) -> int:
                     root / f"holder-{i}",
                     model,
                     "--coordinator",
-                    coord.address,
+                    address,
                     *cap,
                     timeout=cfg.timeout_s,
                 )
@@ -120,20 +143,20 @@ def up(cfg: UpConfig) -> int:
                 root / "agent",
                 model,
                 "--coordinator",
-                coord.address,
+                address,
                 timeout=cfg.timeout_s,
             )
             holders = [f.result() for f in hs]
             daemons += holders
             agent = ag.result()
             daemons.append(agent)
-        asyncio.run(_ready(coord.address, cfg.holders, cfg.timeout_s))
+        asyncio.run(_ready(address, cfg.holders, cfg.timeout_s))
         info = {
             "pid": os.getpid(),
             "state_dir": str(root),
             "store": str(store),
             "model": str(model),
-            "coordinator": {"address": coord.address, "metrics": coord.metrics_port},
+            "coordinator": {"address": address, "metrics": coord.metrics_port},
             "holders": [{"address": h.address, "metrics": h.metrics_port} for h in holders],
             "agent": {"address": agent.address, "metrics": agent.metrics_port},
         }
@@ -163,6 +186,7 @@ def up(cfg: UpConfig) -> int:
                 d.kill()
         if daemons:
             print(f"stopped {len(daemons)} daemons; state kept in {root}", flush=True)
+        stack.close()
     return 0
 
 
@@ -193,6 +217,8 @@ def _detach(cfg: UpConfig, root: Path) -> int:
         str(cfg.capacity_tokens),
         "--timeout-s",
         str(cfg.timeout_s),
+        "--state",
+        cfg.state,
     ]
     if cfg.store:
         args += ["--store", cfg.store]

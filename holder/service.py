@@ -79,6 +79,7 @@ class HolderService(holder_pb2_grpc.HolderServicer):
             else None
         )
         metrics.capacity.set(pool.geo.frames)
+        metrics.elbow.set(cfg.max_flows)
         metrics.kernel.labels(kernel.name, cfg.device).set(1)
 
     async def _run(self, corpus_id: str, fn: Callable[[], T]) -> tuple[T, float, float]:

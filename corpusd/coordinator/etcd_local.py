@@ -1,7 +1,8 @@
 """An etcd cluster of ``n`` members on loopback (``corpusd up --state etcd``, tests, tools).
 
 Each member is a real ``etcd`` process (Debian's ``etcd-server`` 3.4 is enough) with its data
-directory under ``root/etcd-<i>``, its log beside it, and free client and peer ports.
+directory under ``root/etcd-<i>``, its log beside it, and free client and peer ports, kept in
+``root/ports.json`` so that starting again in the same ``root`` brings the same cluster back.
 """
 
 from __future__ import annotations
@@ -110,10 +111,14 @@ def start_etcd(root: Path, n: int = 1, timeout: float = 30) -> EtcdCluster:
     exe = etcd_binary()
     if exe is None:
         raise FileNotFoundError("no etcd binary (Debian: apt-get install etcd-server)")
-    ports = _free_ports(2 * n)
+    saved = root / "ports.json"  # a restart reuses them: the members' data records them
+    ports = json.loads(saved.read_text()) if saved.exists() else _free_ports(2 * n)
+    if len(ports) != 2 * n:
+        raise RuntimeError(f"{saved} is for {len(ports) // 2} members, not {n}")
     c = EtcdCluster(root, ports[:n], ports[n:])
     initial = ",".join(f"m{i}=http://127.0.0.1:{c.peer_ports[i]}" for i in range(n))
     root.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(ports))
     for i in range(n):
         client = f"http://127.0.0.1:{c.client_ports[i]}"
         peer = f"http://127.0.0.1:{c.peer_ports[i]}"
