@@ -222,10 +222,25 @@ class CoordinatorClient:
         r: Any = await self._call(lambda stub: stub.RegisterHolder(req, timeout=self.timeout))
         return float(r.lease_seconds)
 
-    async def heartbeat(self, holder_id: str, used_frames: int, active_flows: int) -> float:
-        """Renew the lease. Raises CoordinatorError(NOT_FOUND) when it must register again."""
+    async def heartbeat(
+        self,
+        holder_id: str,
+        used_frames: int,
+        active_flows: int,
+        elbow_flows: int = 0,
+        queue_depth: int = 0,
+        hot_pages: Sequence[tuple[str, int, int]] = (),
+    ) -> float:
+        """Renew the lease and report the load: fan-in (``active_flows`` running,
+        ``queue_depth`` queued), the elbow, and ``hot_pages`` ``(corpus, page, hits)``. Raises
+        CoordinatorError(NOT_FOUND) when it must register again."""
         req = pb.HeartbeatRequest(
-            holder_id=holder_id, used_frames=used_frames, active_flows=active_flows
+            holder_id=holder_id,
+            used_frames=used_frames,
+            active_flows=active_flows,
+            elbow_flows=elbow_flows,
+            queue_depth=queue_depth,
+            hot_pages=[pb.PageHeat(corpus_id=c, page=p, hits=h) for c, p, h in hot_pages],
         )
         r: Any = await self._call(lambda stub: stub.Heartbeat(req, timeout=self.timeout))
         return float(r.lease_seconds)

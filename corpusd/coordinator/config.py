@@ -45,6 +45,13 @@ class CoordinatorConfig:
             "dies (0: --lease-s)"
         },
     )
+    replica_window_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "a holder past its fan-in elbow this long gets a replica of its hottest "
+            "pages on a cool holder (removed once it is under half its elbow as long); 0: never"
+        },
+    )
     rpc_timeout_s: float = field(
         default=60.0, metadata={"help": "deadline of each Assign/Release/Info to a holder"}
     )
@@ -71,6 +78,8 @@ class CoordinatorConfig:
             from corpusd.coordinator.etcd_state import parse_etcd_url
 
             parse_etcd_url(self.state)  # raises ValueError naming what is wrong
+        if self.replica_window_s < 0:
+            raise ValueError(f"replica_window_s must be >= 0, got {self.replica_window_s}")
         if self.leader_lease_s < 0:
             raise ValueError(f"leader_lease_s must be >= 0, got {self.leader_lease_s}")
         if self.max_queue < 0:

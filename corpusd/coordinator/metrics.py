@@ -20,8 +20,11 @@ from corpusd.metrics import Metrics
 _P = "corpusd_coordinator_"
 
 
-#: () → (holders, corpora by state, placed frames by holder, leading): read at scrape time
-Snapshot = Callable[[], tuple[list[HolderRow], dict[str, int], dict[str, int], bool]]
+#: () → (holders, corpora by state, placed frames by holder, leading, holder → (elbow, fan-in)
+#: as last reported): read at scrape time
+Snapshot = Callable[
+    [], tuple[list[HolderRow], dict[str, int], dict[str, int], bool, dict[str, tuple[int, int]]]
+]
 
 
 class _StateCollector(Collector):
@@ -29,7 +32,7 @@ class _StateCollector(Collector):
         self.snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        holders, states, placed, leading = self.snapshot()
+        holders, states, placed, leading, loads = self.snapshot()
         now = time.time()
         yield GaugeMetricFamily(
             _P + "leader",
@@ -60,6 +63,14 @@ class _StateCollector(Collector):
             ),
             "active_flows": ("fan-in at its last heartbeat", lambda h: h.active_flows),
         }
+        per["elbow_flows"] = (
+            "its fan-in elbow, as it reports it (0: not reported)",
+            lambda h: loads.get(h.holder_id, (0, 0))[0],
+        )
+        per["fanin"] = (
+            "flows running + queued at its last heartbeat",
+            lambda h: loads.get(h.holder_id, (0, 0))[1],
+        )
         for name, (text, value) in per.items():
             g = GaugeMetricFamily(_P + "holder_" + name, text, labels=["holder"])
             for h in holders:

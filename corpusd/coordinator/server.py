@@ -25,6 +25,7 @@ from corpusd.coordinator.etcd_state import EtcdState
 from corpusd.coordinator.links import Links
 from corpusd.coordinator.metrics import CoordinatorMetrics
 from corpusd.coordinator.publish import Publisher
+from corpusd.coordinator.replicas import Replicator
 from corpusd.coordinator.service import CoordinatorService
 from corpusd.coordinator.upkeep import recover
 from corpusd.corpus.store import PageStore
@@ -54,6 +55,19 @@ async def _retry_queue(pub: Publisher, lead: Leadership, every_s: float) -> None
                 log.exception("retrying queued pins failed")
 
 
+async def _follow_load(pub: Publisher, lead: Leadership, replicator: Replicator) -> None:
+    """On the leader: add and remove load replicas as the holders' reports say (replicas.py)."""
+    every = max(0.25, replicator.window_s / 8)
+    while True:
+        await asyncio.sleep(every)
+        if not lead.leading:
+            continue
+        try:
+            await replicator.step(pub)
+        except Exception:  # the loop must outlive one bad round; the next one decides again
+            log.exception("load replicas: a round failed")
+
+
 async def serve(cfg: CoordinatorConfig) -> None:
     state_dir = Path(cfg.state_dir)
     buckets = CpBuckets.load(cfg.profile)
@@ -68,7 +82,8 @@ async def serve(cfg: CoordinatorConfig) -> None:
 
     def snapshot() -> Any:  # on the metrics server's thread: read on the loop, wait for it
         async def read() -> Any:
-            return (*await state.snapshot(), lead.leading)
+            loads = {h: (r.elbow, r.fanin) for h, q in replicator.reports.items() for r in q}
+            return (*await state.snapshot(), lead.leading, loads)
 
         return asyncio.run_coroutine_threadsafe(read(), loop).result(10)
 
@@ -76,7 +91,8 @@ async def serve(cfg: CoordinatorConfig) -> None:
     rolled_back = 0
     if not isinstance(lead, EtcdElection):  # the only coordinator: recover before serving
         rolled_back = await recover(pub)
-    svc = CoordinatorService(pub, PageStore(cfg.store), cfg.lease_s, lead)
+    replicator = Replicator(cfg.replica_window_s)
+    svc = CoordinatorService(pub, PageStore(cfg.store), cfg.lease_s, lead, replicator)
 
     up = await listen(
         lambda srv: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(svc, srv),
@@ -105,6 +121,8 @@ async def serve(cfg: CoordinatorConfig) -> None:
     )
 
     tasks = [asyncio.create_task(_retry_queue(pub, lead, cfg.retry_s))]
+    if cfg.replica_window_s:
+        tasks.append(asyncio.create_task(_follow_load(pub, lead, replicator)))
     if isinstance(lead, EtcdElection):
         lead.state.node = address  # what the leader key will say
 

@@ -20,6 +20,7 @@ from corpusd.coordinator.client import HOLDER_SPEC
 from corpusd.coordinator.db import CorpusRow, HolderRow, NotLeader
 from corpusd.coordinator.election import Leadership
 from corpusd.coordinator.publish import Publisher
+from corpusd.coordinator.replicas import LoadReport, Replicator
 from corpusd.coordinator.sessions import NoWorker, WorkerLoad, choose_home
 from corpusd.coordinator.upkeep import reconcile
 from corpusd.corpus.manifest import Manifest
@@ -50,9 +51,16 @@ def _holder(h: HolderRow, now: float) -> pb.HolderAddress:
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, pub: Publisher, store: PageStore, lease_s: float, lead: Leadership) -> None:
+    def __init__(
+        self,
+        pub: Publisher,
+        store: PageStore,
+        lease_s: float,
+        lead: Leadership,
+        replicator: Replicator,
+    ) -> None:
         self.pub, self.state, self.store, self.lease_s = pub, pub.state, store, lease_s
-        self.lead = lead
+        self.lead, self.replicator = lead, replicator
         self._tasks: set[asyncio.Task[Any]] = set()
         # agent workers: soft state rebuilt from their reports within one lease after a restart
         self.workers: dict[str, tuple[pb.WorkerReport, float]] = {}
@@ -114,6 +122,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._background(self._after_join(request.holder_id))
         elif request.used_frames < before.used_frames:
             self.pub.capacity_changed.set()
+        self.replicator.observe(
+            request.holder_id,
+            LoadReport(
+                time.monotonic(),
+                request.active_flows + request.queue_depth,
+                request.elbow_flows,
+                {(x.corpus_id, x.page): x.hits for x in request.hot_pages[:1024]},
+            ),
+        )
         return pb.HeartbeatResponse(lease_seconds=self.lease_s)
 
     @rpc("ListHolders")
@@ -127,6 +144,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     active_flows=h.active_flows,
                     heartbeat_age_s=now - h.last_heartbeat,
                     placed_frames=placed.get(h.holder_id, 0),
+                    elbow_flows=r.elbow if (r := self.replicator.latest(h.holder_id)) else 0,
+                    queue_depth=max(0, r.fanin - h.active_flows) if r else 0,
                 )
                 for h in await self.state.holders()
             ],
