@@ -152,7 +152,8 @@ def main() -> int:
             [f"--pages {' '.join(map(str, a.pages))}", f"--rounds {a.rounds}"]
         ),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "etcd": etcd_version, "note": "shared 2-core machine, loopback, disk"},
+                    "etcd": etcd_version, "load_average": os.getloadavg(),
+                    "note": "shared 2-core machine (load average at the end), loopback, disk"},
         "what": "in-process StateBackend calls; publish = put_corpus(pinning) + commit_pin "
                 "(P pages x 2 replicas); lookup = page_table; heartbeat = lease renewal + load",
         "results": results,
