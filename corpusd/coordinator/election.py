@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 
 import aetcd
@@ -29,6 +30,7 @@ class Leadership:
     """SQLite: one coordinator, always leading."""
 
     leading = True
+    since = 0.0  # monotonic time it last became leader
 
     async def leader(self) -> str:
         return ""
@@ -89,7 +91,7 @@ class EtcdElection(Leadership):
     ) -> None:
         """Keep the lease alive; return when it is lost."""
         await on_lead()
-        self.leading = True
+        self.leading, self.since = True, time.monotonic()
         while True:
             await asyncio.sleep(self.ttl / 4)
             try:

@@ -185,6 +185,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             for w, (r, t) in self.workers.items()
             if now - t <= self.lease_s and r.address not in gone
         }
+        if not live and time.monotonic() - self.lead.since < self.lease_s:
+            # a new leader: the workers report to it within a lease (a client moves on, retries)
+            raise Reject(S.UNAVAILABLE, "leading for under a lease: agent workers still reporting")
         if not live:
             raise Reject(S.UNAVAILABLE, "no live agent worker has reported (is corpusd agent up?)")
         loads = [

@@ -2,7 +2,8 @@
 2 holders that know both. The leader is SIGKILLed in the middle of a publish; the standby must
 lead within the lease plus 2 s, no reader may ever see a half-published corpus, and the pin the
 client retries (it fails over by itself) must succeed with nothing of the first attempt left.
-Then the etcd leader is SIGKILLed: the page table stays, and reads and writes go on."""
+Then the etcd leader is SIGKILLed: the page table stays, and reads and writes go on. Sessions
+decoding through both kills give transformers' greedy tokens, every one."""
 
 from __future__ import annotations
 
@@ -18,8 +19,13 @@ import pytest
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
 from corpusd.coordinator.etcd_local import etcd_binary, start_etcd
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
+from corpusd.corpus.store import PageStore
+from requester.client import Client
+from requester.launch import start_agent
 from tests.procs.test_coordinator_failures import held, until
 from tests.support.coordinators import start_holders, synthetic_corpus
+from tests.support.holders import pin_sample
+from tests.support.oracle import greedy
 
 pytestmark = pytest.mark.skipif(
     etcd_binary() is None, reason="no etcd binary: apt-get install etcd-server"
@@ -115,4 +121,53 @@ def test_leader_killed_mid_publish_standby_takes_over_and_the_retried_pin_succee
         for co in cos:
             if co.proc.poll() is None:
                 co.stop()
+        etcd.stop()
+
+
+SUFFIXES = [f"\nQ{i}: what is on line {i * 41}?" for i in range(3)]
+NEW = 16
+
+
+def test_sessions_decoding_through_a_leader_kill_and_an_etcd_leader_kill_lose_no_token(
+    tmp_path: Path,
+    tiny_dir: Path,
+    hf_model,  # type: ignore[no-untyped-def]
+) -> None:
+    cid = pin_sample(tmp_path, tiny_dir, tokens=700)
+    store = tmp_path / "store"
+    etcd = start_etcd(tmp_path / "etcd", 3)
+    flags = ("--state", etcd.url("dec"), "--leader-lease-s", str(LEASE_S), "--lease-s", "8")
+    cos = [start_coordinator(tmp_path / f"c{i}", store, *flags) for i in range(2)]
+    both = ",".join(c.address for c in cos)
+    hs = start_holders(store, tmp_path, tiny_dir, both, 2, "--capacity-tokens", "2048",
+                       "--threads", "1")  # fmt: skip
+    agent = start_agent(store, tmp_path / "agent", tiny_dir, "--coordinator", both,
+                        "--report-s", "0.3", "--threads", "1", "--primitive", "route")  # fmt: skip
+    toks = PageStore(store).read_tokens(cid)
+    oracle = [t for t, _ in greedy(hf_model, toks, SUFFIXES, NEW)]
+
+    async def go() -> list[list[int]]:
+        async with CoordinatorClient(both, timeout=30) as cc:
+            await until(lambda: asyncio.to_thread(leads, cos[0]), 20)
+            await cc.wait_holders(2)
+            assert (await cc.pin(cid, replicas=2, wait=True, timeout=60)).corpus.state == "ready"
+        async with Client(coordinator=both) as c:
+            first = [await c.open_session("repo", list(s.encode())) for s in SUFFIXES[:2]]
+            runs = [asyncio.create_task(c.complete(s, max_tokens=NEW)) for s in first]
+            await asyncio.sleep(1.0)  # decoding
+            cos[0].kill()  # the leader coordinator dies while sessions decode
+            await asyncio.sleep(0.5)
+            etcd.kill(etcd.leader())  # and etcd's leader
+            # a session opened now is placed by the standby once it leads
+            late = await c.open_session("repo", list(SUFFIXES[2].encode()))
+            runs.append(asyncio.create_task(c.complete(late, max_tokens=NEW)))
+            return [list((await r).token_ids) for r in runs]
+
+    try:
+        got = asyncio.run(go())
+        assert got == oracle
+    finally:
+        for d in (agent, *hs, *cos):
+            if d.proc.poll() is None:
+                d.stop()
         etcd.stop()
