@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import aetcd
 
-from corpusd.coordinator.db import CorpusRow, HolderRow, NotLeader, StateBackend, Table
+from corpusd.coordinator.backend import CorpusRow, HolderRow, NotLeader, StateBackend, Table
 
 #: etcd refuses shorter leases (3 election ticks of 1 s / 2 … rounded up to whole seconds)
 MIN_TTL_S = 2

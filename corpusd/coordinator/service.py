@@ -56,11 +56,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         pub: Publisher,
         store: PageStore,
         lease_s: float,
-        lead: Leadership,
-        replicator: Replicator,
+        lead: Leadership | None = None,
+        replicator: Replicator | None = None,
     ) -> None:
+        """``lead``: default, always leading (SQLite); ``replicator``: default, one that never
+        acts (its reports are kept for status)."""
         self.pub, self.state, self.store, self.lease_s = pub, pub.state, store, lease_s
-        self.lead, self.replicator = lead, replicator
+        self.lead = lead or Leadership()
+        self.replicator = replicator or Replicator(0)
         self._tasks: set[asyncio.Task[Any]] = set()
         # agent workers: soft state rebuilt from their reports within one lease after a restart
         self.workers: dict[str, tuple[pb.WorkerReport, float]] = {}

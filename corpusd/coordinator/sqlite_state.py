@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import astuple
 from pathlib import Path
 
-from corpusd.coordinator.db import CorpusRow, HolderRow, StateBackend, Table
+from corpusd.coordinator.backend import CorpusRow, HolderRow, StateBackend, Table
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS holders (
