@@ -202,6 +202,14 @@ class EtcdState(StateBackend):
             out.append(HolderRow(**{k: row[k] for k in _HOLDER_KEYS}, leased=leased))
         return sorted(out, key=lambda h: h.holder_id)
 
+    async def holder(self, holder_id: str) -> HolderRow | None:
+        kv = await self.client.get(self.k("holders", holder_id))
+        if kv is None:
+            return None
+        row = json.loads(kv.value)
+        leased = await self.client.get(self.k("live", holder_id)) is not None
+        return HolderRow(**{k: row[k] for k in _HOLDER_KEYS}, leased=leased)
+
     # -- corpora and the page table -------------------------------------------------------------
     async def corpus(self, corpus_id: str) -> CorpusRow | None:
         kv = await self.client.get(self.k("corpora", corpus_id))

@@ -113,9 +113,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:
         await self._leading()
         now = time.time()
-        before = next(
-            (h for h in await self.state.holders() if h.holder_id == request.holder_id), None
-        )
+        before = await self.state.holder(request.holder_id)
         if before is None or not await self.state.heartbeat(
             request.holder_id, request.used_frames, request.active_flows, now
         ):

@@ -102,6 +102,10 @@ class SqliteState(StateBackend):
         rows = self.conn.execute("SELECT * FROM holders ORDER BY holder_id").fetchall()
         return [HolderRow(*r) for r in rows]  # leased=None: our lease clock
 
+    async def holder(self, holder_id: str) -> HolderRow | None:
+        r = self.conn.execute("SELECT * FROM holders WHERE holder_id=?", (holder_id,)).fetchone()
+        return HolderRow(*r) if r else None
+
     async def placed_frames(self) -> dict[str, int]:
         """Frames the page table gives each holder."""
         rows = self.conn.execute("SELECT holder_id, COUNT(*) FROM pages GROUP BY holder_id")
