@@ -124,8 +124,8 @@ def test_leader_killed_mid_publish_standby_takes_over_and_the_retried_pin_succee
         etcd.stop()
 
 
-SUFFIXES = [f"\nQ{i}: what is on line {i * 41}?" for i in range(3)]
-NEW = 16
+SUFFIXES = ["\nQ0: what is on line 0?", "\nQ1: what is on line 41?"]
+NEW = 12
 
 
 def test_sessions_decoding_through_a_leader_kill_and_an_etcd_leader_kill_lose_no_token(
@@ -133,7 +133,7 @@ def test_sessions_decoding_through_a_leader_kill_and_an_etcd_leader_kill_lose_no
     tiny_dir: Path,
     hf_model,  # type: ignore[no-untyped-def]
 ) -> None:
-    cid = pin_sample(tmp_path, tiny_dir, tokens=700)
+    cid = pin_sample(tmp_path, tiny_dir, tokens=400)
     store = tmp_path / "store"
     etcd = start_etcd(tmp_path / "etcd", 3)
     flags = ("--state", etcd.url("dec"), "--leader-lease-s", str(LEASE_S), "--lease-s", "8")
@@ -152,16 +152,18 @@ def test_sessions_decoding_through_a_leader_kill_and_an_etcd_leader_kill_lose_no
             await cc.wait_holders(2)
             assert (await cc.pin(cid, replicas=2, wait=True, timeout=60)).corpus.state == "ready"
         async with Client(coordinator=both) as c:
-            first = [await c.open_session("repo", list(s.encode())) for s in SUFFIXES[:2]]
-            runs = [asyncio.create_task(c.complete(s, max_tokens=NEW)) for s in first]
-            await asyncio.sleep(1.0)  # decoding
-            cos[0].kill()  # the leader coordinator dies while sessions decode
-            await asyncio.sleep(0.5)
-            etcd.kill(etcd.leader())  # and etcd's leader
+            s = await c.open_session("repo", list(SUFFIXES[0].encode()))
+            first: list[int] = []
+            async for chunk in c.generate(s, max_tokens=NEW):
+                first += chunk.token_ids
+                if len(first) >= 3 and cos[0].proc.poll() is None:
+                    cos[0].kill()  # the leader coordinator dies while the session decodes
+                if len(first) >= 6 and len(etcd.procs) == 3 and all(etcd.procs):
+                    etcd.kill(etcd.leader())  # and then etcd's leader
+            assert cos[0].proc.poll() is not None and None in etcd.procs, "decoded too fast"
             # a session opened now is placed by the standby once it leads
-            late = await c.open_session("repo", list(SUFFIXES[2].encode()))
-            runs.append(asyncio.create_task(c.complete(late, max_tokens=NEW)))
-            return [list((await r).token_ids) for r in runs]
+            late = await c.open_session("repo", list(SUFFIXES[1].encode()))
+            return [first, list((await c.complete(late, max_tokens=NEW)).token_ids)]
 
     try:
         got = asyncio.run(go())
