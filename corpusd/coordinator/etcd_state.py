@@ -22,6 +22,7 @@ with retries on UNAVAILABLE), so losing the etcd member we talk to is a reconnec
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -74,7 +75,10 @@ def parse_etcd_url(url: str) -> tuple[list[tuple[str, int]], str]:
 
 def connect(endpoints: list[tuple[str, int]], timeout_s: float = 5.0) -> aetcd.Client:
     """One aetcd client whose channel spans every endpoint (resolved to IPv4 now)."""
-    ips = [f"{socket.gethostbyname(h)}:{p}" for h, p in endpoints]
+    try:
+        ips = [f"{socket.gethostbyname(h)}:{p}" for h, p in endpoints]
+    except OSError as e:
+        raise ValueError(f"--state: cannot resolve an etcd endpoint of {endpoints}: {e}") from None
     # aetcd builds its target as f"{host}:{port}": hand it "ipv4:a:1,b:2,c" and port 3
     head, _, last_port = ",".join(ips).rpartition(":")
     return aetcd.Client(
@@ -102,6 +106,14 @@ class EtcdState(StateBackend):
 
     async def close(self) -> None:
         await self.client.close()
+
+    async def check(self, timeout_s: float = 10.0) -> None:
+        """Raise ValueError naming the endpoints when etcd does not answer within
+        ``timeout_s`` (a coordinator refuses to start on a store it cannot reach)."""
+        try:
+            await asyncio.wait_for(self.client.get(self.leader_key), timeout_s)
+        except (aetcd.exceptions.ClientError, asyncio.TimeoutError) as e:
+            raise ValueError(f"--state: etcd at {self.where} does not answer: {e!r}") from None
 
     # -- transactions ---------------------------------------------------------------------------
     async def _txn(self, compare: list[Any], ops: list[Any]) -> bool:

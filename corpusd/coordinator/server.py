@@ -77,6 +77,7 @@ async def serve(cfg: CoordinatorConfig) -> None:
     pub = Publisher(state, links, buckets, metrics, cfg.max_queue)
     lead: Leadership = Leadership()
     if isinstance(state, EtcdState):
+        await state.check()
         lead = EtcdElection(state, cfg.leader_lease_s or cfg.lease_s)
     loop = asyncio.get_running_loop()
 
