@@ -154,6 +154,8 @@ class Replicator:
     async def step(self, pub: Publisher, now: float | None = None) -> list[Decision]:
         """Decide and apply, under the publisher's lock. Returns what was done."""
         now = time.monotonic() if now is None else now
+        if not self.added and not any(self.hot(h, now) for h in self.reports):
+            return []  # the common case: nothing to do, and no state read to find that out
         async with pub.lock:
             state = pub.state
             holders = await state.holders()
