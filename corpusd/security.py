@@ -172,7 +172,8 @@ def client_identity(address: str) -> Identity:
 def _up_addresses(info: dict[str, Any]) -> set[str]:
     """Every daemon address a ``corpusd up`` names in its ``up.json``."""
     parts = [info.get("coordinator") or {}, info.get("agent") or {}, *info.get("holders", ())]
-    return {str(p.get("address", "")) for p in parts}
+    # a coordinator address may be a list (``up --state etcd``: the leader and a standby)
+    return {a for p in parts for a in str(p.get("address", "")).split(",") if a}
 
 
 def channel(

@@ -22,6 +22,7 @@ from typing import Any
 
 from corpusd import env, local_ca, security
 from corpusd.coordinator.client import CoordinatorClient
+from corpusd.coordinator.etcd_local import start_etcd
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.manifest import KV_FORMATS
 from corpusd.daemon import Daemon, check_ports
@@ -84,8 +85,17 @@ class UpConfig:
     calibration_max_age_days: float = field(
         default=30.0, metadata={"help": "a profile older than this is stale"}
     )
+    state: str = field(
+        default="sqlite",
+        metadata={
+            "help": "sqlite: one coordinator; etcd: a 3-member etcd on loopback and 2 "
+            "coordinators sharing it (one leads; every daemon knows both)"
+        },
+    )
 
     def __post_init__(self) -> None:
+        if self.state not in ("sqlite", "etcd"):
+            raise ValueError(f"state must be sqlite or etcd, got {self.state!r}")
         if not 1 <= self.holders <= 64:
             raise ValueError(f"holders must be in 1..64, got {self.holders}")
         ports = self.ports()  # raises ValueError for a malformed list
@@ -257,6 +267,7 @@ def up(cfg: UpConfig) -> int:
         return ("--port", str(port), "--metrics-port", str(metrics_port))
 
     daemons: list[Daemon] = []
+    stack = contextlib.ExitStack()  # etcd, stopped after the daemons
     stopping = False
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -280,15 +291,29 @@ def up(cfg: UpConfig) -> int:
             probe = probe_corpus(PageStore(store), model, min(1024, cfg.capacity_tokens))
         ca = None if cfg.insecure else local_ca.ensure(root / "tls")
         flags, envs = _security(ca)
+        state: tuple[str, ...] = ()
+        if cfg.state == "etcd":
+            etcd = start_etcd(root / "etcd", 3)
+            stack.callback(etcd.stop)
+            state = ("--state", etcd.url("corpusd"))
         coord = start_coordinator(
             root / "coordinator",
             store,
             *flags,
+            *state,
             *listen_on(cfg.coordinator_port, metrics[0]),
             timeout=cfg.timeout_s,
             env=envs["admin"],
         )
         daemons.append(coord)
+        address = coord.address
+        if cfg.state == "etcd":  # a standby; both addresses go to every daemon and up.json
+            standby = start_coordinator(
+                root / "coordinator-1", store, *flags, *state, timeout=cfg.timeout_s,
+                env=envs["admin"],
+            )  # fmt: skip
+            daemons.append(standby)
+            address = f"{coord.address},{standby.address}"
         cap = ("--capacity-tokens", str(cfg.capacity_tokens), "--kv-format", cfg.kv_format, *flags)
         with ThreadPoolExecutor(cfg.holders + 2) as pool:
             hs = [
@@ -298,7 +323,7 @@ def up(cfg: UpConfig) -> int:
                     root / f"holder-{i}",
                     model,
                     "--coordinator",
-                    coord.address,
+                    address,
                     *cap,
                     *listen_on(ports["--holder-ports"][i], metrics[1 + i]),
                     timeout=cfg.timeout_s,
@@ -312,7 +337,7 @@ def up(cfg: UpConfig) -> int:
                 root / "agent",
                 model,
                 "--coordinator",
-                coord.address,
+                address,
                 *flags,
                 *listen_on(cfg.agent_port, metrics[-1]),
                 "--http-port",
@@ -323,11 +348,11 @@ def up(cfg: UpConfig) -> int:
             if why:  # against holder-0 as soon as it serves (fp8 holders take no plain probe:
                 # then a holder of its own); the agent reloads the profile when it is written
                 try:
-                    address = hs[0].result().address if probe else ""
+                    target = hs[0].result().address if probe else ""
                     cal_env = _client_env(ca, envs["admin"])
                     calibration.update(
                         _calibrate(
-                            root, model, profile, address, store, probe, cfg.timeout_s, cal_env
+                            root, model, profile, target, store, probe, cfg.timeout_s, cal_env
                         )
                     )
                 finally:
@@ -348,13 +373,13 @@ def up(cfg: UpConfig) -> int:
         ident = None
         if ca is not None:
             ident = security.identity_from(str(ca.ca), str(ca.cert), str(ca.key), ca.token("admin"))
-        asyncio.run(_ready(coord.address, cfg.holders, cfg.timeout_s, ident))
+        asyncio.run(_ready(address, cfg.holders, cfg.timeout_s, ident))
         info = {
             "pid": os.getpid(),
             "state_dir": str(root),
             "store": str(store),
             "model": str(model),
-            "coordinator": {"address": coord.address, "metrics": coord.metrics_port},
+            "coordinator": {"address": address, "metrics": coord.metrics_port},
             "holders": [{"address": h.address, "metrics": h.metrics_port} for h in holders],
             "calibration": calibration,
             "agent": {
@@ -390,6 +415,7 @@ def up(cfg: UpConfig) -> int:
                 d.kill()
         if daemons:
             print(f"stopped {len(daemons)} daemons; state kept in {root}", flush=True)
+        stack.close()
     return 0
 
 

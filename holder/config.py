@@ -130,7 +130,10 @@ class HolderConfig:
     )
     coordinator: str = field(
         default="",
-        metadata={"help": "host:port: register there on start and heartbeat within the lease"},
+        metadata={
+            "help": "host:port[,host:port…]: register there on start and heartbeat within the "
+            "lease (several: coordinators sharing an etcd state; the leader answers)"
+        },
     )
 
     def __post_init__(self) -> None:

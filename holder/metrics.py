@@ -44,6 +44,11 @@ class HolderMetrics(Metrics):
         self.pages = self.gauge("pages_resident", "pages held in the pool")
         self.resident_bytes = self.gauge("bytes_resident", "bytes of the pool in use")
         self.capacity = self.gauge("capacity_frames", "frames in the pool")
+        self.elbow = self.gauge(
+            "elbow_flows",
+            "its fan-in elbow: the admission cap on concurrent flows (--max-flows, the largest "
+            "fan-in whose latency stays within 1.5x of one flow, from corpusd calibrate)",
+        )
         self.corrupt = self.counter(
             "corrupt",
             "stored data refused on load because it failed its digest (what=page: pages) or "

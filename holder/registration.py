@@ -47,7 +47,12 @@ async def keep_registered(svc: HolderService, coordinator: str, address: str) ->
                     backoff = 0.2
                 await asyncio.sleep(lease / 3)
                 lease = await client.heartbeat(
-                    me.holder_id, svc.pool.used_frames, svc.admission.active
+                    me.holder_id,
+                    svc.pool.used_frames,
+                    svc.admission.active,
+                    elbow_flows=svc.admission.max_flows,
+                    queue_depth=svc.admission.queued,
+                    hot_pages=svc.hot_pages(),
                 )
             except CoordinatorError as e:
                 if e.code != grpc.StatusCode.NOT_FOUND:

@@ -79,6 +79,9 @@ class HolderService(holder_pb2_grpc.HolderServicer):
             else None
         )
         metrics.capacity.set(pool.geo.frames)
+        metrics.elbow.set(cfg.max_flows)
+        # layer-0 rows attended per frame since the last heartbeat (what pages are hot)
+        self.heat = torch.zeros(pool.geo.frames, dtype=torch.int64)
         metrics.kernel.labels(kernel.name, cfg.device).set(1)
 
     async def _run(self, corpus_id: str, fn: Callable[[], T]) -> tuple[T, float, float]:
@@ -137,12 +140,28 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         """Attend's metrics: compute time by shape, time by stage (decode, queue, compute,
         encode: seconds), and the payload bytes (``ByteSize`` would copy them)."""
         m, (n, k) = self.metrics, call.rows.shape
+        if call.layer == 0:
+            rows = call.rows.reshape(-1).to("cpu", torch.int64)
+            frames = rows[rows >= 0] // self.pool.geo.page_size
+            self.heat += torch.bincount(frames, minlength=self.heat.numel())[: self.heat.numel()]
         m.partial.labels(rows_bucket(n), k_bucket(k)).observe(stages[2])
         for stage, secs in zip(("decode", "queue", "compute", "encode"), stages, strict=True):
             m.attend_stage.labels(stage).observe(secs)
         elt = call.q.element_size()
         m.bytes_in.labels("Attend").inc(call.q.numel() * elt + call.rows.numel() * 4)
         m.bytes_out.labels("Attend").inc(o.numel() * elt + lse.numel() * 4)
+
+    def hot_pages(self, n: int = 64) -> list[tuple[str, int, int]]:
+        """The ``n`` most attended pages since the last call, ``(corpus, page, hits)``, hottest
+        first; the counts start again from zero."""
+        heat, self.heat = self.heat, torch.zeros_like(self.heat)
+        hits, frames = torch.topk(heat, min(n, heat.numel()))
+        out = []
+        for h, f in zip(hits.tolist(), frames.tolist(), strict=True):
+            if h > 0 and f in self.pool.table:
+                cid, page = self.pool.table[f]
+                out.append((cid, page, h))
+        return out
 
     # -- move the cache ----------------------------------------------------------------------------
     @rpc("Fetch")

@@ -40,3 +40,37 @@ def hf_model(tiny_dir: Path):  # type: ignore[no-untyped-def]
         tiny_dir, dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One real etcd member on loopback for the session (tests take a fresh key prefix each)."""
+    from corpusd.coordinator.etcd_local import etcd_binary, start_etcd
+
+    if etcd_binary() is None:
+        pytest.skip("no etcd binary: apt-get install etcd-server (the etcd state backend's tests)")
+    cluster = start_etcd(tmp_path_factory.mktemp("etcd"), 1)
+    yield cluster
+    cluster.stop()
+
+
+def _state_flags(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    if request.param == "sqlite":
+        return ()
+    import uuid
+
+    cluster = request.getfixturevalue("etcd")
+    return ("--state", cluster.url(f"t{uuid.uuid4().hex[:12]}"))
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def state_flags(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    """``corpusd serve`` flags for each state backend: none (SQLite, the default), then
+    ``--state etcd://…/<fresh prefix>`` on the session's etcd (skipped without etcd)."""
+    return _state_flags(request)
+
+
+@pytest.fixture(scope="module", params=["sqlite", "etcd"])
+def module_state_flags(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    """``state_flags`` for a module's shared coordinator."""
+    return _state_flags(request)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -160,17 +160,35 @@ def _table(t: pb.PageTable) -> PageTable:
     return PageTable(_corpus(t.corpus), {h.holder_id: _holder(h) for h in t.holders}, tuple(pages))
 
 
+#: UNAVAILABLE answers that are the coordinator's own verdict on the request (a holder did not
+#: answer, no worker is up): another coordinator would answer the same, so no failover
+_VERDICTS = ("corpus ", "no live agent worker")
+
+
 class CoordinatorClient:
+    """``address``: one coordinator (``host:port``) or several (``h1:p1,h2:p2``: coordinators
+    sharing an etcd state, one leading). With several, a call answered UNAVAILABLE — the
+    process is gone or draining, or it is a standby asked to write — moves to the next
+    address, round and round with a short backoff, until ``timeout`` has passed; the address
+    that last answered is tried first next time. ``ident``: TLS and token to use (default:
+    this process's, see corpusd.security)."""
+
     def __init__(
         self, address: str, timeout: float | None = 30.0, ident: security.Identity | None = None
     ) -> None:
-        """``ident``: TLS and token to use (default: this process's, see corpusd.security)."""
         self.address, self.timeout = address, timeout
-        self.channel = security.channel(address, ident=ident)
-        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
+        self.channels = [security.channel(a, ident=ident) for a in self.addresses]
+        self.stubs = [coordinator_pb2_grpc.CoordinatorStub(c) for c in self.channels]
+        self.at = 0  # index of the address that answered last
+
+    @property
+    def stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        return self.stubs[self.at]
 
     async def close(self) -> None:
-        await self.channel.close()
+        for c in self.channels:
+            await c.close()
 
     async def __aenter__(self) -> CoordinatorClient:
         return self
@@ -178,36 +196,69 @@ class CoordinatorClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, call: Awaitable[T]) -> T:
-        try:
-            return await call
-        except grpc.aio.AioRpcError as e:
-            raise CoordinatorError(e.code(), e.details() or "") from None
+    async def _call(
+        self, call: Callable[[coordinator_pb2_grpc.CoordinatorStub], Awaitable[T]]
+    ) -> T:
+        """``call(stub)`` on the current coordinator, failing over as the class says. Raises
+        CoordinatorError with the last status."""
+        deadline = time.monotonic() + (self.timeout or 30.0)
+        tried = 0
+        while True:
+            try:
+                return await call(self.stub)
+            except grpc.aio.AioRpcError as e:
+                code, detail = e.code(), e.details() or ""
+                if (
+                    len(self.stubs) == 1
+                    or code != grpc.StatusCode.UNAVAILABLE
+                    or detail.startswith(_VERDICTS)
+                    or time.monotonic() > deadline
+                ):
+                    raise CoordinatorError(code, detail) from None
+            self.at = (self.at + 1) % len(self.stubs)
+            tried += 1
+            if tried % len(self.stubs) == 0:  # a full round: wait for an election
+                await asyncio.sleep(0.1)
 
     async def register(self, h: HolderInfo) -> float:
         """Register (or re-register) a holder; returns its lease in seconds."""
         req = pb.RegisterHolderRequest(holder=pb.HolderAddress(**h.spec()))
-        r: Any = await self._call(self.stub.RegisterHolder(req, timeout=self.timeout))
+        r: Any = await self._call(lambda stub: stub.RegisterHolder(req, timeout=self.timeout))
         return float(r.lease_seconds)
 
-    async def heartbeat(self, holder_id: str, used_frames: int, active_flows: int) -> float:
-        """Renew the lease. Raises CoordinatorError(NOT_FOUND) when it must register again."""
+    async def heartbeat(
+        self,
+        holder_id: str,
+        used_frames: int,
+        active_flows: int,
+        elbow_flows: int = 0,
+        queue_depth: int = 0,
+        hot_pages: Sequence[tuple[str, int, int]] = (),
+    ) -> float:
+        """Renew the lease and report the load: fan-in (``active_flows`` running,
+        ``queue_depth`` queued), the elbow, and ``hot_pages`` ``(corpus, page, hits)``. Raises
+        CoordinatorError(NOT_FOUND) when it must register again."""
         req = pb.HeartbeatRequest(
-            holder_id=holder_id, used_frames=used_frames, active_flows=active_flows
+            holder_id=holder_id,
+            used_frames=used_frames,
+            active_flows=active_flows,
+            elbow_flows=elbow_flows,
+            queue_depth=queue_depth,
+            hot_pages=[pb.PageHeat(corpus_id=c, page=p, hits=h) for c, p, h in hot_pages],
         )
-        r: Any = await self._call(self.stub.Heartbeat(req, timeout=self.timeout))
+        r: Any = await self._call(lambda stub: stub.Heartbeat(req, timeout=self.timeout))
         return float(r.lease_seconds)
 
     async def list_corpora(self, stored: bool = False) -> list[CorpusStatus]:
         """The coordinator's corpora in every state; ``stored``: also those of its page store it
         was never asked to pin (state ``stored``)."""
         req = pb.ListCorporaRequest(stored=stored)
-        r: Any = await self._call(self.stub.ListCorpora(req, timeout=self.timeout))
+        r: Any = await self._call(lambda stub: stub.ListCorpora(req, timeout=self.timeout))
         return [_corpus(c) for c in r.corpora]
 
     async def list_holders(self) -> list[HolderState]:
         r: Any = await self._call(
-            self.stub.ListHolders(pb.ListHoldersRequest(), timeout=self.timeout)
+            lambda stub: stub.ListHolders(pb.ListHoldersRequest(), timeout=self.timeout)
         )
         return [
             HolderState(
@@ -219,7 +270,7 @@ class CoordinatorClient:
     async def page_table(self, corpus_id: str) -> PageTable:
         """Raises CoordinatorError: NOT_FOUND (unknown), FAILED_PRECONDITION (not ready)."""
         req = pb.GetPageTableRequest(corpus_id=corpus_id)
-        return _table(await self._call(self.stub.GetPageTable(req, timeout=self.timeout)))
+        return _table(await self._call(lambda stub: stub.GetPageTable(req, timeout=self.timeout)))
 
     async def pin(
         self, corpus_id: str, replicas: int = 1, wait: bool = False, timeout: float | None = None
@@ -228,13 +279,13 @@ class CoordinatorClient:
         ``queued`` (no pages yet) when it does not fit now and ``wait`` is false; with ``wait``
         the call returns once it is placed (or fails at ``timeout``, DEADLINE_EXCEEDED)."""
         req = pb.PinRequest(corpus_id=corpus_id, replicas=replicas, wait=wait)
-        r: Any = await self._call(self.stub.Pin(req, timeout=timeout or self.timeout))
+        r: Any = await self._call(lambda stub: stub.Pin(req, timeout=timeout or self.timeout))
         return _table(r.table)
 
     async def unpin(self, corpus_id: str) -> int:
         """Release a corpus's frames everywhere; returns how many. Idempotent once retired."""
         r: Any = await self._call(
-            self.stub.Unpin(pb.UnpinRequest(corpus_id=corpus_id), timeout=self.timeout)
+            lambda stub: stub.Unpin(pb.UnpinRequest(corpus_id=corpus_id), timeout=self.timeout)
         )
         return int(r.frames_freed)
 
@@ -243,14 +294,14 @@ class CoordinatorClient:
         off every holder and out of the page table; ``delete``: out of the page store too.
         Raises CoordinatorError: NOT_FOUND (unknown), INVALID_ARGUMENT (ambiguous)."""
         req = pb.UnpinRequest(corpus_id=corpus, delete=delete)
-        r: Any = await self._call(self.stub.Unpin(req, timeout=self.timeout))
+        r: Any = await self._call(lambda stub: stub.Unpin(req, timeout=self.timeout))
         return Removal(_corpus(r.corpus), r.frames_freed, r.deleted, r.bytes_deleted)
 
     async def delete_corpus(self, corpus: str) -> Removal:
         """Delete a corpus that is not pinned from the coordinator's page store. Raises
         CoordinatorError: FAILED_PRECONDITION (still pinned), NOT_FOUND, INVALID_ARGUMENT."""
         req = pb.DeleteRequest(corpus_id=corpus)
-        r: Any = await self._call(self.stub.Delete(req, timeout=self.timeout))
+        r: Any = await self._call(lambda stub: stub.Delete(req, timeout=self.timeout))
         return Removal(_corpus(r.corpus), 0, r.deleted, r.bytes_deleted)
 
     async def report_worker(self, w: WorkerReport) -> tuple[float, tuple[str, ...]]:
@@ -267,12 +318,12 @@ class CoordinatorClient:
             corpora=list(w.corpora),
             metrics_url=w.metrics_url,
         )
-        r: Any = await self._call(self.stub.ReportWorker(req, timeout=self.timeout))
+        r: Any = await self._call(lambda stub: stub.ReportWorker(req, timeout=self.timeout))
         return float(r.lease_seconds), tuple(r.unpinned)
 
     async def list_workers(self) -> list[WorkerState]:
         r: Any = await self._call(
-            self.stub.ListWorkers(pb.ListWorkersRequest(), timeout=self.timeout)
+            lambda stub: stub.ListWorkers(pb.ListWorkersRequest(), timeout=self.timeout)
         )
         return [
             WorkerState(
@@ -299,7 +350,7 @@ class CoordinatorClient:
         """(worker id, address) of a new session's home, never one at an ``exclude`` address.
         Raises CoordinatorError: UNAVAILABLE (no live worker), RESOURCE_EXHAUSTED (all full)."""
         req = pb.ChooseWorkerRequest(session_tokens=session_tokens, exclude=list(exclude))
-        r: Any = await self._call(self.stub.ChooseWorker(req, timeout=self.timeout))
+        r: Any = await self._call(lambda stub: stub.ChooseWorker(req, timeout=self.timeout))
         return r.worker_id, r.address
 
     async def wait_holders(self, n: int, timeout: float = 30.0) -> list[HolderState]:

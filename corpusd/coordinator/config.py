@@ -17,6 +17,14 @@ class CoordinatorConfig:
         default="",
         metadata={"help": "state.db and endpoint.json (default: $CORPUSD_HOME/coordinator)"},
     )
+    state: str = field(
+        default="sqlite",
+        metadata={
+            "help": "where the page table and registry live: sqlite (state.db in the state "
+            "directory), sqlite:///path, or etcd://h1:2379,h2:2379/prefix (several coordinators, "
+            "one leads)"
+        },
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=0, metadata={"help": "0: pick a free port (see endpoint.json)"})
     metrics_port: int = field(default=0, metadata={"help": "0: pick a free port; -1: none"})
@@ -29,6 +37,20 @@ class CoordinatorConfig:
     )
     lease_s: float = field(
         default=10.0, metadata={"help": "a holder silent this long is not placed on"}
+    )
+    leader_lease_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "etcd: the leader's lease; a standby takes over this long after the leader "
+            "dies (0: --lease-s)"
+        },
+    )
+    replica_window_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "a holder past its fan-in elbow this long gets a replica of its hottest "
+            "pages on a cool holder (removed once it is under half its elbow as long); 0: never"
+        },
     )
     rpc_timeout_s: float = field(
         default=60.0, metadata={"help": "deadline of each Assign/Release/Info to a holder"}
@@ -47,6 +69,19 @@ class CoordinatorConfig:
         for key in ("lease_s", "rpc_timeout_s", "retry_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if not (self.state in ("", "sqlite") or self.state.startswith(("sqlite://", "etcd://"))):
+            raise ValueError(
+                f"state must be sqlite, sqlite:///path or etcd://host:port[,…]/prefix, got "
+                f"{self.state!r}"
+            )
+        if self.state.startswith("etcd://"):
+            from corpusd.coordinator.etcd_state import parse_etcd_url
+
+            parse_etcd_url(self.state)  # raises ValueError naming what is wrong
+        if self.replica_window_s < 0:
+            raise ValueError(f"replica_window_s must be >= 0, got {self.replica_window_s}")
+        if self.leader_lease_s < 0:
+            raise ValueError(f"leader_lease_s must be >= 0, got {self.leader_lease_s}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
 

@@ -37,10 +37,10 @@ class Removed:
     bytes_deleted: int = 0
 
 
-def stored_rows(pub: Publisher, store: PageStore) -> list[CorpusRow]:
+async def stored_rows(pub: Publisher, store: PageStore) -> list[CorpusRow]:
     """The store's corpora the coordinator has no row for, as rows of state ``stored``
     (``updated_at``: when the manifest was written). Unreadable manifests are left out."""
-    known = {r.corpus_id for r in pub.state.corpora()}
+    known = {r.corpus_id for r in await pub.state.corpora()}
     out = []
     for cid in store.ids():
         if cid in known:
@@ -58,18 +58,18 @@ def stored_rows(pub: Publisher, store: PageStore) -> list[CorpusRow]:
     return out
 
 
-def find(pub: Publisher, store: PageStore, text: str, pinned_first: bool) -> CorpusRow:
+async def find(pub: Publisher, store: PageStore, text: str, pinned_first: bool) -> CorpusRow:
     """The corpus ``text`` (an id, a name or an id prefix of ≥ 8 characters) means: among the
     pinned corpora first, then the retired (``pinned_first``: unpin), or among the retired and
     the stored first, then the pinned (delete). Raises Reject: INVALID_ARGUMENT (empty, or
     ambiguous), NOT_FOUND naming the corpora it knows."""
     if not text:
         raise Reject(S.INVALID_ARGUMENT, "no corpus given: name an id, a name or an id prefix")
-    rows = pub.state.corpora()
+    rows = await pub.state.corpora()
     pinned = [r for r in rows if r.state in PINNED]
     gone = [r for r in rows if r.state not in PINNED]
     if not pinned_first:
-        gone += stored_rows(pub, store)
+        gone += await stored_rows(pub, store)
     try:
         row = resolve_in(text, *((pinned, gone) if pinned_first else (gone, pinned)))
     except CorpusNameError as e:
@@ -89,12 +89,12 @@ async def unpin(pub: Publisher, store: PageStore, text: str, delete: bool) -> Re
     publisher's lock, so no pin or placement sees it half gone. A retired corpus is left as it
     is (0 frames), or with ``delete`` deleted. Raises Reject as ``find``."""
     async with pub.lock:
-        row = find(pub, store, text, pinned_first=True)
+        row = await find(pub, store, text, pinned_first=True)
         holders, frames = await _retire(pub, row)
         deleted, size = False, 0
         if delete:
             deleted, size = await _delete_files(store, row.corpus_id)
-            pub.state.drop_corpus(row.corpus_id)
+            await pub.state.drop_corpus(row.corpus_id)
     if row.state != "retired":
         pub.capacity_changed.set()
         log.info("unpinned corpus %s (%d frames on %s)", row.corpus_id, frames, list(holders))
@@ -107,10 +107,14 @@ async def delete(pub: Publisher, store: PageStore, text: str) -> Removed:
     """Remove the corpus ``text`` means from the store and forget it. Raises Reject:
     FAILED_PRECONDITION while it is pinned (ready, queued or pinning), and as ``find``."""
     async with pub.lock:
-        row = find(pub, store, text, pinned_first=False)
+        row = await find(pub, store, text, pinned_first=False)
         if row.state in PINNED:
             held = sorted(
-                {h for reps in pub.state.page_table(row.corpus_id).values() for h, _ in reps}
+                {
+                    h
+                    for reps in (await pub.state.page_table(row.corpus_id)).values()
+                    for h, _ in reps
+                }
             )
             on = f" on {', '.join(held)}" if held else ""
             raise Reject(
@@ -118,7 +122,7 @@ async def delete(pub: Publisher, store: PageStore, text: str) -> Removed:
                 f"corpus {row.name} ({row.corpus_id}) is {row.state}{on}: unpin it first",
             )
         deleted, size = await _delete_files(store, row.corpus_id)
-        pub.state.drop_corpus(row.corpus_id)
+        await pub.state.drop_corpus(row.corpus_id)
     log.info("deleted corpus %s from the store (%d bytes)", row.corpus_id, size)
     return Removed(row, (), 0, deleted, size)
 
@@ -131,14 +135,14 @@ async def _retire(pub: Publisher, row: CorpusRow) -> tuple[tuple[str, ...], int]
     if row.state not in PINNED:
         return (), 0
     plan: dict[str, list[int]] = {}
-    for page, replicas in pub.state.page_table(row.corpus_id).items():
+    for page, replicas in (await pub.state.page_table(row.corpus_id)).items():
         for hid, _ in replicas:
             plan.setdefault(hid, []).append(page)
-    addr = {h.holder_id: h.address for h in pub.state.holders()}
+    addr = {h.holder_id: h.address for h in await pub.state.holders()}
     await pub.release_plan(row.corpus_id, plan, addr)
-    pub.state.retire(row.corpus_id)
+    await pub.state.retire(row.corpus_id)
     for hid, pages in plan.items():
-        pub.state.add_used(hid, -len(pages))
+        await pub.state.add_used(hid, -len(pages))
     pub.fail_waiters(row.corpus_id, Reject(S.CANCELLED, f"corpus {row.corpus_id} was unpinned"))
     return tuple(sorted(plan)), sum(map(len, plan.values()))
 

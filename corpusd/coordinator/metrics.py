@@ -1,16 +1,15 @@
-"""The coordinator's Prometheus metrics: counters it bumps, and gauges read from state.db.
+"""The coordinator's Prometheus metrics: counters it bumps, and gauges read from its state.
 
-The gauges (holders live/expired, per-holder capacity/use/fan-in, corpora by state, queue depth)
-are computed at scrape time from their own read-only SQLite connection, so they can never
-disagree with what the coordinator answers (WAL lets it read while the server writes).
+The gauges (holders live/expired, per-holder capacity/use/fan-in, corpora by state, queue depth,
+whether it leads) are computed at scrape time by reading the state backend on the coordinator's
+event loop (the scrape runs on the metrics server's thread and waits for it), so they can never
+disagree with what the coordinator answers.
 """
 
 from __future__ import annotations
 
-import sqlite3
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -21,19 +20,25 @@ from corpusd.metrics import Metrics
 _P = "corpusd_coordinator_"
 
 
+#: () → (holders, corpora by state, placed frames by holder, leading, holder → (elbow, fan-in)
+#: as last reported): read at scrape time
+Snapshot = Callable[
+    [], tuple[list[HolderRow], dict[str, int], dict[str, int], bool, dict[str, tuple[int, int]]]
+]
+
+
 class _StateCollector(Collector):
-    def __init__(self, db: Path) -> None:
-        self.db = db
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        conn = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True)
-        try:
-            holders = [HolderRow(*r) for r in conn.execute("SELECT * FROM holders")]
-            states = dict(conn.execute("SELECT state, COUNT(*) FROM corpora GROUP BY state"))
-            placed = dict(conn.execute("SELECT holder_id, COUNT(*) FROM pages GROUP BY holder_id"))
-        finally:
-            conn.close()
+        holders, states, placed, leading, loads = self.snapshot()
         now = time.time()
+        yield GaugeMetricFamily(
+            _P + "leader",
+            "1 while this coordinator leads (places and publishes), else 0",
+            int(leading),
+        )
         live = GaugeMetricFamily(_P + "holders", "registered holders by lease", labels=["lease"])
         n_live = sum(h.live(now) for h in holders)
         live.add_metric(["live"], n_live)
@@ -58,6 +63,14 @@ class _StateCollector(Collector):
             ),
             "active_flows": ("fan-in at its last heartbeat", lambda h: h.active_flows),
         }
+        per["elbow_flows"] = (
+            "its fan-in elbow, as it reports it (0: not reported)",
+            lambda h: loads.get(h.holder_id, (0, 0))[0],
+        )
+        per["fanin"] = (
+            "flows running + queued at its last heartbeat",
+            lambda h: loads.get(h.holder_id, (0, 0))[1],
+        )
         for name, (text, value) in per.items():
             g = GaugeMetricFamily(_P + "holder_" + name, text, labels=["holder"])
             for h in holders:
@@ -66,7 +79,7 @@ class _StateCollector(Collector):
 
 
 class CoordinatorMetrics(Metrics):
-    def __init__(self, db: Path) -> None:
+    def __init__(self) -> None:
         super().__init__(_P)
         self.requests = self.counter(
             "requests", "requests by method and status", ["method", "code"]
@@ -84,4 +97,16 @@ class CoordinatorMetrics(Metrics):
             "pages fixed up on holders that (re)registered: orphans released, lost ones reloaded",
             ["action"],
         )
-        self.registry.register(_StateCollector(db))
+        self.leader_changes = self.counter(
+            "leader_changes", "times this coordinator became leader (etcd election)"
+        )
+        self.replicas = self.counter(
+            "load_replicas",
+            "replicas of a hot holder's pages added or removed by the leader (fan-in past the "
+            "elbow, then back under it)",
+            ["action"],
+        )
+
+    def watch_state(self, snapshot: Snapshot) -> None:
+        """Serve the state's gauges from ``snapshot`` (called once, when the state is open)."""
+        self.registry.register(_StateCollector(snapshot))

@@ -18,7 +18,7 @@ from dataclasses import replace
 import grpc
 
 from corpusd.coordinator.buckets import CpBuckets
-from corpusd.coordinator.db import CorpusRow, HolderRow, State
+from corpusd.coordinator.db import CorpusRow, HolderRow, StateBackend
 from corpusd.coordinator.links import HolderCallError, Links
 from corpusd.coordinator.metrics import CoordinatorMetrics
 from corpusd.coordinator.placement import HolderLoad, NoFit, Placement, place
@@ -40,7 +40,7 @@ def _fits(h: HolderRow, m: Manifest) -> bool:
 class Publisher:
     def __init__(
         self,
-        state: State,
+        state: StateBackend,
         links: Links,
         buckets: CpBuckets,
         metrics: CoordinatorMetrics,
@@ -53,11 +53,11 @@ class Publisher:
         self._waiters: dict[str, list[asyncio.Future[CorpusRow]]] = {}
 
     # -- choosing holders -------------------------------------------------------------------------
-    def candidates(self, m: Manifest, replicas: int) -> list[HolderRow]:
+    async def candidates(self, m: Manifest, replicas: int) -> list[HolderRow]:
         """Live holders that can load ``m``. Raises Reject(FAILED_PRECONDITION) when none is
         registered, or fewer are live than ``replicas``."""
         now = time.time()
-        fit = [h for h in self.state.holders() if _fits(h, m)]
+        fit = [h for h in await self.state.holders() if _fits(h, m)]
         if not fit:
             raise Reject(
                 S.FAILED_PRECONDITION,
@@ -73,10 +73,10 @@ class Publisher:
             )
         return live
 
-    def loads(self, holders: list[HolderRow]) -> list[HolderLoad]:
+    async def loads(self, holders: list[HolderRow]) -> list[HolderLoad]:
         # The heartbeat's count includes frames the coordinator did not place (and lags a pin
         # by up to one beat); the page table's count is exact for ours. The larger is safe.
-        placed = self.state.placed_frames()
+        placed = await self.state.placed_frames()
         return [
             HolderLoad(
                 h.holder_id, h.capacity_frames, max(h.used_frames, placed.get(h.holder_id, 0))
@@ -84,10 +84,10 @@ class Publisher:
             for h in holders
         ]
 
-    def _place(self, m: Manifest, replicas: int) -> tuple[Placement, list[HolderRow]]:
-        holders = self.candidates(m, replicas)
+    async def _place(self, m: Manifest, replicas: int) -> tuple[Placement, list[HolderRow]]:
+        holders = await self.candidates(m, replicas)
         degree = self.buckets.degree(m.token_count)
-        return place(self.loads(holders), m.n_pages, replicas, degree), holders
+        return place(await self.loads(holders), m.n_pages, replicas, degree), holders
 
     # -- pin --------------------------------------------------------------------------------------
     async def pin(self, m: Manifest, manifest_text: str, replicas: int) -> CorpusRow:
@@ -96,7 +96,7 @@ class Publisher:
         replicas > live holders, already pinned with other replicas), RESOURCE_EXHAUSTED (larger
         than the live holders' capacity, or the queue is full), or the publish failure."""
         async with self.lock:
-            row = self.state.corpus(m.corpus_id)
+            row = await self.state.corpus(m.corpus_id)
             if row is not None and row.state in ("ready", "queued"):
                 if row.replicas != replicas:
                     raise Reject(
@@ -118,20 +118,22 @@ class Publisher:
                 None,
                 time.time(),
             )
-            self.candidates(m, replicas)  # refuse impossible pins at once, even behind a queue
-            if self.state.queued():  # FIFO: a pin never overtakes those already waiting
-                return self._enqueue(new, "earlier pins are waiting")
+            await self.candidates(
+                m, replicas
+            )  # refuse impossible pins at once, even behind a queue
+            if await self.state.queued():  # FIFO: a pin never overtakes those already waiting
+                return await self._enqueue(new, "earlier pins are waiting")
             try:
-                placement, holders = self._place(m, replicas)
+                placement, holders = await self._place(m, replicas)
             except NoFit as e:
                 if e.permanent:
                     self.metrics.pins.labels("rejected").inc()
                     raise Reject(S.RESOURCE_EXHAUSTED, str(e)) from None
-                return self._enqueue(new, str(e))
+                return await self._enqueue(new, str(e))
             return await self._publish(new, placement, holders, keep_queued=False)
 
-    def _enqueue(self, row: CorpusRow, why: str) -> CorpusRow:
-        if len(self.state.queued()) >= self.max_queue:
+    async def _enqueue(self, row: CorpusRow, why: str) -> CorpusRow:
+        if len(await self.state.queued()) >= self.max_queue:
             self.metrics.pins.labels("rejected").inc()
             raise Reject(
                 S.RESOURCE_EXHAUSTED,
@@ -140,7 +142,7 @@ class Publisher:
             )
         self.metrics.pins.labels("queued").inc()
         log.info("queued corpus %s (%d pages): %s", row.corpus_id, row.pages, why)
-        return self.state.put_corpus(row)
+        return await self.state.put_corpus(row)
 
     async def _publish(
         self, row: CorpusRow, p: Placement, holders: list[HolderRow], keep_queued: bool
@@ -151,7 +153,7 @@ class Publisher:
         t0 = time.perf_counter()
         addr = {h.holder_id: h.address for h in holders}
         plan = {h: list(pages) for h, pages in p.shards.items()}
-        self.state.put_corpus(replace(row, state="pinning", plan=plan, cp_degree=p.cp_degree))
+        await self.state.put_corpus(replace(row, state="pinning", plan=plan, cp_degree=p.cp_degree))
         try:
             got = await asyncio.gather(
                 *(self.links.assign(h, addr[h], row.corpus_id, pg) for h, pg in plan.items()),
@@ -166,28 +168,28 @@ class Publisher:
         except BaseException:  # cancelled (caller gone, shutdown): still leave nothing behind
             await self.release_plan(row.corpus_id, plan, addr)
             if keep_queued:
-                self.state.put_corpus(row)
+                await self.state.put_corpus(row)
             else:
-                self.state.drop_corpus(row.corpus_id)
+                await self.state.drop_corpus(row.corpus_id)
             raise
         if errors:
             await self.release_plan(row.corpus_id, plan, addr)
             unreachable = all(isinstance(e, HolderCallError) and e.unreachable for e in errors)
             if keep_queued and unreachable:
-                self.state.put_corpus(row)
+                await self.state.put_corpus(row)
             else:
-                self.state.drop_corpus(row.corpus_id)
+                await self.state.drop_corpus(row.corpus_id)
             self.metrics.pins.labels("failed").inc()
-            raise self._refusal(row.corpus_id, errors[0])
+            raise await self._refusal(row.corpus_id, errors[0])
         frames = {h: g for h, g in zip(plan, got, strict=True) if isinstance(g, dict)}
         table = {
             (page, r): (hid, frames[hid][page])
             for page, hids in enumerate(p.table)
             for r, hid in enumerate(hids)
         }
-        self.state.commit_pin(row.corpus_id, table, p.cp_degree)
+        await self.state.commit_pin(row.corpus_id, table, p.cp_degree)
         for hid, pages in plan.items():
-            self.state.add_used(hid, len(pages))
+            await self.state.add_used(hid, len(pages))
         self.metrics.pins.labels("placed").inc()
         self.metrics.publish_seconds.observe(time.perf_counter() - t0)
         log.info(
@@ -198,19 +200,19 @@ class Publisher:
             sorted(plan),
             p.peak,
         )
-        done = self.state.corpus(row.corpus_id)
+        done = await self.state.corpus(row.corpus_id)
         assert done is not None and done.state == "ready", f"{done=}"
         for fut in self._waiters.pop(row.corpus_id, []):
             if not fut.done():
                 fut.set_result(done)
         return done
 
-    def _refusal(self, corpus_id: str, e: BaseException) -> Reject:
+    async def _refusal(self, corpus_id: str, e: BaseException) -> Reject:
         if not isinstance(e, HolderCallError):
             log.error("publishing %s failed", corpus_id, exc_info=e)
             return Reject(S.INTERNAL, f"publishing {corpus_id} failed: {type(e).__name__}: {e}")
         if e.unreachable:
-            self.state.mark_unreachable(e.holder_id)
+            await self.state.mark_unreachable(e.holder_id)
             code = S.UNAVAILABLE
         elif e.code == S.NOT_FOUND:  # the coordinator's store has it; the holder's does not
             code = S.FAILED_PRECONDITION
@@ -230,7 +232,7 @@ class Publisher:
             except HolderCallError as e:
                 log.warning("could not release %s on %s (reconciled later): %s", corpus_id, hid, e)
                 if e.unreachable:
-                    self.state.mark_unreachable(hid)
+                    await self.state.mark_unreachable(hid)
                 return 0
 
         return sum(await asyncio.gather(*(one(h) for h in plan if h in addr)))
@@ -258,17 +260,17 @@ class Publisher:
         """Publish queued pins in FIFO order while the head fits; returns how many were placed."""
         placed = 0
         async with self.lock:
-            for row in self.state.queued():
+            for row in await self.state.queued():
                 m = Manifest.from_json(row.manifest)
                 try:
-                    placement, holders = self._place(m, row.replicas)
+                    placement, holders = await self._place(m, row.replicas)
                 except (Reject, NoFit):
                     break
                 try:
                     await self._publish(row, placement, holders, keep_queued=True)
                     placed += 1
                 except Reject as e:
-                    if self.state.corpus(row.corpus_id) is not None:
+                    if await self.state.corpus(row.corpus_id) is not None:
                         break  # still queued: a holder did not answer; retried later
                     self.fail_waiters(row.corpus_id, e)
         return placed

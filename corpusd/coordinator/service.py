@@ -13,11 +13,14 @@ from collections.abc import Awaitable
 from typing import Any
 
 import grpc
+from aetcd.exceptions import ClientError as EtcdError
 
 from corpusd.coordinator import lifecycle
 from corpusd.coordinator.client import HOLDER_SPEC
-from corpusd.coordinator.db import CorpusRow, HolderRow
+from corpusd.coordinator.db import CorpusRow, HolderRow, NotLeader
+from corpusd.coordinator.election import Leadership
 from corpusd.coordinator.publish import Publisher
+from corpusd.coordinator.replicas import LoadReport, Replicator
 from corpusd.coordinator.sessions import NoWorker, WorkerLoad, choose_home
 from corpusd.coordinator.upkeep import reconcile
 from corpusd.corpus.manifest import Manifest
@@ -30,7 +33,17 @@ log = logging.getLogger("corpusd.coordinator")
 S = grpc.StatusCode
 
 
-rpc = Rpc(log, requests=lambda service: service.pub.metrics.requests)
+def _status(e: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """A write that found another coordinator leading, or a state store out of reach: both
+    UNAVAILABLE, so a client with several coordinator addresses moves on."""
+    if isinstance(e, NotLeader):
+        return S.UNAVAILABLE, str(e)
+    if isinstance(e, EtcdError):
+        return S.UNAVAILABLE, f"the state store is unavailable: {type(e).__name__}: {e}"
+    return None
+
+
+rpc = Rpc(log, requests=lambda service: service.pub.metrics.requests, status=_status)
 
 
 def _holder(h: HolderRow, now: float) -> pb.HolderAddress:
@@ -38,13 +51,29 @@ def _holder(h: HolderRow, now: float) -> pb.HolderAddress:
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, pub: Publisher, store: PageStore, lease_s: float) -> None:
+    def __init__(
+        self,
+        pub: Publisher,
+        store: PageStore,
+        lease_s: float,
+        lead: Leadership | None = None,
+        replicator: Replicator | None = None,
+    ) -> None:
+        """``lead``: default, always leading (SQLite); ``replicator``: default, one that never
+        acts (its reports are kept for status)."""
         self.pub, self.state, self.store, self.lease_s = pub, pub.state, store, lease_s
+        self.lead = lead or Leadership()
+        self.replicator = replicator or Replicator(0)
         self._tasks: set[asyncio.Task[Any]] = set()
         # agent workers: soft state rebuilt from their reports within one lease after a restart
         self.workers: dict[str, tuple[pb.WorkerReport, float]] = {}
         # worker → corpus → when its reports first listed that corpus bound (this clock)
         self.bound_since: dict[str, dict[str, float]] = {}
+
+    async def _leading(self) -> None:
+        """Raise NotLeader (UNAVAILABLE, naming the leader) on a standby: it serves reads only."""
+        if not self.lead.leading:
+            raise NotLeader(await self.lead.leader())
 
     def _background(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -54,6 +83,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # -- holders --------------------------------------------------------------------------------
     @rpc("RegisterHolder")
     async def RegisterHolder(self, request: pb.RegisterHolderRequest, context: Any) -> Any:
+        await self._leading()
         h = request.holder
         bad = [
             k for k in ("holder_id", "address", "model_fingerprint", "dtype") if not getattr(h, k)
@@ -61,14 +91,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         bad += [k for k in ("capacity_frames", "page_size") if getattr(h, k) <= 0]
         if bad:
             raise Reject(S.INVALID_ARGUMENT, f"holder registration lacks {', '.join(bad)}")
-        self.state.register(
+        await self.state.register(
             HolderRow(
                 **{f: getattr(h, f) for f in HOLDER_SPEC},
                 used_frames=0,
                 active_flows=0,
                 last_heartbeat=time.time(),
                 lease_s=self.lease_s,
-            )
+            ),
+            self.lease_s,
         )
         log.info(
             "holder %s registered at %s (%d frames)", h.holder_id, h.address, h.capacity_frames
@@ -82,9 +113,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     @rpc("Heartbeat")
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:
+        await self._leading()
         now = time.time()
-        before = next((h for h in self.state.holders() if h.holder_id == request.holder_id), None)
-        if before is None or not self.state.heartbeat(
+        before = await self.state.holder(request.holder_id)
+        if before is None or not await self.state.heartbeat(
             request.holder_id, request.used_frames, request.active_flows, now
         ):
             raise Reject(S.NOT_FOUND, f"holder {request.holder_id!r} is not registered")
@@ -93,11 +125,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._background(self._after_join(request.holder_id))
         elif request.used_frames < before.used_frames:
             self.pub.capacity_changed.set()
+        self.replicator.observe(
+            request.holder_id,
+            LoadReport(
+                time.monotonic(),
+                request.active_flows + request.queue_depth,
+                request.elbow_flows,
+                {(x.corpus_id, x.page): x.hits for x in request.hot_pages[:1024]},
+            ),
+        )
         return pb.HeartbeatResponse(lease_seconds=self.lease_s)
 
     @rpc("ListHolders")
     async def ListHolders(self, request: pb.ListHoldersRequest, context: Any) -> Any:
-        now, placed = time.time(), self.state.placed_frames()
+        now, placed = time.time(), await self.state.placed_frames()
         return pb.ListHoldersResponse(
             holders=[
                 pb.HolderStatus(
@@ -106,8 +147,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     active_flows=h.active_flows,
                     heartbeat_age_s=now - h.last_heartbeat,
                     placed_frames=placed.get(h.holder_id, 0),
+                    elbow_flows=r.elbow if (r := self.replicator.latest(h.holder_id)) else 0,
+                    queue_depth=max(0, r.fanin - h.active_flows) if r else 0,
                 )
-                for h in self.state.holders()
+                for h in await self.state.holders()
             ],
             lease_seconds=self.lease_s,
         )
@@ -115,6 +158,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # -- agent workers --------------------------------------------------------------------------
     @rpc("ReportWorker")
     async def ReportWorker(self, request: pb.WorkerReport, context: Any) -> Any:
+        await self._leading()
         bad = [k for k in ("worker_id", "address") if not getattr(request, k)]
         bad += [k for k in ("max_batch", "kv_capacity") if getattr(request, k) <= 0]
         if bad:
@@ -123,11 +167,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             log.info("agent worker %s at %s", request.worker_id, request.address)
         now = time.time()
         self.workers[request.worker_id] = (request, now)
-        return pb.ReportWorkerResponse(
-            lease_seconds=self.lease_s, unpinned=self._unpinned(request, now)
-        )
+        unpinned = await self._unpinned(request, now)
+        return pb.ReportWorkerResponse(lease_seconds=self.lease_s, unpinned=unpinned)
 
-    def _unpinned(self, request: pb.WorkerReport, now: float) -> list[str]:
+    async def _unpinned(self, request: pb.WorkerReport, now: float) -> list[str]:
         """The corpora the worker reports bound whose binding is void: no longer pinned
         (retired, deleted, or being pinned again), or published again since the worker's
         reports first listed it (unpinned and re-pinned between two reports: its page table
@@ -139,7 +182,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         gone = []
         for cid in request.corpora:
             first = since.setdefault(cid, now)
-            row = self.state.corpus(cid)
+            row = await self.state.corpus(cid)
             if row is None or row.state != "ready" or first < row.updated_at:
                 gone.append(cid)
                 del since[cid]
@@ -157,6 +200,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     @rpc("ChooseWorker")
     async def ChooseWorker(self, request: pb.ChooseWorkerRequest, context: Any) -> Any:
+        await self._leading()
         now = time.time()
         gone = set(request.exclude)  # the client found these dead; their leases may not show it
         live = {
@@ -164,6 +208,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             for w, (r, t) in self.workers.items()
             if now - t <= self.lease_s and r.address not in gone
         }
+        if not live and time.monotonic() - self.lead.since < self.lease_s:
+            # a new leader: the workers report to it within a lease (a client moves on, retries)
+            raise Reject(S.UNAVAILABLE, "leading for under a lease: agent workers still reporting")
         if not live:
             raise Reject(S.UNAVAILABLE, "no live agent worker has reported (is corpusd agent up?)")
         loads = [
@@ -182,17 +229,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.ChooseWorkerResponse(worker_id=chosen, address=r.address)
 
     # -- corpora --------------------------------------------------------------------------------
-    def _info(
+    async def _info(
         self, row: CorpusRow, now: float, holders: tuple[str, ...] | None = None
     ) -> pb.CorpusInfo:
         """``row`` on the wire; ``holders``: those that held it (given once its pages are gone
         from the page table: an unpin's answer), else read from the page table."""
         m = Manifest.from_json(row.manifest)
         if holders is None:
-            table = self.state.page_table(row.corpus_id) if row.state == "ready" else {}
+            table = await self.state.page_table(row.corpus_id) if row.state == "ready" else {}
             holders = tuple(sorted({hid for reps in table.values() for hid, _ in reps}))
-        live = {h.holder_id for h in self.state.holders() if h.live(now)}
-        queue = [r.corpus_id for r in self.state.queued()] if row.state == "queued" else []
+        live = {h.holder_id for h in await self.state.holders() if h.live(now)}
+        queue = [r.corpus_id for r in await self.state.queued()] if row.state == "queued" else []
         return pb.CorpusInfo(
             corpus_id=row.corpus_id,
             name=row.name,
@@ -210,43 +257,44 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             state_age_s=max(0.0, now - row.updated_at),
         )
 
-    def _table(self, row: CorpusRow) -> pb.PageTable:
+    async def _table(self, row: CorpusRow) -> pb.PageTable:
         now = time.time()
-        table = self.state.page_table(row.corpus_id)
+        table = await self.state.page_table(row.corpus_id)
         ids = {hid for reps in table.values() for hid, _ in reps}
         return pb.PageTable(
-            corpus=self._info(row, now),
-            holders=[_holder(h, now) for h in self.state.holders() if h.holder_id in ids],
+            corpus=await self._info(row, now),
+            holders=[_holder(h, now) for h in await self.state.holders() if h.holder_id in ids],
             pages=[
                 pb.PageEntry(page=p, replicas=[pb.Replica(holder_id=h, frame=f) for h, f in reps])
                 for p, reps in sorted(table.items())
             ],
         )
 
-    def _known(self, corpus_id: str) -> CorpusRow:
-        row = self.state.corpus(corpus_id)
+    async def _known(self, corpus_id: str) -> CorpusRow:
+        row = await self.state.corpus(corpus_id)
         if row is None:
             raise Reject(S.NOT_FOUND, f"corpus {corpus_id!r} is not known to this coordinator")
         return row
 
     @rpc("ListCorpora")
     async def ListCorpora(self, request: pb.ListCorporaRequest, context: Any) -> Any:
-        now, rows = time.time(), self.state.corpora()
+        now, rows = time.time(), await self.state.corpora()
         if request.stored:
-            rows += lifecycle.stored_rows(self.pub, self.store)
-        return pb.ListCorporaResponse(corpora=[self._info(r, now) for r in rows])
+            rows += await lifecycle.stored_rows(self.pub, self.store)
+        return pb.ListCorporaResponse(corpora=[await self._info(r, now) for r in rows])
 
     @rpc("GetPageTable")
     async def GetPageTable(self, request: pb.GetPageTableRequest, context: Any) -> Any:
-        row = self._known(request.corpus_id)
+        row = await self._known(request.corpus_id)
         if row.state != "ready":
             raise Reject(
                 S.FAILED_PRECONDITION, f"corpus {row.corpus_id} is {row.state}: no page table"
             )
-        return self._table(row)
+        return await self._table(row)
 
     @rpc("Pin")
     async def Pin(self, request: pb.PinRequest, context: Any) -> Any:
+        await self._leading()
         cid, replicas = request.corpus_id, request.replicas or 1
         if not cid or not cid.isalnum():
             raise Reject(S.INVALID_ARGUMENT, f"corpus_id must be a corpus id, got {cid!r}")
@@ -262,23 +310,25 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         row = await self.pub.pin(m, text, replicas)
         if row.state == "queued" and request.wait:
             row = await self.pub.wait_placed(cid, context.time_remaining())
-        return pb.PinResponse(table=self._table(row))
+        return pb.PinResponse(table=await self._table(row))
 
     @rpc("Unpin")
     async def Unpin(self, request: pb.UnpinRequest, context: Any) -> Any:
+        await self._leading()
         r = await lifecycle.unpin(self.pub, self.store, request.corpus_id, request.delete)
         return pb.UnpinResponse(
             frames_freed=r.frames,
-            corpus=self._info(r.row, time.time(), r.holders),
+            corpus=await self._info(r.row, time.time(), r.holders),
             deleted=r.deleted,
             bytes_deleted=r.bytes_deleted,
         )
 
     @rpc("Delete")
     async def Delete(self, request: pb.DeleteRequest, context: Any) -> Any:
+        await self._leading()
         r = await lifecycle.delete(self.pub, self.store, request.corpus_id)
         return pb.DeleteResponse(
-            corpus=self._info(r.row, time.time(), r.holders),
+            corpus=await self._info(r.row, time.time(), r.holders),
             deleted=r.deleted,
             bytes_deleted=r.bytes_deleted,
         )

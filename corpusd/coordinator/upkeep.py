@@ -20,7 +20,7 @@ async def reconcile(pub: Publisher, holder_id: str) -> tuple[int, int]:
     (a pin that failed while it was unreachable) and reload pages it lost (a wiped state dir),
     recording their new frames. Returns (released, reloaded) page counts; best effort."""
     async with pub.lock:
-        h = next((x for x in pub.state.holders() if x.holder_id == holder_id), None)
+        h = next((x for x in await pub.state.holders() if x.holder_id == holder_id), None)
         if h is None:
             return 0, 0
         try:
@@ -28,7 +28,7 @@ async def reconcile(pub: Publisher, holder_id: str) -> tuple[int, int]:
         except HolderCallError as e:
             log.warning("cannot reconcile %s: %s", holder_id, e)
             return 0, 0
-        want = pub.state.held_by(holder_id)
+        want = await pub.state.held_by(holder_id)
         released = reloaded = 0
         try:
             for cid, pages in sorted(held.items()):
@@ -43,7 +43,7 @@ async def reconcile(pub: Publisher, holder_id: str) -> tuple[int, int]:
                     moved.update(await pub.links.assign(h.holder_id, h.address, cid, lost))
                     reloaded += len(lost)
                 if moved:
-                    pub.state.set_frames(cid, holder_id, moved)
+                    await pub.state.set_frames(cid, holder_id, moved)
         except HolderCallError as e:
             log.warning("reconciling %s stopped: %s", holder_id, e)
     if released or reloaded:
@@ -60,10 +60,10 @@ async def recover(pub: Publisher) -> int:
     """On start: roll back pins a previous run left ``pinning`` (release their plans, drop the
     rows). Returns how many were rolled back."""
     async with pub.lock:
-        stale = [r for r in pub.state.corpora() if r.state == "pinning"]
-        addr = {h.holder_id: h.address for h in pub.state.holders()}
+        stale = [r for r in await pub.state.corpora() if r.state == "pinning"]
+        addr = {h.holder_id: h.address for h in await pub.state.holders()}
         await asyncio.gather(*(pub.release_plan(r.corpus_id, r.plan or {}, addr) for r in stale))
         for r in stale:
-            pub.state.drop_corpus(r.corpus_id)
+            await pub.state.drop_corpus(r.corpus_id)
             log.warning("rolled back corpus %s, left half-published by a previous run", r.corpus_id)
     return len(stale)

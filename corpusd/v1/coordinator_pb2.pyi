@@ -39,14 +39,30 @@ class RegisterHolderResponse(_message.Message):
     def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("holder_id", "used_frames", "active_flows")
+    __slots__ = ("holder_id", "used_frames", "active_flows", "elbow_flows", "queue_depth", "hot_pages")
     HOLDER_ID_FIELD_NUMBER: _ClassVar[int]
     USED_FRAMES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FLOWS_FIELD_NUMBER: _ClassVar[int]
+    ELBOW_FLOWS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    HOT_PAGES_FIELD_NUMBER: _ClassVar[int]
     holder_id: str
     used_frames: int
     active_flows: int
-    def __init__(self, holder_id: _Optional[str] = ..., used_frames: _Optional[int] = ..., active_flows: _Optional[int] = ...) -> None: ...
+    elbow_flows: int
+    queue_depth: int
+    hot_pages: _containers.RepeatedCompositeFieldContainer[PageHeat]
+    def __init__(self, holder_id: _Optional[str] = ..., used_frames: _Optional[int] = ..., active_flows: _Optional[int] = ..., elbow_flows: _Optional[int] = ..., queue_depth: _Optional[int] = ..., hot_pages: _Optional[_Iterable[_Union[PageHeat, _Mapping]]] = ...) -> None: ...
+
+class PageHeat(_message.Message):
+    __slots__ = ("corpus_id", "page", "hits")
+    CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    corpus_id: str
+    page: int
+    hits: int
+    def __init__(self, corpus_id: _Optional[str] = ..., page: _Optional[int] = ..., hits: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_seconds",)
@@ -187,18 +203,22 @@ class ListHoldersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HolderStatus(_message.Message):
-    __slots__ = ("holder", "used_frames", "active_flows", "heartbeat_age_s", "placed_frames")
+    __slots__ = ("holder", "used_frames", "active_flows", "heartbeat_age_s", "placed_frames", "elbow_flows", "queue_depth")
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     USED_FRAMES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FLOWS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     PLACED_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    ELBOW_FLOWS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     holder: HolderAddress
     used_frames: int
     active_flows: int
     heartbeat_age_s: float
     placed_frames: int
-    def __init__(self, holder: _Optional[_Union[HolderAddress, _Mapping]] = ..., used_frames: _Optional[int] = ..., active_flows: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., placed_frames: _Optional[int] = ...) -> None: ...
+    elbow_flows: int
+    queue_depth: int
+    def __init__(self, holder: _Optional[_Union[HolderAddress, _Mapping]] = ..., used_frames: _Optional[int] = ..., active_flows: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., placed_frames: _Optional[int] = ..., elbow_flows: _Optional[int] = ..., queue_depth: _Optional[int] = ...) -> None: ...
 
 class ListHoldersResponse(_message.Message):
     __slots__ = ("holders", "lease_seconds")

@@ -63,13 +63,13 @@ def _port(co: CoordinatorProcess) -> str:
 
 
 def test_coordinator_restart_keeps_page_table_and_manifests_and_reprefills_nothing(
-    tmp_path: Path, tiny_dir: Path
+    tmp_path: Path, tiny_dir: Path, state_flags: tuple[str, ...]
 ) -> None:
     store = tmp_path / "store"
     cid = synthetic_corpus(store, tiny_dir, 1050)  # 17 pages
     profile = tmp_path / "profile.json"
     profile.write_text('{"cp_buckets": [[100, 1], [null, 2]]}')  # 17 pages → CP degree 2
-    flags = ("--profile", str(profile), "--lease-s", "5")
+    flags = ("--profile", str(profile), "--lease-s", "5", *state_flags)
     co = start_coordinator(tmp_path / "coord", store, *flags)
     hs = start_holders(store, tmp_path, tiny_dir, co.address, 2, "--capacity-tokens", "2048")
     files = {f: f.stat().st_mtime_ns for f in (store / "corpora" / cid).iterdir()}
@@ -117,12 +117,12 @@ def test_coordinator_restart_keeps_page_table_and_manifests_and_reprefills_nothi
 
 
 def test_holder_killed_while_publishing_leaves_nothing_and_a_retry_succeeds(
-    tmp_path: Path, tiny_dir: Path
+    tmp_path: Path, tiny_dir: Path, state_flags: tuple[str, ...]
 ) -> None:
     store = tmp_path / "store"
     a = synthetic_corpus(store, tiny_dir, 1050)  # 17 pages
     b = synthetic_corpus(store, tiny_dir, 600)  # 10 pages
-    co = start_coordinator(tmp_path / "coord", store)
+    co = start_coordinator(tmp_path / "coord", store, *state_flags)
     hs = start_holders(store, tmp_path, tiny_dir, co.address, 3, "--capacity-tokens", "2048")
 
     async def go() -> None:
@@ -191,11 +191,11 @@ async def _empty(h: HolderProcess) -> bool:
 
 
 def test_coordinator_crash_mid_publish_is_rolled_back_on_restart(
-    tmp_path: Path, tiny_dir: Path
+    tmp_path: Path, tiny_dir: Path, state_flags: tuple[str, ...]
 ) -> None:
     store = tmp_path / "store"
     b = synthetic_corpus(store, tiny_dir, 600)
-    co = start_coordinator(tmp_path / "coord", store)
+    co = start_coordinator(tmp_path / "coord", store, *state_flags)
     hs = start_holders(store, tmp_path, tiny_dir, co.address, 2, "--capacity-tokens", "2048")
 
     async def crash() -> None:
@@ -212,6 +212,9 @@ def test_coordinator_crash_mid_publish_is_rolled_back_on_restart(
                 await pin
 
     async def recovered() -> None:
+        log = tmp_path / "coord" / "coordinator.log"
+        # on etcd the coordinator serves reads at once and rolls back once it leads
+        await until(lambda: _logged(log, "1 half-done pins rolled back"))
         async with CoordinatorClient(co.address) as c:
             assert b not in {x.corpus_id for x in await c.list_corpora()}
             for h in hs:
@@ -221,7 +224,7 @@ def test_coordinator_crash_mid_publish_is_rolled_back_on_restart(
 
     try:
         asyncio.run(crash())
-        co = start_coordinator(tmp_path / "coord", store, "--port", _port(co))
+        co = start_coordinator(tmp_path / "coord", store, *state_flags, "--port", _port(co))
         asyncio.run(recovered())
         assert (
             "1 half-done pins rolled back" in (tmp_path / "coord" / "coordinator.log").read_text()
@@ -236,3 +239,7 @@ def test_coordinator_crash_mid_publish_is_rolled_back_on_restart(
 
 async def _holds(h: HolderProcess, cid: str) -> bool:
     return cid in await held(h)
+
+
+async def _logged(log: Path, line: str) -> bool:
+    return line in log.read_text()

@@ -1,0 +1,103 @@
+"""Replicas that follow load, on a real coordinator and real holders: synthetic load reports (the
+holder's heartbeat, sent by the test) keep one holder past its elbow; the leader copies its
+hottest pages to the other holder, attention over the copy equals attention over the corpus, and
+when the reports fall under half the elbow the copy goes. Both state backends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from corpusd.coordinator.client import CoordinatorClient, PageTable
+from corpusd.coordinator.launch import start_coordinator
+from corpusd.corpus.store import PageStore
+from corpusd.model import merge_partials, partial_attention
+from requester.holder_client import HolderClient
+from tests.procs.test_coordinator_failures import SCALE, held
+from tests.support.coordinators import start_holders, synthetic_corpus
+
+HOT = {2: 100, 5: 50, 9: 7}  # page → hits
+
+
+async def route_last(t: PageTable, cid: str, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Attend over corpus positions ``pos [n, k]`` through each page's last replica, merged."""
+    owner = {p: reps[-1] for p, reps in enumerate(t.pages)}
+    parts = []
+    for hid in sorted({h for h, _ in owner.values()}):
+        rows = torch.full_like(pos, -1)
+        for i, p in enumerate(pos.view(-1).tolist()):
+            h, frame = owner[p // 64]
+            if h == hid:
+                rows.view(-1)[i] = frame * 64 + p % 64
+        c = HolderClient(t.address(hid))
+        parts.append(await c.attend_rows(cid, 1, q, rows, SCALE))
+        await c.close()
+    return merge_partials([(p.o, p.lse) for p in parts])[0]
+
+
+def counted(metrics_port: int, action: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
+    line = f'corpusd_coordinator_load_replicas_total{{action="{action}"}} '
+    return next((float(x.split()[-1]) for x in text.decode().splitlines() if x.startswith(line)), 0)
+
+
+def test_a_hot_holder_gets_a_replica_of_its_hottest_pages_and_loses_it_when_cool(
+    tmp_path: Path, tiny_dir: Path, state_flags: tuple[str, ...]
+) -> None:
+    store = tmp_path / "store"
+    cid = synthetic_corpus(store, tiny_dir, 600)  # 10 pages
+    profile = tmp_path / "profile.json"
+    profile.write_text('{"cp_buckets": [[null, 1]]}')  # the whole corpus on one holder
+    flags = ("--profile", str(profile), "--lease-s", "30", "--replica-window-s", "1")
+    co = start_coordinator(tmp_path / "coord", store, *flags, *state_flags)
+    hs = start_holders(store, tmp_path, tiny_dir, co.address, 2, "--capacity-tokens", "1024")
+    lat, _ = PageStore(store).read_pages(cid, 1, list(range(10)))
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 64, 576, generator=g)
+    pos = torch.tensor([[p * 64 + 3 for p in HOT] + [0, 599]] * 2)
+    ref, _ = partial_attention(q, lat.reshape(-1, 576)[:600], pos, SCALE, 512)
+
+    async def go() -> None:
+        async with CoordinatorClient(co.address) as c:
+            await c.wait_holders(2)
+            t = await c.pin(cid)
+            (src,) = t.holders
+            (dst,) = {h.info.holder_id for h in await c.list_holders()} - {src}
+            dst_proc = next(h for h in hs if h.address != t.address(src))
+
+            async def report(fanin: int, until_replicas: int) -> PageTable:
+                deadline = time.monotonic() + 20
+                while True:
+                    hot = [(cid, p, n) for p, n in HOT.items()] if fanin else []
+                    await c.heartbeat(src, 10, min(fanin, 8), 8, max(0, fanin - 8), hot)
+                    table = await c.page_table(cid)
+                    if max(len(r) for r in table.pages) == until_replicas:
+                        return table
+                    assert time.monotonic() < deadline, f"no change to {until_replicas} replicas"
+                    await asyncio.sleep(0.2)
+
+            t2 = await report(20, 2)  # fan-in 20 past the elbow 8
+            assert {p for p, r in enumerate(t2.pages) if len(r) == 2} == set(HOT)
+            assert all(r[0] == t.pages[p][0] for p, r in enumerate(t2.pages))  # source kept
+            assert await held(dst_proc) == {cid: t2.frames_on(dst)}
+            out = await route_last(t2, cid, q, pos)  # the hot rows through the copy
+            assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+            assert counted(co.metrics_port, "added") == 1
+            status = {h.info.holder_id: h for h in await c.list_holders()}
+            assert status[dst].placed_frames == len(HOT)
+
+            t3 = await report(2, 1)  # under half the elbow: the copy goes
+            assert t3.pages == t.pages and await held(dst_proc) == {}
+            assert counted(co.metrics_port, "removed") == 1
+
+    try:
+        asyncio.run(go())
+        log = (tmp_path / "coord" / "coordinator.log").read_text()
+        assert "load replica added: 3 hot pages" in log and "load replica removed" in log
+    finally:
+        assert [h.stop() for h in hs] == [0, 0]
+        assert co.stop() == 0

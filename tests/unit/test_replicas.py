@@ -1,0 +1,70 @@
+"""The load-replica policy on synthetic load reports: a window past the elbow adds one replica
+of the hottest pages on the coolest holder with room; hysteresis keeps it until the source is
+under half its elbow for a window."""
+
+from __future__ import annotations
+
+from corpusd.coordinator.db import HolderRow
+from corpusd.coordinator.replicas import LoadReport, Replicator
+
+
+def holder(hid: str) -> HolderRow:
+    return HolderRow(hid, f"127.0.0.1:{hash(hid) % 1000 + 1000}", "cpu", 64, 64, "fp", "float32",
+                     0, 0, 0.0, 10.0, leased=True)  # fmt: skip
+
+
+HOLDERS = [holder("a"), holder("b"), holder("c")]
+HELD = {"a": {"x": set(range(10))}}
+LOADABLE = {"x": {"a", "b", "c"}}
+
+
+def feed(r: Replicator, t0: float, t1: float, fanin: dict[str, int], hot: dict[int, int]) -> None:
+    """Reports every 0.5 s from t0 to t1: holder a's pages ``hot`` (page → hits)."""
+    t = t0
+    while t <= t1:
+        for hid, f in fanin.items():
+            r.observe(
+                hid,
+                LoadReport(t, f, 8, {("x", p): n for p, n in hot.items()} if hid == "a" else {}),
+            )
+        t += 0.5
+
+
+def test_past_the_elbow_for_a_window_adds_one_replica_of_the_hottest_pages_on_the_coolest() -> None:
+    r = Replicator(window_s=5, max_pages=3)
+    free = {"a": 0, "b": 40, "c": 50}
+    feed(r, 0, 4, {"a": 20, "b": 6, "c": 1}, {1: 50, 2: 90, 3: 10, 7: 70})
+    assert r.decide(4, HOLDERS, HELD, free, LOADABLE) == []  # not a whole window yet
+    feed(r, 4.5, 6, {"a": 20, "b": 6, "c": 1}, {1: 50, 2: 90, 3: 10, 7: 70})
+    (d,) = r.decide(6, HOLDERS, HELD, free, LOADABLE)
+    assert (d.action, d.replica.target, d.replica.pages) == ("add", "c", (1, 2, 7))
+    # c past its own elbow, or without room: b instead; neither: nothing
+    feed(r, 6.5, 6.5, {"a": 20, "b": 6, "c": 9}, {2: 1})
+    assert r.decide(6.5, HOLDERS, HELD, free, LOADABLE)[0].replica.target == "b"
+    assert r.decide(6.5, HOLDERS, HELD, {"b": 2, "c": 50}, LOADABLE) == []
+
+
+def test_one_report_under_the_elbow_in_the_window_means_not_hot() -> None:
+    r = Replicator(window_s=5)
+    feed(r, 0, 10, {"a": 20, "b": 0}, {1: 5})
+    r.observe("a", LoadReport(8, 3, 8, {}))
+    assert r.decide(10, HOLDERS, HELD, {"b": 40, "c": 40}, LOADABLE) == []
+    assert r.decide(13.5, HOLDERS, HELD, {"b": 40, "c": 40}, LOADABLE) == []  # no report since
+
+
+def test_hysteresis_keeps_the_replica_until_the_source_is_cool_for_a_window() -> None:
+    r = Replicator(window_s=5)
+    feed(r, 0, 6, {"a": 20, "b": 0, "c": 0}, {4: 9})
+    (d,) = r.decide(6, HOLDERS, HELD, {"b": 40, "c": 40}, LOADABLE)
+    r.added[("x", "a")] = d.replica
+    held = {"a": {"x": set(range(10))}, d.replica.target: {"x": {4}}}
+    assert r.decide(6, HOLDERS, held, {"b": 40, "c": 40}, LOADABLE) == []  # not twice
+    feed(r, 6.5, 20, {"a": 6, "b": 0, "c": 0}, {})  # under the elbow, above half of it
+    assert r.decide(20, HOLDERS, held, {"b": 40, "c": 40}, LOADABLE) == []
+    feed(r, 20.5, 24, {"a": 3, "b": 0, "c": 0}, {})  # under half, not yet for a window
+    assert r.decide(24, HOLDERS, held, {"b": 40, "c": 40}, LOADABLE) == []
+    feed(r, 24.5, 26, {"a": 3, "b": 0, "c": 0}, {})
+    (gone,) = r.decide(26, HOLDERS, held, {"b": 40, "c": 40}, LOADABLE)
+    assert (gone.action, gone.replica) == ("remove", d.replica)
+    # a corpus unpinned meanwhile loses its replica at once
+    assert r.decide(7, HOLDERS, held, {}, {})[0].action == "remove"
