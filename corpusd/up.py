@@ -186,7 +186,8 @@ def describe(info: dict[str, Any]) -> str:
     else:
         lines.append("  plaintext, no tokens (--insecure)")
     if a.get("http", -1) >= 0:
-        lines.append(f"  OpenAI API   http://127.0.0.1:{a['http']}/v1")
+        web = "https" if info.get("security") else "http"  # TLS and agent tokens when secure
+        lines.append(f"  OpenAI API   {web}://127.0.0.1:{a['http']}/v1")
     cal = info.get("calibration")
     if cal and cal["ran"]:
         done = f"quick, {cal['seconds']} s" if cal["ok"] else f"FAILED, see {cal['log']}"

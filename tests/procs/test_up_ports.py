@@ -39,9 +39,11 @@ def test_up_listens_on_the_given_ports_and_calibrates_first(
     env = {**home}
     env.pop("CORPUSD_CALIBRATE")  # auto: no profile yet, so this up calibrates
     c, h, a, http, m = free_ports(5)
+    # --insecure: plain http for urllib here (tests/procs/test_security.py covers TLS)
     out = corpusd(env, "up", "--holders", "1", "--capacity-tokens", "1024", "--detach",
-                  "--coordinator-port", str(c), "--holder-ports", str(h), "--agent-port", str(a),
-                  "--metrics-ports", str(m), "--http-port", str(http))  # fmt: skip
+                  "--insecure", "--coordinator-port", str(c), "--holder-ports", str(h),
+                  "--agent-port", str(a), "--metrics-ports", str(m),
+                  "--http-port", str(http))  # fmt: skip
     root = Path(home["CORPUSD_HOME"]) / "up"
     pids = daemon_pids(root)
     try:
