@@ -25,6 +25,8 @@ import pytest
 from corpusd.cli import main as cli_main
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
+from corpusd.model import ModelConfig
+from corpusd.tokenizer import load_tokenizer
 from holder.launch import HolderProcess
 from requester.client import AgentError, Client
 from requester.launch import AgentProcess, start_agent
@@ -40,6 +42,7 @@ MAX_NEW = 24
 @dataclass
 class Http:
     cid: str
+    tok: Any  # the model's tokenizer (the CPU default's BPE, or bytes)
     coord: CoordinatorProcess
     holder: HolderProcess
     agent: AgentProcess
@@ -71,7 +74,9 @@ def http(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[H
             await cc.pin(cid, replicas=1, wait=True, timeout=60)
 
     asyncio.run(publish())
-    yield Http(cid, coord, holder, agent)
+    cfg = ModelConfig.from_dir(tiny_dir)
+    tok = load_tokenizer(tiny_dir, cfg.bos_token_id, cfg.eos_token_id)
+    yield Http(cid, tok, coord, holder, agent)
     for d in (agent, holder, coord):
         d.stop()
 
@@ -121,8 +126,8 @@ def test_eight_streamed_chats_give_the_grpc_apis_tokens(http: Http) -> None:
     for q, (prompt, ids, text, finish) in zip(questions, got, strict=True):
         # the documented template, in the tiny model's byte tokens, after the corpus
         want = chat_text([("system", "be brief"), ("user", q)], deepseek=False)
-        assert prompt == list(want.encode()) and finish == "length"
-        assert bytes(t for t in ids if t < 256).decode(errors="replace").startswith(text)
+        assert prompt == list(http.tok.encode(want)) and finish == "length"
+        assert http.tok.decode(list(ids)).startswith(text)
     want_ids = asyncio.run(_gather(grpc_tokens(http.agent.address, "docs", p, 12) for p, *_ in got))
     assert [g[1] for g in got] == want_ids
     # they were stepped together, not one after another
@@ -138,7 +143,7 @@ async def _gather(coros: Any) -> list[Any]:
 
 def test_completions_whole_and_streamed_stop_strings_and_seed(http: Http) -> None:
     prompt = "\n\nQ: where is the page store?\nA:"
-    ids = list(prompt.encode())
+    ids = list(http.tok.encode(prompt))
 
     async def go() -> None:
         async with http.client() as c:
@@ -190,6 +195,10 @@ def _post(http: Http, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
         return e.code, json.loads(e.read())
 
 
+# past 256 prompt tokens in any tokenizer (bytes, or the CPU default's BPE)
+LONG = " ".join(f"q{i}z{i * 7919 % 1009}" for i in range(400))
+
+
 def test_bad_requests_get_openai_errors_and_change_nothing(http: Http) -> None:
     chat = [{"role": "user", "content": "hi"}]
 
@@ -214,7 +223,7 @@ def test_bad_requests_get_openai_errors_and_change_nothing(http: Http) -> None:
                       messages=[{"role": "robot", "content": "x"}])  # fmt: skip
         await refused(openai.BadRequestError, 400, "n", "only 1", n=2)
         await refused(openai.BadRequestError, 400, "messages", "at most 256",
-                      messages=[{"role": "user", "content": "x" * 300}])  # fmt: skip
+                      messages=[{"role": "user", "content": LONG}])  # fmt: skip
         # refused while streaming is asked: the error comes before any event
         await refused(openai.NotFoundError, 404, "model", "unknown corpus", model="x", stream=True)
 
