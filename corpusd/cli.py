@@ -657,7 +657,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         choices=("cpu", "sglang"),
         default="cpu",
-        help="cpu: BPE tokenizer, 8 × 128 indexer, pins fast on a CPU (default); sglang: "
+        help="cpu: BPE tokenizer, 16 × 64 indexer, pins fast on a CPU (default); sglang: "
         "byte tokens and V3.2's 64 × 128 indexer, the shape SGLang and the GPU tests need",
     )
     pi.add_argument("--force", action="store_true")

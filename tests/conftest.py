@@ -10,7 +10,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The CPU default (``corpusd model init``): BPE tokenizer, 8 × 128 indexer."""
+    """The CPU default (``corpusd model init``): BPE tokenizer, 16 × 64 indexer."""
     from corpusd.model.tiny import init_tiny
 
     return init_tiny(tmp_path_factory.mktemp("tiny-model"))

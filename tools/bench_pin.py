@@ -175,6 +175,10 @@ def profile(tar: str, model_dir: str, tokens: int, chunk: int) -> dict[str, floa
         attn, mlp = layer.self_attn, layer.mlp
         attn.output = timed("attention output (W_UV, o_proj)", attn.output)  # type: ignore[method-assign]
         mlp.forward = timed(f"mlp ({type(mlp).__name__})", mlp.forward)
+    from corpusd.corpus.pin import cpu_threads
+
+    torch.set_num_threads(cpu_threads())  # as pin's prefill does
+    spent["threads"] = torch.get_num_threads()
     try:
         tensor = torch.tensor(ids)
         cache = KVCache(cfg, len(ids), torch.float32)
@@ -266,7 +270,7 @@ def main() -> None:
                 total = phases["prefill (total)"]
                 print(f"prefill phases over {phases['tokens']:,} tokens ({total:.1f} s):")
                 for k, v in sorted(phases.items(), key=lambda kv: -kv[1]):
-                    if k not in ("tokens", "prefill (total)"):
+                    if k not in ("tokens", "threads", "prefill (total)"):
                         print(f"  {k:36s} {v:8.2f} s  {100 * v / total:5.1f} %")
             if not a.no_tar:
                 row = _child(["--one", "tar", *common], env)

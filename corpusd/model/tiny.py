@@ -4,9 +4,9 @@ Two presets, both with the real model's attention geometry where kernels care (6
 kv_lora_rank 512, rope 64 → 576-wide latent rows) and small elsewhere:
 
 - ``cpu`` (the default): a 16,384-id BPE tokenizer trained on source code
-  (``tiny_tokenizer.json``, written beside the weights as ``tokenizer.json``) and an 8-head × 128
+  (``tiny_tokenizer.json``, written beside the weights as ``tokenizer.json``) and a 16-head × 64
   indexer. A pin's indexer scores every earlier token, so its cost is ~T²·H_I·D_I: ~5x fewer
-  tokens for the same text and 8x fewer index heads are what let a 200 KB source tar pin in
+  tokens for the same text and an 8x cheaper indexer are what let a 200 KB source tar pin in
   minutes on 2 CPU cores (bench/results/pin-cpu.json).
 - ``sglang``: SGLang-shaped for GPU work: byte-level tokens and DeepSeek-V3.2's 64 × 128 indexer
   (SGLang's NSA kernels assume it); FlashMLA needs h ∈ {64, 128}.
@@ -61,10 +61,19 @@ SGLANG = ModelConfig(
 )
 #: The CPU default's BPE (tools/train_tokenizer.py); ids 0 / 1 are its <bos> / <eos>.
 TOKENIZER_JSON = Path(__file__).with_name("tiny_tokenizer.json")
-# 8 index heads, not fewer: a key that every head scores <= 0 scores exactly 0 after the ReLU,
-# and with 4 random heads such exact ties reach the top-k cut at a few thousand tokens, where the
-# transformers oracle breaks them differently from corpusd (lowest position first).
-TINY = replace(SGLANG, vocab_size=16384, index_n_heads=8, bos_token_id=0, eos_token_id=1)
+# 16 index heads of 64: a key that every head scores <= 0 scores exactly 0 after the ReLU, and
+# with 8 random heads such exact ties reached the top-k cut within a few hundred tokens of text,
+# where the transformers oracle breaks them differently from corpusd (lowest position first).
+# 16 × 64 costs what 8 × 128 does (the indexer is ~T²·H_I·D_I); index_arith "fp8" needs 128-wide
+# keys: use --preset sglang for it.
+TINY = replace(
+    SGLANG,
+    vocab_size=16384,
+    index_n_heads=16,
+    index_head_dim=64,
+    bos_token_id=0,
+    eos_token_id=1,
+)
 PRESETS = {"cpu": TINY, "sglang": SGLANG}
 
 
@@ -109,7 +118,7 @@ def preset_config(preset: str) -> ModelConfig:
 #: a model (tests/unit/test_checkpoint.py holds them to fresh checkpoints). ``sglang``'s is the
 #: old default's, unchanged.
 TINY_FINGERPRINTS = {
-    "cpu": "sha256:1700c248606d67f06d2aceda88a559f816ad14b25a24da9b75635077980fac05",
+    "cpu": "sha256:79f491a66bcfbbaa74d82836df6a8a11889ac9cb66ce0c612c952278111c8fce",
     "sglang": "sha256:e9b0d264e177ac1837c19d1b61828d4abc665dca3c6c02be694fb4317951102b",
 }
 

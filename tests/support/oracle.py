@@ -25,6 +25,9 @@ def greedy(hf_model: Any, corpus: torch.Tensor, suffixes: Sequence[str], new: in
         with torch.no_grad():
             g = hf_model.generate(
                 ids,
+                # Every position is real: without the mask, generate infers one from
+                # pad_token_id and would mask the CPU default's BOS (id 0) as padding.
+                attention_mask=torch.ones_like(ids),
                 max_new_tokens=new,
                 do_sample=False,
                 eos_token_id=None,

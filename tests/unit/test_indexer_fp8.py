@@ -80,8 +80,9 @@ def test_fp8_scores_are_dot_products_of_rotated_quantised_inputs() -> None:
     assert not torch.allclose(got, exact, rtol=1e-3), "fp8 arithmetic changed nothing"
 
 
-def test_index_arith_round_trips_through_config_json(tiny_dir: Path) -> None:
-    d = json.loads((tiny_dir / "config.json").read_text())
+def test_index_arith_round_trips_through_config_json(sglang_dir: Path) -> None:
+    # fp8 quantises 128-wide key blocks: the SGLang-shaped preset's 64 × 128 indexer
+    d = json.loads((sglang_dir / "config.json").read_text())
     assert "index_arith" not in d, "an exact model's config.json is transformers' own"
     cfg = ModelConfig.from_hf_dict(d)
     assert cfg.index_arith == "exact"
@@ -94,9 +95,12 @@ def test_index_arith_round_trips_through_config_json(tiny_dir: Path) -> None:
         replace(cfg, index_arith="fp8", index_head_dim=64)
 
 
-def test_fp8_model_selects_by_fp8_scores(tiny_model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_fp8_model_selects_by_fp8_scores(sglang_dir: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The pin prefill (``forward_tokens``) of an fp8 model selects what fp8 scores say, and
     that is not the exact model's selection; its logits differ from the exact model's."""
+    from corpusd.model import load_model
+
+    tiny_model = load_model(sglang_dir)
     fp = copy.copy(tiny_model)
     fp.cfg = replace(tiny_model.cfg, index_arith="fp8")
     cfg = fp.cfg
