@@ -450,8 +450,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     assert got == a.index_arith, f"{model} has index_arith {got}; use another --work"
     vocab, topk = int(cfg["vocab_size"]), int(cfg["index_topk"])
     modes = a.modes.split(",")
-    assert modes[0] == "stock", "stock runs first: it is the reference"
     regimes = {r: REGIMES[r] for r in a.regimes.split(",")}
+    if a.probe_only:  # a route server and its binding probe only (no stock, no timing)
+        return probe_only(a, work, model, regimes, vocab)
+    assert modes[0] == "stock", "stock runs first: it is the reference"
     cd = start_corpusd(work, model, regimes, a.holders, a.holder_device)
     tok = ByteTokenizer()
     suffixes = [tok.encode(f"\n\nQ: {q}\nA:") for q in QUESTIONS[: a.requests]]
@@ -492,6 +494,29 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     finally:
         cd.stop()
     return summarize(a, cd, runs, failed, topk, suffixes)
+
+
+def probe_only(
+    a: argparse.Namespace, work: Path, model: Path, regimes: dict[str, tuple[int, str]], vocab: int
+) -> dict[str, Any]:
+    """``--probe-only``: a route server over each regime's pinned corpus, and requests it cannot
+    bind (:func:`binding_probe`), which must fail alone while the server serves on."""
+    cd = start_corpusd(work, model, regimes, a.holders, a.holder_device)
+    out: dict[str, Any] = {"holder_device": a.holder_device, "sglang_flags": SGLANG_FLAGS}
+    try:
+        graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
+        server = Server("route", model, a.port, cd, work / "sglang-route.log", graph_bs=graph_bs)
+        try:
+            out["server_start_s"] = server.wait()
+            suffix = ByteTokenizer().encode(f"\n\nQ: {QUESTIONS[0]}\nA:")
+            out["binding_probe"] = {r: binding_probe(server, r, suffix, vocab) for r in regimes}
+        finally:
+            server.stop()
+    finally:
+        cd.stop()
+    save(a.out, out)
+    print(json.dumps(out["binding_probe"], indent=1), flush=True)
+    return out
 
 
 def save(path: str, out: dict[str, Any]) -> None:
@@ -568,6 +593,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/sglang-h200.json")
     ap.add_argument("--work", default="/tmp/corpusd-bench-sglang")
     ap.add_argument("--modes", default="stock,route,fetch")
+    ap.add_argument(
+        "--probe-only", action="store_true",
+        help="start only a route server and send it requests it cannot bind (issue 17, item 4)",
+    )  # fmt: skip
     ap.add_argument("--regimes", default="dense,sparse")
     ap.add_argument("--tokens", type=int, default=32, help="generated per request")
     ap.add_argument("--forced-steps", type=int, default=16, help="teacher-forced per request")
@@ -607,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = ap.parse_args(argv)
     out = run(a)
+    if a.probe_only:
+        return 0
     save(a.out, out)
     print(f"{'regime':<7} {'vs':<11} {'greedy':>6} {'forced':>6} {'lp max':>7} {'lp mean':>8}")
     for r, v in out["regimes"].items():

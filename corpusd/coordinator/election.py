@@ -18,10 +18,12 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
-import aetcd
+if TYPE_CHECKING:  # the etcd client is imported only by a coordinator on etcd
+    import aetcd
 
-from corpusd.coordinator.etcd_state import MIN_TTL_S, EtcdState
+    from corpusd.coordinator.etcd_state import EtcdState
 
 log = logging.getLogger("corpusd.coordinator")
 
@@ -42,6 +44,8 @@ class Leadership:
 
 class EtcdElection(Leadership):
     def __init__(self, state: EtcdState, lease_s: float, poll_s: float = 0.25) -> None:
+        from corpusd.coordinator.etcd_state import MIN_TTL_S
+
         self.state, self.poll_s = state, poll_s
         self.ttl = max(MIN_TTL_S, math.ceil(lease_s))
         self.leading = False
@@ -79,7 +83,7 @@ class EtcdElection(Leadership):
                     with contextlib.suppress(Exception):  # give the lead up now, not in ttl s
                         await asyncio.wait_for(c.revoke_lease(lease.id), 1.0)
                 raise
-            except aetcd.exceptions.ClientError as e:
+            except _etcd_error() as e:
                 log.warning("election: etcd: %s", e)
             finally:
                 self.leading = False
@@ -96,7 +100,7 @@ class EtcdElection(Leadership):
             await asyncio.sleep(self.ttl / 4)
             try:
                 reply = await self.state.client.refresh_lease(lease.id)
-            except aetcd.exceptions.ClientError as e:
+            except _etcd_error() as e:
                 log.warning("leader lease keep-alive failed: %s", e)
                 continue  # etcd may be electing its own leader; the fence guards our writes
             if reply is None or reply.TTL <= 0:
@@ -104,3 +108,10 @@ class EtcdElection(Leadership):
                     "lost the leadership (etcd lease %x expired); campaigning again", lease.id
                 )
                 return
+
+
+def _etcd_error() -> type[Exception]:
+    """aetcd's ClientError, imported when an etcd election runs (never on SQLite)."""
+    from aetcd.exceptions import ClientError
+
+    return ClientError

@@ -21,7 +21,6 @@ from corpusd.coordinator.buckets import CpBuckets
 from corpusd.coordinator.config import CoordinatorConfig
 from corpusd.coordinator.db import open_state
 from corpusd.coordinator.election import EtcdElection, Leadership
-from corpusd.coordinator.etcd_state import EtcdState
 from corpusd.coordinator.links import Links
 from corpusd.coordinator.metrics import CoordinatorMetrics
 from corpusd.coordinator.publish import Publisher
@@ -76,7 +75,10 @@ async def serve(cfg: CoordinatorConfig) -> None:
     links = Links(cfg.rpc_timeout_s)
     pub = Publisher(state, links, buckets, metrics, cfg.max_queue)
     lead: Leadership = Leadership()
-    if isinstance(state, EtcdState):
+    if cfg.state.startswith("etcd"):  # the etcd client is imported only then
+        from corpusd.coordinator.etcd_state import EtcdState
+
+        assert isinstance(state, EtcdState)
         await state.check()
         lead = EtcdElection(state, cfg.leader_lease_s or cfg.lease_s)
     loop = asyncio.get_running_loop()

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Awaitable
 from typing import Any
 
 import grpc
-from aetcd.exceptions import ClientError as EtcdError
 
 from corpusd.coordinator import lifecycle
 from corpusd.coordinator.client import HOLDER_SPEC
@@ -38,7 +38,8 @@ def _status(e: Exception) -> tuple[grpc.StatusCode, str] | None:
     UNAVAILABLE, so a client with several coordinator addresses moves on."""
     if isinstance(e, NotLeader):
         return S.UNAVAILABLE, str(e)
-    if isinstance(e, EtcdError):
+    etcd = sys.modules.get("aetcd.exceptions")  # loaded only by a coordinator on etcd
+    if etcd is not None and isinstance(e, etcd.ClientError):
         return S.UNAVAILABLE, f"the state store is unavailable: {type(e).__name__}: {e}"
     return None
 
