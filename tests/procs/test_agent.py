@@ -159,7 +159,7 @@ def test_bad_input_gets_a_precise_status_and_the_agent_keeps_serving(
 
             await refused(Code.NOT_FOUND, "unknown corpus 'nope'", c.open_session("nope", "hi"))
             await refused(Code.INVALID_ARGUMENT, "corpus: empty", c.open_session("", "hi"))
-            await refused(Code.INVALID_ARGUMENT, "at most 64", c.open_session("repo", "x" * 65))
+            await refused(Code.INVALID_ARGUMENT, "at most 64", c.open_session("repo", [5] * 65))
             await refused(Code.INVALID_ARGUMENT, "prompt: empty", c.open_session("repo", []))
             await refused(
                 Code.INVALID_ARGUMENT, "outside [0, 16384)", c.open_session("repo", [16400])
