@@ -169,8 +169,8 @@ def pin(
 # the threads cpu_threads() picked on the shared 2-core machine): the indexer scores every
 # earlier token, so the per-token cost grows with n. It reproduces that file's 4,148 and
 # 16,407-token rows (tests/unit/test_pin_preflight.py holds it to them within 2 %).
-_SECONDS_PER_TOKEN = 1.8245e-3
-_SECONDS_PER_TOKEN2 = 1.0956e-7
+_SECONDS_PER_TOKEN = 1.4217e-3
+_SECONDS_PER_TOKEN2 = 1.7272e-7
 
 
 def estimate(tokens: int) -> str:
