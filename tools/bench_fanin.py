@@ -324,7 +324,7 @@ def per_second(run: Run) -> list[dict[str, Any]]:
 
 def phase_stats(run: Run, settle_s: float) -> dict[str, Any]:
     bounds = [*run.phases, ("end", run.now())]
-    out = {}
+    out: dict[str, Any] = {}
     for (name, t0), (_, t1) in itertools.pairwise(bounds):
         lat = [x for t, x in run.done if t0 <= t < t1]
         out[name] = {
