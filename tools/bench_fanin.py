@@ -78,6 +78,7 @@ class Run:
     done: list[tuple[float, float]] = field(default_factory=list)  # (completed at s, latency s)
     refused: list[float] = field(default_factory=list)  # completed at s (RESOURCE_EXHAUSTED ...)
     errors: list[str] = field(default_factory=list)
+    stale: list[float] = field(default_factory=list)  # NOT_FOUND from a released copy, retried
     samples: list[dict[str, Any]] = field(default_factory=list)  # fan-in / replicas, 0.5 s
     events: list[dict[str, Any]] = field(default_factory=list)
     phases: list[tuple[str, float]] = field(default_factory=list)  # (name, start s)
@@ -207,7 +208,16 @@ async def drive(
             q, pos = pool[rng.randrange(len(pool))]
             t = time.perf_counter()
             try:
-                await req.attend(q, pos)
+                try:
+                    await req.attend(q, pos)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.NOT_FOUND:
+                        raise
+                    # a view older than a removal: the copy was released. Re-read and retry
+                    # once, as the fan-out's failover does
+                    run.stale.append(run.now())
+                    await req.refresh()
+                    await req.attend(q, pos)
                 run.done.append((run.now(), time.perf_counter() - t))
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -514,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         "with_replica_p50_over_baseline": round(used / base, 2) if base else None,
         "events": run.events,
         "coordinator_log": [ln for ln in log.splitlines() if "load replica" in ln],
+        "stale_view_not_found_retried": [round(t, 2) for t in run.stale],
         "errors": run.errors[:10],
         "error_count": len(run.errors),
         "exit_codes": codes,
