@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import random
+import re
 import sys
 import tempfile
 import time
@@ -75,6 +76,7 @@ def metric(text: str, key: str) -> float:
 @dataclass
 class Run:
     t0: float
+    wall0: float = field(default_factory=time.time)
     done: list[tuple[float, float]] = field(default_factory=list)  # (completed at s, latency s)
     refused: list[float] = field(default_factory=list)  # completed at s (RESOURCE_EXHAUSTED ...)
     errors: list[str] = field(default_factory=list)
@@ -379,7 +381,22 @@ def phase_stats(run: Run, settle_s: float) -> dict[str, Any]:
     return out
 
 
-def plot(rows: list[dict[str, Any]], run: Run, hot: str, path: Path, title: str) -> None:
+def actions(log: str, run: Run) -> list[dict[str, Any]]:
+    """The coordinator's ``load replica added/removed`` lines, on the run's clock (its log
+    stamps local time to the millisecond)."""
+    out = []
+    for ln in log.splitlines():
+        m = re.match(r"(\S+ \S+),(\d+) .*load replica (added|removed)", ln)
+        if m:
+            at = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
+            out.append({"t_s": round(at - run.wall0, 2), "action": m.group(3)})
+    return out
+
+
+def plot(
+    rows: list[dict[str, Any]], run: Run, acts: list[dict[str, Any]], hot: str, path: Path,
+    title: str,
+) -> None:  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
@@ -409,10 +426,10 @@ def plot(rows: list[dict[str, Any]], run: Run, hot: str, path: Path, title: str)
                 x.text(
                     t0, 1.0, f" {name}", transform=x.get_xaxis_transform(), fontsize=8, va="bottom"
                 )
-        for e in run.events:
-            if e["event"].startswith("page table"):
-                x.axvline(e["t_s"], color="red", lw=1.2)
-    ax.plot([], [], color="red", label="replica added / removed (page table)")
+        for e in acts:
+            x.axvline(e["t_s"], color="red" if e["action"] == "added" else "black", lw=1.2)
+    ax.plot([], [], color="red", label="replica added (coordinator log)")
+    ax.plot([], [], color="black", label="replica removed")
     ax.legend(fontsize=8, loc="upper left")
     bx.legend(fontsize=8, loc="upper left")
     fig.suptitle(title, fontsize=9)
@@ -524,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         "with_replica_p50_over_baseline": round(used / base, 2) if base else None,
         "events": run.events,
         "coordinator_log": [ln for ln in log.splitlines() if "load replica" in ln],
+        "replica_actions": actions(log, run),
         "stale_view_not_found_retried": [round(t, 2) for t in run.stale],
         "errors": run.errors[:10],
         "error_count": len(run.errors),
@@ -538,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         f"bench_fanin: {a.holders} holders, elbow {a.max_flows}, window {a.window_s:g} s, "
         f"requester re-reads the page table every {a.refresh_s:g} s; {out['machine']}"
     )
-    plot(rows, run, meta["hot_holder"], png, title)
+    plot(rows, run, out["replica_actions"], meta["hot_holder"], png, title)
     print(f"\n{'phase':>22} {'from s':>7} {'done':>5} {'refused':>7} {'p50 ms':>8} {'p99 ms':>8}")
     for name, s in stats.items():
         if "from_s" in s:
