@@ -290,6 +290,12 @@ async def drive(
                 await asyncio.sleep(0.2)
             return False
 
+        # saturating one holder to measure it may itself earn a replica: wait until it is gone
+        await asyncio.sleep(1.5)
+        if replicas["table"] > 1:
+            run.event("replica from the calibration; waiting for its removal")
+            await until(lambda: replicas["table"] == 1 and replicas["seen_by_requester"] == 1,
+                        a.max_wait_s)  # fmt: skip
         phase("baseline", a.low * capacity)
         await asyncio.sleep(a.baseline_s)
         phase("overload", a.high * capacity)
