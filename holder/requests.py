@@ -152,6 +152,12 @@ class RequestChecks:
                 f"limit {list(limit.shape)}, k {request.k}, arith {request.arith!r}",
             )
         arith = request.arith or "exact"
+        if arith == "fp8" and geo.index_dim % 128:  # fp8 keys are quantized in 128-wide blocks
+            raise Reject(
+                S.INVALID_ARGUMENT,
+                f"arith 'fp8' needs index keys a multiple of 128 wide; this model's are "
+                f"{geo.index_dim} (use arith 'exact')",
+            )
         return TopKCall(request.corpus_id, request.layer, q, w, limit, int(request.k), arith)
 
     def fetch(self, request: holder_pb2.FetchRequest) -> tuple[list[int], list[int]]:

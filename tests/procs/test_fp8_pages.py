@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from corpusd.corpus.manifest import corpus_id
 from corpusd.corpus.store import PageStore
-from corpusd.model import KVCache, forward_tokens
+from corpusd.model import KVCache, ModelConfig, forward_tokens
 from corpusd.model import fp8_cache as f8
 from holder.launch import HolderProcess
 from requester.config import WorkerConfig
@@ -62,18 +62,21 @@ def holders(corpus: tuple[Path, str], tiny_dir: Path) -> Iterator[list[HolderPro
         p.stop()
 
 
-def test_pin_stores_656_byte_rows_under_its_own_id(corpus: tuple[Path, str]) -> None:
+def test_pin_stores_656_byte_rows_under_its_own_id(
+    corpus: tuple[Path, str], tiny_dir: Path
+) -> None:
     tmp, cid = corpus
     store = PageStore(tmp / "store")
     m = store.manifest(cid)
+    d_i = ModelConfig.from_dir(tiny_dir).index_head_dim  # index keys stay float32
     assert (m.kv_format, m.page_format, m.token_layer_bytes) == (
         "fp8_e4m3",
         "float32+fp8_e4m3",
-        656 + 128 * 4,
+        656 + d_i * 4,
     )
     lat, keys = store.read_pages(cid, 0, [0, m.n_pages - 1])
     assert lat.dtype == torch.uint8 and lat.shape == (2, 64, 656), f"{lat.dtype=} {lat.shape=}"
-    assert keys.dtype == torch.float32 and keys.shape == (2, 64, 128)
+    assert keys.dtype == torch.float32 and keys.shape == (2, 64, d_i)
     tokens = tuple(store.read_tokens(cid).tolist())
     plain = corpus_id(tokens, m.model_fingerprint, m.page_size, "float32")
     assert corpus_id(tokens, m.model_fingerprint, m.page_size, m.page_format) == cid
@@ -126,7 +129,8 @@ def test_holder_attends_fp8_rows_and_a_plain_holder_refuses_them(
         if s.name == "corpusd_holder_bytes_resident"
     )
     held = (m.n_pages + 1) // 2  # the even pages
-    assert resident == held * 64 * m.n_layers * (656 + 128 * 4), f"{resident=}"
+    d_i = ModelConfig.from_dir(tiny_dir).index_head_dim
+    assert resident == held * 64 * m.n_layers * (656 + d_i * 4), f"{resident=}"
 
 
 def _local_reference(

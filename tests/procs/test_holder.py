@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from corpusd.corpus.store import PageStore
-from corpusd.model import merge_partials, partial_attention
+from corpusd.model import ModelConfig, merge_partials, partial_attention
 from corpusd.v1 import holder_pb2, tensor_pb2
 from holder.launch import HolderProcess
 from indexer import index_scores, select_topk
@@ -24,6 +24,13 @@ from tests.support.checks import rel
 from tests.support.holders import pin_sample, start_holder
 
 SCALE = 0.05
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(sglang_dir: Path) -> Path:
+    """This module sizes its corpora in byte tokens and needs V3.2's 64 × 128 indexer (fp8 index
+    arithmetic quantizes 128-wide keys): the sglang preset, not the CPU default."""
+    return sglang_dir
 
 
 @pytest.fixture(scope="module")
@@ -355,8 +362,10 @@ def test_restart_reloads_the_same_frames(
         await c.close()
         return out.o
 
-    # sized by bytes: 20 frames of 2 layers × 64 rows × (576 + 128) fp32 values
-    size = ["--capacity-bytes", str(20 * 2 * 64 * 704 * 4)]
+    # sized by bytes: 20 frames of (layers × 64 rows × (latent + index key) fp32 values)
+    mc = ModelConfig.from_dir(tiny_dir)
+    row = mc.kv_lora_rank + mc.qk_rope_head_dim + mc.index_head_dim
+    size = ["--capacity-bytes", str(20 * mc.num_hidden_layers * 64 * row * 4)]
     h = start_holder(store, tmp_path / "h", tiny_dir, *size)
     frames, o1 = asyncio.run(first(h.address))
     assert h.stop() == 0

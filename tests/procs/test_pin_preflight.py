@@ -19,6 +19,13 @@ from corpusd.model.tiny import init_tiny
 from tests.support.coordinators import start_holders
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(sglang_dir: Path) -> Path:
+    """This module sizes its corpora in byte tokens and needs V3.2's 64 × 128 indexer (fp8 index
+    arithmetic quantizes 128-wide keys): the sglang preset, not the CPU default."""
+    return sglang_dir
+
+
 def _tar(path: Path, tokens: int) -> Path:
     data = ("".join(f"line {i}: the quick brown fox\n" for i in range(tokens)))[:tokens].encode()
     with tarfile.open(path, "w") as tar:

@@ -34,6 +34,13 @@ from tests.support.coordinators import start_holders, synthetic_corpus
 TOKENS = 200  # three whole pages and a partial one
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(sglang_dir: Path) -> Path:
+    """This module sizes its corpora in byte tokens and needs V3.2's 64 × 128 indexer (fp8 index
+    arithmetic quantizes 128-wide keys): the sglang preset, not the CPU default."""
+    return sglang_dir
+
+
 def _cfg(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_dir(model_dir)
 

@@ -115,3 +115,23 @@ def test_choose_worker_saturates_a_worker_that_reports_its_counters_at_their_max
     assert asyncio.run(go()) == ["w"]
     r, _ = svc.workers["w"]
     assert (r.generating, r.kv_tokens) == (2**32 - 1, 2**64 - 1)
+
+
+def test_fp8_index_topk_on_keys_not_128_wide_is_refused() -> None:
+    """IndexTopK(arith='fp8') on a model whose index keys are 64 wide (the CPU default): the
+    fp8 quantizer's assertion surfaced as INTERNAL (found by the fuzz suite on the new default
+    model); now INVALID_ARGUMENT naming the width."""
+    from corpusd.wire import to_proto
+
+    pool = _pool()
+    checks = RequestChecks(HolderConfig(store="unused", state_dir="unused"), pool)
+    req = holder_pb2.IndexTopKRequest(
+        corpus_id="a", layer=0, k=2, arith="fp8",
+        q=to_proto(torch.ones(1, 2, 3)), weights=to_proto(torch.ones(1, 2)),
+        limit=to_proto(torch.tensor([10])),
+    )  # fmt: skip
+    with pytest.raises(Reject, match="multiple of 128 wide; this model's are 3") as e:
+        checks.index_topk(req)
+    assert e.value.code == S.INVALID_ARGUMENT
+    req.arith = "exact"
+    assert checks.index_topk(req).arith == "exact"

@@ -4,6 +4,7 @@ a stale calibration profile, and an agent worker's binding of a corpus unpinned 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 
@@ -91,11 +92,15 @@ def test_the_coordinator_voids_bindings_of_unpinned_or_republished_corpora() -> 
     from corpusd.v1 import coordinator_pb2 as pb
 
     rows: dict[str, SimpleNamespace] = {}
-    fake = SimpleNamespace(bound_since={}, state=SimpleNamespace(corpus=rows.get))
+
+    async def corpus(cid: str) -> SimpleNamespace | None:  # the state backends are async
+        return rows.get(cid)
+
+    fake = SimpleNamespace(bound_since={}, state=SimpleNamespace(corpus=corpus))
 
     def report(now: float, *corpora: str) -> list[str]:
         req = pb.WorkerReport(worker_id="w", corpora=list(corpora))
-        return CoordinatorService._unpinned(fake, req, now)  # type: ignore[arg-type]
+        return asyncio.run(CoordinatorService._unpinned(fake, req, now))  # type: ignore[arg-type]
 
     rows["a"] = SimpleNamespace(state="ready", updated_at=10.0)
     rows["b"] = SimpleNamespace(state="ready", updated_at=10.0)

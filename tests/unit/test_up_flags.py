@@ -19,6 +19,7 @@ def test_the_background_up_gets_every_flag(tmp_path: Path, monkeypatch: pytest.M
         holders=3, store="/s", model="/m", capacity_tokens=2048, kv_format="fp8_e4m3", detach=1,
         timeout_s=99.0, coordinator_port=7001, holder_ports="7002,7003,7004", agent_port=7005,
         metrics_ports="7100", http_port=8000, calibrate="always", calibration_max_age_days=3.5,
+        insecure=1, state="etcd",
     )  # fmt: skip
     defaults = UpConfig()
     changed = {f.name for f in fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)}
