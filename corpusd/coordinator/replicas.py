@@ -95,6 +95,18 @@ class Replicator:
             return False
         return all(r.fanin <= self.low * r.elbow for r in w)
 
+    def cool_with(self, source: str, target: str, now: float) -> bool:
+        """The load a replica splits has fallen: over a window, the source's fan-in plus the
+        target's peak stays at or below ``low`` × the source's elbow. Judging the source alone
+        dropped a replica as soon as it had halved the load it was added for (bench_fanin saw
+        it removed 11–13 s after it was added, under unchanged load). The target's peak may
+        include other corpora's flows: that only keeps the replica longer."""
+        w = self._window(source, now)
+        if not w:
+            return False
+        peak = max((r.fanin for r in self._window(target, now) or []), default=0)
+        return all(r.fanin + peak <= self.low * r.elbow for r in w)
+
     def decide(
         self, now: float, holders: list[HolderRow], held: dict[str, dict[str, set[int]]],
         free: dict[str, int], loadable: dict[str, set[str]],
@@ -105,7 +117,9 @@ class Replicator:
         out = []
         for (cid, source), rep in list(self.added.items()):
             gone = cid not in loadable or rep.target not in {h.holder_id for h in holders}
-            if gone or (now - rep.since >= self.window_s and self.cool(source, now)):
+            if gone or (
+                now - rep.since >= self.window_s and self.cool_with(source, rep.target, now)
+            ):
                 out.append(Decision("remove", rep))
         live = [h for h in holders if h.live(time.time())]
         for h in live:

@@ -68,3 +68,20 @@ def test_hysteresis_keeps_the_replica_until_the_source_is_cool_for_a_window() ->
     assert (gone.action, gone.replica) == ("remove", d.replica)
     # a corpus unpinned meanwhile loses its replica at once
     assert r.decide(7, HOLDERS, held, {}, {})[0].action == "remove"
+
+
+def test_a_replica_that_split_the_load_stays_until_the_total_falls() -> None:
+    """Removal judges the source and the target together: a replica that halved the source's
+    fan-in (20 → 3 + 3 on the copy) is kept while the total stays above half the elbow
+    (bench_fanin: judged on the source alone it went 11–13 s after it came, under load)."""
+    r = Replicator(window_s=5)
+    feed(r, 0, 6, {"a": 20, "b": 0, "c": 0}, {4: 9})
+    (d,) = r.decide(6, HOLDERS, HELD, {"b": 40, "c": 40}, LOADABLE)
+    r.added[("x", "a")] = d.replica
+    held = {"a": {"x": set(range(10))}, d.replica.target: {"x": {4}}}
+    other = "b" if d.replica.target == "c" else "c"
+    feed(r, 6.5, 20, {"a": 3, d.replica.target: 3, other: 0}, {})  # each under half: 6 in all
+    assert r.decide(20, HOLDERS, held, {"b": 40, "c": 40}, LOADABLE) == []
+    feed(r, 20.5, 26, {"a": 2, d.replica.target: 2, other: 0}, {})  # 4 in all: half the elbow
+    (gone,) = r.decide(26, HOLDERS, held, {"b": 40, "c": 40}, LOADABLE)
+    assert (gone.action, gone.replica) == ("remove", d.replica)
