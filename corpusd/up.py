@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -24,146 +24,10 @@ from corpusd import env, local_ca, security
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.etcd_local import start_etcd
 from corpusd.coordinator.launch import start_coordinator
-from corpusd.corpus.manifest import KV_FORMATS
 from corpusd.daemon import Daemon, check_ports
+from corpusd.up_config import UpConfig
 from holder.launch import start_holder
 from requester.launch import start_agent
-
-
-@dataclass(frozen=True, slots=True)
-class UpConfig:
-    holders: int = field(default=2, metadata={"help": "holder processes"})
-    state_dir: str = field(
-        default="", metadata={"help": "every daemon's state and log (default: $CORPUSD_HOME/up)"}
-    )
-    store: str = field(default="", metadata={"help": "page store (default: $CORPUSD_STORE)"})
-    model: str = field(default="", metadata={"help": "model directory (default: the tiny model)"})
-    capacity_tokens: int = field(
-        default=65536, metadata={"help": "per holder (its pool is allocated up front)"}
-    )
-    kv_format: str = field(
-        default="plain",
-        metadata={"help": "the holders' latent rows: plain, or fp8_e4m3 for pins made with "
-                  "--kv-format fp8_e4m3", "choices": KV_FORMATS},
-    )  # fmt: skip
-    detach: int = field(
-        default=0,
-        metadata={"help": "1 (or the flag alone): start in the background, return once serving",
-                  "const": 1},
-    )  # fmt: skip
-    timeout_s: float = field(default=180.0, metadata={"help": "for everything to come up"})
-    insecure: int = field(
-        default=0,
-        metadata={"help": "1 (or the flag alone): plaintext and no tokens (default: TLS with a "
-                  "local CA and tokens made in <state-dir>/tls)", "const": 1},
-    )  # fmt: skip
-    coordinator_port: int = field(default=0, metadata={"help": "0: pick a free port"})
-    holder_ports: str = field(
-        default="", metadata={"help": "comma-separated, one per holder ('': free ports)"}
-    )
-    agent_port: int = field(default=0, metadata={"help": "the agent's gRPC port; 0: a free one"})
-    metrics_ports: str = field(
-        default="",
-        metadata={
-            "help": "Prometheus ports: one base port P (coordinator P, holders P+1…, agent last) "
-            "or one per daemon in that order, comma-separated ('': free ports)"
-        },
-    )
-    http_port: int = field(
-        default=-1,
-        metadata={"help": "the agent's OpenAI-compatible HTTP API; 0: a free port, -1: off"},
-    )
-    calibrate: str = field(
-        default="",
-        metadata={
-            "help": "the cost model's profile ($CORPUSD_HOME/profile.json): auto = a quick "
-            "calibration when it is missing or stale (another model or device, or older than "
-            "--calibration-max-age-days), always, or off (default: $CORPUSD_CALIBRATE, else auto)",
-            "choices": ("", *env.CALIBRATE_MODES),
-        },
-    )
-    calibration_max_age_days: float = field(
-        default=30.0, metadata={"help": "a profile older than this is stale"}
-    )
-    state: str = field(
-        default="sqlite",
-        metadata={
-            "help": "sqlite: one coordinator; etcd: a 3-member etcd on loopback and 2 "
-            "coordinators sharing it (one leads; every daemon knows both)"
-        },
-    )
-
-    def __post_init__(self) -> None:
-        if self.state not in ("sqlite", "etcd"):
-            raise ValueError(f"state must be sqlite or etcd, got {self.state!r}")
-        if not 1 <= self.holders <= 64:
-            raise ValueError(f"holders must be in 1..64, got {self.holders}")
-        ports = self.ports()  # raises ValueError for a malformed list
-        named = [(f, p) for f, ps in ports.items() for p in ps if p > 0]
-        seen: dict[int, str] = {}
-        for flag, port in named:
-            if port in seen:
-                raise ValueError(f"port {port} is given twice ({seen[port]} and {flag})")
-            seen[port] = flag
-        if self.capacity_tokens <= 0 or not self.timeout_s > 0:
-            raise ValueError("capacity_tokens and timeout_s must be > 0")
-        if self.kv_format not in KV_FORMATS:
-            raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
-        if self.detach not in (0, 1) or self.insecure not in (0, 1):
-            raise ValueError(
-                f"detach and insecure must be 0 or 1, got {self.detach}, {self.insecure}"
-            )
-        if not self.calibration_max_age_days > 0:
-            raise ValueError(
-                f"calibration_max_age_days must be > 0: {self.calibration_max_age_days}"
-            )
-
-    def ports(self) -> dict[str, list[int]]:
-        """Every port asked for, by flag: ``--holder-ports`` one per holder, ``--metrics-ports``
-        coordinator, holders, agent (0: a free one; ``--http-port`` -1: none). Raises ValueError
-        for a list of the wrong length or a port outside 0..65535."""
-        n = self.holders
-        holders = _port_list("--holder-ports", self.holder_ports) or [0] * n
-        if len(holders) != n:
-            raise ValueError(f"--holder-ports: {len(holders)} ports for {n} holders")
-        metrics = _port_list("--metrics-ports", self.metrics_ports) or [0]
-        if len(metrics) == 1 and metrics[0] > 0:
-            metrics = [metrics[0] + i for i in range(n + 2)]
-            if metrics[-1] > 65535:
-                raise ValueError(f"--metrics-ports: {metrics[0]}…{metrics[-1]} pass 65535")
-        elif len(metrics) == 1:
-            metrics = [0] * (n + 2)
-        if len(metrics) != n + 2:
-            raise ValueError(
-                f"--metrics-ports: {len(metrics)} ports; give one base port or {n + 2} "
-                f"(coordinator, {n} holders, agent)"
-            )
-        for flag, port in (
-            ("--coordinator-port", self.coordinator_port),
-            ("--agent-port", self.agent_port),
-        ):
-            if not 0 <= port <= 65535:
-                raise ValueError(f"{flag}: {port}; must be in 0..65535 (0: a free port)")
-        if not -1 <= self.http_port <= 65535:
-            raise ValueError(f"--http-port: {self.http_port}; must be in -1..65535")
-        return {
-            "--coordinator-port": [self.coordinator_port],
-            "--holder-ports": holders,
-            "--agent-port": [self.agent_port],
-            "--metrics-ports": metrics,
-            "--http-port": [self.http_port],
-        }
-
-
-def _port_list(flag: str, text: str) -> list[int]:
-    try:
-        ports = [int(x) for x in text.split(",")] if text.strip() else []
-    except ValueError:
-        raise ValueError(f"{flag}: {text!r} is not a comma-separated list of ports") from None
-    bad = [p for p in ports if not 0 <= p <= 65535]
-    if bad:
-        raise ValueError(f"{flag}: {bad[0]} is outside 0..65535")
-    return ports
 
 
 def describe(info: dict[str, Any]) -> str:
