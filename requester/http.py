@@ -334,11 +334,16 @@ def bearer_guard(app: Any, tokens: dict[str, str]) -> Any:
     of the agent (or admin) right, as the agent's gRPC port asks (OpenAI clients send their
     ``api_key`` so). Missing or unknown: 401; another right: 403; OpenAI-style JSON errors."""
 
+    from corpusd.auth import TokenAuth  # one constant-time token check for gRPC and HTTP
+
+    check = TokenAuth(tokens)
+
     async def guarded(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            right = tokens.get(token) if token else None
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if auth[:7].lower() == b"bearer ":  # the scheme is case-insensitive in HTTP
+                auth = b"Bearer " + auth[7:]
+            right = check.right([("authorization", auth)])
             if right not in ("agent", "admin"):
                 status, code, msg = (
                     (401, "invalid_api_key", "missing or unknown bearer token")
