@@ -41,9 +41,12 @@ async def until(cond, timeout: float = 60.0) -> None:  # type: ignore[no-untyped
         await asyncio.sleep(0.05)
 
 
-async def route(t: PageTable, cid: str, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Attend over corpus positions ``pos [n, k]`` through the holders of replica 0 and merge."""
-    owner = {p: reps[0] for p, reps in enumerate(t.pages)}
+async def route(
+    t: PageTable, cid: str, q: torch.Tensor, pos: torch.Tensor, replica: int = 0
+) -> torch.Tensor:
+    """Attend over corpus positions ``pos [n, k]`` through each page's ``replica`` (an index
+    into its replicas: -1 the last) and merge."""
+    owner = {p: reps[replica] for p, reps in enumerate(t.pages)}
     parts = []
     for hid in sorted({h for h, _ in owner.values()}):
         rows = torch.full_like(pos, -1)

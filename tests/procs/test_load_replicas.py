@@ -15,28 +15,11 @@ import torch
 from corpusd.coordinator.client import CoordinatorClient, PageTable
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
-from corpusd.model import merge_partials, partial_attention
-from requester.holder_client import HolderClient
-from tests.procs.test_coordinator_failures import SCALE, held
+from corpusd.model import partial_attention
+from tests.procs.test_coordinator_failures import SCALE, held, route
 from tests.support.coordinators import start_holders, synthetic_corpus
 
 HOT = {2: 100, 5: 50, 9: 7}  # page → hits
-
-
-async def route_last(t: PageTable, cid: str, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Attend over corpus positions ``pos [n, k]`` through each page's last replica, merged."""
-    owner = {p: reps[-1] for p, reps in enumerate(t.pages)}
-    parts = []
-    for hid in sorted({h for h, _ in owner.values()}):
-        rows = torch.full_like(pos, -1)
-        for i, p in enumerate(pos.view(-1).tolist()):
-            h, frame = owner[p // 64]
-            if h == hid:
-                rows.view(-1)[i] = frame * 64 + p % 64
-        c = HolderClient(t.address(hid))
-        parts.append(await c.attend_rows(cid, 1, q, rows, SCALE))
-        await c.close()
-    return merge_partials([(p.o, p.lse) for p in parts])[0]
 
 
 def counted(metrics_port: int, action: str) -> float:
@@ -84,7 +67,7 @@ def test_a_hot_holder_gets_a_replica_of_its_hottest_pages_and_loses_it_when_cool
             assert {p for p, r in enumerate(t2.pages) if len(r) == 2} == set(HOT)
             assert all(r[0] == t.pages[p][0] for p, r in enumerate(t2.pages))  # source kept
             assert await held(dst_proc) == {cid: t2.frames_on(dst)}
-            out = await route_last(t2, cid, q, pos)  # the hot rows through the copy
+            out = await route(t2, cid, q, pos, replica=-1)  # the hot rows through the copy
             assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
             assert counted(co.metrics_port, "added") == 1
             status = {h.info.holder_id: h for h in await c.list_holders()}
