@@ -76,10 +76,12 @@ def padded_heads(h: int) -> int:
     return 64 if h <= 64 else 128
 
 
-def _raw(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float
+def _padded(
+    q: torch.Tensor, indices: torch.Tensor, rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pad heads and top-k, call the kernel: (O [n, h, 512], raw lse [n, h], valid count [n])."""
+    """What both kernels take: q with its heads zero-padded to 64 or 128, and the indices
+    padded to a multiple of TOPK_ALIGN with -1 for unused (``prep_sparse_indices``: [n, 1, kp]),
+    with each row's count of valid ones."""
     n, h, d = q.shape
     hp = padded_heads(h)
     if hp != h:
@@ -90,7 +92,16 @@ def _raw(
     kp = max(TOPK_ALIGN, math.ceil(k / TOPK_ALIGN) * TOPK_ALIGN)
     from holder.triton_mla import prep_sparse_indices
 
-    idx, count = prep_sparse_indices(indices, kv.shape[0], kp)
+    idx, count = prep_sparse_indices(indices, rows, kp)
+    return q, idx, count
+
+
+def _raw(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad heads and top-k, call the kernel: (O [n, h, 512], raw lse [n, h], valid count [n])."""
+    h, d = q.shape[1], q.shape[2]
+    q, idx, count = _padded(q, indices, kv.shape[0])
     out, _, lse = _sparse_fwd()(q, kv.view(kv.shape[0], 1, d), idx, scale, D_V)
     return out[:, :h], lse[:, :h], count
 
@@ -121,17 +132,9 @@ def _raw_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashMLA's fp8 sparse decode: (O [n, h, 512], raw lse [n, h], valid count [n])."""
     n, h, d = q.shape
-    hp = padded_heads(h)
-    if hp != h:
-        qp = q.new_zeros(n, hp, d)
-        qp[:, :h] = q
-        q = qp
+    q, idx, count = _padded(q, indices, kv.shape[0])  # idx [n, 1, kp]: -1 = unused
     q = q.contiguous()  # viewed as [n, 1, hp, d] below
-    k = indices.shape[1]
-    kp = max(TOPK_ALIGN, math.ceil(k / TOPK_ALIGN) * TOPK_ALIGN)
-    from holder.triton_mla import prep_sparse_indices
-
-    idx, count = prep_sparse_indices(indices, kv.shape[0], kp)  # [n, 1, kp]: -1 = unused
+    hp, kp = q.shape[1], idx.shape[-1]
     fwd, metadata = _decode_fwd()
     seqlens = torch.full((n,), kp, dtype=torch.int32, device=q.device)
     sched, splits = metadata(seqlens, hp, 1, hp, True, kp)
