@@ -32,7 +32,7 @@ from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corp
 from requester.sglang.binding import corpora_of_batch
 from requester.sglang.link import CorpusLink
 from requester.sglang.pagehash import sglang_key_scales_ue8m0
-from requester.sglang.positions import INDEX_DIM, ROPE_START, ROPE_WIDTH
+from requester.sglang.positions import INDEX_DIM, ROPE_START, ROPE_WIDTH, shifted_positions
 from requester.sglang.resident import Resident
 
 log = logging.getLogger("corpusd.sglang")
@@ -247,12 +247,17 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             # True only keeps forward_cuda off its "seq_len <= index_topk" shortcut (no logits);
             # the context-parallel branch still needs nsa_cp_metadata, which stays None.
             ix.nsa_enable_prefill_cp = default or cb is not None
-        if cb is not None:
-            # corpus_len is per token: own tokens sit after their corpus (positions.py).
-            shift = cb.corpus_len.to(positions.device)
-            positions = (positions + shift[: positions.shape[0]]).to(positions.dtype)
-            forward_batch.positions = positions
-        return super().forward(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+        if cb is None:
+            return super().forward(
+                input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors
+            )
+        # corpus_len is per token: own tokens sit after their corpus (positions.py).
+        shift = cb.corpus_len.to(positions.device)
+        shifted = (positions + shift[: positions.shape[0]]).to(positions.dtype)
+        with shifted_positions(forward_batch, shifted):
+            return super().forward(
+                input_ids, shifted, forward_batch, input_embeds, pp_proxy_tensors
+            )
 
 
 EntryClass = [DeepseekV32ForCausalLM]

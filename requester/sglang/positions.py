@@ -16,6 +16,10 @@ band re-interleaved (:func:`to_sglang_layout`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import torch
 
 ROPE_START, ROPE_WIDTH = 512, 64  # V3.2: c_KV 512 ‖ k_pe 64
@@ -37,6 +41,26 @@ def shift_positions(
         corpus_len.to(positions.device), tokens_per_request.to(positions.device)
     )
     return positions.to(torch.int64) + offset
+
+
+@contextmanager
+def shifted_positions(forward_batch: Any, shifted: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Within the block, ``forward_batch.positions`` is ``shifted`` (a backend that reads the
+    batch's positions, such as SGLang's trtllm fp8 path, sees the corpus-shifted ones); after
+    it, the caller's tensor again.
+
+    The restore is what makes CUDA graphs correct: SGLang's graph runner passes one
+    ``ForwardBatch`` to two warm-up runs and the capture, each called with
+    ``forward_batch.positions``. Left replaced, the capture would read the second warm-up's
+    tensor (shifted twice, allocated outside the graph's pool and freed with the batch) instead
+    of the runner's static positions buffer: every replay then reads freed memory, which crashed
+    the rope's cache lookup once larger graphs had been captured (issue 17)."""
+    original = forward_batch.positions
+    forward_batch.positions = shifted
+    try:
+        yield shifted
+    finally:
+        forward_batch.positions = original
 
 
 def deinterleave(band: torch.Tensor) -> torch.Tensor:

@@ -72,3 +72,41 @@ def test_staging_pool_gathers_and_copies_on_its_streams() -> None:
         out = torch.empty(64, D, dtype=torch.bfloat16, pin_memory=True)
         sp.copy([(dst, out)]).synchronize()
         assert torch.equal(out, host)
+
+
+def test_shifted_positions_are_read_from_the_runners_buffer_at_replay() -> None:
+    """SGLang's graph runner (one ForwardBatch for two warm-ups and the capture, graphs captured
+    largest first into one shared pool): with ``shifted_positions`` every replay reads the
+    runner's static positions buffer. Replacing ``forward_batch.positions`` without restoring it
+    made the capture read the second warm-up's tensor, freed afterwards (issue 17)."""
+    from types import SimpleNamespace
+
+    from requester.sglang.positions import shifted_positions
+
+    cos = torch.randn(4096, 8, device="cuda")  # the rope cache a position indexes
+    shift = torch.full((64,), 1000, device="cuda", dtype=torch.int64)
+    static = torch.zeros(64, dtype=torch.int64, device="cuda")
+    pool = torch.cuda.graph_pool_handle()
+    graphs = {}
+    for bs in (64, 32, 16, 1):
+        fb = SimpleNamespace(positions=static[:bs])
+
+        def run_once(fb: SimpleNamespace = fb, bs: int = bs) -> torch.Tensor:
+            pos = fb.positions
+            with shifted_positions(fb, pos + shift[:bs]) as p:
+                return cos[p.clamp(0, cos.shape[0] - 1)] * 2
+
+        for _ in range(2):
+            run_once()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            out = run_once()
+        graphs[bs] = (g, out)
+        del fb, run_once
+    torch.cuda.empty_cache()
+    junk = [torch.full((64,), 7777, device="cuda", dtype=torch.int64) for _ in range(64)]
+    for bs, (g, out) in sorted(graphs.items()):
+        static[:bs].copy_(torch.randint(0, 3000, (bs,), device="cuda"))
+        g.replay()
+        torch.testing.assert_close(out, cos[static[:bs] + 1000] * 2, rtol=0, atol=0)
+    del junk

@@ -121,6 +121,46 @@ def test_shift_positions() -> None:
         positions.shift_positions(pos, torch.tensor([1, 2]), torch.tensor([3, 2]))
 
 
+def _runner_pattern(model_forward: object) -> tuple[object, list[torch.Tensor]]:
+    """SGLang's ``CudaGraphRunner.capture_one_batch_size``: one ForwardBatch, two warm-up runs
+    and the capture, each called as ``forward(forward_batch.positions, forward_batch)``."""
+    from types import SimpleNamespace
+
+    static = torch.tensor([3, 4, 5])  # the runner's positions buffer
+    fb = SimpleNamespace(positions=static)
+    seen = [model_forward(fb.positions, fb) for _ in range(3)]  # type: ignore[operator]
+    return fb, seen
+
+
+def test_shifted_positions_leave_the_graph_runners_buffer_in_place() -> None:
+    """The entry model's forward (deepseek_v32.py) shifts positions inside
+    ``shifted_positions``: every run sees the static buffer + the corpus length, never a
+    shift of a shift, and the batch's positions are the runner's buffer again afterwards (the
+    issue 17 graph defect: the capture read a freed warm-up tensor)."""
+    shift = torch.tensor([100, 100, 0])
+
+    def forward(pos: torch.Tensor, fb: object) -> torch.Tensor:
+        with positions.shifted_positions(fb, pos + shift) as shifted:
+            assert fb.positions is shifted  # type: ignore[attr-defined]
+            return shifted
+
+    fb, seen = _runner_pattern(forward)
+    assert all(s.tolist() == [103, 104, 5] for s in seen), [s.tolist() for s in seen]
+    assert fb.positions.tolist() == [3, 4, 5]  # type: ignore[attr-defined]
+
+    def raising(pos: torch.Tensor, fb: object) -> None:
+        with positions.shifted_positions(fb, pos + shift):
+            raise RuntimeError("a layer failed")
+
+    from types import SimpleNamespace
+
+    fb2 = SimpleNamespace(positions=torch.tensor([1]))
+    before = fb2.positions
+    with pytest.raises(RuntimeError):
+        raising(fb2.positions, fb2)
+    assert fb2.positions is before
+
+
 def _sglang_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """SGLang's non-neox (GPT-J) rotary, as RotaryEmbedding applies it with is_neox_style=False:
     rotate pairs (x[2i], x[2i+1]) in place, keeping them interleaved."""
