@@ -48,11 +48,6 @@ VARIABLES = {
         "SGLang plugin, device path: index-key arena for every bound corpus (tokens)",
         "65536",
     ),
-    "CORPUSD_SGLANG_GRAPH_MAX_BS": (
-        "SGLang plugin, device path: the largest decode CUDA graph it lets SGLang capture (larger "
-        "batches run eager; raise only to reproduce the open >16 defect)",
-        "16",
-    ),
 }
 
 

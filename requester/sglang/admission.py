@@ -13,9 +13,11 @@ prefill would run before the request reaches a batch.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any, Protocol
 
-from requester.sglang.binding import CorpusBindingError, corpus_of_rid
+from requester.sglang.binding import CorpusBindingError, corpora_of_batch, corpus_of_rid
 
 log = logging.getLogger("corpusd.sglang")
 
@@ -26,6 +28,12 @@ class _Model(Protocol):
 
 
 _MODEL: _Model | None = None  # the plugin's model in this scheduler process (TP rank)
+# Requests refused here, newest last. SGLang still runs an aborted request through a one-token
+# prefill (set_finish_with_abort keeps it queued with origin_input_ids = [0]), and with the
+# overlap scheduler it may sit in one more batch, so the forward must treat it as unbound.
+# rids are unique; the oldest are forgotten past the bound.
+_REFUSED: OrderedDict[str, None] = OrderedDict()
+_REFUSED_MAX = 65536
 
 
 def register(model: _Model) -> None:
@@ -53,6 +61,17 @@ def refusal(rid: str | None, model: _Model | None = None) -> str | None:
     return None
 
 
+def batch_corpora(rids: Sequence[str] | None, batch_size: int) -> list[str | None]:
+    """Per request of a forward batch, its corpus name, or None when it is unbound, padding, or
+    was refused at admission (its abort prefill must not bind, or the forward would raise the
+    error admission already answered)."""
+    names = corpora_of_batch(rids, batch_size)
+    for i, rid in enumerate(list(rids or [])[:batch_size]):
+        if rid in _REFUSED:
+            names[i] = None
+    return names
+
+
 def wrap_scheduler(scheduler_cls: Any) -> bool:
     """Make ``scheduler_cls._add_request_to_queue`` refuse a request that cannot be bound, the
     way SGLang refuses an unknown session. Idempotent; True when it wrapped now."""
@@ -66,6 +85,9 @@ def wrap_scheduler(scheduler_cls: Any) -> bool:
             why = refusal(getattr(req, "rid", None))
             if why is not None:
                 req.set_finish_with_abort(why)
+                _REFUSED[req.rid] = None
+                while len(_REFUSED) > _REFUSED_MAX:
+                    _REFUSED.popitem(last=False)
         return orig(self, req, *args, **kw)
 
     _add_request_to_queue._corpusd_admission = True  # type: ignore[attr-defined]

@@ -29,7 +29,6 @@ from corpusd.model import ModelConfig
 from corpusd.model.checkpoint import fingerprint
 from requester.sglang import admission
 from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
-from requester.sglang.binding import corpora_of_batch
 from requester.sglang.link import CorpusLink
 from requester.sglang.pagehash import sglang_key_scales_ue8m0
 from requester.sglang.positions import INDEX_DIM, ROPE_START, ROPE_WIDTH, shifted_positions
@@ -43,7 +42,6 @@ log = logging.getLogger("corpusd.sglang")
 # in __init__, which is on the model-loading path.
 os.environ.setdefault("SGLANG_NSA_FUSE_TOPK", "0")
 ATTENTION_BACKENDS["nsa"] = create_corpus_nsa_backend
-GRAPH_MAX_BS = 16  # the largest decode CUDA graph the device path is known to replay cleanly
 
 
 def _hook_indexer(ix: Any, model: DeepseekV32ForCausalLM) -> None:
@@ -143,22 +141,6 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 "this GPU (start holders with --device on this GPU and --dtype bfloat16 first; "
                 "tensor parallelism is host path only)"
             )
-        max_bs = int(getattr(args, "cuda_graph_max_bs", 0) or 0)
-        # CORPUSD_SGLANG_GRAPH_MAX_BS raises the cap, to reproduce the defect below (a bench flag)
-        cap = int(os.environ.get("CORPUSD_SGLANG_GRAPH_MAX_BS", GRAPH_MAX_BS))
-        if res is not None and not args.disable_cuda_graph and max_bs > cap:
-            # Measured on an H100 (issue 17's note): with decode graphs above 16 bound requests
-            # captured, replays hit an illegal memory access (cause not found yet; even bs=1
-            # replays fail once a 32 or 64 graph exists); eager decode of 64 runs clean. So the
-            # plugin captures up to the cap and SGLang runs larger decode batches eager.
-            kept = sorted(b for b in (getattr(args, "cuda_graph_bs", None) or []) if b <= cap)
-            log.warning(
-                "corpusd plugin: decode CUDA graphs capped at %d requests (asked %d); larger "
-                "batches run eager (a known open defect of the device path, issue 17)",
-                cap, max_bs,
-            )  # fmt: skip
-            args.cuda_graph_max_bs = cap
-            args.cuda_graph_bs = kept or [b for b in (1, 2, 4, 8, 16) if b <= cap]
         if res is None and not args.disable_cuda_graph:
             raise RuntimeError(
                 "corpusd plugin: no corpusd holder on this GPU, so corpus attention goes over "
@@ -177,7 +159,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         mode = "extend" if forward_batch.forward_mode.is_extend() else "decode"
         if mode == "extend":
             bs = int(forward_batch.batch_size)
-            names = corpora_of_batch(getattr(forward_batch, "rids", None), bs)
+            names = admission.batch_corpora(getattr(forward_batch, "rids", None), bs)
             link = self.corpusd_link
             bindings = [link.bind(c) if c else None for c in names]
             placed = [link.load_resident(b, res) if b else None for b in bindings]
@@ -209,7 +191,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
 
     def _corpus_batch(self, forward_batch: Any, n_tokens: int) -> CorpusBatch | None:
         bs = int(forward_batch.batch_size)
-        names = corpora_of_batch(getattr(forward_batch, "rids", None), bs)
+        names = admission.batch_corpora(getattr(forward_batch, "rids", None), bs)
         if not any(names):
             return None
         bindings = [self.corpusd_link.bind(c) if c else None for c in names]

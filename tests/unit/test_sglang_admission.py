@@ -96,6 +96,20 @@ def test_bad_bindings_abort_only_their_request(scheduler: type[_Scheduler]) -> N
     assert reqs[4].aborted is not None and "want 'corpusd:<corpus>:<unique>'" in reqs[4].aborted
 
 
+def test_a_refused_request_reaches_the_forward_unbound(scheduler: type[_Scheduler]) -> None:
+    """SGLang keeps an aborted request queued for a one-token prefill, so it reaches the
+    forward: there it must be unbound, or binding raises the error admission already answered
+    and the scheduler dies (seen on an H100: the binding probe killed the route server)."""
+    s = scheduler()
+    good, bad, plain = _Req("corpusd:docs:1"), _Req("corpusd:nope:2"), _Req("plain")
+    for r in (good, bad, plain):
+        s._add_request_to_queue(r)
+    assert bad.aborted is not None
+    rids = [r.rid for r in s.queue]
+    assert admission.batch_corpora(rids, 4) == ["docs", None, None, None]
+    assert admission.batch_corpora(rids, 4) == ["docs", None, None, None]  # overlap: again
+
+
 def test_retracted_requests_are_not_rechecked(scheduler: type[_Scheduler]) -> None:
     s = scheduler()
     r = _Req("corpusd:nope:1")
