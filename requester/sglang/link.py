@@ -327,6 +327,12 @@ class CorpusLink:
                 log.warning("fetch from holder %s failed (%s: %s); routing its rows",
                             g.address, code.name, detail)  # fmt: skip
                 return "failed", None, time.perf_counter() - t0
+            want = (len(plan.fill_pages), self.page_size, self.geometry.kv_dim)
+            if tuple(lat[0].shape) != want or not lat[0].is_floating_point():
+                # e.g. a pin in FlashMLA's fp8 page format: not rows this cache can hold
+                log.warning("fetch from holder %s: pages %s %s, want %s float rows; routing",
+                            g.address, list(lat[0].shape), lat[0].dtype, list(want))  # fmt: skip
+                return "failed", None, time.perf_counter() - t0
             self._wire_itemsize = lat[0].element_size()
             return "fetched", lat[0], time.perf_counter() - t0
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -347,3 +348,37 @@ def test_auto_decides_per_group_and_fetch_falls_back_to_route_when_it_cannot(
             link.close()
     for o, lse in (got_auto, got_small, got_broken):
         assert rel(o, want[0]) < 4e-3 and torch.allclose(lse, want[1], atol=1e-4)
+
+
+def test_fetched_pages_the_cache_cannot_hold_route_instead(
+    cluster: Cluster, tiny_dir: Path
+) -> None:
+    """A holder that answers Fetch with pages that are not float rows of the model's width (as
+    a pin in FlashMLA's fp8 page format would): the forward does not fail; the group routes,
+    counted, and nothing enters the cache."""
+    cfg = ModelConfig.from_dir(tiny_dir)
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(2, cfg.num_attention_heads, cfg.kv_dim, generator=g).bfloat16()
+    pos = torch.randint(0, TOKENS, (2, 30), generator=g)
+    route = CorpusLink(cluster.coord.address, cfg, fingerprint(tiny_dir), 64)
+    link = _fetch_link(cluster, tiny_dir, "fetch", 64 << 20)
+    try:
+        want = route.attend(route.bind(cluster.corpus_id), 1, q, pos, cfg.softmax_scale)
+        b = link.bind(cluster.corpus_id)
+
+        async def made_on_the_links_loop() -> Any:
+            return link.fanout.client(cluster.holders[0].address)
+
+        client = link._run(made_on_the_links_loop())
+
+        async def fp8_pages(corpus_id: str, pages: list[int], **kw: object) -> tuple:
+            return [torch.zeros(len(pages), 64, 656, dtype=torch.uint8)], []
+
+        client.fetch = fp8_pages  # type: ignore[method-assign]
+        got = link.attend(b, 1, q, pos, cfg.softmax_scale)
+        assert _counter(link, "fallbacks", "fetch", "route") == 1
+        assert link.cache is not None and link.cache.stats()["resident"] == 0
+    finally:
+        route.close()
+        link.close()
+    assert rel(got[0], want[0]) < 1e-6 and torch.equal(got[1], want[1])
