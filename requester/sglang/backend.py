@@ -14,7 +14,9 @@ Per layer of a batch with corpus-bound requests (state in ``forward_batch.corpus
    format (positions within the request); the corpus part is kept for step 3.
 2. ``forward_extend`` / ``forward_decode`` run SGLang's sparse kernel over the own part, keeping
    the LSE SGLang drops (our ``_forward_flashmla_sparse`` / ``_forward_flashmla_kv``).
-3. The corpus part goes to corpusd (``CorpusLink.attend``); the two partials merge by LSE.
+3. The corpus part goes to corpusd (``CorpusLink.attend``: per holder group routed to the holder
+   or fetched into the plugin's page cache and attended here, as ``choose.py`` decides); the two
+   partials merge by LSE.
 """
 
 from __future__ import annotations

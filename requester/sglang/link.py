@@ -8,6 +8,10 @@ worker uses: the page table (attention calls go straight to the holders of the s
 failover (replicas, then the page table as the coordinator says now), and per layer the
 corpus's index keys (streamed once, then put through SGLang's fp8 format so the corpus's keys
 score at the precision of the request's own keys).
+
+``attend`` serves each holder group of a layer call by route or fetch, as the plugin's
+:class:`~.choose.Chooser` decides: fetched pages live in a :class:`~.page_cache.PageCache` on the
+queries' GPU and are attended there (NOTES.md, "Route or fetch").
 """
 
 from __future__ import annotations
