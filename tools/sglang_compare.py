@@ -107,7 +107,15 @@ def load_trace(path: Path) -> list[dict[str, Any]]:
     """The plugin's decisions (``CORPUSD_SGLANG_TRACE``, JSON lines); [] when none was written."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:  # only the last may be cut short (read while written)
+                raise
+    return out
 
 
 def group_costs(trace: Iterable[dict[str, Any]], tag: str) -> dict[tuple, dict[str, Any]]:

@@ -131,8 +131,10 @@ class Chooser:
 
     def measure_local(self, device: torch.device, heads: int, kv_dim: int, d_v: int,
                       base2: bool) -> None:  # fmt: skip
-        """Once, before the first auto decision: this process's sparse kernel's terms."""
-        if self._local_measured or self.force != "auto":
+        """Once, before the first decision that may fetch: this process's sparse kernel's terms
+        (a forced fetch's predictions use them too, so its measured/predicted ratio means the
+        same as auto's)."""
+        if self._local_measured or self.force == "route":
             return
         self._local_measured = True
         base, slope = local_terms(device, heads, kv_dim, d_v, base2)

@@ -71,8 +71,11 @@ def test_predicate_score_matches_groups_across_runs() -> None:
 
 def test_load_trace_reads_json_lines(tmp_path: Path) -> None:
     assert load_trace(tmp_path / "none.jsonl") == []
-    (tmp_path / "t.jsonl").write_text('{"step": 1}\n\n{"step": 2}\n')
-    assert load_trace(tmp_path / "t.jsonl") == [{"step": 1}, {"step": 2}]
+    (tmp_path / "t.jsonl").write_text('{"step": 1}\n\n{"step": 2}\n{"st')
+    assert load_trace(tmp_path / "t.jsonl") == [{"step": 1}, {"step": 2}]  # last: being written
+    (tmp_path / "bad.jsonl").write_text('{"st\n{"step": 2}\n')
+    with pytest.raises(ValueError):
+        load_trace(tmp_path / "bad.jsonl")
 
 
 def _run(vectors: list[list[list[float]]]) -> dict[str, Any]:
