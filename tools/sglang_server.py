@@ -125,6 +125,8 @@ class Server:
             # the device path's window: the longest corpus, in whole 1,024-token steps
             longest = max(map(len, cd.tokens.values()))
             env.setdefault("CORPUSD_SGLANG_WINDOW", str(-(-longest // 1024) * 1024))
+        if mode == "route":  # as in every earlier run: the plugin's host path routes
+            env.setdefault("CORPUSD_SGLANG_PRIMITIVE", "route")
         if prim:  # the predicate decides on the host path (no CUDA graphs there)
             self.trace = log.with_name(f"trace-{prim}.jsonl")
             self.trace.unlink(missing_ok=True)

@@ -135,6 +135,7 @@ class CorpusLink:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self.timeout)
 
     def close(self) -> None:
+        self.chooser.close()
         self._run(self.fanout.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
