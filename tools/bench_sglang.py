@@ -387,7 +387,12 @@ def summarize(
             )
         if all(f"route@{p}" in by_mode for p in ("route", "fetch", "auto")):
             traces = {p: load_trace(Path(a.work) / f"trace-{p}.jsonl") for p in PRIMS}
-            out["regimes"][r]["predicate"] = predicate_score(traces, greedy_tag(r))
+            score = predicate_score(traces, greedy_tag(r))
+            # end to end too: the concurrent streams' inter-token time under each primitive
+            itl = {p: by_mode[f"route@{p}"]["concurrent"]["inter_token_p50_ms"] for p in PRIMS}
+            score["inter_token_p50_ms"] = itl
+            score["auto_itl_over_better_forced"] = itl["auto"] / min(itl["route"], itl["fetch"])
+            out["regimes"][r]["predicate"] = score
     return out
 
 

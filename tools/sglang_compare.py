@@ -213,6 +213,9 @@ def report(out: dict[str, Any]) -> None:
             print(f"{r}: predicate right {s['right']}/{s['groups']} groups, picks "
                   f"{s['auto_picks']}, auto / better forced {ratio and round(ratio, 3)} "
                   f"({'within' if s['auto_within_slack'] else 'OUTSIDE'} 10 %)")  # fmt: skip
+            if "inter_token_p50_ms" in s:
+                print(f"{r}: inter-token p50 ms by primitive {s['inter_token_p50_ms']}, auto / "
+                      f"better forced {s['auto_itl_over_better_forced']:.3f}")  # fmt: skip
     for r, v in out["regimes"].items():
         ans = v["stock_answers"]
         print(f"{r}: stock answers {ans['distinct']} distinct, {ans['corpus_dependent']} change "
