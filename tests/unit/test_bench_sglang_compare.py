@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 
 from tools.bench_sglang import greedy_tag, request
-from tools.sglang_compare import exactness, load_trace, predicate_score, primitive_modes
+from tools.sglang_compare import (
+    compare,
+    exactness,
+    free_running,
+    load_trace,
+    predicate_score,
+    primitive_modes,
+    report,
+)
 
 
 def test_primitive_modes() -> None:
@@ -92,3 +100,28 @@ def test_exactness_counts_every_teacher_forced_step() -> None:
     assert exactness(a, flipped)["forced_agree_steps"] == 1 and not exactness(a, flipped)["ok"]
     far = _run([[[-0.1, -2.0, -9.0], [-3.0, -0.06, -4.2]]])
     assert not exactness(a, far)["ok"]  # the argmax agrees, the mean diff is past 0.02
+
+
+def test_report_prints_the_primitive_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    """The summary table of a run with --primitive (the bench prints it after saving JSON)."""
+    a = _run([[[-0.1, -2.5, -9.0], [-3.0, -0.06, -4.0]]])
+    route = _trace("route@route", {0: 100.0, 1: 100.0, 2: 100.0}, lambda f: "route", 0)
+    fetch = _trace("route@fetch", {0: 300.0, 1: 50.0, 2: 50.0}, lambda f: "fetch", 0)
+    score = predicate_score({"route": route, "fetch": fetch, "auto": route}, greedy_tag("sparse"))
+    score.update(inter_token_p50_ms={"route": 9.0, "fetch": 6.0, "auto": 6.3},
+                 auto_itl_over_better_forced=1.05)  # fmt: skip
+    c = compare(a, a)
+    conc = {"ttft_p50_ms": 50.0, "inter_token_p50_ms": 6.0, "kv_pool_peak_tokens": 100.0}
+    out = {"regimes": {"sparse": {
+        "vs_stock": {"route@fetch": c},
+        "batched_vs_sequential": {"stock": free_running([[1]], [[1]])},
+        "primitive_exactness": exactness(a, a), "predicate": score,
+        "stock_answers": {"distinct": 8, "corpus_dependent": 8, "text": ["a", "b"]},
+        "concurrent_by_streams": {"route@auto": {"8": conc}},
+    }}}  # fmt: skip
+    report(out)
+    text = capsys.readouterr().out
+    assert "route vs fetch (plugin) teacher-forced 2/2, mean |Δ log-prob| 0.0000 (ok" in text
+    # auto always routed: right where route measured cheaper, and its total is route's
+    assert "predicate right 4/12 groups" in text and "auto / better forced 1.0 (within 10 %" in text
+    assert "auto / better forced 1.050" in text and "route@auto       8" in text
