@@ -48,6 +48,29 @@ VARIABLES = {
         "SGLang plugin, device path: index-key arena for every bound corpus (tokens)",
         "65536",
     ),
+    "CORPUSD_SGLANG_PRIMITIVE": (
+        "SGLang plugin, host path: route or fetch per layer and holder group by the cost model "
+        "(auto), or forced (route, fetch)",
+        "auto",
+    ),
+    "CORPUSD_SGLANG_PAGE_CACHE_MB": (
+        "SGLang plugin, host path: GPU page cache for fetched corpus pages, all layers (0: no "
+        "fetch)",
+        "256",
+    ),
+    "CORPUSD_SGLANG_PROFILE": (
+        "SGLang plugin: the calibration profile (`corpusd calibrate`) its predicate uses",
+        "$CORPUSD_HOME/profile.json if present",
+    ),
+    "CORPUSD_SGLANG_METRICS_PORT": (
+        "SGLang plugin: serve its Prometheus metrics (decisions, measured/predicted cost, page "
+        "cache) on this loopback port",
+        "unset: not served",
+    ),
+    "CORPUSD_SGLANG_TRACE": (
+        "SGLang plugin: append every route/fetch decision with its costs to this JSON-lines file",
+        "unset",
+    ),
 }
 
 

@@ -39,7 +39,8 @@ from corpusd.model.checkpoint import fingerprint
 from requester.client import Client
 from requester.holder_client import HolderClient
 from requester.sglang.link import CorpusLink
-from tools.bench_sglang import REGIMES, start_corpusd
+from tools.bench_sglang import REGIMES
+from tools.sglang_server import start_corpusd
 
 HEADS, WIDTH, K = 64, 576, 2048
 

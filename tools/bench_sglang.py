@@ -19,6 +19,13 @@ Run on a GPU machine with sglang installed (the device recipe is in docs/sglang.
     python -m tools.bench_sglang --out bench/results/sglang-h200.json
 
 It starts its own corpusd (coordinator, holders, one agent) and tiny model under ``--work``.
+
+``--primitive route,fetch,auto`` (issue 17, item 3) runs the route mode once per plugin primitive,
+forced by ``CORPUSD_SGLANG_PRIMITIVE`` on the host path (modes ``route@route``, ``route@fetch``,
+``route@auto``), each writing its decisions to ``trace-<p>.jsonl`` under ``--work``: every auto
+decision is checked against the faster forced run of the same group, auto's total against the
+better forced total (within 10 %), and route vs fetch teacher-forced agreement and mean |Δ
+log-prob| (``tools/sglang_compare.py``). Without the flag the run is as before.
 """
 
 from __future__ import annotations
@@ -27,8 +34,6 @@ import argparse
 import itertools
 import json
 import math
-import os
-import re
 import statistics
 import subprocess
 import sys
@@ -37,20 +42,27 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corpusd.coordinator.launch import start_coordinator
-from corpusd.corpus.store import PageStore
-from corpusd.daemon import Daemon
 from corpusd.tokenizer import ByteTokenizer
-from holder.launch import start_holder
 from indexer import ARITHS
-from requester.launch import start_agent
 from requester.sglang.binding import request_fields
+from tools.sglang_compare import PRIMITIVES as PRIMS
+from tools.sglang_compare import (
+    compare,
+    exactness,
+    forced_primitive,
+    free_running,
+    is_route,
+    load_trace,
+    predicate_score,
+    primitive_modes,
+    report,
+    vectors,
+)
+from tools.sglang_server import SGLANG_ENV, SGLANG_FLAGS, Corpusd, Server, start_corpusd
 
-ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = [
     "What does the coordinator store, and where?",
     "How are two partial attentions merged exactly?",
@@ -61,187 +73,12 @@ QUESTIONS = [
     "What is sent to a holder at each decode step?",
     "How is the README's first command run?",
 ]
-SGLANG_ENV = {
-    # No 10-minute DeepGEMM JIT warm-up; prefill stays off the FA3 path the deps omit; one top-k
-    # code path (unfused) in every mode, which the plugin needs.
-    "SGLANG_ENABLE_JIT_DEEPGEMM": "0",
-    "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "0",
-    "SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
-    "SGLANG_NSA_FUSE_TOPK": "0",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-}
-SGLANG_FLAGS = [
-    "--attention-backend", "nsa", "--page-size", "64",
-    "--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse",
-    "--kv-cache-dtype", "auto", "--skip-tokenizer-init",
-    "--grammar-backend", "none", "--enable-metrics", "--context-length", "16384",
-    "--enable-fp32-lm-head",
-    "--mem-fraction-static", "0.3", "--max-total-tokens", "65536", "--log-level", "info",
-]  # fmt: skip
-
-
-@dataclass
-class Corpusd:
-    daemons: list[Daemon]
-    coordinator: str
-    store: Path
-    tokens: dict[str, list[int]]  # corpus name → its tokens
-
-    def stop(self) -> None:
-        for d in reversed(self.daemons):
-            try:
-                d.stop(timeout=20)
-            except subprocess.TimeoutExpired:
-                d.kill()
-
-
-def corpus_source(out: Path, n_bytes: int, first: str) -> Path:
-    """A directory with ``n_bytes`` of this repo's text, starting at the file ``first``."""
-    files = [ROOT / "README.md", *sorted((ROOT / "corpusd" / "model").glob("*.py"))]
-    files = sorted(files, key=lambda p: p.name != first)
-    text = "".join(p.read_text() for p in files)[:n_bytes]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "notes.md").write_text(text)
-    return out
-
-
-def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], holders: int,
-                  device: str) -> Corpusd:  # fmt: skip
-    """A coordinator, ``holders`` holders and an agent; each of ``corpora`` (name → bytes, first
-    file) pinned through them."""
-    store = work / "store"
-    daemons: list[Daemon] = []
-    try:
-        coord = start_coordinator(work / "coordinator", store)
-        daemons.append(coord)
-        extra = ["--coordinator", coord.address, "--capacity-tokens", "16384", "--device", device]
-        if device != "cpu":  # bf16 pages (as SGLang's pool), our Triton sparse-MLA kernel
-            extra += ["--dtype", "bfloat16", "--kernel", "triton"]
-        for i in range(holders):
-            daemons.append(start_holder(store, work / f"holder-{i}", model, *extra))
-        daemons.append(start_agent(store, work / "agent", model, "--coordinator", coord.address))
-        tokens = {}
-        for name, (n_bytes, first) in corpora.items():
-            src = corpus_source(work / "src" / name, n_bytes, first)
-            pin = [sys.executable, "-m", "corpusd", "pin", "--corpus", str(src), "--name", name]
-            pin += ["--model", str(model), "--store", str(store), "--coordinator", coord.address]
-            pin += ["--dtype", "float32" if device == "cpu" else "bfloat16"]  # the holders' dtype
-            subprocess.run(pin, check=True)
-            ps = PageStore(store)
-            tokens[name] = ps.read_tokens(ps.resolve(name)).tolist()
-        return Corpusd(daemons, coord.address, store, tokens)
-    except BaseException:
-        for d in reversed(daemons):
-            d.kill()
-        raise
-
-
-# -- one SGLang server ---------------------------------------------------------------------------
-class Server:
-    def __init__(
-        self, mode: str, model: Path, port: int, cd: Corpusd, log: Path,
-        graph_bs: tuple[int, ...] = (),
-    ) -> None:  # fmt: skip
-        env = {**os.environ, **SGLANG_ENV}
-        flags = ["--model-path", str(model), "--port", str(port), *SGLANG_FLAGS]
-        if graph_bs:  # capture only the batch sizes measured (each capture JITs kernels: ~12 s)
-            flags += ["--cuda-graph-max-bs", str(max(graph_bs)), "--cuda-graph-bs"]
-            flags += [str(b) for b in sorted(graph_bs)]
-        else:
-            flags.append("--disable-cuda-graph")
-        if mode == "route":
-            env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "requester.sglang"
-            env["CORPUSD_COORDINATOR"] = cd.coordinator
-            # the device path's window: the longest corpus, in whole 1,024-token steps
-            longest = max(map(len, cd.tokens.values()))
-            env.setdefault("CORPUSD_SGLANG_WINDOW", str(-(-longest // 1024) * 1024))
-        if mode == "fetch":
-            extra = {
-                "backend_name": "corpusd",
-                "module_path": "requester.sglang.hicache",
-                "class_name": "CorpusdHiCacheStorage",
-                "interface_v1": 1,
-                "corpusd_store": str(cd.store),
-                "model_path": str(model),
-            }
-            flags += [
-                "--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
-                "--hicache-storage-backend-extra-config", json.dumps(extra),
-                "--hicache-storage-prefetch-policy", "wait_complete",
-                "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "kernel",
-                "--hicache-size", "2",
-            ]  # fmt: skip
-        self.mode, self.url, self.log = mode, f"http://127.0.0.1:{port}", log
-        self._log = log.open("w")
-        cmd = [sys.executable, "-m", "sglang.launch_server", *flags]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def wait(self, timeout: float = 420) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.mode}: sglang exited ({self.proc.returncode}):\n{self.tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return time.monotonic() - t0
-            except OSError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"{self.mode}: sglang not healthy in {timeout}s:\n{self.tail()}")
-
-    def tail(self, n: int = 60) -> str:
-        self._log.flush()
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-
-    def post(self, body: dict[str, Any], timeout: float = 600) -> Any:
-        req = urllib.request.Request(
-            self.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-
-    def stream(self, body: dict[str, Any], timeout: float = 600) -> tuple[list[float], list[int]]:
-        """Arrival times (monotonic) of each streamed chunk that carries new tokens, and the
-        tokens (SGLang's chunks carry every token so far, unless --incremental-streaming-output).
-        """
-        req = urllib.request.Request(
-            self.url + "/generate",
-            json.dumps({**body, "stream": True}).encode(),
-            {"Content-Type": "application/json"},
-        )
-        times: list[float] = []
-        tokens: list[int] = []
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            for line in r:
-                if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
-                    times.append(time.monotonic())
-                    tokens = json.loads(line[5:])["output_ids"]
-        return times, tokens
-
-    def used_tokens(self) -> float:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        vals = [float(m) for m in re.findall(r"^sglang:num_used_tokens\{[^}]*\} (\S+)", text, re.M)]
-        return max(vals, default=math.nan)
 
 
 def request(
-    prompt: list[int], n: int, mode: str, corpus: str, i: int, vocab: int, logprobs: bool
-) -> dict:
+    prompt: list[int], n: int, mode: str, corpus: str, i: int, vocab: int, logprobs: bool,
+    phase: str = "",
+) -> dict:  # fmt: skip
     body: dict[str, Any] = {
         "input_ids": prompt,
         "sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True},
@@ -252,8 +89,9 @@ def request(
             logprob_start_len=len(prompt),
             token_ids_logprob=list(range(vocab)),
         )
-    if mode == "route":
-        body.update(request_fields(corpus, f"{mode}-{i}-{time.monotonic_ns()}"))
+    if is_route(mode):  # phase: the trace's name for a request (tools/sglang_compare.py)
+        tag = mode.replace("@", "-")
+        body.update(request_fields(corpus, f"{tag}-{phase}{i}-{time.monotonic_ns()}"))
     return body
 
 
@@ -281,15 +119,20 @@ def binding_probe(server: Server, corpus: str, prompt: list[int], vocab: int) ->
     return out
 
 
-def vectors(meta: dict[str, Any], vocab: int) -> list[list[float]]:
-    """Per output position, the log-softmax over the whole vocabulary."""
-    out = []
-    for step in meta["output_token_ids_logprobs"]:
-        v = [math.nan] * vocab
-        for lp, tok, *_ in step:
-            v[int(tok)] = float(lp)
-        out.append(v)
-    return out
+def greedy_tag(corpus: str) -> str:
+    """How the sequential greedy requests are named: the trace keys one run's groups by it."""
+    return f"greedy-{corpus}-"
+
+
+def plugin_metrics(server: Server) -> list[str]:
+    """The plugin's decision and cost-ratio series as its metrics server shows them."""
+    try:
+        with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
+            text = r.read().decode()
+    except OSError as e:  # the run's numbers stand without them
+        return [f"unavailable: {e}"]
+    want = ("decisions_total", "measured_over_predicted", "page_cache", "fallbacks_total")
+    return [ln for ln in text.splitlines() if not ln.startswith("#") and any(w in ln for w in want)]
 
 
 def measure(
@@ -302,10 +145,10 @@ def measure(
     the log-softmax of the next token given the same context, so noise at one step does not
     change the context of the next; (3) the same requests as 8 concurrent streams, timed, with
     SGLang's KV-pool use sampled; their tokens are (1)'s computed in one batch."""
-    prompts = [s if mode == "route" else corpus_tokens + s for s in suffixes]
+    prompts = [s if is_route(mode) else corpus_tokens + s for s in suffixes]
     greedy = []
     for i, p in enumerate(prompts):
-        r = server.post(request(p, n_tokens, mode, corpus, i, vocab, logprobs=False))
+        r = server.post(request(p, n_tokens, mode, corpus, i, vocab, False, greedy_tag(corpus)))
         greedy.append(
             {"tokens": r["output_ids"], "cached_tokens": r["meta_info"].get("cached_tokens")}
         )
@@ -374,55 +217,6 @@ def concurrent(
     }
 
 
-def argmax(v: list[float]) -> int:
-    return max(range(len(v)), key=v.__getitem__)
-
-
-def free_running(ref: list[list[int]], got: list[list[int]]) -> dict[str, Any]:
-    """Greedy tokens equal position by position, and each request's first differing step."""
-    same = total = 0
-    first_div = []
-    for ta, tb in zip(ref, got, strict=True):
-        same += sum(x == y for x, y in zip(ta, tb, strict=True))
-        total += len(ta)
-        first_div.append(
-            next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
-        )
-    return {"greedy_agree": same / total, "first_divergence": first_div}
-
-
-def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
-    """Free-running greedy agreement position by position; teacher-forced argmax agreement and
-    log-softmax differences (entries above −30 in both) at every step and at the first."""
-    free = free_running([g["tokens"] for g in ref["greedy"]], [g["tokens"] for g in got["greedy"]])
-    agree = steps = 0
-    diffs: list[float] = []
-    first: list[float] = []
-    margins = []
-    for ra, rb in zip(ref["forced"], got["forced"], strict=True):
-        for j, (va, vb) in enumerate(zip(ra, rb, strict=True)):
-            steps += 1
-            if argmax(va) == argmax(vb):
-                agree += 1
-            else:
-                top = sorted(va, reverse=True)
-                margins.append(top[0] - top[1])
-            d = [abs(x - y) for x, y in zip(va, vb, strict=True) if x > -30 and y > -30]
-            diffs += d
-            if j == 0:
-                first += d
-    return {
-        **free,
-        "forced_agree": agree / steps,
-        "forced_steps": steps,
-        "ref_top2_margin_where_forced_differs": margins,
-        "logprob_max_abs_diff": max(diffs),
-        "logprob_mean_abs_diff": statistics.fmean(diffs),
-        "first_step_logprob_max_abs_diff": max(first),
-        "first_step_logprob_mean_abs_diff": statistics.fmean(first),
-    }
-
-
 REGIMES = {
     # corpus + question + answer < index_topk: every key attended, no top-k selection anywhere
     "dense": (1900, "layers.py"),
@@ -449,7 +243,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     got = cfg.get("index_arith", "exact")
     assert got == a.index_arith, f"{model} has index_arith {got}; use another --work"
     vocab, topk = int(cfg["vocab_size"]), int(cfg["index_topk"])
-    modes = a.modes.split(",")
+    modes = primitive_modes(a.modes.split(","), [p for p in a.primitive.split(",") if p])
     regimes = {r: REGIMES[r] for r in a.regimes.split(",")}
     if a.probe_only:  # a route server and its binding probe only (no stock, no timing)
         return probe_only(a, work, model, regimes, vocab)
@@ -475,10 +269,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         server, mode, r, cd.tokens[r], suffixes, a.tokens, vocab, teacher,
                         forced_steps=a.forced_steps, streams=a.streams,
                     )  # fmt: skip
-                    if mode == "route":
-                        m["binding_probe"] = binding_probe(server, r, suffixes[0], vocab)
-                        print(f"binding probe: {m['binding_probe']}", flush=True)
                     runs[r][mode] = {"server_start_s": start_s, **m}
+                    if forced_primitive(mode):
+                        runs[r][mode]["plugin_metrics"] = plugin_metrics(server)
+                    if is_route(mode):  # last: a probe that kills the server loses no timing
+                        save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
+                        probe = binding_probe(server, r, suffixes[0], vocab)
+                        runs[r][mode]["binding_probe"] = probe
+                        print(f"binding probe: {probe}", flush=True)
                     # after every step, so a run cut short by a time limit keeps what it measured
                     save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
             except Exception as e:  # the other modes still run; the result says what failed
@@ -585,6 +383,18 @@ def summarize(
         }
         if "route" in by_mode and "fetch" in by_mode:
             out["regimes"][r]["route_vs_fetch"] = compare(by_mode["fetch"], by_mode["route"])
+        if "route@route" in by_mode and "route@fetch" in by_mode:  # the plugin's primitives
+            out["regimes"][r]["primitive_exactness"] = exactness(
+                by_mode["route@route"], by_mode["route@fetch"]
+            )
+        if all(f"route@{p}" in by_mode for p in ("route", "fetch", "auto")):
+            traces = {p: load_trace(Path(a.work) / f"trace-{p}.jsonl") for p in PRIMS}
+            score = predicate_score(traces, greedy_tag(r))
+            # end to end too: the concurrent streams' inter-token time under each primitive
+            itl = {p: by_mode[f"route@{p}"]["concurrent"]["inter_token_p50_ms"] for p in PRIMS}
+            score["inter_token_p50_ms"] = itl
+            score["auto_itl_over_better_forced"] = itl["auto"] / min(itl["route"], itl["fetch"])
+            out["regimes"][r]["predicate"] = score
     return out
 
 
@@ -593,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/sglang-h200.json")
     ap.add_argument("--work", default="/tmp/corpusd-bench-sglang")
     ap.add_argument("--modes", default="stock,route,fetch")
+    ap.add_argument(
+        "--primitive", default="",
+        help="run the route mode once per plugin primitive, forced (route,fetch,auto: the "
+        "predicate checked against both forced runs; host path, no CUDA graphs)",
+    )  # fmt: skip
     ap.add_argument(
         "--probe-only", action="store_true",
         help="start only a route server and send it requests it cannot bind (issue 17, item 4)",
@@ -639,30 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.probe_only:
         return 0
     save(a.out, out)
-    print(f"{'regime':<7} {'vs':<11} {'greedy':>6} {'forced':>6} {'lp max':>7} {'lp mean':>8}")
-    for r, v in out["regimes"].items():
-        pairs = {f"{m}/stock": c for m, c in v["vs_stock"].items()}
-        if "route_vs_fetch" in v:
-            pairs["route/fetch"] = v["route_vs_fetch"]
-        for name, c in pairs.items():
-            print(
-                f"{r:<7} {name:<11} {c['greedy_agree']:>6.3f} {c['forced_agree']:>6.3f} "
-                f"{c['logprob_max_abs_diff']:>7.4f} {c['logprob_mean_abs_diff']:>8.5f}"
-            )
-        for m, c in v["batched_vs_sequential"].items():
-            print(f"{r:<7} {m + ' b8/b1':<11} {c['greedy_agree']:>6.3f}")
-    for r, v in out["regimes"].items():
-        ans = v["stock_answers"]
-        print(f"{r}: stock answers {ans['distinct']} distinct, {ans['corpus_dependent']} change "
-              f"without the corpus: {ans['text'][:2]}")  # fmt: skip
-    print(f"{'regime':<7} {'mode':<6} {'streams':>7} {'ttft ms':>8} {'itl p50 ms':>10} {'kv':>6}")
-    for r, v in out["regimes"].items():
-        for m, by in v.get("concurrent_by_streams", {}).items():
-            for n, c in by.items():
-                print(
-                    f"{r:<7} {m:<6} {n:>7} {c['ttft_p50_ms']:>8.1f} "
-                    f"{c['inter_token_p50_ms']:>10.1f} {c['kv_pool_peak_tokens']:>6.0f}"
-                )
+    report(out)
     return 1 if out["failed"] else 0
 
 

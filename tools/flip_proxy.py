@@ -41,7 +41,8 @@ from corpusd.corpus.ingest import ingest
 from corpusd.corpus.layout import render
 from corpusd.model import DeepseekV32, KVCache, forward_tokens, load_model
 from corpusd.tokenizer import ByteTokenizer
-from tools.bench_sglang import QUESTIONS, REGIMES, corpus_source
+from tools.bench_sglang import QUESTIONS, REGIMES
+from tools.sglang_server import corpus_source
 
 NEAR_TIE = 0.05  # nats: margins below this flipped under bf16/fp8 noise on SGLang
 CHUNK = 256  # prefill chunk, as `corpusd pin`

@@ -65,11 +65,9 @@ def batch_corpora(rids: Sequence[str] | None, batch_size: int) -> list[str | Non
     """Per request of a forward batch, its corpus name, or None when it is unbound, padding, or
     was refused at admission (its abort prefill must not bind, or the forward would raise the
     error admission already answered)."""
-    names = corpora_of_batch(rids, batch_size)
-    for i, rid in enumerate(list(rids or [])[:batch_size]):
-        if rid in _REFUSED:
-            names[i] = None
-    return names
+    rids = list(rids or [])[:batch_size]
+    kept = [None if r in _REFUSED else r for r in rids]  # before parsing: a malformed id raises
+    return corpora_of_batch(kept, batch_size)
 
 
 def wrap_scheduler(scheduler_cls: Any) -> bool:

@@ -14,7 +14,9 @@ Per layer of a batch with corpus-bound requests (state in ``forward_batch.corpus
    format (positions within the request); the corpus part is kept for step 3.
 2. ``forward_extend`` / ``forward_decode`` run SGLang's sparse kernel over the own part, keeping
    the LSE SGLang drops (our ``_forward_flashmla_sparse`` / ``_forward_flashmla_kv``).
-3. The corpus part goes to corpusd (``CorpusLink.attend``); the two partials merge by LSE.
+3. The corpus part goes to corpusd (``CorpusLink.attend``: per holder group routed to the holder
+   or fetched into the plugin's page cache and attended here, as ``choose.py`` decides); the two
+   partials merge by LSE.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class CorpusBatch:
     tokens: torch.Tensor | None = None
     corpus_sel: dict[int, torch.Tensor] = field(default_factory=dict)  # layer → [N, k]
     _rows: dict[tuple[int, str], list[tuple[Binding, torch.Tensor]]] = field(default_factory=dict)
+    base2: bool = False  # the sparse kernel's LSE base on this device (fetch's local partial)
 
     def rows_by_corpus(self, n: int, device: torch.device) -> list[tuple[Binding, torch.Tensor]]:
         """Each corpus of the batch with its token rows among the first ``n`` (int64 on
@@ -292,7 +295,10 @@ class CorpusNSABackend(NativeSparseAttnBackend):
             full = qf.new_zeros(len(rows), layer.tp_q_head_num * _tp_size(), qf.shape[-1])
             full[:, heads] = qf  # corpusd takes every head; this rank owns a slice
             t1 = time.perf_counter()
-            o_r, l_r = cb.link.attend(b, layer.layer_id, full.cpu(), sel[rows].cpu(), layer.scaling)
+            # route groups leave over gRPC from the host; fetch groups stay on this GPU
+            o_r, l_r = cb.link.attend(
+                b, layer.layer_id, full, sel[rows], layer.scaling, base2=cb.base2
+            )
             cb.link.timings.add(f"holders ({cb.mode})", time.perf_counter() - t1)
             o_cor[rows] = o_r[:, heads].to(o_cor.device)
             l_cor[rows] = l_r[:, heads].to(l_cor.device)

@@ -71,7 +71,7 @@ def corpus_of_rid(rid: str | None) -> str | None:
     return check_name(name)
 
 
-def corpora_of_batch(rids: Sequence[str] | None, batch_size: int) -> list[str | None]:
+def corpora_of_batch(rids: Sequence[str | None] | None, batch_size: int) -> list[str | None]:
     """Per request of a forward batch: its corpus name or None. SGLang may pad a batch (CUDA
     graphs, DP attention); padded rows are unbound."""
     rids = list(rids or [])

@@ -27,9 +27,11 @@ from sglang.srt.server_args import get_global_server_args
 
 from corpusd.model import ModelConfig
 from corpusd.model.checkpoint import fingerprint
-from requester.sglang import admission
+from requester.predicate import Predicate
+from requester.sglang import admission, choose, page_cache
 from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
 from requester.sglang.link import CorpusLink
+from requester.sglang.metrics import PluginMetrics, metrics_port, serve
 from requester.sglang.pagehash import sglang_key_scales_ue8m0
 from requester.sglang.positions import INDEX_DIM, ROPE_START, ROPE_WIDTH, shifted_positions
 from requester.sglang.resident import Resident
@@ -78,13 +80,29 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 f"index_head_dim = {ROPE_START}, {ROPE_WIDTH}, {INDEX_DIM}); this model has "
                 f"{', '.join(map(str, widths))}"
             )
+        # The route/fetch predicate (choose.py): its variables are checked here, at start.
+        force = choose.primitive()
+        metrics = PluginMetrics()
+        trace = os.environ.get(choose.ENV_TRACE, "").strip() or None
         self.corpusd_link = CorpusLink(
             os.environ.get("CORPUSD_COORDINATOR", ""),
             mcfg,
             fingerprint(args.model_path),
             args.page_size,
+            chooser=choose.Chooser(Predicate(choose.profile(), force), metrics, trace),
+            cache_bytes=page_cache.cache_bytes(),
         )
+        port = metrics_port()
+        if port is not None:
+            serve(metrics, port)
         self.corpusd_resident = self._device_path(args, mcfg)
+        if self.corpusd_resident is not None and force == "fetch":
+            raise RuntimeError(
+                "corpusd plugin: CORPUSD_SGLANG_PRIMITIVE=fetch is for the host path "
+                "(CORPUSD_SGLANG_PATH=host): on the device path route already reads the "
+                "holders' pools in place on this GPU, and a copy into the page cache would only "
+                "add work"
+            )
         # an unknown or unservable corpus fails its request at admission, not the forward
         admission.register(self)
         admission.install()
@@ -103,11 +121,13 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         if self.corpusd_resident is not None:
             self.corpusd_resident.ue8m0 = self.corpusd_key_ue8m0
         log.info(
-            "corpusd plugin: %d NSA layers hooked, coordinator %s, index key scales %s, %s path",
+            "corpusd plugin: %d NSA layers hooked, coordinator %s, index key scales %s, %s path, "
+            "primitive %s",
             len(self.corpusd_indexers),
             self.corpusd_link.coordinator,
             "ue8m0" if self.corpusd_key_ue8m0 else "fp32",
             "host (gRPC)" if self.corpusd_resident is None else "device (CUDA IPC)",
+            force if self.corpusd_resident is None else "route (device path: pools read in place)",
         )
 
     def _device_path(self, args: Any, mcfg: ModelConfig) -> Resident | None:
@@ -189,7 +209,9 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         cb.resident, cb.base, cb.tokens = res, base, tokens
         return cb
 
-    def _corpus_batch(self, forward_batch: Any, n_tokens: int) -> CorpusBatch | None:
+    def _corpus_batch(
+        self, forward_batch: Any, n_tokens: int, device: torch.device
+    ) -> CorpusBatch | None:
         bs = int(forward_batch.batch_size)
         names = admission.batch_corpora(getattr(forward_batch, "rids", None), bs)
         if not any(names):
@@ -209,7 +231,10 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         )
         mode = "extend" if forward_batch.forward_mode.is_extend() else "decode"
         ue8m0 = self.corpusd_key_ue8m0
-        return CorpusBatch(self.corpusd_link, bindings, token_req, corpus_len, ue8m0, mode)
+        self.corpusd_link.new_step([str(r) for r in forward_batch.rids or ()], mode)
+        cb = CorpusBatch(self.corpusd_link, bindings, token_req, corpus_len, ue8m0, mode)
+        cb.base2 = device.type == "cuda" and _sparse_lse_base2(str(device))
+        return cb
 
     def forward(
         self,
@@ -223,7 +248,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         if self.corpusd_resident is not None and not idle:
             cb = self._device_batch(forward_batch, positions.shape[0])
         else:
-            cb = self._corpus_batch(forward_batch, positions.shape[0])
+            cb = self._corpus_batch(forward_batch, positions.shape[0], positions.device)
         forward_batch.corpusd = cb
         for ix, default in zip(self.corpusd_indexers, self._cp_default, strict=True):
             # True only keeps forward_cuda off its "seq_len <= index_topk" shortcut (no logits);

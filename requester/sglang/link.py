@@ -8,6 +8,10 @@ worker uses: the page table (attention calls go straight to the holders of the s
 failover (replicas, then the page table as the coordinator says now), and per layer the
 corpus's index keys (streamed once, then put through SGLang's fp8 format so the corpus's keys
 score at the precision of the request's own keys).
+
+``attend`` serves each holder group of a layer call by route or fetch, as the plugin's
+:class:`~.choose.Chooser` decides: fetched pages live in a :class:`~.page_cache.PageCache` on the
+queries' GPU and are attended there (NOTES.md, "Route or fetch").
 """
 
 from __future__ import annotations
@@ -28,10 +32,13 @@ from corpusd.transport import cuda_ipc
 from indexer.fp8 import fp8_view
 from requester.corpus_view import CorpusView
 from requester.fanout import CorpusBinding, Fanout
-from requester.metrics import RequesterMetrics
-from requester.plan import Geometry
-from requester.predicate import Predicate, Profile
+from requester.plan import Geometry, GroupWork, Partial, failure, holder_groups, merge_groups
+from requester.predicate import Decision, Predicate, Profile
 from requester.sglang.binding import Binding, PinnedCorpus, resolve
+from requester.sglang.choose import Chooser
+from requester.sglang.device import sparse_partial
+from requester.sglang.metrics import PluginMetrics
+from requester.sglang.page_cache import PageCache, PageCacheFull, Plan
 from requester.sglang.resident import ArenaCorpus, Resident
 
 log = logging.getLogger("corpusd.sglang")
@@ -62,10 +69,25 @@ class Timings:
         self._sums, self._since = {}, time.monotonic()
 
 
+class _Fanout(Fanout):
+    """corpusd's fan-out engine for the link's route calls. The plugin's predicate decides and
+    records each group itself (:class:`.choose.Chooser`), so the engine's own record, which
+    would count every group a second time as a forced route, is off."""
+
+    def record(self, *args: Any, **kw: Any) -> None:
+        pass
+
+
+#: FlashMLA's sparse kernel takes top-k in multiples of 128 on SM90 (holder/flashmla.py)
+TOPK_ALIGN = 128
+
+
 class CorpusLink:
     """corpusd as SGLang's model sees it: ``bind`` a corpus name, then per layer ``index_keys``
     and ``attend``. ``cfg`` is the served model's config (widths, indexer); the corpus must
-    have been pinned for ``fingerprint`` with ``page_size``-token pages."""
+    have been pinned for ``fingerprint`` with ``page_size``-token pages. ``chooser`` picks route
+    or fetch per (layer, holder group) (default: route, the defaults' profile); fetch keeps
+    pages in a page cache of ``cache_bytes`` on the queries' device."""
 
     def __init__(
         self,
@@ -74,6 +96,8 @@ class CorpusLink:
         fingerprint: str,
         page_size: int,
         timeout: float = 60.0,
+        chooser: Chooser | None = None,
+        cache_bytes: int = 0,
     ) -> None:
         if not coordinator:
             raise ValueError(
@@ -88,11 +112,20 @@ class CorpusLink:
             target=self._loop.run_forever, daemon=True, name="corpusd-link"
         )
         self._thread.start()
-        # Route only: the plugin has no page cache of its own yet (issue 17 adds one).
-        self.fanout = Fanout(
-            Predicate(Profile(), "route"), RequesterMetrics(), transport="grpc",
-            rpc_timeout_s=timeout,
-        )  # fmt: skip
+        self.metrics = chooser.metrics if chooser is not None else PluginMetrics()
+        self.chooser = chooser or Chooser(Predicate(Profile(), "route"), self.metrics)
+        if self.chooser.force == "fetch" and cache_bytes <= 0:
+            raise ValueError(
+                "corpusd plugin: CORPUSD_SGLANG_PRIMITIVE=fetch needs a page cache; "
+                "CORPUSD_SGLANG_PAGE_CACHE_MB is 0"
+            )
+        self.n_layers, self.cache_bytes = cfg.num_hidden_layers, cache_bytes
+        self.cache: PageCache | None = None
+        self._wire_itemsize = 4  # a fetched page's bytes per value, learnt from the first fetch
+        # The engine's predicate is never asked (the chooser decides): its groups are routes.
+        self.fanout = _Fanout(
+            Predicate(Profile(), "route"), self.metrics, transport="grpc", rpc_timeout_s=timeout
+        )
         self._bindings: dict[str, Binding] = {}
         self._corpora: dict[str, CorpusBinding] = {}
         self._keys: dict[tuple[str, int], torch.Tensor] = {}
@@ -102,6 +135,7 @@ class CorpusLink:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self.timeout)
 
     def close(self) -> None:
+        self.chooser.close()
         self._run(self.fanout.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
@@ -136,21 +170,178 @@ class CorpusLink:
     async def _index_keys(self, corpus_id: str, layer: int) -> torch.Tensor:
         return await (await self._corpus(corpus_id)).index_keys(layer)
 
-    def attend(
-        self, b: Binding, layer: int, q: torch.Tensor, positions: torch.Tensor, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Merged ``(O [n, h, d_v] float32, LSE [n, h] natural, -inf empty)`` of
-        ``q [n, h, kv_dim]`` (corpusd's rope layout, full head count) over canonical
-        ``positions [n, k]`` (-1 unused), scores scaled by ``scale`` (SGLang's
-        ``layer.scaling``): one call per holder holding selected pages, concurrently, merged
-        here; a failed holder's rows fail over as corpusd's worker's do."""
-        return self._run(self._attend(b.corpus_id, layer, q, positions, scale))
+    def new_step(self, rids: list[str] | tuple[str, ...], mode: str) -> None:
+        """A forward step begins: pages pinned by the last one may go, decisions are numbered
+        anew (``rids``: the batch's requests, for the trace)."""
+        self.chooser.new_step(tuple(rids), mode)
+        if self.cache is not None:
+            self.cache.new_step()
 
-    async def _attend(
-        self, corpus_id: str, layer: int, q: torch.Tensor, positions: torch.Tensor, scale: float
+    def attend(
+        self,
+        b: Binding,
+        layer: int,
+        q: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+        base2: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        c = await self._corpus(corpus_id)
-        return await c.attend(layer, q, positions, scale=scale, dtype=torch.float32)
+        """Merged ``(O [n, h, d_v] float32, LSE [n, h] natural, -inf empty)``, on ``q``'s
+        device, of ``q [n, h, kv_dim]`` (corpusd's rope layout, full head count) over canonical
+        ``positions [n, k]`` (-1 unused), scores scaled by ``scale`` (SGLang's
+        ``layer.scaling``). Per holder group the chooser picks: **route** (the group's rows to
+        the holder over gRPC, failed over as corpusd's worker's are) or **fetch** (missing pages
+        pulled into the page cache, then :func:`.device.sparse_partial` over cache rows on
+        ``q``'s device; ``base2``: that kernel's LSE base). Groups run concurrently; one LSE
+        merge."""
+        c = self._run(self._corpus(b.corpus_id))
+        groups = holder_groups(c.view, positions.to("cpu", torch.int64))
+        h, kv_dim, d_v = q.shape[1], q.shape[2], self.geometry.d_v
+        cache = self._cache(q.device) if self.chooser.force != "route" else None
+        before = cache.stats() if cache is not None else {}
+        if cache is not None:
+            self.chooser.measure_local(q.device, h, kv_dim, d_v, base2)
+        work = [self._decide(c.corpus_id, layer, g, h, kv_dim, cache) for g in groups]
+        q_cpu = q.detach().cpu() if any(d.pick == "route" for _, d, _ in work) else None
+        try:
+            results, took = self._serve(c, layer, q, q_cpu, scale, base2, work)
+        except BaseException:  # slots planned for pages that never came must not read as hits
+            for _, _, plan in work:
+                if plan is not None and cache is not None:
+                    cache.drop(layer, c.corpus_id, plan.fill_pages)
+            raise
+        for (g, d, plan), t in zip(work, took, strict=True):
+            if t >= 0:
+                missing = len(plan.fill_pages) if plan is not None else 0
+                self.chooser.record(layer, g, d, t, fetched_pages=missing)
+        if cache is not None:
+            self.metrics.cache_stats(before, cache.stats())
+        return merge_groups(q, d_v, groups, results, torch.float32)
+
+    def _serve(
+        self, c: CorpusBinding, layer: int, q: torch.Tensor, q_cpu: torch.Tensor | None,
+        scale: float, base2: bool, work: list[tuple[GroupWork, Decision, Plan | None]],
+    ) -> tuple[list[Partial], list[float]]:  # fmt: skip
+        """Each group's partial and measured seconds (-1: a failed fetch, routed instead)."""
+        cache = self.cache
+        fut = asyncio.run_coroutine_threadsafe(
+            self._remote(c, layer, q_cpu, scale, work), self._loop
+        )
+        results: list[Partial | None] = [None] * len(work)
+        took = [0.0] * len(work)
+        for i, (g, _, plan) in enumerate(work):  # cached pages: computed while the RPCs run
+            if plan is not None and not plan.fill_pages:
+                results[i], took[i] = self._fetch_partial(layer, q, g, plan, scale, base2)
+        for i, got in enumerate(fut.result(self.timeout)):
+            g, _, plan = work[i]
+            if got is None:
+                continue
+            kind, payload, seconds = got
+            if kind == "route":
+                results[i], took[i] = payload, seconds
+            elif kind == "fetched" and plan is not None and cache is not None:
+                cache.fill(layer, plan.fill_slots, payload)
+                self.metrics.fetched_bytes.inc(payload.nbytes)
+                results[i], t = self._fetch_partial(layer, q, g, plan, scale, base2)
+                took[i] = seconds + t
+            else:  # the fetch failed: its pages are not cached, the holder call fails over
+                assert plan is not None and cache is not None, kind
+                cache.drop(layer, c.corpus_id, plan.fill_pages)
+                self.metrics.fallbacks.labels("fetch", "route").inc()
+                again = c.attend(layer, q.detach().cpu()[g.keep], g.canon, scale=scale,
+                                 dtype=torch.float32)  # fmt: skip
+                results[i], took[i] = self._run(again), -1.0  # -1: not recorded
+        assert all(r is not None for r in results), "a group was not served"
+        return [r for r in results if r is not None], took
+
+    def _cache(self, device: torch.device) -> PageCache | None:
+        if self.cache_bytes <= 0:
+            return None
+        if self.cache is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # FlashMLA: bf16
+            self.cache = PageCache(
+                self.n_layers, self.page_size, self.geometry.kv_dim, self.cache_bytes, dtype,
+                device,
+            )  # fmt: skip
+            log.info("corpusd plugin: fetch page cache, %d pages per layer on %s",
+                     self.cache.slots, device)  # fmt: skip
+        return self.cache
+
+    def _decide(
+        self, corpus_id: str, layer: int, g: GroupWork, h: int, kv_dim: int,
+        cache: PageCache | None,
+    ) -> tuple[GroupWork, Decision, Plan | None]:  # fmt: skip
+        """The chooser's pick for group ``g`` and, for fetch, its cache plan (slots pinned)."""
+        pages = (g.canon[g.canon >= 0] // self.page_size).unique().tolist()
+        missing = cache.missing(layer, corpus_id, pages) if cache is not None else len(pages)
+        fits = cache is not None and len(pages) <= cache.slots
+        page_bytes = self.page_size * kv_dim * self._wire_itemsize
+        d = self.chooser.decide(g, h, kv_dim, self.geometry.d_v, missing, page_bytes, fits)
+        if d.pick != "fetch":
+            return g, d, None
+        assert cache is not None
+        try:
+            return g, d, cache.plan(layer, corpus_id, g.canon)
+        except PageCacheFull as e:  # pinned by another corpus's call of this step
+            log.info("layer %d holder %s: fetch does not fit (%s); routing", layer, g.address, e)
+            self.metrics.fallbacks.labels("fetch", "route").inc()
+            return g, Decision("route", d.predicted_us), None
+
+    def _fetch_partial(
+        self, layer: int, q: torch.Tensor, g: GroupWork, plan: Plan, scale: float, base2: bool
+    ) -> tuple[Partial, float]:
+        """The group's partial over the page cache on ``q``'s device, and its seconds."""
+        assert self.cache is not None
+        t0 = time.perf_counter()
+        rows = pad_cols(plan.rows, TOPK_ALIGN).to(q.device)
+        part = sparse_partial(q[g.keep.to(q.device)], self.cache.kv(layer), rows, scale,
+                              self.geometry.d_v, base2)  # fmt: skip
+        if q.is_cuda:
+            torch.cuda.synchronize(q.device)
+        return part, time.perf_counter() - t0
+
+    async def _remote(
+        self,
+        c: CorpusBinding,
+        layer: int,
+        q: torch.Tensor | None,
+        scale: float,
+        work: list[tuple[GroupWork, Decision, Plan | None]],
+    ) -> list[tuple[str, Any, float] | None]:
+        """Every group's holder call, concurrently: route's partial, or fetch's missing pages
+        (``("fetched", latent [m, P, kv_dim], s)``; ``("failed", None, s)`` when the holder
+        call failed), or None (a fetch with every page cached)."""
+
+        Got = tuple[str, Any, float] | None
+
+        async def one(g: GroupWork, d: Decision, plan: Plan | None) -> Got:
+            t0 = time.perf_counter()
+            if plan is None:
+                assert q is not None
+                part = await c.attend(layer, q[g.keep], g.canon, scale=scale, dtype=torch.float32)
+                return "route", part, time.perf_counter() - t0
+            if not plan.fill_pages:
+                return None
+            try:
+                lat, _ = await self.fanout.client(g.address).fetch(
+                    c.corpus_id, plan.fill_pages, layers=[layer]
+                )
+            except grpc.aio.AioRpcError as e:
+                code, detail = failure(e)
+                self.metrics.errors.labels(code.name).inc()
+                log.warning("fetch from holder %s failed (%s: %s); routing its rows",
+                            g.address, code.name, detail)  # fmt: skip
+                return "failed", None, time.perf_counter() - t0
+            want = (len(plan.fill_pages), self.page_size, self.geometry.kv_dim)
+            if tuple(lat[0].shape) != want or not lat[0].is_floating_point():
+                # e.g. a pin in FlashMLA's fp8 page format: not rows this cache can hold
+                log.warning("fetch from holder %s: pages %s %s, want %s float rows; routing",
+                            g.address, list(lat[0].shape), lat[0].dtype, list(want))  # fmt: skip
+                return "failed", None, time.perf_counter() - t0
+            self._wire_itemsize = lat[0].element_size()
+            return "fetched", lat[0], time.perf_counter() - t0
+
+        return list(await asyncio.gather(*(one(*w) for w in work)))
 
     async def _corpus(self, corpus_id: str) -> CorpusBinding:
         if corpus_id not in self._corpora:
@@ -208,3 +399,11 @@ class CorpusLink:
     ) -> tuple[CorpusView, list[torch.Tensor]]:
         c = await self._corpus(corpus_id)
         return c.view, [await c.index_keys(layer) for layer in range(n_layers)]
+
+
+def pad_cols(rows: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``rows [n, k]`` with ``-1`` columns appended up to a multiple of ``multiple`` (at least
+    one block: FlashMLA takes no empty top-k)."""
+    k = rows.shape[1]
+    width = max(multiple, -(-k // multiple) * multiple)
+    return torch.cat([rows, rows.new_full((rows.shape[0], width - k), -1)], dim=1)

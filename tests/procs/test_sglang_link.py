@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -23,8 +25,11 @@ from corpusd.model import ModelConfig, fingerprint, partial_attention
 from holder.launch import HolderProcess
 from indexer.fp8 import hadamard
 from requester.launch import AgentProcess, start_agent
+from requester.predicate import Predicate, Profile
 from requester.sglang.binding import CorpusBindingError
+from requester.sglang.choose import Chooser
 from requester.sglang.link import CorpusLink
+from requester.sglang.metrics import PluginMetrics
 from requester.sglang.pagehash import index_k_from_page, index_k_page, page_hashes
 from requester.sglang.pages import CorpusPages
 from requester.sglang.positions import to_corpusd_layout
@@ -235,3 +240,145 @@ def test_hicache_backend_acknowledges_writes_of_held_pages_and_writes_nothing(
     assert backend.set(keys[0], pages[0]) is True and backend.set(keys[3], pages[3]) is False
     assert files() == before, "a set wrote to the page store"
     assert backend.batch_exists(keys) == 3  # and nothing joined the index
+
+
+# -- the predicate inside SGLang: route vs fetch through the plugin's page cache (issue 17) -------
+def _fetch_link(
+    cluster: Cluster, tiny_dir: Path, force: str, cache_bytes: int, trace: Path | None = None
+) -> CorpusLink:
+    cfg = _cfg(tiny_dir)
+    chooser = Chooser(Predicate(Profile(), force), PluginMetrics(), str(trace) if trace else None)
+    return CorpusLink(
+        cluster.coord.address, cfg, fingerprint(tiny_dir), 64, chooser=chooser,
+        cache_bytes=cache_bytes,
+    )  # fmt: skip
+
+
+def _counter(link: CorpusLink, metric: str, *labels: str) -> float:
+    m = getattr(link.metrics, metric)
+    return float((m.labels(*labels) if labels else m)._value.get())
+
+
+def test_fetch_through_the_page_cache_is_route_to_float_tolerance(
+    cluster: Cluster, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Forced fetch pulls the selected pages from the real holder into the plugin's page cache
+    and attends them with the plugin's sparse partial (the torch reference on CPU): the same
+    partial as forced route (the holder's kernel), on the first step (every page missing) and
+    the next (every page cached, nothing pulled); each decision is traced with its predicted
+    and measured cost."""
+    cfg = ModelConfig.from_dir(tiny_dir)
+    ps = PageStore(cluster.store)
+    lat, _ = ps.read_pages(cluster.corpus_id, 1, list(range(4)))
+    rows = lat.reshape(-1, cfg.kv_dim)[:TOKENS].float()
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(3, cfg.num_attention_heads, cfg.kv_dim, generator=g).bfloat16()
+    pos = torch.randint(-1, TOKENS, (3, 50), generator=g)
+    pos[1] = -1  # a row with nothing of the corpus selected
+    route = CorpusLink(cluster.coord.address, cfg, fingerprint(tiny_dir), 64)
+    trace = tmp_path / "trace.jsonl"
+    fetch = _fetch_link(cluster, tiny_dir, "fetch", 64 << 20, trace)
+    try:
+        b = route.bind(cluster.corpus_id)
+        want = route.attend(b, 1, q, pos, cfg.softmax_scale)
+        fetch.new_step(["r0"], "decode")
+        first = fetch.attend(fetch.bind(cluster.corpus_id), 1, q, pos, cfg.softmax_scale)
+        pulled = _counter(fetch, "fetched_bytes")
+        fetch.new_step(["r0"], "decode")
+        second = fetch.attend(fetch.bind(cluster.corpus_id), 1, q, pos, cfg.softmax_scale)
+        assert _counter(fetch, "fetched_bytes") == pulled > 0  # the second pulled nothing
+        assert _counter(fetch, "cache_lookups", "hit") == len((pos[pos >= 0] // 64).unique())
+    finally:
+        route.close()
+        fetch.close()
+    ro, rl = partial_attention(q.float(), rows, pos, cfg.softmax_scale, cfg.kv_lora_rank)
+    for o, lse in (first, second):
+        # the holder returns O in the query's dtype (bf16 on the wire): route is fetch rounded
+        assert rel(o, want[0]) < 4e-3 and torch.allclose(lse, want[1], atol=1e-4)
+        assert rel(o, ro) < 1e-5 and torch.equal(torch.isinf(lse), torch.isinf(rl))
+        assert torch.allclose(lse[~torch.isinf(rl)], rl[~torch.isinf(rl)], atol=1e-5)
+    assert bool(torch.isinf(first[1][1]).all()) and bool((first[0][1] == 0).all())
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    steps = [(x["step"], x["pick"], x["force"]) for x in lines]
+    assert steps == [(1, "fetch", "fetch"), (2, "fetch", "fetch")]
+    assert lines[0]["fetched_pages"] == 4 and lines[1]["fetched_pages"] == 0
+    assert all(x["measured_us"] > 0 and x["predicted_us"]["route"] > 0 for x in lines)
+    assert lines[0]["rids"] == ["r0"] and lines[0]["holder"] == cluster.holders[0].address
+
+
+def test_auto_decides_per_group_and_fetch_falls_back_to_route_when_it_cannot(
+    cluster: Cluster, tiny_dir: Path
+) -> None:
+    """Auto records one decision per holder group with both costs predicted; a forced fetch
+    whose pages do not fit the cache, or whose holder call fails, routes instead (counted as a
+    fallback) with the same result."""
+    cfg = ModelConfig.from_dir(tiny_dir)
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, cfg.num_attention_heads, cfg.kv_dim, generator=g).bfloat16()
+    pos = torch.arange(0, TOKENS, 5)[None].repeat(2, 1)  # every page of the corpus
+    route = CorpusLink(cluster.coord.address, cfg, fingerprint(tiny_dir), 64)
+    auto = _fetch_link(cluster, tiny_dir, "auto", 64 << 20)
+    one_page = cfg.num_hidden_layers * 64 * cfg.kv_dim * 4  # float32 on CPU: one slot a layer
+    small = _fetch_link(cluster, tiny_dir, "fetch", one_page)
+    broken = _fetch_link(cluster, tiny_dir, "fetch", 64 << 20)
+    try:
+        want = route.attend(route.bind(cluster.corpus_id), 0, q, pos, cfg.softmax_scale)
+        got_auto = auto.attend(auto.bind(cluster.corpus_id), 0, q, pos, cfg.softmax_scale)
+        picks = {p: _counter(auto, "decisions", p, "no") for p in ("route", "fetch")}
+        assert sum(picks.values()) == 1  # one holder: one group, one decision
+        assert auto.chooser.predicate.profile.splice_us_per_row == 0  # measured here instead
+        got_small = small.attend(small.bind(cluster.corpus_id), 0, q, pos, cfg.softmax_scale)
+        assert _counter(small, "fallbacks", "fetch", "route") == 1
+        assert _counter(small, "decisions", "route", "yes") == 1
+        b = broken.bind(cluster.corpus_id)
+        broken.attend(b, 0, q, pos[:, :1], cfg.softmax_scale)  # binds; caches page 0
+        binding = broken._corpora[cluster.corpus_id]
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            gone = f"127.0.0.1:{s.getsockname()[1]}"
+        binding.view = replace(binding.view, holders=(gone,) * len(binding.view.holders))
+        broken.new_step([], "decode")
+        got_broken = broken.attend(b, 0, q, pos, cfg.softmax_scale)
+        assert _counter(broken, "fallbacks", "fetch", "route") == 1
+        # pages 1-3 were planned, never filled: not cached (a later hit would read NaN)
+        assert broken.cache is not None
+        assert broken.cache.missing(0, cluster.corpus_id, [0, 1, 2, 3]) == 3
+    finally:
+        for link in (route, auto, small, broken):
+            link.close()
+    for o, lse in (got_auto, got_small, got_broken):
+        assert rel(o, want[0]) < 4e-3 and torch.allclose(lse, want[1], atol=1e-4)
+
+
+def test_fetched_pages_the_cache_cannot_hold_route_instead(
+    cluster: Cluster, tiny_dir: Path
+) -> None:
+    """A holder that answers Fetch with pages that are not float rows of the model's width (as
+    a pin in FlashMLA's fp8 page format would): the forward does not fail; the group routes,
+    counted, and nothing enters the cache."""
+    cfg = ModelConfig.from_dir(tiny_dir)
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(2, cfg.num_attention_heads, cfg.kv_dim, generator=g).bfloat16()
+    pos = torch.randint(0, TOKENS, (2, 30), generator=g)
+    route = CorpusLink(cluster.coord.address, cfg, fingerprint(tiny_dir), 64)
+    link = _fetch_link(cluster, tiny_dir, "fetch", 64 << 20)
+    try:
+        want = route.attend(route.bind(cluster.corpus_id), 1, q, pos, cfg.softmax_scale)
+        b = link.bind(cluster.corpus_id)
+
+        async def made_on_the_links_loop() -> Any:
+            return link.fanout.client(cluster.holders[0].address)
+
+        client = link._run(made_on_the_links_loop())
+
+        async def fp8_pages(corpus_id: str, pages: list[int], **kw: object) -> tuple:
+            return [torch.zeros(len(pages), 64, 656, dtype=torch.uint8)], []
+
+        client.fetch = fp8_pages  # type: ignore[method-assign]
+        got = link.attend(b, 1, q, pos, cfg.softmax_scale)
+        assert _counter(link, "fallbacks", "fetch", "route") == 1
+        assert link.cache is not None and link.cache.stats()["resident"] == 0
+    finally:
+        route.close()
+        link.close()
+    assert rel(got[0], want[0]) < 1e-6 and torch.equal(got[1], want[1])

@@ -128,3 +128,39 @@ def test_fp8_indexer_arithmetic_is_sglangs() -> None:
     assert torch.equal(exact, theirs), "same rotated keys, different page bytes"
     same_page = float((mine == theirs).float().mean())
     assert same_page >= 0.999, f"index_k_page: {same_page:.5f} of bytes equal (fused={fused})"
+
+
+def test_fetch_partial_over_the_page_cache_is_the_reference() -> None:
+    """Fetch's local partial as the plugin runs it on the GPU: pages filled into the bf16 page
+    cache, FlashMLA's sparse kernel over the plan's rows (padded to whole top-k blocks), against
+    the torch reference over the source rows (the CPU tests check the same rows on CPU)."""
+    from requester.sglang.backend import _sparse_lse_base2
+    from requester.sglang.device import sparse_partial
+    from requester.sglang.link import TOPK_ALIGN, pad_cols
+    from requester.sglang.page_cache import PageCache
+
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(20, 64, 576, generator=g).bfloat16()  # a corpus of 20 pages, as pinned
+    cache = PageCache(1, 64, 576, 12 * 64 * 576 * 2, torch.bfloat16, torch.device("cuda"))
+    q = torch.randn(5, 64, 576, generator=g).bfloat16().cuda()
+    base2 = _sparse_lse_base2("cuda:0")
+    for step in range(4):  # evictions and hits between steps
+        cache.new_step()
+        pages = torch.randperm(20, generator=g)[:10]
+        pos = pages[torch.randint(0, 10, (5, 300), generator=g)] * 64
+        pos = pos + torch.randint(0, 64, (5, 300), generator=g)
+        pos[1, 100:] = -1
+        pos[2] = -1  # nothing selected
+        plan = cache.plan(0, "c", pos)
+        if plan.fill_pages:
+            cache.fill(0, plan.fill_slots, src[plan.fill_pages])
+        rows = pad_cols(plan.rows, TOPK_ALIGN).cuda()
+        o, lse = sparse_partial(q, cache.kv(0), rows, 576**-0.5, 512, base2)
+        want_o, want_l = partial_attention(
+            q.float().cpu(), src.reshape(-1, 576).float(), pos, 576**-0.5, 512
+        )
+        assert rel(o.cpu(), want_o) < 2e-2, f"{step=}: {rel(o.cpu(), want_o)=}"
+        fin = ~torch.isinf(want_l)
+        assert torch.equal(torch.isinf(lse.cpu()), ~fin), step
+        assert torch.allclose(lse.cpu()[fin], want_l[fin], atol=2e-2), step
+        assert not bool(o.isnan().any()), f"{step=}: a NaN-poisoned (unfilled) row was read"

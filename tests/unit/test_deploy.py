@@ -13,6 +13,7 @@ from prometheus_client.registry import CollectorRegistry
 from corpusd.coordinator.metrics import CoordinatorMetrics
 from holder.metrics import HolderMetrics
 from requester.metrics import RequesterMetrics
+from requester.sglang.metrics import PluginMetrics
 from tools.deploy.make_dashboard import dashboard
 
 DEPLOY = Path(__file__).resolve().parents[2] / "tools" / "deploy"
@@ -33,7 +34,8 @@ def names(registry: CollectorRegistry) -> set[str]:
 def declared() -> set[str]:
     coord = CoordinatorMetrics()
     coord.watch_state(lambda: ([], {}, {}, True, {}))
-    return set().union(*(names(m.registry) for m in (coord, HolderMetrics(), RequesterMetrics())))
+    roles = (coord, HolderMetrics(), RequesterMetrics(), PluginMetrics())  # the SGLang plugin's
+    return set().union(*(names(m.registry) for m in roles))
 
 
 def used(expr: str) -> set[str]:

@@ -102,12 +102,13 @@ def test_a_refused_request_reaches_the_forward_unbound(scheduler: type[_Schedule
     and the scheduler dies (seen on an H100: the binding probe killed the route server)."""
     s = scheduler()
     good, bad, plain = _Req("corpusd:docs:1"), _Req("corpusd:nope:2"), _Req("plain")
-    for r in (good, bad, plain):
+    malformed = _Req("corpusd:docs")  # corpora_of_batch raises on this id
+    for r in (good, bad, plain, malformed):
         s._add_request_to_queue(r)
-    assert bad.aborted is not None
+    assert bad.aborted is not None and malformed.aborted is not None
     rids = [r.rid for r in s.queue]
-    assert admission.batch_corpora(rids, 4) == ["docs", None, None, None]
-    assert admission.batch_corpora(rids, 4) == ["docs", None, None, None]  # overlap: again
+    assert admission.batch_corpora(rids, 5) == ["docs", None, None, None, None]
+    assert admission.batch_corpora(rids, 5) == ["docs", None, None, None, None]  # overlap: again
 
 
 def test_retracted_requests_are_not_rechecked(scheduler: type[_Scheduler]) -> None:

@@ -120,6 +120,26 @@ def panels() -> list[dict[str, Any]]:
             [(f"sum by (from, to) (rate({r}fallbacks_total[5m]))", "{{from}} → {{to}}")],
         ),
         panel(
+            "SGLang plugin: route / fetch by layer",
+            [
+                (
+                    f"sum by (primitive, layer) (rate({r}sglang_group_decisions_total[1m]))",
+                    "layer {{layer}} {{primitive}}",
+                )
+            ],
+        ),
+        panel(
+            "SGLang plugin: fetch page cache",
+            [
+                (
+                    f'sum(rate({r}sglang_page_cache_lookups_total{{result="hit"}}[5m])) / '
+                    f"sum(rate({r}sglang_page_cache_lookups_total[5m]))",
+                    "hit ratio",
+                ),
+                (f"{r}sglang_page_cache_pages", "{{instance}} pages"),
+            ],
+        ),
+        panel(
             "Inter-token latency",
             [
                 (Q.format(q=0.5, m=f"{r}inter_token_seconds"), "{{instance}} p50"),

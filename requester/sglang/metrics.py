@@ -1,0 +1,84 @@
+"""The plugin's Prometheus metrics, served from the SGLang process that runs the model.
+
+The requester's names (:class:`requester.metrics.RequesterMetrics`) where they mean the same:
+``corpusd_requester_decisions_total{primitive, forced}``, ``…_predicted_seconds``,
+``…_measured_seconds``, ``…_last_measured_over_predicted``, ``…_measured_over_predicted_median``
+(a closed window of :class:`requester.drift.Drift`), ``…_calibration_drift_windows_total``,
+``…_fetched_bytes_total``, ``…_errors_total``, ``…_fallbacks_total``. Added for the plugin: the
+decisions per layer and holder, and the fetch page cache.
+
+``CORPUSD_SGLANG_METRICS_PORT`` starts one HTTP server per process (:func:`serve`); a port in use
+is a warning, not a failed start (SGLang's TP ranks are separate processes: the first one
+serves).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+from requester.metrics import RequesterMetrics
+
+log = logging.getLogger("corpusd.sglang")
+ENV_PORT = "CORPUSD_SGLANG_METRICS_PORT"
+
+
+class PluginMetrics(RequesterMetrics):
+    def __init__(self) -> None:
+        super().__init__()
+        self.group_decisions = self.counter(
+            "sglang_group_decisions",
+            "SGLang plugin: primitive chosen per layer and holder group",
+            ["primitive", "layer", "holder"],
+        )
+        self.cache_lookups = self.counter(
+            "sglang_page_cache_lookups", "SGLang plugin: fetch page cache lookups", ["result"]
+        )
+        self.cache_evictions = self.counter(
+            "sglang_page_cache_evictions", "SGLang plugin: fetch page cache pages evicted"
+        )
+        self.cache_pages = self.gauge(
+            "sglang_page_cache_pages", "SGLang plugin: pages resident in the fetch page cache"
+        )
+
+    def cache_stats(self, before: Mapping[str, int], after: Mapping[str, int]) -> None:
+        """Advance the cache counters by what happened between two ``PageCache.stats()``."""
+        self.cache_lookups.labels("hit").inc(after["hits"] - before["hits"])
+        self.cache_lookups.labels("miss").inc(after["misses"] - before["misses"])
+        self.cache_evictions.inc(after["evictions"] - before["evictions"])
+        self.cache_pages.set(after["resident"])
+
+
+def metrics_port(env: Mapping[str, str] = os.environ) -> int | None:
+    """``CORPUSD_SGLANG_METRICS_PORT``: None when unset or empty. Raises ValueError naming the
+    variable for anything but a port number."""
+    raw = env.get(ENV_PORT, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise ValueError(f"corpusd plugin: {ENV_PORT}={raw!r}: a TCP port, 1-65535")
+    return int(raw)
+
+
+_SERVED: dict[int, bool] = {}
+
+
+def serve(metrics: PluginMetrics, port: int, addr: str = "127.0.0.1") -> bool:
+    """Serve ``metrics`` on ``addr:port`` (once per process and port). Returns whether this
+    call's server runs; a port in use logs a warning and returns False."""
+    from prometheus_client import start_http_server
+
+    if port in _SERVED:
+        return _SERVED[port]
+    try:
+        start_http_server(port, addr=addr, registry=metrics.registry)
+        _SERVED[port] = True
+        log.info("corpusd plugin: metrics on http://%s:%d/metrics", addr, port)
+    except OSError as e:
+        _SERVED[port] = False
+        log.warning(
+            "corpusd plugin: %s=%d: cannot serve metrics (%s); another process (a second TP "
+            "rank?) may have the port; serving on without them", ENV_PORT, port, e,
+        )  # fmt: skip
+    return _SERVED[port]

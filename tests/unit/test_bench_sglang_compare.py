@@ -1,0 +1,127 @@
+"""tools/bench_sglang.py's arithmetic (tools/sglang_compare.py) on synthetic runs: the plugin
+predicate's score against forced route and fetch, route vs fetch exactness, the modes
+``--primitive`` makes (CPU; no sglang, no server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tools.bench_sglang import greedy_tag, request
+from tools.sglang_compare import (
+    compare,
+    exactness,
+    free_running,
+    load_trace,
+    predicate_score,
+    primitive_modes,
+    report,
+)
+
+
+def test_primitive_modes() -> None:
+    modes = ["stock", "route", "fetch"]
+    assert primitive_modes(modes, []) == modes  # no flag: unchanged
+    assert primitive_modes(modes, ["route", "fetch", "auto"]) == [
+        "stock", "route@route", "route@fetch", "route@auto", "fetch",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="distinct ones of"):
+        primitive_modes(modes, ["route", "local"])
+    with pytest.raises(ValueError, match="needs route"):
+        primitive_modes(["stock"], ["auto"])
+
+
+def _rid(mode: str, corpus: str, i: int) -> str:
+    """The rid the bench gives a sequential greedy request (its own function, not a copy)."""
+    return request([1], 1, mode, corpus, i, 8, False, greedy_tag(corpus))["rid"]
+
+
+def _trace(mode: str, costs: dict[int, float], pick: Any, first_step: int) -> list[dict]:
+    """Two greedy requests of 3 forwards each, 2 layers, one holder; a batched forward of
+    two requests in between (the concurrent phase), which scoring must ignore."""
+    out, step = [], first_step
+    for i in range(2):
+        rid = _rid(mode, "sparse", i)
+        for f in range(3):
+            step += 1
+            for layer in range(2):
+                entry = {"step": step, "rids": [rid], "layer": layer, "holder": "h:1"}
+                out.append({**entry, "pick": pick(f), "measured_us": costs[f], "predicted_us": {}})
+    out.append({"step": step + 1, "rids": [_rid(mode, "sparse", 0), _rid(mode, "sparse", 1)],
+                "layer": 0, "holder": "h:1", "pick": "route", "measured_us": 1e9,
+                "predicted_us": {}})  # fmt: skip
+    return out
+
+
+def test_predicate_score_matches_groups_across_runs() -> None:
+    route = _trace("route@route", {0: 100.0, 1: 100.0, 2: 100.0}, lambda f: "route", 0)
+    fetch = _trace("route@fetch", {0: 300.0, 1: 50.0, 2: 50.0}, lambda f: "fetch", 7)
+    # auto: route while pages are missing, then fetch; its server counted other steps first
+    auto = _trace("route@auto", {0: 110.0, 1: 55.0, 2: 55.0},
+                  lambda f: "route" if f == 0 else "fetch", 40)  # fmt: skip
+    s = predicate_score({"route": route, "fetch": fetch, "auto": auto}, greedy_tag("sparse"))
+    assert s["groups"] == 2 * 3 * 2 and s["right"] == 12 and s["share_right"] == 1.0
+    assert s["auto_picks"] == {"route": 4, "fetch": 8}
+    assert s["measured_us_total"] == {"route": 1200.0, "fetch": 1600.0, "auto": 880.0}
+    assert s["auto_within_slack"] and s["auto_over_better_forced"] == pytest.approx(880 / 1200)
+    # auto always routing is right only where route measured cheaper, and 10 % slower fails
+    slow = _trace("route@auto", {0: 140.0, 1: 140.0, 2: 140.0}, lambda f: "route", 0)
+    s = predicate_score({"route": route, "fetch": fetch, "auto": slow}, greedy_tag("sparse"))
+    assert s["right"] == 4 and len(s["wrong_examples"]) == 8 and not s["auto_within_slack"]
+    # another corpus's requests are other groups
+    assert (
+        predicate_score({"route": route, "fetch": fetch, "auto": auto}, "greedy-dense-")["groups"]
+        == 0
+    )
+
+
+def test_load_trace_reads_json_lines(tmp_path: Path) -> None:
+    assert load_trace(tmp_path / "none.jsonl") == []
+    (tmp_path / "t.jsonl").write_text('{"step": 1}\n\n{"step": 2}\n{"st')
+    assert load_trace(tmp_path / "t.jsonl") == [{"step": 1}, {"step": 2}]  # last: being written
+    (tmp_path / "bad.jsonl").write_text('{"st\n{"step": 2}\n')
+    with pytest.raises(ValueError):
+        load_trace(tmp_path / "bad.jsonl")
+
+
+def _run(vectors: list[list[list[float]]]) -> dict[str, Any]:
+    return {"greedy": [{"tokens": [1, 2]}], "forced": vectors}
+
+
+def test_exactness_counts_every_teacher_forced_step() -> None:
+    a = _run([[[-0.1, -2.5, -9.0], [-3.0, -0.06, -4.0]]])
+    close = _run([[[-0.11, -2.49, -9.01], [-3.0, -0.07, -4.0]]])
+    e = exactness(a, close)
+    assert e["forced_agree_steps"] == e["forced_steps"] == 2 and e["ok"]
+    assert e["logprob_mean_abs_diff"] == pytest.approx((0.01 + 0.01 + 0.01 + 0.01) / 6)
+    flipped = _run([[[-2.5, -0.1, -9.0], [-3.0, -0.06, -4.0]]])
+    assert exactness(a, flipped)["forced_agree_steps"] == 1 and not exactness(a, flipped)["ok"]
+    far = _run([[[-0.1, -2.0, -9.0], [-3.0, -0.06, -4.2]]])
+    assert not exactness(a, far)["ok"]  # the argmax agrees, the mean diff is past 0.02
+
+
+def test_report_prints_the_primitive_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    """The summary table of a run with --primitive (the bench prints it after saving JSON)."""
+    a = _run([[[-0.1, -2.5, -9.0], [-3.0, -0.06, -4.0]]])
+    route = _trace("route@route", {0: 100.0, 1: 100.0, 2: 100.0}, lambda f: "route", 0)
+    fetch = _trace("route@fetch", {0: 300.0, 1: 50.0, 2: 50.0}, lambda f: "fetch", 0)
+    score = predicate_score({"route": route, "fetch": fetch, "auto": route}, greedy_tag("sparse"))
+    score.update(inter_token_p50_ms={"route": 9.0, "fetch": 6.0, "auto": 6.3},
+                 auto_itl_over_better_forced=1.05)  # fmt: skip
+    c = compare(a, a)
+    conc = {"ttft_p50_ms": 50.0, "inter_token_p50_ms": 6.0, "kv_pool_peak_tokens": 100.0}
+    out = {"regimes": {"sparse": {
+        "vs_stock": {"route@fetch": c},
+        "batched_vs_sequential": {"stock": free_running([[1]], [[1]])},
+        "primitive_exactness": exactness(a, a), "predicate": score,
+        "stock_answers": {"distinct": 8, "corpus_dependent": 8, "text": ["a", "b"]},
+        "concurrent_by_streams": {"route@auto": {"8": conc}},
+    }}}  # fmt: skip
+    report(out)
+    text = capsys.readouterr().out
+    assert "route vs fetch (plugin) teacher-forced 2/2, mean |Δ log-prob| 0.0000 (ok" in text
+    # auto always routed: right where route measured cheaper, and its total is route's
+    assert "predicate right 4/12 groups" in text and "auto / better forced 1.0 (within 10 %" in text
+    assert "auto / better forced 1.050" in text and "route@auto       8" in text

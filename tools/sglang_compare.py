@@ -1,0 +1,230 @@
+"""What ``tools/bench_sglang.py`` computes from its runs, apart from running them: agreement of
+two runs' tokens and log-probabilities, and the plugin predicate's score against forced runs.
+
+CPU-importable (no sglang, no server): the bench's numbers can be checked on synthetic runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+#: ``--primitive``: each is the route mode with CORPUSD_SGLANG_PRIMITIVE forced to it
+PRIMITIVES = ("route", "fetch", "auto")
+#: the route mode under a forced primitive: ``route@fetch``
+SEP = "@"
+
+
+def primitive_modes(modes: list[str], primitives: list[str]) -> list[str]:
+    """``modes`` with ``route`` replaced by ``route@<p>`` for each of ``primitives`` (in that
+    order; none given: unchanged). Raises ValueError for an unknown primitive or a list without
+    route."""
+    if not primitives:
+        return modes
+    bad = [p for p in primitives if p not in PRIMITIVES]
+    if bad or len(set(primitives)) != len(primitives):
+        raise ValueError(f"--primitive {','.join(primitives)}: distinct ones of {PRIMITIVES}")
+    if "route" not in modes:
+        raise ValueError("--primitive forces the route mode's primitive: --modes needs route")
+    at = modes.index("route")
+    return modes[:at] + [f"route{SEP}{p}" for p in primitives] + modes[at + 1 :]
+
+
+def is_route(mode: str) -> bool:
+    return mode == "route" or mode.startswith(f"route{SEP}")
+
+
+def forced_primitive(mode: str) -> str | None:
+    return mode.split(SEP, 1)[1] if SEP in mode else None
+
+
+def vectors(meta: dict[str, Any], vocab: int) -> list[list[float]]:
+    """Per output position, the log-softmax over the whole vocabulary."""
+    out = []
+    for step in meta["output_token_ids_logprobs"]:
+        v = [math.nan] * vocab
+        for lp, tok, *_ in step:
+            v[int(tok)] = float(lp)
+        out.append(v)
+    return out
+
+
+def argmax(v: list[float]) -> int:
+    return max(range(len(v)), key=v.__getitem__)
+
+
+def free_running(ref: list[list[int]], got: list[list[int]]) -> dict[str, Any]:
+    """Greedy tokens equal position by position, and each request's first differing step."""
+    same = total = 0
+    first_div = []
+    for ta, tb in zip(ref, got, strict=True):
+        same += sum(x == y for x, y in zip(ta, tb, strict=True))
+        total += len(ta)
+        first_div.append(
+            next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
+        )
+    return {"greedy_agree": same / total, "first_divergence": first_div}
+
+
+def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    """Free-running greedy agreement position by position; teacher-forced argmax agreement and
+    log-softmax differences (entries above −30 in both) at every step and at the first."""
+    free = free_running([g["tokens"] for g in ref["greedy"]], [g["tokens"] for g in got["greedy"]])
+    agree = steps = 0
+    diffs: list[float] = []
+    first: list[float] = []
+    margins = []
+    for ra, rb in zip(ref["forced"], got["forced"], strict=True):
+        for j, (va, vb) in enumerate(zip(ra, rb, strict=True)):
+            steps += 1
+            if argmax(va) == argmax(vb):
+                agree += 1
+            else:
+                top = sorted(va, reverse=True)
+                margins.append(top[0] - top[1])
+            d = [abs(x - y) for x, y in zip(va, vb, strict=True) if x > -30 and y > -30]
+            diffs += d
+            if j == 0:
+                first += d
+    return {
+        **free,
+        "forced_agree": agree / steps,
+        "forced_steps": steps,
+        "ref_top2_margin_where_forced_differs": margins,
+        "logprob_max_abs_diff": max(diffs),
+        "logprob_mean_abs_diff": statistics.fmean(diffs),
+        "first_step_logprob_max_abs_diff": max(first),
+        "first_step_logprob_mean_abs_diff": statistics.fmean(first),
+    }
+
+
+# -- the plugin's predicate against forced runs ------------------------------------------------
+def load_trace(path: Path) -> list[dict[str, Any]]:
+    """The plugin's decisions (``CORPUSD_SGLANG_TRACE``, JSON lines); [] when none was written."""
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:  # only the last may be cut short (read while written)
+                raise
+    return out
+
+
+def group_costs(trace: Iterable[dict[str, Any]], tag: str) -> dict[tuple, dict[str, Any]]:
+    """Decisions of requests whose rid contains ``tag`` (the bench's sequential greedy phase:
+    one request per forward), keyed by (rid from ``tag`` on without its unique suffix, the
+    request's n-th forward, layer, holder) so the same group of another run has the same key."""
+    steps: dict[str, list[int]] = {}
+    picked = []
+    for t in trace:
+        rids = t.get("rids", [])
+        if len(rids) != 1 or tag not in rids[0]:
+            continue
+        req = rids[0][rids[0].index(tag) :].rsplit("-", 1)[0]
+        if t["step"] not in steps.setdefault(req, []):
+            steps[req].append(t["step"])
+        picked.append((req, t))
+    return {(req, steps[req].index(t["step"]), t["layer"], t["holder"]): t for req, t in picked}
+
+
+def predicate_score(
+    traces: dict[str, list[dict[str, Any]]], tag: str, slack: float = 0.10
+) -> dict[str, Any]:
+    """Auto against forced route and fetch on the same requests (``traces``: primitive → that
+    run's trace), as ``tools/bench_decode.py`` scores corpusd's worker: each auto decision is
+    right when it picked the primitive whose forced run measured cheaper for the same group;
+    and auto's total measured cost over the groups all three runs have is within ``slack`` of
+    the better forced run's total."""
+    by = {p: group_costs(traces.get(p, []), tag) for p in PRIMITIVES}
+    keys = sorted(set(by["route"]) & set(by["fetch"]) & set(by["auto"]), key=str)
+    right, picks, wrong = 0, {"route": 0, "fetch": 0}, list[dict[str, Any]]()
+    totals = {p: 0.0 for p in PRIMITIVES}
+    for k in keys:
+        costs = {p: by[p][k]["measured_us"] for p in ("route", "fetch")}
+        pick = by["auto"][k]["pick"]
+        picks[pick] = picks.get(pick, 0) + 1
+        best = min(costs, key=lambda p: costs[p])
+        right += pick == best
+        if pick != best and len(wrong) < 20:
+            wrong.append({"group": list(k), "pick": pick, "measured_us": costs,
+                          "predicted_us": by["auto"][k]["predicted_us"]})  # fmt: skip
+        for p in PRIMITIVES:
+            totals[p] += by[p][k]["measured_us"]
+    better = min(totals["route"], totals["fetch"])
+    ratio = totals["auto"] / better if better > 0 else None
+    return {
+        "groups": len(keys),
+        "unmatched": {p: len(by[p]) - len(keys) for p in PRIMITIVES},
+        "right": right,
+        "share_right": right / len(keys) if keys else None,
+        "auto_picks": picks,
+        "measured_us_total": totals,
+        "auto_over_better_forced": ratio,
+        "auto_within_slack": ratio is not None and ratio <= 1 + slack,
+        "wrong_examples": wrong,
+    }
+
+
+def exactness(route: dict[str, Any], fetch: dict[str, Any], bound: float = 0.02) -> dict[str, Any]:
+    """Route vs fetch, both teacher-forced on the same reference tokens: argmax agreement (all
+    steps must agree) and mean |Δ log-prob| (≤ ``bound``)."""
+    c = compare(route, fetch)
+    agree = round(c["forced_agree"] * c["forced_steps"])
+    return {
+        "forced_agree_steps": agree,
+        "forced_steps": c["forced_steps"],
+        "logprob_mean_abs_diff": c["logprob_mean_abs_diff"],
+        "logprob_max_abs_diff": c["logprob_max_abs_diff"],
+        "ok": agree == c["forced_steps"] and c["logprob_mean_abs_diff"] <= bound,
+    }
+
+
+def report(out: dict[str, Any]) -> None:
+    """Print the bench's summary (``out``, as ``tools/bench_sglang.py`` saves it) as tables."""
+    print(f"{'regime':<7} {'vs':<11} {'greedy':>6} {'forced':>6} {'lp max':>7} {'lp mean':>8}")
+    for r, v in out["regimes"].items():
+        pairs = {f"{m}/stock": c for m, c in v["vs_stock"].items()}
+        if "route_vs_fetch" in v:
+            pairs["route/fetch"] = v["route_vs_fetch"]
+        for name, c in pairs.items():
+            print(
+                f"{r:<7} {name:<11} {c['greedy_agree']:>6.3f} {c['forced_agree']:>6.3f} "
+                f"{c['logprob_max_abs_diff']:>7.4f} {c['logprob_mean_abs_diff']:>8.5f}"
+            )
+        for m, c in v["batched_vs_sequential"].items():
+            print(f"{r:<7} {m + ' b8/b1':<11} {c['greedy_agree']:>6.3f}")
+    for r, v in out["regimes"].items():
+        if "primitive_exactness" in v:
+            e = v["primitive_exactness"]
+            print(f"{r}: route vs fetch (plugin) teacher-forced {e['forced_agree_steps']}/"
+                  f"{e['forced_steps']}, mean |Δ log-prob| {e['logprob_mean_abs_diff']:.4f} "
+                  f"({'ok' if e['ok'] else 'FAILS'} the 64/64, ≤ 0.02 bar)")  # fmt: skip
+        if "predicate" in v:
+            s = v["predicate"]
+            ratio = s["auto_over_better_forced"]
+            print(f"{r}: predicate right {s['right']}/{s['groups']} groups, picks "
+                  f"{s['auto_picks']}, auto / better forced {ratio and round(ratio, 3)} "
+                  f"({'within' if s['auto_within_slack'] else 'OUTSIDE'} 10 %)")  # fmt: skip
+            if "inter_token_p50_ms" in s:
+                print(f"{r}: inter-token p50 ms by primitive {s['inter_token_p50_ms']}, auto / "
+                      f"better forced {s['auto_itl_over_better_forced']:.3f}")  # fmt: skip
+    for r, v in out["regimes"].items():
+        ans = v["stock_answers"]
+        print(f"{r}: stock answers {ans['distinct']} distinct, {ans['corpus_dependent']} change "
+              f"without the corpus: {ans['text'][:2]}")  # fmt: skip
+    print(f"{'regime':<7} {'mode':<6} {'streams':>7} {'ttft ms':>8} {'itl p50 ms':>10} {'kv':>6}")
+    for r, v in out["regimes"].items():
+        for m, by in v.get("concurrent_by_streams", {}).items():
+            for n, c in by.items():
+                print(
+                    f"{r:<7} {m:<6} {n:>7} {c['ttft_p50_ms']:>8.1f} "
+                    f"{c['inter_token_p50_ms']:>10.1f} {c['kv_pool_peak_tokens']:>6.0f}"
+                )

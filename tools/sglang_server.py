@@ -1,0 +1,217 @@
+"""One SGLang server and the corpusd it serves from, for ``tools/bench_sglang.py``: the corpusd
+daemons (coordinator, holders, one agent) with corpora pinned, and ``python -m
+sglang.launch_server`` per mode (stock; route with the plugin, its primitive forced as
+``route@<p>``; fetch through the HiCache backend) with the flags every mode shares.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from corpusd.coordinator.launch import start_coordinator
+from corpusd.corpus.store import PageStore
+from corpusd.daemon import Daemon
+from holder.launch import start_holder
+from requester.launch import start_agent
+from tools.sglang_compare import forced_primitive, is_route
+
+ROOT = Path(__file__).resolve().parent.parent
+SGLANG_ENV = {
+    # No 10-minute DeepGEMM JIT warm-up; prefill stays off the FA3 path the deps omit; one top-k
+    # code path (unfused) in every mode, which the plugin needs.
+    "SGLANG_ENABLE_JIT_DEEPGEMM": "0",
+    "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "0",
+    "SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
+    "SGLANG_NSA_FUSE_TOPK": "0",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+}
+SGLANG_FLAGS = [
+    "--attention-backend", "nsa", "--page-size", "64",
+    "--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse",
+    "--kv-cache-dtype", "auto", "--skip-tokenizer-init",
+    "--grammar-backend", "none", "--enable-metrics", "--context-length", "16384",
+    "--enable-fp32-lm-head",
+    "--mem-fraction-static", "0.3", "--max-total-tokens", "65536", "--log-level", "info",
+]  # fmt: skip
+
+
+@dataclass
+class Corpusd:
+    daemons: list[Daemon]
+    coordinator: str
+    store: Path
+    tokens: dict[str, list[int]]  # corpus name → its tokens
+
+    def stop(self) -> None:
+        for d in reversed(self.daemons):
+            try:
+                d.stop(timeout=20)
+            except subprocess.TimeoutExpired:
+                d.kill()
+
+
+def corpus_source(out: Path, n_bytes: int, first: str) -> Path:
+    """A directory with ``n_bytes`` of this repo's text, starting at the file ``first``."""
+    files = [ROOT / "README.md", *sorted((ROOT / "corpusd" / "model").glob("*.py"))]
+    files = sorted(files, key=lambda p: p.name != first)
+    text = "".join(p.read_text() for p in files)[:n_bytes]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "notes.md").write_text(text)
+    return out
+
+
+def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], holders: int,
+                  device: str) -> Corpusd:  # fmt: skip
+    """A coordinator, ``holders`` holders and an agent; each of ``corpora`` (name → bytes, first
+    file) pinned through them."""
+    store = work / "store"
+    daemons: list[Daemon] = []
+    try:
+        coord = start_coordinator(work / "coordinator", store)
+        daemons.append(coord)
+        extra = ["--coordinator", coord.address, "--capacity-tokens", "16384", "--device", device]
+        if device != "cpu":  # bf16 pages (as SGLang's pool), our Triton sparse-MLA kernel
+            extra += ["--dtype", "bfloat16", "--kernel", "triton"]
+        for i in range(holders):
+            daemons.append(start_holder(store, work / f"holder-{i}", model, *extra))
+        daemons.append(start_agent(store, work / "agent", model, "--coordinator", coord.address))
+        tokens = {}
+        for name, (n_bytes, first) in corpora.items():
+            src = corpus_source(work / "src" / name, n_bytes, first)
+            pin = [sys.executable, "-m", "corpusd", "pin", "--corpus", str(src), "--name", name]
+            pin += ["--model", str(model), "--store", str(store), "--coordinator", coord.address]
+            pin += ["--dtype", "float32" if device == "cpu" else "bfloat16"]  # the holders' dtype
+            subprocess.run(pin, check=True)
+            ps = PageStore(store)
+            tokens[name] = ps.read_tokens(ps.resolve(name)).tolist()
+        return Corpusd(daemons, coord.address, store, tokens)
+    except BaseException:
+        for d in reversed(daemons):
+            d.kill()
+        raise
+
+
+# -- one SGLang server ---------------------------------------------------------------------------
+class Server:
+    def __init__(
+        self, mode: str, model: Path, port: int, cd: Corpusd, log: Path,
+        graph_bs: tuple[int, ...] = (),
+    ) -> None:  # fmt: skip
+        env = {**os.environ, **SGLANG_ENV}
+        flags = ["--model-path", str(model), "--port", str(port), *SGLANG_FLAGS]
+        prim = forced_primitive(mode)
+        self.trace: Path | None = None
+        self.metrics_url = ""
+        if graph_bs and not prim:  # capture only the batch sizes measured (~12 s each)
+            flags += ["--cuda-graph-max-bs", str(max(graph_bs)), "--cuda-graph-bs"]
+            flags += [str(b) for b in sorted(graph_bs)]
+        else:
+            flags.append("--disable-cuda-graph")
+        if is_route(mode):
+            env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "requester.sglang"
+            env["CORPUSD_COORDINATOR"] = cd.coordinator
+            # the device path's window: the longest corpus, in whole 1,024-token steps
+            longest = max(map(len, cd.tokens.values()))
+            env.setdefault("CORPUSD_SGLANG_WINDOW", str(-(-longest // 1024) * 1024))
+        if mode == "route":  # as in every earlier run: the plugin's host path routes
+            env.setdefault("CORPUSD_SGLANG_PRIMITIVE", "route")
+        if prim:  # the predicate decides on the host path (no CUDA graphs there)
+            self.trace = log.with_name(f"trace-{prim}.jsonl")
+            self.trace.unlink(missing_ok=True)
+            self.metrics_url = f"http://127.0.0.1:{port + 1}/metrics"
+            env.update(
+                CORPUSD_SGLANG_PATH="host", CORPUSD_SGLANG_PRIMITIVE=prim,
+                CORPUSD_SGLANG_TRACE=str(self.trace), CORPUSD_SGLANG_METRICS_PORT=str(port + 1),
+            )  # fmt: skip
+        if mode == "fetch":
+            extra = {
+                "backend_name": "corpusd",
+                "module_path": "requester.sglang.hicache",
+                "class_name": "CorpusdHiCacheStorage",
+                "interface_v1": 1,
+                "corpusd_store": str(cd.store),
+                "model_path": str(model),
+            }
+            flags += [
+                "--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
+                "--hicache-storage-backend-extra-config", json.dumps(extra),
+                "--hicache-storage-prefetch-policy", "wait_complete",
+                "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "kernel",
+                "--hicache-size", "2",
+            ]  # fmt: skip
+        self.mode, self.url, self.log = mode, f"http://127.0.0.1:{port}", log
+        self._log = log.open("w")
+        cmd = [sys.executable, "-m", "sglang.launch_server", *flags]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = 420) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.mode}: sglang exited ({self.proc.returncode}):\n{self.tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{self.mode}: sglang not healthy in {timeout}s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        self._log.flush()
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+    def post(self, body: dict[str, Any], timeout: float = 600) -> Any:
+        req = urllib.request.Request(
+            self.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def stream(self, body: dict[str, Any], timeout: float = 600) -> tuple[list[float], list[int]]:
+        """Arrival times (monotonic) of each streamed chunk that carries new tokens, and the
+        tokens (SGLang's chunks carry every token so far, unless --incremental-streaming-output).
+        """
+        req = urllib.request.Request(
+            self.url + "/generate",
+            json.dumps({**body, "stream": True}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        times: list[float] = []
+        tokens: list[int] = []
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for line in r:
+                if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
+                    times.append(time.monotonic())
+                    tokens = json.loads(line[5:])["output_ids"]
+        return times, tokens
+
+    def used_tokens(self) -> float:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        vals = [float(m) for m in re.findall(r"^sglang:num_used_tokens\{[^}]*\} (\S+)", text, re.M)]
+        return max(vals, default=math.nan)
