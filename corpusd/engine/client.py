@@ -55,7 +55,9 @@ class Engine:
         if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
             raise EngineError(f"--engine {self.url!r}: want http://HOST:PORT (an SGLang server)")
 
-    def _call(self, path: str, body: dict[str, Any] | None = None, timeout: float = 0) -> Any:
+    def _call(
+        self, path: str, body: dict[str, Any] | None = None, timeout: float = 0, text: bool = False
+    ) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
             self.url.rstrip("/") + path, data, {"Content-Type": "application/json"}
@@ -69,6 +71,8 @@ class Engine:
         except (urllib.error.URLError, OSError) as e:
             cause = getattr(e, "reason", e)
             raise EngineError(f"engine {self.url} is unreachable: {cause}") from None
+        if text:
+            return raw.decode(errors="replace")
         try:
             return json.loads(raw) if raw.strip() else None
         except json.JSONDecodeError:
@@ -88,7 +92,8 @@ class Engine:
         return self._call("/generate", body, timeout)
 
     def flush_cache(self) -> None:
-        self._call("/flush_cache", {})
+        """Empty the server's radix cache (SGLang answers plain text; 400 while requests run)."""
+        self._call("/flush_cache", {}, text=True)
 
 
 def preflight(engine: Engine) -> tuple[dict[str, Any], EngineInfo, Path]:

@@ -63,7 +63,7 @@ class CorpusdHiCacheStorage(HiCacheStorage):
         self.model_path = str(extra.get("model_path") or storage_config.model_name)
         model_fp = extra.get("model_fingerprint") or fingerprint(self.model_path)
         self.model_fp = model_fp
-        self.tp_rank = int(storage_config.tp_rank)
+        self.tp_rank = int(getattr(storage_config, "tp_rank", 0))
         self.spool: Path | None = None
         if "corpusd_capture" in extra:
             self.spool = Path(extra["corpusd_capture"])
@@ -78,7 +78,7 @@ class CorpusdHiCacheStorage(HiCacheStorage):
         )
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        super().register_mem_pool_host(mem_pool_host)
+        self.mem_pool_host = mem_pool_host  # what HiCacheStorage's own does
         if self.spool is not None and self.tp_rank == 0:
             info = spool.engine_info(mem_pool_host, self.model_fp, self.model_path, self.tp_rank)
             info.write(self.spool)
