@@ -86,10 +86,17 @@ class Engine:
             raise EngineError(f"engine {self.url}: /server_info has no page_size: is it SGLang?")
         return info
 
-    def generate(self, input_ids: list[int], timeout: float) -> Any:
-        """Prefill ``input_ids`` (one new token, greedy); SGLang's answer."""
-        body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-        return self._call("/generate", body, timeout)
+    def generate(self, input_ids: list[int], n_new: int, timeout: float) -> list[int]:
+        """Prefill ``input_ids`` and generate exactly ``n_new`` tokens greedily (``ignore_eos``);
+        returns their ids. Raises EngineError when the answer has not exactly ``n_new``."""
+        params = {"max_new_tokens": n_new, "temperature": 0, "ignore_eos": True}
+        r = self._call("/generate", {"input_ids": input_ids, "sampling_params": params}, timeout)
+        ids = r.get("output_ids") if isinstance(r, dict) else None
+        if not isinstance(ids, list) or len(ids) != n_new:
+            raise EngineError(
+                f"engine {self.url}: /generate answered {str(r)[:120]}, not {n_new} output_ids"
+            )
+        return [int(t) for t in ids]
 
     def flush_cache(self) -> None:
         """Empty the server's radix cache (SGLang answers plain text; 400 while requests run)."""

@@ -3,14 +3,19 @@
 Steps: :func:`check_engine` (before anything is tokenized or written: the server is reachable,
 runs the capture backend, serves the checkpoint this pin names, with a page size and kv dtype the
 store takes), then :func:`pin_engine`: tokenize with corpusd's tokenizer, ``POST /generate`` the
-tokens (padded to whole pages: SGLang backs up whole pages only), wait until every page's hash is
-in the capture spool, convert the pages to corpusd's layout and write the corpus through the
-store's atomic writer. Any error leaves the store as it was.
+tokens, wait until every page's hash is in the capture spool, convert the pages to corpusd's
+layout and write the corpus through the store's atomic writer. Any error leaves the store as it
+was.
 
-Why the padding is harmless: every row a page holds — the latent row and the index key of token
-``t``, in every layer — is a function of tokens ``0 … t`` only (causal attention, causal top-k:
-a query at ``t`` selects among keys ``≤ t``), so the filler changes no row before ``T``. The rows
-past ``T`` (the filler's) are dropped; the stored tail of the last page is zero, as any pin's.
+Whole pages: SGLang's radix cache keeps (and HiCache backs up) only whole pages of the KV it
+committed (``radix_cache.cache_finished_req``: ``page_align_keys`` over ``kv_committed_len`` =
+prompt + generated − 1). So the request generates ``(−T mod P) + 1`` tokens greedily with
+``ignore_eos``: the prefill is of exactly the corpus's ``T`` tokens (as for any prompt that is
+the corpus), and the decode steps fill the last page. The rows past ``T`` are the generated
+tokens', dropped (stored as zero, as any pin's tail); the last page's key is known once the
+answer names its tokens. Padding the prompt with filler tokens instead would be causally right
+too, but it changes the prefill's length, and kernels whose reductions depend on it (dense
+attention's masked tail) round rows before ``T`` differently from a prefill of the corpus alone.
 """
 
 from __future__ import annotations
@@ -123,10 +128,8 @@ def pin_engine(
         m = store.manifest(cid)
         return PinResult(m, store.corpora / cid, check.model_dir, True, time.perf_counter() - t0)
 
-    prompt = tokens + [tokens[-1]] * (-n_tok % p)  # whole pages (module docstring)
-    keys = page_hashes(prompt, p)
     t_engine = time.perf_counter()
-    wait_for_pages(check, prompt, keys, cfg.engine_timeout, out)
+    keys = capture_pages(check, tokens, p, cfg.engine_timeout, out)
     t_engine = time.perf_counter() - t_engine
     pages = [read_checked_page(check, k) for k in keys]
     u = check.info
@@ -166,47 +169,56 @@ def pin_engine(
     return PinResult(manifest, store.corpora / cid, check.model_dir, False, seconds)
 
 
-def wait_for_pages(
-    check: EngineCheck, prompt: list[int], keys: list[str], timeout: float, out: TextIO
-) -> None:
-    """Have the server prefill ``prompt`` unless the spool holds every key already, and wait
-    (bounded by ``timeout``, with a progress bar) until it does. Raises EngineError."""
-    missing = [k for k in keys if not page_path(check.spool, k).exists()]
-    if not missing:
-        out.write(f"the engine's spool holds all {len(keys)} pages already\n")
-        return
+def capture_pages(
+    check: EngineCheck, tokens: list[int], p: int, timeout: float, out: TextIO
+) -> list[str]:
+    """Have the server compute every page of ``tokens`` (module docstring) and wait, bounded by
+    ``timeout`` and with a progress bar, until all are in its spool; returns the pages' keys.
+    Raises EngineError."""
+    n_pages, known = -(-len(tokens) // p), page_hashes(tokens, p)
+    if len(known) == n_pages and all(page_path(check.spool, k).exists() for k in known):
+        out.write(f"the engine's spool holds all {n_pages} pages already\n")
+        return known
     # A prefix the server already holds is not backed up again: start from an empty radix tree.
     try:
         check.engine.flush_cache()
     except EngineError as e:  # busy: the prefill may still compute (and back up) every page
         out.write(f"note: could not flush the engine's cache first ({e})\n")
+    n_new = -len(tokens) % p + 1
+    answer: list[list[int]] = []
     failed: list[BaseException] = []
 
     def run() -> None:
         try:
-            check.engine.generate(prompt, timeout)
+            answer.append(check.engine.generate(tokens, n_new, timeout))
         except BaseException as e:  # reported by the waiting thread
             failed.append(e)
 
-    out.write(f"prefill of {len(prompt):,} tokens on {check.engine.url} ({check.marker})\n")
+    out.write(f"prefill of {len(tokens):,} tokens on {check.engine.url} ({check.marker})\n")
     threading.Thread(target=run, daemon=True, name="engine-generate").start()
-    bar = Progress("engine", len(keys), unit="page", stream=out)
-    bar.update(len(keys) - len(missing))
+    bar = Progress("engine", n_pages, unit="page", stream=out)
+    keys, done = known, 0
     deadline = time.monotonic() + timeout
-    while missing:
+    while True:
         if failed:
             raise failed[0]
+        if answer and len(keys) < n_pages:  # the generated tokens name the last page
+            keys = page_hashes(tokens + answer[0][: n_new - 1], p)
+            assert keys[: len(known)] == known and len(keys) == n_pages, f"{len(keys)=}"
+        have = sum(page_path(check.spool, k).exists() for k in keys)
+        bar.update(have - done)
+        done = have
+        if len(keys) == n_pages and have == n_pages:
+            break
         if time.monotonic() > deadline:
             raise EngineError(
-                f"engine {check.engine.url}: {len(missing)} of {len(keys)} pages did not reach "
+                f"engine {check.engine.url}: {n_pages - have} of {n_pages} pages did not reach "
                 f"its spool {check.spool} in {timeout:g} s (is --hicache-write-policy "
                 f"write_through set, and the host cache big enough?); nothing was stored"
             )
         time.sleep(0.1)
-        still = [k for k in missing if not page_path(check.spool, k).exists()]
-        bar.update(len(missing) - len(still))
-        missing = still
     bar.close()
+    return keys
 
 
 def read_checked_page(check: EngineCheck, key: str) -> tuple[torch.Tensor, torch.Tensor]:

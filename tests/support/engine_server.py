@@ -55,8 +55,11 @@ def server_info(spool: Path | None, model: Path, page_size: int = 64) -> dict[st
 
 class StandInEngine:
     def __init__(
-        self, info: dict[str, Any], on_generate: Callable[[list[int]], None] | None = None
+        self,
+        info: dict[str, Any],
+        on_generate: Callable[[list[int], int], list[int]] | None = None,
     ) -> None:
+        """``on_generate(input_ids, max_new_tokens)`` → the output ids ``/generate`` answers."""
         self.info, self.on_generate = info, on_generate
         self.calls: list[str] = []
         outer = self
@@ -86,8 +89,9 @@ class StandInEngine:
                 if self.path == "/flush_cache":
                     self._reply(200, b"Cache flushed.\n", "text/plain")
                 elif self.path == "/generate" and outer.on_generate is not None:
-                    outer.on_generate(body["input_ids"])
-                    self._reply(200, json.dumps({"output_ids": [0], "meta_info": {}}).encode())
+                    n_new = int(body["sampling_params"]["max_new_tokens"])
+                    ids = outer.on_generate(body["input_ids"], n_new)
+                    self._reply(200, json.dumps({"output_ids": ids, "meta_info": {}}).encode())
                 else:
                     self._reply(404, b'{"detail":"Not Found"}')
 
@@ -123,18 +127,28 @@ class CaptureEngine(StandInEngine):
         self.prefills: list[int] = []
         super().__init__(server_info(spool, model), self.prefill)
 
-    def prefill(self, ids: list[int]) -> None:
+    def prefill(self, ids: list[int], n_new: int) -> list[int]:
+        """SGLang's work for one request: prefill ``ids`` (in 256-token chunks, as a normal pin
+        does), decode ``n_new − 1`` steps greedily (the first output token is the stand-in's
+        choice), then back up every whole page of the committed KV (``ids`` + outputs but the
+        last)."""
         from corpusd.corpus.layout import Layout
         from corpusd.corpus.pin import prefill
-        from corpusd.model import load_model
+        from corpusd.model import forward_tokens, load_model
         from requester.sglang.pagehash import page_hashes
         from tests.support.sglang_host import fill_page
 
         self.prefills.append(len(ids))
         model = load_model(self.model_dir, dtype=torch.bfloat16)
         cache = prefill(model, Layout(tuple(ids), ()), 256, io.StringIO())
+        out = [ids[-1] % 200 + 7]
+        for _ in range(n_new - 1):
+            logits = forward_tokens(model, torch.tensor(out[-1:]), cache)
+            assert logits is not None
+            out.append(int(logits[-1].argmax()))
+        committed = ids + out[:-1]
         p = self.host.page_size
-        keys = page_hashes(ids, p)  # whole pages only, as SGLang backs up
+        keys = page_hashes(committed, p)  # whole pages only, as SGLang backs up
         slots = []
         for i in range(len(keys)):
             hp = (3 * i + 1) % self.host.page_num  # scattered host pages
@@ -149,3 +163,4 @@ class CaptureEngine(StandInEngine):
                 keys[b : b + self.batch], host_indices[b * p : (b + self.batch) * p]
             )
             assert all(ok), f"capture refused a page: {ok}"
+        return out

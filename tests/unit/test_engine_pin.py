@@ -47,6 +47,11 @@ def _tar(path: Path, n_bytes: int) -> Path:
     return path
 
 
+def me_tokens(store: Path) -> int:
+    (cid,) = PageStore(store).ids()
+    return PageStore(store).manifest(cid).token_count
+
+
 def _listing(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*")}
 
@@ -157,7 +162,7 @@ def test_pages_that_never_reach_the_spool_time_out_with_nothing_stored(
     n_layers = ModelConfig.from_dir(model).num_hidden_layers
     spool.EngineInfo(fingerprint(model), str(model), P, "layer_first", "bfloat16", 576, n_layers,
                      True).write(sp)  # fmt: skip
-    e.on_generate = lambda ids: None  # answers, captures nothing (no write_through)
+    e.on_generate = lambda ids, n: [7] * n  # answers, captures nothing (no write_through)
     before = _listing(store)
     rc = _pin(store, model, _tar(tmp_path / "r.tar", 300), e.url, "--engine-timeout", "1")
     _refused(capsys, store, before, rc, "pages did not reach its spool", "write_through")
@@ -179,7 +184,7 @@ def test_engine_pages_are_a_normal_pins_and_are_served_back_as_the_engine_held_t
         assert _pin(st_e, model, src, eng.url, "--name", "eng") == 0
         out = capsys.readouterr().out
         assert "engine    sglang-0.5.10.post1 at " + eng.url in out, out
-        assert len(eng.prefills) == 1 and eng.prefills[0] % P == 0
+        assert eng.prefills == [me_tokens(st_e)], "the prefill was not of the corpus alone"
         assert _pin(st_e, model, src, eng.url, "--name", "eng") == 0  # the same pin again
         assert "already pinned" in capsys.readouterr().out and len(eng.prefills) == 1
     finally:
