@@ -85,6 +85,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             mcfg,
             fingerprint(args.model_path),
             args.page_size,
+            store=os.environ.get("CORPUSD_STORE") or None,
         )
         self.corpusd_resident = self._device_path(args, mcfg)
         # an unknown or unservable corpus fails its request at admission, not the forward

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from corpusd.corpus.store import PageStore
-from requester.sglang.pagehash import host_kv_page, index_k_page, page_hashes
+from requester.sglang.pagehash import host_kv_page, index_k_from_page, index_k_page, page_hashes
 
 
 class CorpusPages:
@@ -75,3 +75,25 @@ class CorpusPages:
         if index is None:
             index = [index_k_page(k, ue8m0) for k in keys]
         return host_kv_page(latent, layout, dtype), index
+
+
+def engine_index_pages(store: PageStore, corpus_id: str, layer: int) -> torch.Tensor | None:
+    """Every indexer page of ``layer`` of an engine pin in ``store`` (uint8 ``[n_pages,
+    P·132]``, as SGLang computed them); None when the store does not have the corpus or it was
+    prefilled by corpusd. The route paths score these instead of corpusd's float keys, whose fp8
+    round trip is not the engine's bytes (NOTES.md, "Capture")."""
+    if not store.has(corpus_id):
+        return None
+    m = store.manifest(corpus_id)
+    return store.read_index_pages(corpus_id, layer, range(m.n_pages))
+
+
+def engine_index_keys(store: PageStore, corpus_id: str, layer: int) -> torch.Tensor | None:
+    """:func:`engine_index_pages` as the values SGLang's indexer scores: rotated, dequantised,
+    float32 ``[T, 128]`` (:func:`.pagehash.index_k_from_page`); None as there."""
+    pages = engine_index_pages(store, corpus_id, layer)
+    if pages is None:
+        return None
+    p = store.manifest(corpus_id).page_size
+    keys = torch.cat([index_k_from_page(page, p) for page in pages])
+    return keys[: store.manifest(corpus_id).token_count]

@@ -23,8 +23,8 @@ from corpusd.cli import main as cli_main
 from corpusd.corpus.store import PageStore
 from corpusd.engine import spool
 from corpusd.model import ModelConfig, fingerprint
-from requester.sglang.pagehash import index_k_page, page_hashes
-from requester.sglang.pages import CorpusPages
+from requester.sglang.pagehash import index_k_from_page, index_k_page, page_hashes
+from requester.sglang.pages import CorpusPages, engine_index_keys
 from tests.support.engine_server import CaptureEngine, StandInEngine, server_info
 from tests.support.sglang_host import load_hicache
 
@@ -214,8 +214,12 @@ def test_engine_pages_are_a_normal_pins_and_are_served_back_as_the_engine_held_t
             assert torch.equal(verbatim[pg], index_k_page(key_n[li][pg])), f"{li=} {pg=}"
         err = (key_e[li].float() - key_n[li].float()).norm() / key_n[li].float().norm()
         assert float(err) < 0.08, f"layer {li}: float keys {float(err)=}"
-    # The fetch path serves each whole page as the engine's host pool held it, byte for byte.
+    # Route's corpus top-k (plugin with the store at hand) scores the engine's own keys: for each
+    # whole page, the values SGLang's indexer reads from the page its pool held.
+    assert engine_index_keys(sn, cn, 0) is None  # corpusd's own pin: its float keys are used
+    keys_seen = [engine_index_keys(se, ce, li) for li in range(me.n_layers)]
     tokens = se.read_tokens(ce).tolist()
+    # The fetch path serves each whole page as the engine's host pool held it, byte for byte.
     served = CorpusPages(st_e, me.model_fingerprint)
     for i, key in enumerate(page_hashes(tokens, P)):
         kv, index = served.host_page(key, "layer_first", eng.host.dtype)
@@ -223,3 +227,7 @@ def test_engine_pages_are_a_normal_pins_and_are_served_back_as_the_engine_held_t
         assert torch.equal(kv, held_kv.flatten()), f"page {i}: kv bytes differ"
         assert held_index is not None
         assert all(torch.equal(a, b) for a, b in zip(index, held_index, strict=True)), i
+        for li, seen in enumerate(keys_seen):
+            assert seen is not None and seen.shape == (me.token_count, 128)
+            want = index_k_from_page(held_index[li])
+            assert torch.equal(seen[i * P : i * P + P], want), f"{li=} page {i}"
