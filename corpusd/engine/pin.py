@@ -33,6 +33,7 @@ import torch
 
 from corpusd import env
 from corpusd.corpus.config import PinConfig
+from corpusd.corpus.ingest import CorpusError
 from corpusd.corpus.manifest import Manifest, corpus_id, page_format
 from corpusd.corpus.pin import PinResult, default_model, tokenize
 from corpusd.corpus.store import PageStore
@@ -126,6 +127,11 @@ def pin_engine(
     store = PageStore(cfg.store or env.default_store_dir())
     if store.has(cid):
         m = store.manifest(cid)
+        if cfg.name and cfg.name != m.name:  # one name per corpus, as corpusd's own pin says
+            raise CorpusError(
+                f"this content is already pinned through {check.marker} as {m.name!r} (corpus "
+                f"{cid}); a corpus has one name: use {m.name!r} or its id, not --name {cfg.name!r}"
+            )
         return PinResult(m, store.corpora / cid, check.model_dir, True, time.perf_counter() - t0)
 
     t_engine = time.perf_counter()

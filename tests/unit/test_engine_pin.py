@@ -187,6 +187,8 @@ def test_engine_pages_are_a_normal_pins_and_are_served_back_as_the_engine_held_t
         assert eng.prefills == [me_tokens(st_e)], "the prefill was not of the corpus alone"
         assert _pin(st_e, model, src, eng.url, "--name", "eng") == 0  # the same pin again
         assert "already pinned" in capsys.readouterr().out and len(eng.prefills) == 1
+        assert _pin(st_e, model, src, eng.url, "--name", "other") == 2
+        assert "already pinned through sglang-0.5.10.post1 as 'eng'" in capsys.readouterr().err
     finally:
         eng.close()
     st_n = tmp_path / "normal-store"
