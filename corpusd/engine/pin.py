@@ -39,6 +39,7 @@ from corpusd.corpus.pin import PinResult, default_model, tokenize
 from corpusd.corpus.store import PageStore
 from corpusd.engine.client import Engine, EngineError, preflight
 from corpusd.engine.spool import (
+    INDEX_DIM,
     INDEX_TOKEN_BYTES,
     KV_DTYPES,
     EngineInfo,
@@ -96,6 +97,11 @@ def check_engine(cfg: PinConfig, stream: TextIO | None = None) -> EngineCheck:
     if info.page_size != cfg.page_size:
         raise EngineError(f"{where} has page size {info.page_size}: pass --page-size "
                           f"{info.page_size} (this pin asked for {cfg.page_size})")  # fmt: skip
+    if model_cfg.index_head_dim != INDEX_DIM:
+        raise EngineError(
+            f"{model_dir} has {model_cfg.index_head_dim}-wide index keys; SGLang's NSA pages hold "
+            f"{INDEX_DIM} (e.g. corpusd model init --preset sglang)"
+        )
     if (info.n_layers, info.kv_dim) != (model_cfg.num_hidden_layers, want_dim) or not info.index:
         raise EngineError(
             f"{where}'s pool holds {info.n_layers} layers of {info.kv_dim}-wide rows"

@@ -138,6 +138,22 @@ def test_an_engine_serving_another_model_is_refused(
     assert e.calls == ["GET /server_info"]
 
 
+def test_a_model_whose_index_keys_sglang_cannot_hold_is_refused(
+    tmp_path: Path, store: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sp = tmp_path / "spool"
+    sp.mkdir()
+    e = StandInEngine(server_info(sp, tiny_dir))  # the CPU preset: 64-wide index keys
+    try:
+        spool.EngineInfo(fingerprint(tiny_dir), str(tiny_dir), P, "layer_first", "bfloat16", 576,
+                         2, True).write(sp)  # fmt: skip
+        before = _listing(store)
+        rc = _pin(store, tiny_dir, _tar(tmp_path / "r.tar", 300), e.url)
+        _refused(capsys, store, before, rc, "64-wide index keys", "--preset sglang")
+    finally:
+        e.close()
+
+
 def test_a_spool_this_process_cannot_read_is_refused(
     tmp_path: Path,
     store: Path,
