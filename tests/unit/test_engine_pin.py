@@ -203,6 +203,9 @@ def test_engine_pages_are_a_normal_pins_and_are_served_back_as_the_engine_held_t
         assert eng.prefills == [me_tokens(st_e)], "the prefill was not of the corpus alone"
         assert _pin(st_e, model, src, eng.url, "--name", "eng") == 0  # the same pin again
         assert "already pinned" in capsys.readouterr().out and len(eng.prefills) == 1
+        # capture mode serves nothing: SGLang computes every page
+        whole = page_hashes(PageStore(st_e).read_tokens(PageStore(st_e).ids()[0]).tolist(), P)
+        assert eng.backend.batch_exists(whole) == 0 and not eng.backend.exists(whole[0])
         assert _pin(st_e, model, src, eng.url, "--name", "other") == 2
         assert "already pinned through sglang-0.5.10.post1 as 'eng'" in capsys.readouterr().err
     finally:
