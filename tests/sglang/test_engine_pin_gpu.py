@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 
 from corpusd.cli import main as cli_main
+from corpusd.corpus.layout import FILE_HEADER
 from corpusd.corpus.store import PageStore
 from corpusd.model import ModelConfig
 from corpusd.model.tiny import init_tiny
@@ -128,9 +129,15 @@ def _backend(**kw: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 def test_pages_pinned_through_sglang_are_what_sglang_holds(tmp_path: Path, kv: str) -> None:
     model = init_tiny(tmp_path / "model", preset="sglang", index_topk=2048)
+    mc = ModelConfig.from_dir(model)
+    tok = load_tokenizer(model, mc.bos_token_id, mc.eos_token_id)
+    text = (ROOT / "README.md").read_text()[:CORPUS_BYTES].rstrip("\n") + "\n"
+    header = len(tok.encode(FILE_HEADER.format(path="notes.md"))) + (tok.bos_id is not None)
+    if (header + len(tok.encode(text))) % PAGE == 0:  # keep a partial last page
+        text = text[:-2] + "\n"
     src = tmp_path / "src"
     src.mkdir()
-    (src / "notes.md").write_text((ROOT / "README.md").read_text()[:CORPUS_BYTES])
+    (src / "notes.md").write_text(text)
     store, spool = tmp_path / "store", tmp_path / "spool"
     a = Server(model, tmp_path / "capture.log", kv, _backend(corpusd_capture=str(spool),
                model_path=str(model)))  # fmt: skip
@@ -148,8 +155,6 @@ def test_pages_pinned_through_sglang_are_what_sglang_holds(tmp_path: Path, kv: s
         b = Server(model, tmp_path / "fetch.log", kv, _backend(corpusd_store=str(store),
                    model_path=str(model)))  # fmt: skip
         b.wait()
-        mc = ModelConfig.from_dir(model)
-        tok = load_tokenizer(model, mc.bos_token_id, mc.eos_token_id)
         corpus = ps.read_tokens(m.corpus_id).tolist()
         whole = m.token_count // PAGE * PAGE
         for q in QUESTIONS:
