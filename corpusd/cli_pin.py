@@ -55,6 +55,14 @@ def summary(r: PinResult) -> str:
         f"  cache     {m.page_format}, per layer {mib(per_layer)} "
         f"(latent {m.kv_dim}{' as fp8 rows' if m.kv_format != 'plain' else ''} + index "
         f"{m.index_dim} per token), {mib(disk)} on disk",
+        *(
+            [
+                f"  engine    {m.engine['marker']} at {m.engine['url']} ({m.engine['kv_dtype']} "
+                f"KV cache, page {m.engine['page_size']}, model {m.engine['model_path']})"
+            ]
+            if m.engine
+            else []
+        ),
         f"  prefill   {m.prefill_seconds:,.1f} s ({rate:,.0f} tok/s)"
         + ("  [done earlier; nothing recomputed]" if r.reused else ""),
         f"  stored    {r.path}",
@@ -72,6 +80,12 @@ def cmd_pin(a: argparse.Namespace) -> int:
 
     publish = PublishConfig(**{f.name: getattr(a, f.name) for f in fields(PublishConfig)})
     cfg = _pin_config(a, a.corpus)
+    check = None
+    if cfg.engine:  # the engine decides the page format: asked first, before the coordinator
+        from corpusd.engine.pin import check_engine
+
+        check = check_engine(cfg)
+        cfg = replace(cfg, model=str(check.model_dir), dtype=check.dtype, kv_format=check.kv_format)
     address, source = env.coordinator_source(publish.coordinator)
     admit = None
     if address:
@@ -89,9 +103,14 @@ def cmd_pin(a: argparse.Namespace) -> int:
             if note := preflight.room(loads, pages, publish.replicas):
                 print(f"note: {note}")
 
-    from corpusd.corpus.pin import pin
+    if check is not None:
+        from corpusd.engine.pin import pin_engine
 
-    r = pin(cfg, admit=admit)
+        r = pin_engine(cfg, check, admit=admit)
+    else:
+        from corpusd.corpus.pin import pin
+
+        r = pin(cfg, admit=admit)
     print(summary(r))
     if not address:
         print(f"not published: no coordinator ({source}); publish with --coordinator or corpusd up")

@@ -47,6 +47,17 @@ class PinConfig:
         default="cpu",
         metadata={"help": "where the prefill runs: cpu, cuda or cuda:N (pages are stored alike)"},
     )
+    engine: str | None = field(
+        default=None,
+        metadata={
+            "help": "http://HOST:PORT of an SGLang server with the corpusd capture backend: it "
+            "prefills the corpus and its pages are stored (dtype, format and page size are the "
+            "server's; docs/sglang.md)"
+        },
+    )
+    engine_timeout: float = field(
+        default=600.0, metadata={"help": "seconds to wait for the engine's prefill and pages"}
+    )
 
     def __post_init__(self) -> None:
         for key in ("page_size", "max_tokens", "max_file_bytes", "chunk"):
@@ -56,5 +67,7 @@ class PinConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
+        if self.engine_timeout <= 0:
+            raise ValueError(f"engine_timeout must be > 0, got {self.engine_timeout}")
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")

@@ -41,7 +41,10 @@ class Manifest:
     page's bytes in every layer), so a holder checks exactly the pages it loads. A manifest
     written before page digests existed has none; its files are checked whole instead.
     ``kv_format`` says how latent rows are stored (``KV_FORMATS``); ``kv_dim`` stays the logical
-    row width (576) either way.
+    row width (576) either way. ``engine`` is empty for corpusd's own prefill; a pin made by a
+    serving engine (``corpusd pin --engine``) records it there: ``marker`` (e.g.
+    ``sglang-0.5.10.post1``, also hashed into the corpus id), URL, model path, page size, kv
+    cache dtype, host layout.
     """
 
     corpus_id: str
@@ -67,6 +70,7 @@ class Manifest:
     prefill_seconds: float = 0.0
     format: str = FORMAT
     kv_format: str = "plain"
+    engine: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         assert self.state in STATES, f"{self.state=}"

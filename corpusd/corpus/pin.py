@@ -20,14 +20,14 @@ import torch
 
 from corpusd import env
 from corpusd.corpus.config import DTYPES, PinConfig
-from corpusd.corpus.ingest import CorpusError, ingest
+from corpusd.corpus.ingest import CorpusError, Ingested, ingest
 from corpusd.corpus.layout import Layout, render
 from corpusd.corpus.manifest import Manifest, corpus_id, page_format
 from corpusd.corpus.store import PageStore
 from corpusd.model import KVCache, ModelConfig, fingerprint, forward_tokens, load_model
 from corpusd.model import fp8_cache as fp8
 from corpusd.progress import Progress
-from corpusd.tokenizer import load_tokenizer
+from corpusd.tokenizer import Tokenizer, load_tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +105,7 @@ def pin(
     model_cfg = ModelConfig.from_dir(model_dir)
     if cfg.kv_format == fp8.FP8:
         fp8.check_layout(model_cfg.kv_lora_rank, model_cfg.qk_rope_head_dim)
-    tokenizer = load_tokenizer(model_dir, model_cfg.bos_token_id, model_cfg.eos_token_id)
-    ingested = ingest(cfg.corpus, max_file_bytes=cfg.max_file_bytes)
-    limit = min(cfg.max_tokens, model_cfg.max_position_embeddings)
-    layout = render(ingested, tokenizer, limit)
+    tokenizer, ingested, layout = tokenize(cfg, model_dir, model_cfg)
     fp = fingerprint(model_dir)
     cid = corpus_id(layout.tokens, fp, cfg.page_size, page_format(cfg.dtype, cfg.kv_format))
     if admit is not None:
@@ -163,6 +160,17 @@ def pin(
             w.write_layer(layer, latent, cache.index_keys[layer][:n].cpu(), cfg.page_size)
         manifest = w.write_manifest(manifest)  # with the files' checksums and page digests
     return PinResult(manifest, store.corpora / cid, model_dir, False, time.perf_counter() - t0)
+
+
+def tokenize(
+    cfg: PinConfig, model_dir: Path, model_cfg: ModelConfig
+) -> tuple[Tokenizer, Ingested, Layout]:
+    """The model's tokenizer, the ingested source and its token stream (every pin's first
+    steps; raises CorpusError for a bad source or one over the token limit)."""
+    tokenizer = load_tokenizer(model_dir, model_cfg.bos_token_id, model_cfg.eos_token_id)
+    ingested = ingest(cfg.corpus, max_file_bytes=cfg.max_file_bytes)
+    limit = min(cfg.max_tokens, model_cfg.max_position_embeddings)
+    return tokenizer, ingested, render(ingested, tokenizer, limit)
 
 
 # t(n) = A·n + B·n² seconds, fitted to bench/results/pin-cpu.json (the default tiny model, fp32,

@@ -6,7 +6,10 @@ Layout under ``root``::
     corpora/<corpus_id>/tokens.safetensors        "tokens" int32 [T]
     corpora/<corpus_id>/layer_000.safetensors     "latent" [n_pages, P, kv_dim] (fp8_e4m3
                                                   format: uint8 [n_pages, P, 656]),
-                                                  "index_keys" [n_pages, P, index_dim]
+                                                  "index_keys" [n_pages, P, index_dim];
+                                                  engine pins also "index_pages" uint8
+                                                  [n_pages, P·132]: the engine's indexer pages
+                                                  verbatim (``corpusd/engine/spool.py``)
     tmp/<corpus_id>.<pid>.<nonce>/                a corpus being written; never read
 
 Integrity: the manifest records a checksum per file and a digest per page (``page_digest``,
@@ -128,10 +131,17 @@ class CorpusWriter:
         self._put(TOKENS, {"tokens": tokens.to(torch.int32)})
 
     def write_layer(
-        self, layer: int, latent: torch.Tensor, index_keys: torch.Tensor, page: int
+        self,
+        layer: int,
+        latent: torch.Tensor,
+        index_keys: torch.Tensor,
+        page: int,
+        index_pages: torch.Tensor | None = None,
     ) -> None:
         """``latent [T, kv_dim]``, ``index_keys [T, index_dim]`` → pages of ``page`` rows.
-        Layers are written in order 0, 1, …: each page's digest runs over them in that order."""
+        Layers are written in order 0, 1, …: each page's digest runs over them in that order.
+        ``index_pages`` (engine pins): uint8 ``[n_pages, ·]`` stored as is, covered by the
+        file's checksum (not by the page digests)."""
         assert layer == self._layers, (
             f"layers are written in order: {layer=}, expected {self._layers}"
         )
@@ -141,7 +151,13 @@ class CorpusWriter:
         lat = torch.nn.functional.pad(latent, (0, 0, 0, pad)).view(n_pages, page, -1).contiguous()
         idx = torch.nn.functional.pad(index_keys, (0, 0, 0, pad)).view(n_pages, page, -1)
         idx = idx.contiguous()
-        self._put(layer_file(layer), {"latent": lat, "index_keys": idx})
+        tensors = {"latent": lat, "index_keys": idx}
+        if index_pages is not None:
+            assert index_pages.dtype == torch.uint8 and index_pages.shape[0] == n_pages, (
+                f"{index_pages.shape=} {index_pages.dtype=} for {n_pages=}"
+            )
+            tensors["index_pages"] = index_pages
+        self._put(layer_file(layer), tensors)
         if not self._pages:
             self._pages = [hashlib.blake2b(digest_size=16) for _ in range(n_pages)]
         assert len(self._pages) == n_pages, (
@@ -239,6 +255,20 @@ class PageStore:
             raise StoreError(f"corpus {corpus_id} has layers 0..{m.n_layers - 1}, not {layer}")
         self._check_range(m, pages)
         return self._read_layer(m, layer, pages)
+
+    def read_index_pages(
+        self, corpus_id: str, layer: int, pages: Sequence[int]
+    ) -> torch.Tensor | None:
+        """An engine pin's verbatim indexer pages, uint8 ``[len(pages), P·132]`` (unchecked, as
+        ``read_pages``); None for a corpus that has none."""
+        m = self.manifest(corpus_id)
+        self._check_range(m, pages)
+        with safe_open(str(self.corpora / corpus_id / layer_file(layer)), framework="pt") as f:
+            names = set(f.keys())
+            if "index_pages" not in names:
+                return None
+            sl = f.get_slice("index_pages")
+            return torch.stack([sl[p : p + 1][0] for p in pages])
 
     @staticmethod
     def _check_range(m: Manifest, pages: Sequence[int]) -> None:

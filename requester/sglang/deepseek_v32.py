@@ -91,6 +91,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             args.page_size,
             chooser=choose.Chooser(Predicate(choose.profile(), force), metrics, trace),
             cache_bytes=page_cache.cache_bytes(),
+            store=os.environ.get("CORPUSD_STORE") or None,
         )
         port = metrics_port()
         if port is not None:

@@ -21,17 +21,27 @@ key we serve names a page the corpus already holds, for the same tokens and mode
 succeeds with nothing to do, as ``HiCacheFile.set`` does for a key it has. Any other key's set
 fails; SGLang's own pages stay in SGLang.
 
+Capture mode (``"corpusd_capture": "/spool/dir"`` instead of ``"corpusd_store"``, with
+``--hicache-write-policy write_through``): the backend serves nothing (``batch_exists`` is 0, so
+SGLang computes every page) and every page SGLang backs up is copied out of the host pool into
+the spool (:func:`corpusd.engine.spool.capture`), for ``corpusd pin --engine`` to store. With TP >
+1 every rank holds the same MLA latent and indexer pages; rank 0 writes them, the others answer
+True. ``engine.json`` (what the pool holds, the model's fingerprint) is written when SGLang
+registers the host pool.
+
 Written against sglang 0.5.10.post1; ran in a live server (``tools/bench_sglang.py``, fetch mode).
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from corpusd.engine import spool
 from corpusd.model.checkpoint import fingerprint
 from requester.sglang.pagehash import sglang_key_scales_ue8m0
 from requester.sglang.pages import CorpusPages
@@ -42,21 +52,36 @@ log = logging.getLogger("corpusd.sglang")
 class CorpusdHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
         extra = dict(storage_config.extra_config or {})
-        if "corpusd_store" not in extra:
+        if ("corpusd_store" in extra) == ("corpusd_capture" in extra):
             raise ValueError(
-                'corpusd HiCache backend: set "corpusd_store" in '
+                'corpusd HiCache backend: set one of "corpusd_store" (serve pinned pages) or '
+                '"corpusd_capture" (a spool directory for corpusd pin --engine) in '
                 "--hicache-storage-backend-extra-config"
             )
         # HiCacheStorageConfig.model_name is --served-model-name, which defaults to the model
         # path; "model_path" in the extra config covers a server that renames its model.
-        model_fp = extra.get("model_fingerprint") or fingerprint(
-            extra.get("model_path") or storage_config.model_name
-        )
+        self.model_path = str(extra.get("model_path") or storage_config.model_name)
+        model_fp = extra.get("model_fingerprint") or fingerprint(self.model_path)
+        self.model_fp = model_fp
+        self.tp_rank = int(getattr(storage_config, "tp_rank", 0))
+        self.spool: Path | None = None
+        if "corpusd_capture" in extra:
+            self.spool = Path(extra["corpusd_capture"])
+            self.spool.mkdir(parents=True, exist_ok=True)
+            self.corpus_pages = CorpusPages.empty()
+            log.info("corpusd HiCache backend: capturing pages into %s", self.spool)
+            return
         self.corpus_pages = CorpusPages(extra["corpusd_store"], model_fp)
         self._key_ue8m0: bool | None = None  # how this server scales index keys (first read)
         log.info(
             "corpusd HiCache backend: %d pages of pinned corpora", len(self.corpus_pages.pages)
         )
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        self.mem_pool_host = mem_pool_host  # what HiCacheStorage's own does
+        if self.spool is not None and self.tp_rank == 0:
+            info = spool.engine_info(mem_pool_host, self.model_fp, self.model_path, self.tp_rank)
+            info.write(self.spool)
 
     def exists(self, key: str) -> bool:
         return key in self.corpus_pages
@@ -94,7 +119,12 @@ class CorpusdHiCacheStorage(HiCacheStorage):
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
-        """Per key, whether the page is stored (held already); writes nothing (module docstring)."""
+        """Capture mode: copy each page into the spool (True). Fetch mode: per key, whether the
+        page is stored (held already); writes nothing (module docstring)."""
+        if self.spool is not None:
+            if self.tp_rank != 0:
+                return [True] * len(keys)
+            return spool.capture(self.mem_pool_host, keys, host_indices, self.spool)
         return [key in self.corpus_pages for key in keys]
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:

@@ -21,12 +21,14 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import torch
 
 from corpusd.coordinator.client import CoordinatorClient
+from corpusd.corpus.store import PageStore
 from corpusd.model import ModelConfig
 from corpusd.transport import cuda_ipc
 from indexer.fp8 import fp8_view
@@ -39,6 +41,7 @@ from requester.sglang.choose import Chooser
 from requester.sglang.device import sparse_partial
 from requester.sglang.metrics import PluginMetrics
 from requester.sglang.page_cache import PageCache, PageCacheFull, Plan
+from requester.sglang.pages import engine_index_keys, engine_index_pages
 from requester.sglang.resident import ArenaCorpus, Resident
 
 log = logging.getLogger("corpusd.sglang")
@@ -98,7 +101,10 @@ class CorpusLink:
         timeout: float = 60.0,
         chooser: Chooser | None = None,
         cache_bytes: int = 0,
+        store: str | None = None,
     ) -> None:
+        """``store``: a page store this process can read (``$CORPUSD_STORE``), or None; engine
+        pins found there have their index keys scored as SGLang computed them."""
         if not coordinator:
             raise ValueError(
                 "corpusd plugin: no coordinator address; set CORPUSD_COORDINATOR=host:port"
@@ -129,6 +135,7 @@ class CorpusLink:
         self._bindings: dict[str, Binding] = {}
         self._corpora: dict[str, CorpusBinding] = {}
         self._keys: dict[tuple[str, int], torch.Tensor] = {}
+        self.store = PageStore(store) if store and Path(store, "corpora").is_dir() else None
         self.timings = Timings()
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -160,11 +167,16 @@ class CorpusLink:
     def index_keys(self, b: Binding, layer: int, device: torch.device, ue8m0: bool) -> torch.Tensor:
         """float32 ``[T, D_I]`` on ``device``: the corpus's index keys for ``layer`` as SGLang's
         indexer scores its own (rotated, fp8 round trip, per-token scales; cached). The same
-        values as its pages (:func:`..pagehash.index_k_page`), without the bytes."""
+        values as its pages (:func:`..pagehash.index_k_page`), without the bytes; an engine pin
+        in this process's store: the values of the pages SGLang computed."""
         key = (b.corpus_id, layer)
         if key not in self._keys:
-            keys = self._run(self._index_keys(b.corpus_id, layer))
-            self._keys[key] = fp8_view(keys, ue8m0).to(device)
+            exact = engine_index_keys(self.store, b.corpus_id, layer) if self.store else None
+            if exact is not None:  # an engine pin: its keys as SGLang holds them
+                self._keys[key] = exact.to(device)
+            else:
+                keys = self._run(self._index_keys(b.corpus_id, layer))
+                self._keys[key] = fp8_view(keys, ue8m0).to(device)
         return self._keys[key]
 
     async def _index_keys(self, corpus_id: str, layer: int) -> torch.Tensor:
@@ -398,7 +410,11 @@ class CorpusLink:
         self, corpus_id: str, n_layers: int
     ) -> tuple[CorpusView, list[torch.Tensor]]:
         c = await self._corpus(corpus_id)
-        return c.view, [await c.index_keys(layer) for layer in range(n_layers)]
+        keys = []
+        for layer in range(n_layers):
+            pages = engine_index_pages(self.store, corpus_id, layer) if self.store else None
+            keys.append(pages if pages is not None else await c.index_keys(layer))
+        return c.view, keys
 
 
 def pad_cols(rows: torch.Tensor, multiple: int) -> torch.Tensor:

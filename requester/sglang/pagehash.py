@@ -11,42 +11,23 @@ whole pages have keys; the corpus's last partial page is recomputed by SGLang.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
-
 import torch
 
 from corpusd.corpus.manifest import PAGE_SIZE
+from corpusd.engine.spool import page_hash, page_hashes, sglang_rows
 from indexer import fp8
 from requester.sglang.positions import INDEX_DIM, to_sglang_layout
 
-
-def page_hash(tokens: Sequence[int], prior: str | None = None) -> str:
-    h = hashlib.sha256()
-    if prior:
-        h.update(bytes.fromhex(prior))
-    for t in tokens:
-        h.update(int(t).to_bytes(4, byteorder="little", signed=False))
-    return h.hexdigest()
-
-
-def page_hashes(tokens: Sequence[int], page_size: int = PAGE_SIZE) -> list[str]:
-    """Chained keys of every whole page of ``tokens`` (from the root of the radix tree)."""
-    out: list[str] = []
-    prior: str | None = None
-    for start in range(0, len(tokens) - page_size + 1, page_size):
-        prior = page_hash(tokens[start : start + page_size], prior)
-        out.append(prior)
-    return out
+__all__ = ["page_hash", "page_hashes"]  # SGLang's keys, defined beside the capture spool
 
 
 def host_kv_page(latent: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.Tensor:
     """One page of corpusd's latent cache as ``MLATokenToKVPoolHost.get_data_page(flat=True)``
-    holds it (bf16 KV cache only; the fp8 ``656``-byte format is not produced here).
+    holds it: bf16 (or float32) rows into a bf16 pool, or fp8 656-byte rows into an fp8 pool.
 
     Args:
         latent: ``[layers, page_size, 576]`` (``c_KV ‖ k_pe``, k_pe de-interleaved as corpusd
-            stores it).
+            stores it), or uint8 ``[layers, page_size, 656]`` fp8 rows.
         layout: the host pool's ``--hicache-mem-layout``: ``layer_first`` (``[layer, token, 1,
             576]``) or ``page_first`` / ``page_first_direct`` (``[token, layer, 1, 576]`` and
             ``[1, layer, token, 1, 576]``).
@@ -55,7 +36,12 @@ def host_kv_page(latent: torch.Tensor, layout: str, dtype: torch.dtype) -> torch
     Returns:
         flat ``[layers · page_size · 576]`` in ``dtype``, rope band interleaved.
     """
-    rows = to_sglang_layout(latent).to(dtype)
+    if latent.dtype == torch.uint8:  # fp8 rows (656 bytes): only an fp8 pool takes them
+        if dtype != torch.uint8:
+            raise ValueError(f"fp8 pages go into an fp8 (uint8) host pool, not {dtype}")
+        rows = sglang_rows(latent, "fp8_e4m3")
+    else:
+        rows = to_sglang_layout(latent).to(dtype)
     if layout in ("layer_first", "page_first_direct"):
         return rows.contiguous().flatten()
     if layout == "page_first":

@@ -22,6 +22,10 @@ from typing import Any
 
 import torch
 
+from corpusd.engine.spool import deinterleave, interleave
+
+__all__ = ["deinterleave", "interleave"]  # the band's permutation, shared with the spool
+
 ROPE_START, ROPE_WIDTH = 512, 64  # V3.2: c_KV 512 ‖ k_pe 64
 INDEX_DIM = 128  # V3.2's index keys, as SGLang's NSA pages hold them
 
@@ -61,17 +65,6 @@ def shifted_positions(forward_batch: Any, shifted: torch.Tensor) -> Iterator[tor
         yield shifted
     finally:
         forward_batch.positions = original
-
-
-def deinterleave(band: torch.Tensor) -> torch.Tensor:
-    """``[…, d]`` pairs ``(x0, x1), (x2, x3), …`` → ``[x0, x2, … ‖ x1, x3, …]``."""
-    return torch.cat([band[..., 0::2], band[..., 1::2]], dim=-1)
-
-
-def interleave(band: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`deinterleave`."""
-    half = band.shape[-1] // 2
-    return torch.stack([band[..., :half], band[..., half:]], dim=-1).flatten(-2)
 
 
 def to_corpusd_layout(

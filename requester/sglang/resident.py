@@ -138,8 +138,10 @@ class Resident:
                 )
 
     def load(self, view: CorpusView, keys: list[torch.Tensor]) -> ArenaCorpus:
-        """Place ``view``'s corpus in the arena: its index keys (per layer ``[T, D]``) as pages,
-        its frames as (holder slot, frame). Idempotent; raises CorpusBindingError."""
+        """Place ``view``'s corpus in the arena: its index keys as pages (per layer float keys
+        ``[T, D]``, or an engine pin's pages as SGLang computed them, uint8 ``[n_pages, P·(D +
+        4)]``, placed as they are), its frames as (holder slot, frame). Idempotent; raises
+        CorpusBindingError."""
         cid = view.corpus_id
         if cid in self.corpora:
             return self.corpora[cid]
@@ -147,7 +149,11 @@ class Resident:
         assert len(keys) == self.n_layers, f"{len(keys)=} vs {self.n_layers=}"
         n, base = view.n_pages, self._next_page
         for layer, k in enumerate(keys):
-            pages = index_pages(k[: view.token_count], self.page_size, self.ue8m0)
+            if k.dtype == torch.uint8:
+                assert k.shape[0] == n, f"{k.shape=} for {n} pages"
+                pages = k
+            else:
+                pages = index_pages(k[: view.token_count], self.page_size, self.ue8m0)
             self.pages[layer][base : base + n] = pages.to(self.device)
         slots = torch.tensor([self.holder_slot[a] for a in view.holders], dtype=torch.int32)
         self.page_holder[base : base + n] = slots[view.page_holder].to(self.device)

@@ -5,14 +5,12 @@ needed)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import socket
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -35,6 +33,7 @@ from requester.sglang.pages import CorpusPages
 from requester.sglang.positions import to_corpusd_layout
 from tests.support.checks import rel
 from tests.support.coordinators import start_holders, synthetic_corpus
+from tests.support.sglang_host import load_hicache
 
 TOKENS = 200  # three whole pages and a partial one
 
@@ -196,31 +195,13 @@ def test_corpus_pages_serve_a_prompt_that_starts_with_the_corpus(
     assert len(index_pages) == layers and index_pages[0].shape == (64 * 128 + 64 * 4,)
 
 
-def _load_hicache(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """``requester/sglang/hicache.py`` under a private name. Without sglang (CPU CI), its one
-    sglang import, the ``HiCacheStorage`` base class, is an empty stand-in: the methods under test
-    are all the backend's own."""
-    if importlib.util.find_spec("sglang") is None:
-        base = ModuleType("sglang.srt.mem_cache.hicache_storage")
-        base.HiCacheStorage = type("HiCacheStorage", (), {})  # type: ignore[attr-defined]
-        for name in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
-            monkeypatch.setitem(sys.modules, name, ModuleType(name))
-        monkeypatch.setitem(sys.modules, base.__name__, base)
-    path = Path(__file__).resolve().parents[2] / "requester" / "sglang" / "hicache.py"
-    spec = importlib.util.spec_from_file_location("_corpusd_hicache_under_test", path)
-    assert spec is not None and spec.loader is not None, path
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_hicache_backend_acknowledges_writes_of_held_pages_and_writes_nothing(
     cluster: Cluster, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SGLang offers every page it computed back to storage, counting any False as a failed write
     (``cache_controller._page_backup``). The corpus's own pages are held already (a key is the
     chained hash of the page's tokens and all before them): those succeed; others fail."""
-    hicache = _load_hicache(monkeypatch)
+    hicache = load_hicache(monkeypatch)
     extra = {"corpusd_store": str(cluster.store), "model_path": str(tiny_dir)}
     backend = hicache.CorpusdHiCacheStorage(SimpleNamespace(extra_config=extra, model_name="x"))
     backend.mem_pool_host = None  # a set that read the host pool would raise

@@ -180,3 +180,23 @@ def test_resident_refuses_what_it_cannot_serve_and_changes_nothing() -> None:
         res.load(_view("c", 10, ("h0",), g), [k[:10] for k in keys])
     assert sorted(res.corpora) == ["a", "b"] and res._next_page == 8
     assert int((res.page_holder >= 0).sum()) == 8
+
+
+def test_an_engine_pins_index_pages_are_placed_as_they_are() -> None:
+    """An engine pin's pages (uint8, as SGLang computed them) go into the arena byte for byte;
+    float keys are quantised there. Both forms of the same keys give the same arena."""
+    g = torch.Generator().manual_seed(SEED)
+    keys = [torch.randn(150, 128, generator=g) for _ in range(2)]
+    view = _view("e", 150, ("h0",), g)
+    from_keys, from_pages = _resident(), _resident()
+    for res in (from_keys, from_pages):
+        res.add_pool("h0", [torch.zeros(40 * 64, 576) for _ in range(2)])
+    a = from_keys.load(view, keys)
+    pages = [index_pages(k, 64, False) for k in keys]
+    pages[1][0, :8] ^= 1  # bytes no quantisation of keys[1] makes: they must arrive unchanged
+    b = from_pages.load(view, pages)
+    for layer in range(2):
+        got = from_pages.pages[layer][b.base_page : b.base_page + b.n_pages]
+        assert torch.equal(got, pages[layer]), layer
+    want = from_keys.pages[0][a.base_page : a.base_page + a.n_pages]
+    assert torch.equal(from_pages.pages[0][b.base_page : b.base_page + b.n_pages], want)

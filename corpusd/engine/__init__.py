@@ -1,0 +1,1 @@
+"""Pins made by a serving engine (``corpusd pin --engine``): SGLang prefills, corpusd stores."""

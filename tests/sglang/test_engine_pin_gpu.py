@@ -1,0 +1,176 @@
+"""``corpusd pin --engine`` against a real SGLang server (issue 18; ``pytest -m sglang``).
+
+Server A runs with the capture backend; the test pins a text through ``--engine`` and holds the
+stored pages to what A itself holds for that prompt, bit for bit. The check must not go through
+the capture path it tests (comparing the store with the spool would only check the copy), so it
+goes through SGLang's own arithmetic:
+
+- A keeps the corpus's whole pages in its radix cache (device KV pool and indexer cache) after
+  the pin's request. Server B, started fresh with the fetch backend (``corpusd_store`` = the
+  pinned store), holds nothing and loads those pages from the store through HiCache.
+- The same prompts (corpus + a question) go to both, one at a time. Each server reuses exactly
+  the corpus's whole pages (``cached_tokens``, checked) and computes the rest with the same
+  kernels on the same shapes: A from its own pool, B from the pinned pages. The greedy tokens and
+  every returned log-prob (float32, top 5 per step) must be equal, exactly. One bit off in a
+  latent row that is attended, or an index key that changes a top-k, changes log-probs.
+- The corpus is longer than ``index_topk`` (2,048) so the index keys decide which corpus keys are
+  attended (sparse regime), and is not a whole number of pages (the tail page is filled by the
+  pin's decode steps and dropped).
+
+Skipped with the reason without sglang or an SM90 GPU; it never runs in CPU CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corpusd.cli import main as cli_main
+from corpusd.corpus.layout import FILE_HEADER
+from corpusd.corpus.store import PageStore
+from corpusd.model import ModelConfig
+from corpusd.model.tiny import init_tiny
+from corpusd.tokenizer import load_tokenizer
+from tests.support.checks import why_no_sglang_gpu
+from tools.bench_sglang import SGLANG_ENV, SGLANG_FLAGS
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(bool(why_no_sglang_gpu()), reason=why_no_sglang_gpu()),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE, CORPUS_BYTES, NEW, TOP = 64, 3_000, 8, 5
+QUESTIONS = ["\nQ: what does a holder own?\nA:", "\nQ: where are pages stored?\nA:"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, model: Path, log: Path, kv: str, extra: dict[str, Any]) -> None:
+        port = _free_port()
+        flags = [*SGLANG_FLAGS, "--model-path", str(model), "--port", str(port)]
+        flags[flags.index("--kv-cache-dtype") + 1] = kv
+        flags += [
+            "--disable-cuda-graph", "--enable-hierarchical-cache",
+            "--hicache-write-policy", "write_through", "--hicache-storage-backend", "dynamic",
+            "--hicache-storage-backend-extra-config", json.dumps(extra),
+            "--hicache-storage-prefetch-policy", "wait_complete",
+            "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "kernel",
+            "--hicache-size", "2",
+        ]  # fmt: skip
+        self.url, self.log = f"http://127.0.0.1:{port}", log
+        self._log = log.open("w")
+        path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
+        env = {**os.environ, **SGLANG_ENV, "PYTHONPATH": path}
+        cmd = [sys.executable, "-m", "sglang.launch_server", *flags]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = 600) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            assert self.proc.poll() is None, f"sglang exited:\n{self.tail()}"
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        pytest.fail(f"sglang not healthy in {timeout} s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        self._log.flush()
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def generate(self, ids: list[int]) -> dict[str, Any]:
+        body = {
+            "input_ids": ids, "return_logprob": True, "top_logprobs_num": TOP,
+            "logprob_start_len": len(ids) - 1,
+            "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True},
+        }  # fmt: skip
+        req = urllib.request.Request(
+            self.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=300) as r:
+            out: dict[str, Any] = json.loads(r.read())
+            return out
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def _backend(**kw: Any) -> dict[str, Any]:
+    return {
+        "backend_name": "corpusd", "module_path": "requester.sglang.hicache",
+        "class_name": "CorpusdHiCacheStorage", "interface_v1": 1, **kw,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_pages_pinned_through_sglang_are_what_sglang_holds(tmp_path: Path, kv: str) -> None:
+    model = init_tiny(tmp_path / "model", preset="sglang", index_topk=2048)
+    mc = ModelConfig.from_dir(model)
+    tok = load_tokenizer(model, mc.bos_token_id, mc.eos_token_id)
+    text = (ROOT / "README.md").read_text()[:CORPUS_BYTES].rstrip("\n") + "\n"
+    header = len(tok.encode(FILE_HEADER.format(path="notes.md"))) + (tok.bos_id is not None)
+    if (header + len(tok.encode(text))) % PAGE == 0:  # keep a partial last page
+        text = text[:-2] + "\n"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "notes.md").write_text(text)
+    store, spool = tmp_path / "store", tmp_path / "spool"
+    a = Server(model, tmp_path / "capture.log", kv, _backend(corpusd_capture=str(spool),
+               model_path=str(model)))  # fmt: skip
+    b = None
+    try:
+        a.wait()
+        args = ["pin", "--corpus", str(src), "--model", str(model), "--store", str(store)]
+        rc = cli_main([*args, "--engine", a.url, "--coordinator", "", "--name", "eng"])
+        assert rc == 0, a.tail()
+        ps = PageStore(store)
+        m = ps.manifest(ps.resolve("eng"))
+        want_kv = "fp8_e4m3" if kv == "fp8_e4m3" else "bfloat16"
+        assert m.engine["kv_dtype"] == want_kv and m.engine["marker"].startswith("sglang-0.5")
+        assert m.token_count > 2048 and m.token_count % PAGE, m.token_count
+        b = Server(model, tmp_path / "fetch.log", kv, _backend(corpusd_store=str(store),
+                   model_path=str(model)))  # fmt: skip
+        b.wait()
+        corpus = ps.read_tokens(m.corpus_id).tolist()
+        whole = m.token_count // PAGE * PAGE
+        for q in QUESTIONS:
+            prompt = corpus + tok.encode(q)
+            ra, rb = a.generate(prompt), b.generate(prompt)
+            ma, mb = ra["meta_info"], rb["meta_info"]
+            assert ma["cached_tokens"] >= whole, f"A recomputed the corpus: {ma['cached_tokens']}"
+            assert mb["cached_tokens"] >= whole, (
+                f"B did not load the pinned pages ({mb['cached_tokens']} cached):\n{b.tail()}"
+            )
+            assert ra["output_ids"] == rb["output_ids"], (q, ra["output_ids"], rb["output_ids"])
+            la = [x[0] for x in ma["output_token_logprobs"]]
+            lb = [x[0] for x in mb["output_token_logprobs"]]
+            assert la == lb, f"{q!r}: log-probs differ: {la} vs {lb}"
+            assert ma["output_top_logprobs"] == mb["output_top_logprobs"], q
+    finally:
+        for s in (a, b):
+            if s is not None:
+                s.stop()
