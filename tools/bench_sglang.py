@@ -119,6 +119,45 @@ def binding_probe(server: Server, corpus: str, prompt: list[int], vocab: int) ->
     return out
 
 
+def concurrent_probe(
+    server: Server, corpus: str, prompts: list[list[int]], vocab: int, tokens: int = 8
+) -> dict[str, Any]:
+    """The issue's bad-input check: ``len(prompts)`` good requests at once, alone and then with
+    one bound to an unknown corpus sent among them. The bad one must get its error within 1 s;
+    the good ones the tokens they got alone; the server must stay up."""
+
+    def good(i: int) -> list[int]:
+        body = request(prompts[i], tokens, "route", corpus, i, vocab, False, phase="probe")
+        return list(server.post(body, timeout=300)["output_ids"])
+
+    def bad() -> dict[str, Any]:
+        body = {
+            "input_ids": prompts[0],
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": tokens},
+            **request_fields("no-such-corpus", f"probe-{time.monotonic_ns()}"),
+        }
+        t0 = time.monotonic()
+        try:
+            server.post(body, timeout=60)
+            return {"http": 200, "s": time.monotonic() - t0}
+        except urllib.error.HTTPError as e:
+            return {"http": e.code, "s": time.monotonic() - t0, "body": e.read().decode()[:300]}
+
+    n = len(prompts)
+    with ThreadPoolExecutor(n + 1) as pool:
+        alone = list(pool.map(good, range(n)))
+        futures = [pool.submit(good, i) for i in range(n)]
+        time.sleep(0.05)  # the bad request arrives while the good ones are in flight
+        refused = bad()
+        together = [f.result() for f in futures]
+    return {
+        "bad": refused,
+        "good_same_tokens": sum(a == b for a, b in zip(alone, together, strict=True)),
+        "good": n,
+        "server_alive": server.proc.poll() is None,
+    }
+
+
 def greedy_tag(corpus: str) -> str:
     """How the sequential greedy requests are named: the trace keys one run's groups by it."""
     return f"greedy-{corpus}-"
@@ -308,12 +347,16 @@ def probe_only(
             out["server_start_s"] = server.wait()
             suffix = ByteTokenizer().encode(f"\n\nQ: {QUESTIONS[0]}\nA:")
             out["binding_probe"] = {r: binding_probe(server, r, suffix, vocab) for r in regimes}
+            prompts = [ByteTokenizer().encode(f"\n\nQ: {q}\nA:") for q in QUESTIONS]
+            out["concurrent_probe"] = {
+                r: concurrent_probe(server, r, prompts, vocab) for r in regimes
+            }
         finally:
             server.stop()
     finally:
         cd.stop()
     save(a.out, out)
-    print(json.dumps(out["binding_probe"], indent=1), flush=True)
+    print(json.dumps({k: out[k] for k in ("binding_probe", "concurrent_probe")}, indent=1))
     return out
 
 
