@@ -1,9 +1,10 @@
 """Replicas that follow load: the leader copies a hot holder's hottest pages to a cool holder,
 and takes the copy away when the load falls.
 
-Holders report with every heartbeat their fan-in (flows running + queued), their elbow (the
-largest fan-in whose latency stays within 1.5x of one flow: the admission cap ``--max-flows``,
-measured by ``corpusd calibrate``) and their most attended pages since the last beat. Those
+Holders report with every heartbeat their fan-in (flows running + queued, time-averaged since the
+previous beat: ``Admission.mean_fanin``), their elbow (the largest fan-in whose latency stays
+within 1.5x of one flow: the admission cap ``--max-flows``, measured by ``corpusd calibrate``)
+and their most attended pages since the last beat. Those
 reports are soft state, kept here for ``window_s``; a new leader has them again within a window.
 
 Policy (``decide``, a pure function of the reports and the state): a holder whose every report
@@ -39,9 +40,10 @@ log = logging.getLogger("corpusd.coordinator")
 @dataclass(frozen=True, slots=True)
 class LoadReport:
     at: float  # monotonic seconds
-    fanin: int  # flows running + queued
+    fanin: float  # flows running + queued, time-averaged since the holder's previous report
     elbow: int  # 0: the holder does not report one (never replicated for)
     hot: dict[tuple[str, int], int]  # (corpus, page) → hits since the previous report
+    queued: int = 0  # requests waiting for a flow slot at the report's instant
 
 
 @dataclass(frozen=True, slots=True)

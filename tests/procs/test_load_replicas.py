@@ -11,9 +11,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 import torch
 
-from corpusd.coordinator.client import CoordinatorClient, PageTable
+from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, PageTable
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
 from corpusd.model import partial_attention
@@ -64,13 +65,16 @@ def test_a_hot_holder_gets_a_replica_of_its_hottest_pages_and_loses_it_when_cool
                 deadline = time.monotonic() + 20
                 while True:
                     hot = [(cid, p, n) for p, n in HOT.items()] if fanin else []
-                    await c.heartbeat(src, 10, min(fanin, 8), 8, max(0, fanin - 8), hot)
+                    # the instant's count says idle; the time-averaged fan-in is what counts
+                    await c.heartbeat(src, 10, 0, 8, 0, hot, fanin_mean=float(fanin))
                     table = await c.page_table(cid)
                     if max(len(r) for r in table.pages) == until_replicas:
                         return table
                     assert time.monotonic() < deadline, f"no change to {until_replicas} replicas"
                     await asyncio.sleep(0.2)
 
+            with pytest.raises(CoordinatorError, match="fanin_mean: nan"):
+                await c.heartbeat(src, 10, 0, 8, 0, [], fanin_mean=float("nan"))
             t2 = await report(20, 2)  # fan-in 20 past the elbow 8
             assert {p for p, r in enumerate(t2.pages) if len(r) == 2} == set(HOT)
             assert all(r[0] == t.pages[p][0] for p, r in enumerate(t2.pages))  # source kept
