@@ -6,7 +6,8 @@ one: a step plans every layer on one view.
 Why: the coordinator adds a load replica of a hot holder's pages while sessions decode
 (``corpusd/coordinator/replicas.py``); without a re-read only bindings made afterwards route to
 the copy. The coordinator releases a removed copy two re-reads after it leaves the table
-(``--release-grace-s``), so a worker that re-reads this often never routes to a released copy.
+(``--release-grace-s``), so a worker that re-reads this often reaches a released copy only when
+a step or a read outlasts a re-read interval (and then fails over to the source).
 
 Cheap when nothing changed: one PageTable call per bound corpus and a comparison of the holder
 addresses and replicas (failover changes only which replica is chosen, so it is not mistaken
