@@ -53,6 +53,7 @@ async def keep_registered(svc: HolderService, coordinator: str, address: str) ->
                     elbow_flows=svc.admission.max_flows,
                     queue_depth=svc.admission.queued,
                     hot_pages=svc.hot_pages(),
+                    fanin_mean=svc.admission.mean_fanin(),
                 )
             except CoordinatorError as e:
                 if e.code != grpc.StatusCode.NOT_FOUND:

@@ -26,7 +26,7 @@ from corpusd.tokenizer import Tokenizer
 from corpusd.v1 import agent_pb2, agent_pb2_grpc
 from corpusd.wire import from_proto, to_proto
 from requester.config import AgentConfig
-from requester.corpus_view import CorpusUnavailable
+from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.fanout import CorpusBinding
 from requester.sampling import SamplingParams
 from requester.scheduler import Scheduler, SessionBusy
@@ -69,6 +69,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         self.metrics = worker.metrics
         self.scheduler = Scheduler(worker, cfg.max_batch)
         self.names: dict[str, str] = {}  # what callers named → corpus id
+        self.lease_s = 10.0  # the coordinator's, from its answer to each load report
         self._binding = asyncio.Lock()
 
     async def _abort(self, method: str, e: Exception, context: Any) -> None:
@@ -126,7 +127,16 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 f"this agent runs {fp[:12]}…",
             )
         table = await self.coordinator.page_table(match.corpus_id)
-        return await self.worker.attach_table(table)
+        coordinator, cid = self.coordinator, match.corpus_id
+
+        async def reread() -> CorpusView:  # a failover with no live replica asks again
+            return CorpusView.from_page_table(await coordinator.page_table(cid))
+
+        return await self.worker.attach_table(table, reread)
+
+    def table_refresh_s(self) -> float:
+        """How often bound page tables are re-read: ``--table-refresh-s``, else lease / 3."""
+        return self.cfg.table_refresh_s or max(self.lease_s, 0.3) / 3
 
     # -- sessions ----------------------------------------------------------------------------------
     def _session(self, session_id: str) -> Session:

@@ -104,6 +104,14 @@ class AgentConfig:
     report_s: float = field(
         default=2.0, metadata={"help": "how often load is reported to the coordinator"}
     )
+    table_refresh_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "re-read each bound corpus's page table this often, so running sessions "
+            "follow load replicas (adopted between steps); 0: the coordinator's lease / 3; "
+            "-1: never (only on bind and failover)"
+        },
+    )
     threads: int = field(default=0, metadata={"help": "torch intra-op threads; 0: torch's"})
     drain_s: float = field(
         default=5.0, metadata={"help": "on SIGTERM, seconds running requests get to finish"}
@@ -127,6 +135,11 @@ class AgentConfig:
             raise ValueError(f"http_port must be in -1..65535, got {self.http_port}")
         if not self.report_s > 0:
             raise ValueError(f"report_s must be > 0, got {self.report_s}")
+        if not (self.table_refresh_s >= 0 or self.table_refresh_s == -1):
+            raise ValueError(
+                f"table_refresh_s must be > 0, 0 (lease / 3) or -1 (never), got "
+                f"{self.table_refresh_s}"
+            )
 
 
 def _nvshmem_available() -> bool:

@@ -68,6 +68,23 @@ class CorpusView:
             page_frame=torch.tensor([f for _, f in chosen], dtype=torch.int64),
         )
 
+    def same_table(self, other: CorpusView) -> bool:
+        """Whether both views come from the same page table: the same holders and every page's
+        replicas (the chosen replica may differ: failover picks another)."""
+        return self.holders == other.holders and self.replicas == other.replicas
+
+    def without(self, failed: Collection[str]) -> tuple[CorpusView, set[int]]:
+        """This view with the holders at addresses ``failed`` marked failed: (the view, their
+        indices). Their pages go to other replicas when every page has one; else the view is
+        kept and the caller serves the rest another way (a binding recomputes them locally)."""
+        dead = {i for i, a in enumerate(self.holders) if a in failed}
+        if dead:
+            try:
+                return self.failover(dead), dead
+            except CorpusUnavailable:
+                pass
+        return self, dead
+
     @classmethod
     def from_page_table(cls, table: PageTable) -> CorpusView:
         """The coordinator's page table; replicas on holders whose lease lapsed are kept (they

@@ -55,6 +55,12 @@ class RequesterMetrics(Metrics):
             "how routes to each holder travel (1: in use): grpc or nvshmem",
             ["holder", "transport"],
         )
+        self.rereads = self.counter(
+            "table_rereads",
+            "periodic re-reads of a bound corpus's page table: unchanged, changed (a new view, "
+            "adopted at the next step) or failed",
+            ["result"],
+        )
         self.fallbacks = self.counter(
             "fallbacks", "groups recomputed another way after a failure", ["from", "to"]
         )

@@ -25,6 +25,7 @@ from requester.agent import AgentService
 from requester.config import AgentConfig, WorkerConfig
 from requester.metrics import RequesterMetrics
 from requester.predicate import Profile
+from requester.table_refresh import TableRefresh
 from requester.worker import Worker
 
 log = logging.getLogger("corpusd.agent")
@@ -49,7 +50,7 @@ async def report_load(svc: AgentService, worker_id: str, address: str, metrics_u
             metrics_url=metrics_url,
         )
         try:
-            _, unpinned = await svc.coordinator.report_worker(report)
+            svc.lease_s, unpinned = await svc.coordinator.report_worker(report)
             for cid in unpinned:  # unpinned since it was bound: drop its pages and sessions
                 svc.unbind(cid, "unpinned")
             if down:
@@ -166,6 +167,9 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
     if coord is not None:
         url = f"{up.scheme}://{cfg.host}:{metrics_port}/metrics" if metrics_port >= 0 else ""
         tasks.append(asyncio.create_task(report_load(svc, worker_id, address, url)))
+        if cfg.table_refresh_s != -1:
+            refresh = TableRefresh(worker, coord)
+            tasks.append(asyncio.create_task(refresh.run(svc.table_refresh_s)))
     await up.until_signal(
         worker_id, cfg.drain_s, tasks, http.stop_accepting if http is not None else None
     )

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -74,8 +74,11 @@ class Worker:
             trace=self.trace if c.trace else None,
         )
         self.corpora: dict[str, CorpusBinding] = {}
+        # re-read page tables waiting for the next step (table_refresh.py): corpus → (binding, view)
+        self.staged: dict[str, tuple[CorpusBinding, CorpusView]] = {}
         self.sessions: dict[str, Session] = {}
         self.steps = 0
+        self._stepping = 0  # forward passes in flight: a view is never swapped inside one
 
     async def _off(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking torch work on the executor so holder calls progress meanwhile."""
@@ -97,18 +100,36 @@ class Worker:
         clients = {a: self.fanout.client(a) for a in holders}
         return await self._bind(await CorpusView.from_holders(corpus_id, clients))
 
-    async def attach_table(self, table: PageTable) -> CorpusBinding:
-        """Bind a corpus by the coordinator's page table (replicas and liveness included)."""
-        return await self._bind(CorpusView.from_page_table(table))
+    async def attach_table(
+        self, table: PageTable, refresh: Callable[[], Awaitable[CorpusView]] | None = None
+    ) -> CorpusBinding:
+        """Bind a corpus by the coordinator's page table (replicas and liveness included);
+        ``refresh`` re-reads it when a failover finds no live replica."""
+        return await self._bind(CorpusView.from_page_table(table), refresh)
 
-    async def _bind(self, view: CorpusView) -> CorpusBinding:
+    def adopt_views(self) -> int:
+        """Give bindings the views their re-read page tables staged (``staged``), keeping the
+        holders each marked failed; returns how many. Called between steps only."""
+        assert not self._stepping, "a view is swapped between steps, never inside one"
+        n = 0
+        for cid, (b, view) in self.staged.items():
+            if self.corpora.get(cid) is b:
+                b.view, b.dead = view.without({b.view.holders[i] for i in b.dead})
+                n += 1
+        self.staged.clear()
+        return n
+
+    async def _bind(
+        self, view: CorpusView, refresh: Callable[[], Awaitable[CorpusView]] | None = None
+    ) -> CorpusBinding:
         tokens, kv_format = None, "plain"
         if self.store is not None and view.corpus_id in self.store.ids():
             tokens = self.store.read_tokens(view.corpus_id).to(torch.int64)
             kv_format = self.store.manifest(view.corpus_id).kv_format
         b = await self.fanout.bind(
-            view, self.geometry, model=self.model, tokens=tokens, kv_format=kv_format
-        )
+            view, self.geometry, model=self.model, tokens=tokens, kv_format=kv_format,
+            refresh=refresh,
+        )  # fmt: skip
         if self.cfg.indexer == "replica":
             for layer in range(self.mcfg.num_hidden_layers):
                 await b.index_keys(layer)
@@ -120,6 +141,7 @@ class Worker:
         go with its binding — and close the sessions on it; returns their ids. A corpus not
         bound here is no error (returns [])."""
         b = self.corpora.pop(corpus_id, None)
+        self.staged.pop(corpus_id, None)
         if b is None:
             return []
         gone = [sid for sid, s in self.sessions.items() if s.corpus.corpus_id == corpus_id]
@@ -236,6 +258,15 @@ class Worker:
     async def forward(self, batch: Sequence[tuple[Session, Sequence[int]]]) -> torch.Tensor:
         """Run each session's new tokens (appending to its private cache); float32 logits
         ``[len(batch), vocab]`` of each session's last new token."""
+        if not self._stepping and self.staged:
+            self.adopt_views()  # between steps: every layer of this one plans on one view
+        self._stepping += 1
+        try:
+            return await self._forward(batch)
+        finally:
+            self._stepping -= 1
+
+    async def _forward(self, batch: Sequence[tuple[Session, Sequence[int]]]) -> torch.Tensor:
         t0 = time.perf_counter()
         self.fanout.step = self.steps
         rows = StepRows.of(batch)
@@ -313,6 +344,8 @@ class Worker:
         Keys: ``positions [n, k]`` (``-1`` unused), or the top ``index_topk`` of the whole corpus
         by ``index_q [n, H_I, D_I]`` and ``index_w [n, H_I]``. The caller merges its own
         partial with this one by LSE. Raises KeyError (corpus not attached)."""
+        if not self._stepping and self.staged:
+            self.adopt_views()
         b = self.corpora[corpus_id]
         if positions is None:
             assert index_q is not None and index_w is not None, "positions or index_q/index_w"

@@ -3,38 +3,39 @@ real Attend calls; the leader adds a replica, latency comes back, the load stops
 
     python -m tools.bench_fanin --out bench/results/fanin-replicas-cpu.json
 
-Starts a coordinator (SQLite, ``--lease-s 3``: a heartbeat a second, ``--replica-window-s``),
-``--holders`` holders (``--max-flows``: the elbow each reports, ``--threads 1``: a flow is one
-core), and pins a synthetic corpus whole on one holder (1 replica). Requests arrive open-loop at a
+Starts a coordinator (SQLite, ``--lease-s`` 3: a heartbeat a second, ``--replica-window-s``),
+``--holders`` holders (``--max-flows``: the elbow each reports; torch threads: ``--cpus-per-holder``
+or 1), and pins a synthetic corpus whole on one holder (1 replica). Requests arrive open-loop at a
 fixed rate (Poisson), each an Attend of ``--rows`` query rows over ``--k`` random corpus positions
 at layer 0, routed the way a requester routes them: the page table's ``CorpusView`` (page ``p`` →
-replica ``p mod n``), one ``Attend`` per holder, LSE-merged. Agent workers re-read a bound
-corpus's page table only on bind or failover, so this requester re-reads it every
-``--refresh-s`` (the periodic re-read the workers lack; 0: read once, as a bound worker does).
+replica ``p mod n``), one ``Attend`` per holder, LSE-merged. The requester re-reads the page
+table every ``--refresh-s`` (default lease / 3, as an agent worker's ``--table-refresh-s``
+does; 0: read once).
+
+``--cpus-per-holder N`` gives each holder N cores of its own (every thread pinned, N torch
+threads), the coordinator one, and this process (the load generator and requester) the rest:
+the run that shows what a second holder's own compute does (on a shared machine it adds none).
 
 Phases: ``baseline`` (``--low`` × what one holder completes saturated, measured first),
 ``overload`` (``--high`` ×) until the page table shows the replica, ``continued`` (the same
 rate, ``--continued-s``), ``idle`` (no load) until the replica is removed. Per second:
 completed requests, latency p50/p99, refusals, each holder's fan-in (flows running + queued,
 from its ``/metrics``), replicas in the page table and in the requester's view.
-Prints a table, writes JSON and a plot.
+Prints a table, writes JSON and, with matplotlib installed, a plot.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import platform
 import random
-import re
 import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +51,10 @@ from requester.corpus_view import CorpusView
 from requester.holder_client import HolderClient
 from requester.plan import holder_groups, merge_groups
 from tests.support.coordinators import start_holders, synthetic_corpus
+from tools import cpu_pin
+from tools.fanin_report import Run, actions, pct, per_second, phase_stats, plot
 
 REPLICAS = "corpusd_coordinator_load_replicas_total"
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))] if s else float("nan")
 
 
 def scrape(port: int) -> str:
@@ -71,26 +69,6 @@ def metric(text: str, key: str) -> float:
         if ln.startswith(key + " ") or ("{" not in key and ln.startswith(key + "{")):
             return float(ln.split()[-1])
     return 0.0
-
-
-@dataclass
-class Run:
-    t0: float
-    wall0: float = field(default_factory=time.time)
-    done: list[tuple[float, float]] = field(default_factory=list)  # (completed at s, latency s)
-    refused: list[float] = field(default_factory=list)  # completed at s (RESOURCE_EXHAUSTED ...)
-    errors: list[str] = field(default_factory=list)
-    stale: list[float] = field(default_factory=list)  # NOT_FOUND from a released copy, retried
-    samples: list[dict[str, Any]] = field(default_factory=list)  # fan-in / replicas, 0.5 s
-    events: list[dict[str, Any]] = field(default_factory=list)
-    phases: list[tuple[str, float]] = field(default_factory=list)  # (name, start s)
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def event(self, what: str, **kw: Any) -> None:
-        self.events.append({"t_s": round(self.now(), 2), "event": what, **kw})
-        print(f"[{self.now():6.1f} s] {what} {kw if kw else ''}", flush=True)
 
 
 class Requester:
@@ -313,148 +291,26 @@ async def drive(
     return run, meta
 
 
-def per_second(run: Run) -> list[dict[str, Any]]:
-    end = int(max([t for t, _ in run.done] + [s["t_s"] for s in run.samples])) + 1
-    rows = []
-    for sec in range(end):
-        lat = [x for t, x in run.done if sec <= t < sec + 1]
-        smp = [s for s in run.samples if sec <= s["t_s"] < sec + 1]
-        name = [n for n, t in run.phases if t <= sec + 0.5]
-        fanin: dict[str, int] = {}
-        for s in smp:
-            for h, f in s["fanin"].items():
-                fanin[h] = max(fanin.get(h, 0), f)
-        rows.append(
-            {
-                "t_s": sec,
-                "phase": name[-1] if name else "",
-                "done": len(lat),
-                "refused": sum(sec <= t < sec + 1 for t in run.refused),
-                "p50_ms": round(pct(lat, 0.5) * 1e3, 1) if lat else None,
-                "p99_ms": round(pct(lat, 0.99) * 1e3, 1) if lat else None,
-                "fanin_max": fanin,
-                "replicas": max((s["replicas"] for s in smp), default=None),
-                "requester_replicas": max((s["requester_replicas"] for s in smp), default=None),
-            }
-        )
-    return rows
-
-
-def phase_stats(run: Run, settle_s: float) -> dict[str, Any]:
-    bounds = [*run.phases, ("end", run.now())]
-    out: dict[str, Any] = {}
-    for (name, t0), (_, t1) in itertools.pairwise(bounds):
-        lat = [x for t, x in run.done if t0 <= t < t1]
-        out[name] = {
-            "from_s": t0,
-            "to_s": round(t1, 2),
-            "done": len(lat),
-            "refused": sum(t0 <= t < t1 for t in run.refused),
-            "p50_ms": round(pct(lat, 0.5) * 1e3, 1),
-            "p99_ms": round(pct(lat, 0.99) * 1e3, 1),
-        }
-    c0, c1 = next(
-        ((t0, t1) for (n, t0), (_, t1) in itertools.pairwise(bounds) if n == "continued"),
-        (0.0, 0.0),
-    )
-    late = [x for t, x in run.done if c0 + settle_s <= t < c1]
-    out["continued_after_settle"] = {
-        "from_s": round(c0 + settle_s, 2),
-        "to_s": round(c1, 2),
-        "done": len(late),
-        "p50_ms": round(pct(late, 0.5) * 1e3, 1),
-        "p99_ms": round(pct(late, 0.99) * 1e3, 1),
-    }
-    # requests that started and ended while the requester's view had the replica, under load
-    spans, since = [], None
-    for e in run.events:
-        if e["event"].startswith("requester re-read"):
-            if e["replicas"] > 1 and since is None:
-                since = e["t_s"]
-            elif e["replicas"] == 1 and since is not None:
-                spans.append((since, e["t_s"]))
-                since = None
-    if since is not None:
-        spans.append((since, run.now()))
-    idle = next((t for n, t in run.phases if n == "idle"), run.now())
-    used = [x for t, x in run.done if t < idle and any(a <= t - x and t <= b for a, b in spans)]
-    out["with_replica_under_load"] = {
-        "spans_s": [[round(a, 2), round(b, 2)] for a, b in spans],
-        "done": len(used),
-        "p50_ms": round(pct(used, 0.5) * 1e3, 1),
-        "p99_ms": round(pct(used, 0.99) * 1e3, 1),
-    }
-    return out
-
-
-def actions(log: str, run: Run) -> list[dict[str, Any]]:
-    """The coordinator's ``load replica added/removed`` lines, on the run's clock (its log
-    stamps local time to the millisecond)."""
-    out = []
-    for ln in log.splitlines():
-        m = re.match(r"(\S+ \S+),(\d+) .*load replica (added|removed)", ln)
-        if m:
-            at = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
-            out.append({"t_s": round(at - run.wall0, 2), "action": m.group(3)})
-    return out
-
-
-def plot(
-    rows: list[dict[str, Any]], run: Run, acts: list[dict[str, Any]], hot: str, path: Path,
-    title: str,
-) -> None:  # fmt: skip
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, bx) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
-    t = [r["t_s"] + 0.5 for r in rows]
-    ax.plot(t, [r["p50_ms"] for r in rows], label="p50", color="C0")
-    ax.plot(t, [r["p99_ms"] for r in rows], label="p99", color="C1", alpha=0.6)
-    ax.set_yscale("log")
-    ax.set_ylabel("Attend latency per second (ms)")
-    hs = sorted({h for s in run.samples for h in s["fanin"]})
-    for i, h in enumerate(hs):
-        bx.step(
-            [s["t_s"] for s in run.samples],
-            [s["fanin"].get(h, 0) for s in run.samples],
-            where="post",
-            label=f"{h}{' (hot)' if h == hot else ''}",
-            color=f"C{i + 2}",
-        )
-    bx.set_ylabel("fan-in (flows + queued)")
-    bx.set_xlabel("seconds")
-    for x in (ax, bx):
-        for name, t0 in run.phases:
-            x.axvline(t0, color="grey", ls=":", lw=1)
-            if x is ax:
-                x.text(
-                    t0, 1.0, f" {name}", transform=x.get_xaxis_transform(), fontsize=8, va="bottom"
-                )
-        for e in acts:
-            x.axvline(e["t_s"], color="red" if e["action"] == "added" else "black", lw=1.2)
-    ax.plot([], [], color="red", label="replica added (coordinator log)")
-    ax.plot([], [], color="black", label="replica removed")
-    ax.legend(fontsize=8, loc="upper left")
-    bx.legend(fontsize=8, loc="upper left")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="bench/results/fanin-replicas-cpu.json")
-    p.add_argument("--plot", default="", help="default: --out with .png")
+    p.add_argument("--plot", default="", help="default: --out with .png; 'none': no plot")
     p.add_argument("--holders", type=int, default=2)
     p.add_argument("--max-flows", type=int, default=1, help="each holder's elbow (--max-flows)")
+    p.add_argument(
+        "--cpus-per-holder",
+        type=int,
+        default=0,
+        help="pin each holder to this many cores of its own (its torch threads), the "
+        "coordinator to one, this process to the rest; 0: no pinning, 1 torch thread a holder",
+    )
     p.add_argument("--tokens", type=int, default=4096, help="corpus tokens (64-token pages)")
     p.add_argument("--rows", type=int, default=8, help="query rows per Attend")
     p.add_argument("--k", type=int, default=4096, help="corpus positions per query row")
     p.add_argument("--low", type=float, default=0.3, help="baseline rate × one holder's capacity")
     p.add_argument("--high", type=float, default=1.15, help="overload rate × one holder's capacity")
     p.add_argument("--window-s", type=float, default=5.0, help="coordinator --replica-window-s")
+    p.add_argument("--lease-s", type=float, default=3.0, help="coordinator --lease-s")
     p.add_argument("--baseline-s", type=float, default=15.0)
     p.add_argument("--continued-s", type=float, default=30.0)
     p.add_argument(
@@ -467,13 +323,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--refresh-s",
         type=float,
-        default=1.0,
-        help="the requester re-reads the page table this often (0: never)",
+        default=-1.0,
+        help="the requester re-reads the page table this often; -1: lease / 3 (an agent "
+        "worker's --table-refresh-s default); 0: never",
     )
     p.add_argument("--calibrate-s", type=float, default=6.0, help="one holder saturated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default="", help="keep the daemons' state and logs here")
     a = p.parse_args(argv)
+    if a.holders < 2:
+        p.error(f"--holders {a.holders}: a replica needs a second holder (at least 2)")
+    if a.cpus_per_holder < 0 or not a.lease_s > 0 or (a.refresh_s < 0 and a.refresh_s != -1):
+        p.error("--cpus-per-holder must be >= 0, --lease-s > 0, --refresh-s >= 0 or -1")
+    if a.refresh_s == -1:
+        a.refresh_s = a.lease_s / 3
+    cores: dict[str, list[int]] = {}
+    if a.cpus_per_holder:
+        n = a.holders
+        try:  # holders' blocks, the coordinator's core, the load's core, the rest (the load's)
+            b = cpu_pin.blocks([a.cpus_per_holder] * n + [1, 1])
+        except ValueError as e:
+            p.error(f"--cpus-per-holder {a.cpus_per_holder} × {n} holders, 1 core for the "
+                    f"coordinator and at least 1 for the load: {e}")  # fmt: skip
+        mine = [*b[n + 1], *b[n + 2]]
+        cores = {"coordinator": b[n], "load": mine, **{f"h{i}": b[i] for i in range(n)}}
+        cpu_pin.pin(os.getpid(), mine)
+        torch.set_num_threads(len(mine))
     tmp = tempfile.TemporaryDirectory(prefix="bench-fanin-")
     root = Path(a.work or tmp.name)
     root.mkdir(parents=True, exist_ok=True)
@@ -486,34 +361,27 @@ def main(argv: list[str] | None = None) -> int:
     profile = root / "profile.json"
     profile.write_text('{"cp_buckets": [[null, 1]]}')  # the whole corpus on one holder
     co = start_coordinator(
-        root / "coord",
-        store,
-        "--profile",
-        str(profile),
-        "--lease-s",
-        "3",
-        "--replica-window-s",
-        str(a.window_s),
-    )
+        root / "coord", store, "--profile", str(profile), "--lease-s", f"{a.lease_s:g}",
+        "--replica-window-s", str(a.window_s),
+    )  # fmt: skip
+    threads = a.cpus_per_holder or 1
     cap = str(2 * a.tokens)
-    flags = ("--capacity-tokens", cap, "--max-flows", str(a.max_flows), "--queue-timeout-s", "30")
+    flags = ("--capacity-tokens", cap, "--max-flows", str(a.max_flows), "--queue-timeout-s", "30",
+             "--threads", str(threads))  # fmt: skip
     hs: list[HolderProcess] = []
     try:
         hs = start_holders(store, root, model, co.address, a.holders, *flags)
+        if cores:
+            cpu_pin.pin(co.proc.pid, cores["coordinator"])
+            for i, h in enumerate(hs):
+                cpu_pin.pin(h.proc.pid, cores[f"h{i}"])
+            print("cores: " + ", ".join(f"{k} {cpu_pin.span(v)}" for k, v in cores.items()))
         run, meta = asyncio.run(
             drive(
-                a,
-                co.address,
-                co.metrics_port,
-                hs,
-                cid,
-                cfg.softmax_scale,
-                cfg.num_attention_heads,
-                cfg.kv_dim,
-                cfg.kv_lora_rank,
-                a.tokens,
+                a, co.address, co.metrics_port, hs, cid, cfg.softmax_scale,
+                cfg.num_attention_heads, cfg.kv_dim, cfg.kv_lora_rank, a.tokens,
             )
-        )
+        )  # fmt: skip
         log = (root / "coord" / "coordinator.log").read_text()
     finally:
         codes = [h.stop() for h in hs] + [co.stop()]
@@ -531,13 +399,14 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {
             "holders": a.holders,
             "max_flows_elbow": a.max_flows,
-            "holder_threads": 1,
+            "holder_threads": threads,
+            "cores": {k: cpu_pin.span(v) for k, v in cores.items()} or "not pinned",
             "corpus_tokens": a.tokens,
             "rows": a.rows,
             "k": min(a.k, a.tokens),
             "heads": cfg.num_attention_heads,
             "replica_window_s": a.window_s,
-            "lease_s": 3,
+            "lease_s": a.lease_s,
             "requester_refresh_s": a.refresh_s,
             "arrivals": "open-loop Poisson",
         },
@@ -557,12 +426,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
-    png = Path(a.plot or str(Path(a.out).with_suffix(".png")))
+    png = None if a.plot == "none" else Path(a.plot or str(Path(a.out).with_suffix(".png")))
     title = (
         f"bench_fanin: {a.holders} holders, elbow {a.max_flows}, window {a.window_s:g} s, "
         f"requester re-reads the page table every {a.refresh_s:g} s; {out['machine']}"
     )
-    plot(rows, run, out["replica_actions"], meta["hot_holder"], png, title)
+    if png is not None and not plot(rows, run, out["replica_actions"], meta["hot_holder"], png,
+                                    title):  # fmt: skip
+        print("no plot: matplotlib is not installed (the JSON has every number)")
+        png = None
     print(f"\n{'phase':>22} {'from s':>7} {'done':>5} {'refused':>7} {'p50 ms':>8} {'p99 ms':>8}")
     for name, s in stats.items():
         if "from_s" in s:
@@ -576,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for ln in out["coordinator_log"]:
         print(ln)
-    print(f"wrote {a.out} and {png}")
+    print(f"wrote {a.out}" + (f" and {png}" if png is not None else ""))
     return 0 if not run.errors else 1
 
 

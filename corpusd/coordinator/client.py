@@ -234,10 +234,13 @@ class CoordinatorClient:
         elbow_flows: int = 0,
         queue_depth: int = 0,
         hot_pages: Sequence[tuple[str, int, int]] = (),
+        fanin_mean: float | None = None,
     ) -> float:
         """Renew the lease and report the load: fan-in (``active_flows`` running,
-        ``queue_depth`` queued), the elbow, and ``hot_pages`` ``(corpus, page, hits)``. Raises
-        CoordinatorError(NOT_FOUND) when it must register again."""
+        ``queue_depth`` queued, now; ``fanin_mean``: both time-averaged since the last beat, what
+        the load replicas judge by when given), the elbow, and ``hot_pages``
+        ``(corpus, page, hits)``. Raises CoordinatorError(NOT_FOUND) when it must register
+        again."""
         req = pb.HeartbeatRequest(
             holder_id=holder_id,
             used_frames=used_frames,
@@ -245,6 +248,7 @@ class CoordinatorClient:
             elbow_flows=elbow_flows,
             queue_depth=queue_depth,
             hot_pages=[pb.PageHeat(corpus_id=c, page=p, hits=h) for c, p, h in hot_pages],
+            fanin_mean=fanin_mean,
         )
         r: Any = await self._call(lambda stub: stub.Heartbeat(req, timeout=self.timeout))
         return float(r.lease_seconds)

@@ -52,6 +52,14 @@ class CoordinatorConfig:
             "pages on a cool holder (removed once it is under half its elbow as long); 0: never"
         },
     )
+    release_grace_s: float = field(
+        default=-1.0,
+        metadata={
+            "help": "a removed load replica's frames are released this long after the page-table "
+            "write, so workers routing by the older table (they re-read it every lease/3) are "
+            "not refused; -1: two re-reads, 2 x lease/3 (one to come, one for a step in flight)"
+        },
+    )
     rpc_timeout_s: float = field(
         default=60.0, metadata={"help": "deadline of each Assign/Release/Info to a holder"}
     )
@@ -62,6 +70,11 @@ class CoordinatorConfig:
     drain_s: float = field(
         default=5.0, metadata={"help": "on SIGTERM, seconds running requests get to finish"}
     )
+
+    @property
+    def grace_s(self) -> float:
+        """Seconds between a load replica's removal from the page table and its Release."""
+        return 2 * self.lease_s / 3 if self.release_grace_s == -1 else self.release_grace_s
 
     def __post_init__(self) -> None:
         if not self.store or not self.state_dir:
@@ -80,6 +93,10 @@ class CoordinatorConfig:
             parse_etcd_url(self.state)  # raises ValueError naming what is wrong
         if self.replica_window_s < 0:
             raise ValueError(f"replica_window_s must be >= 0, got {self.replica_window_s}")
+        if self.release_grace_s < 0 and self.release_grace_s != -1:
+            raise ValueError(
+                f"release_grace_s must be >= 0 or -1 (2 x lease/3), got {self.release_grace_s}"
+            )
         if self.leader_lease_s < 0:
             raise ValueError(f"leader_lease_s must be >= 0, got {self.leader_lease_s}")
         if self.max_queue < 0:

@@ -68,7 +68,7 @@ class _StateCollector(Collector):
             lambda h: loads.get(h.holder_id, (0, 0))[0],
         )
         per["fanin"] = (
-            "flows running + queued at its last heartbeat",
+            "flows running + queued, time-averaged over the interval its last heartbeat closed",
             lambda h: loads.get(h.holder_id, (0, 0))[1],
         )
         for name, (text, value) in per.items():

@@ -1,9 +1,10 @@
 """Replicas that follow load: the leader copies a hot holder's hottest pages to a cool holder,
 and takes the copy away when the load falls.
 
-Holders report with every heartbeat their fan-in (flows running + queued), their elbow (the
-largest fan-in whose latency stays within 1.5x of one flow: the admission cap ``--max-flows``,
-measured by ``corpusd calibrate``) and their most attended pages since the last beat. Those
+Holders report with every heartbeat their fan-in (flows running + queued, time-averaged since the
+previous beat: ``Admission.mean_fanin``), their elbow (the largest fan-in whose latency stays
+within 1.5x of one flow: the admission cap ``--max-flows``, measured by ``corpusd calibrate``)
+and their most attended pages since the last beat. Those
 reports are soft state, kept here for ``window_s``; a new leader has them again within a window.
 
 Policy (``decide``, a pure function of the reports and the state): a holder whose every report
@@ -13,7 +14,13 @@ its own elbow, holds none of those pages and has the most free frames. The repli
 its source's every report over a window is at or below ``low`` × elbow, and not before it
 has stood a window (hysteresis: a holder between the two thresholds keeps what it has).
 ``apply`` carries a decision out under the publisher's lock: Assign then one page-table write
-(add), or one page-table write then Release (remove); requesters see it in the page table.
+(add), or one page-table write (remove) and, ``grace_s`` later, Release: a requester that still
+routes by the table it read before the removal (agent workers re-read it every lease/3) finds the
+copy there until it has read the new one. A pending release is soft state of the leader's loop: it
+stays until its Release has answered (a round cancelled mid-call retries it), and it spares the
+pages the page table gives the target again by then (a newer replica re-used them). One lost with
+the leader leaves frames the table does not name; the holder gives them back when it registers
+again (``upkeep.reconcile``).
 """
 
 from __future__ import annotations
@@ -33,9 +40,10 @@ log = logging.getLogger("corpusd.coordinator")
 @dataclass(frozen=True, slots=True)
 class LoadReport:
     at: float  # monotonic seconds
-    fanin: int  # flows running + queued
+    fanin: float  # flows running + queued, time-averaged since the holder's previous report
     elbow: int  # 0: the holder does not report one (never replicated for)
     hot: dict[tuple[str, int], int]  # (corpus, page) → hits since the previous report
+    queued: int = 0  # requests waiting for a flow slot at the report's instant
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +59,17 @@ class Replica:
 
 
 @dataclass(frozen=True, slots=True)
+class PendingRelease:
+    """A removed replica's frames: ``pages`` of ``corpus_id`` on ``target``, released once
+    ``due`` (monotonic) has passed."""
+
+    corpus_id: str
+    target: str
+    pages: frozenset[int]
+    due: float
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     action: str  # "add" or "remove"
     replica: Replica
@@ -61,8 +80,16 @@ class Replicator:
     window_s: float
     low: float = 0.5
     max_pages: int = 64
+    grace_s: float = 0.0  # a removed copy is released this long after the page-table write
     reports: dict[str, deque[LoadReport]] = field(default_factory=dict)
     added: dict[tuple[str, str], Replica] = field(default_factory=dict)  # (corpus, source)
+    pending: list[PendingRelease] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.window_s < 0 or self.grace_s < 0:
+            raise ValueError(
+                f"window_s and grace_s must be >= 0, got {self.window_s=}, {self.grace_s=}"
+            )
 
     def observe(self, holder_id: str, r: LoadReport) -> None:
         """Keep ``r`` and the reports of the last two windows before it."""
@@ -168,7 +195,7 @@ class Replicator:
     async def step(self, pub: Publisher, now: float | None = None) -> list[Decision]:
         """Decide and apply, under the publisher's lock. Returns what was done."""
         now = time.monotonic() if now is None else now
-        if not self.added and not any(self.hot(h, now) for h in self.reports):
+        if not self.added and not self.pending and not any(self.hot(h, now) for h in self.reports):
             return []  # the common case: nothing to do, and no state read to find that out
         async with pub.lock:
             state = pub.state
@@ -187,14 +214,49 @@ class Replicator:
                     loadable[row.corpus_id] = {
                         h.holder_id for h in holders if _loads(h, row.manifest)
                     }
+            by_id = {h.holder_id: h for h in holders}
             done = []
             for d in self.decide(now, holders, held, free, loadable):
-                if await self._apply(pub, state, d, {h.holder_id: h for h in holders}):
+                if await self._apply(pub, state, d, by_id, now):
                     done.append(d)
+            await self._release_due(pub, state, by_id, now)
         return done
 
+    async def _release_due(
+        self, pub: Publisher, state: StateBackend, by_id: dict[str, HolderRow], now: float
+    ) -> None:
+        """Release the copies whose grace has passed, sparing pages the page table gives their
+        target again. Each leaves ``pending`` only once its Release has answered."""
+        for rel in [r for r in self.pending if r.due <= now]:
+            table = await state.page_table(rel.corpus_id)
+            again = {p for p, reps in table.items() if any(h == rel.target for h, _ in reps)}
+            pages = sorted(rel.pages - again)
+            target = by_id.get(rel.target)
+            if pages and target is not None:
+                try:
+                    await pub.links.release(rel.target, target.address, rel.corpus_id, pages)
+                    await state.add_used(rel.target, -len(pages))
+                    pub.capacity_changed.set()
+                except HolderCallError as e:  # reconciled when it registers again
+                    log.warning(
+                        "load replica of %s on %s: release failed: %s", rel.corpus_id, rel.target, e
+                    )
+            self.pending.remove(rel)
+            log.info(
+                "load replica released: %d pages of corpus %s on %s (%d re-used)",
+                len(pages) if target is not None else 0,
+                rel.corpus_id,
+                rel.target,
+                len(rel.pages) - len(pages),
+            )
+
     async def _apply(
-        self, pub: Publisher, state: StateBackend, d: Decision, by_id: dict[str, HolderRow]
+        self,
+        pub: Publisher,
+        state: StateBackend,
+        d: Decision,
+        by_id: dict[str, HolderRow],
+        now: float,
     ) -> bool:
         rep, key = d.replica, (d.replica.corpus_id, d.replica.source)
         table = await state.page_table(rep.corpus_id)
@@ -220,16 +282,10 @@ class Replicator:
             if table:
                 await state.set_table(rep.corpus_id, table)
             del self.added[key]
-            if target is not None:
-                try:
-                    await pub.links.release(
-                        rep.target, target.address, rep.corpus_id, list(rep.pages)
-                    )
-                    await state.add_used(rep.target, -len(rep.pages))
-                except HolderCallError as e:  # reconciled when it registers again
-                    log.warning(
-                        "load replica of %s on %s: release failed: %s", rep.corpus_id, rep.target, e
-                    )
+            # released after the grace (_release_due): readers of the older table still use it
+            self.pending.append(
+                PendingRelease(rep.corpus_id, rep.target, frozenset(rep.pages), now + self.grace_s)
+            )
         pub.metrics.replicas.labels("added" if d.action == "add" else "removed").inc()
         log.info(
             "load replica %s: %d hot pages of corpus %s from %s on %s",

@@ -94,7 +94,7 @@ async def serve(cfg: CoordinatorConfig) -> None:
     rolled_back = 0
     if not isinstance(lead, EtcdElection):  # the only coordinator: recover before serving
         rolled_back = await recover(pub)
-    replicator = Replicator(cfg.replica_window_s)
+    replicator = Replicator(cfg.replica_window_s, grace_s=cfg.grace_s)
     svc = CoordinatorService(pub, PageStore(cfg.store), cfg.lease_s, lead, replicator)
 
     up = await listen(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import sys
 import time
 from collections.abc import Awaitable
@@ -115,6 +116,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     @rpc("Heartbeat")
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:
         await self._leading()
+        fanin = float(request.active_flows + request.queue_depth)  # one instant: older holders
+        if request.HasField("fanin_mean"):
+            fanin = request.fanin_mean
+        if not (math.isfinite(fanin) and fanin >= 0):
+            raise Reject(S.INVALID_ARGUMENT, f"fanin_mean: {fanin}; must be finite and >= 0")
         now = time.time()
         before = await self.state.holder(request.holder_id)
         if before is None or not await self.state.heartbeat(
@@ -130,9 +136,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             request.holder_id,
             LoadReport(
                 time.monotonic(),
-                request.active_flows + request.queue_depth,
+                fanin,
                 request.elbow_flows,
                 {(x.corpus_id, x.page): x.hits for x in request.hot_pages[:1024]},
+                request.queue_depth,
             ),
         )
         return pb.HeartbeatResponse(lease_seconds=self.lease_s)
@@ -149,7 +156,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     heartbeat_age_s=now - h.last_heartbeat,
                     placed_frames=placed.get(h.holder_id, 0),
                     elbow_flows=r.elbow if (r := self.replicator.latest(h.holder_id)) else 0,
-                    queue_depth=max(0, r.fanin - h.active_flows) if r else 0,
+                    queue_depth=r.queued if r else 0,
                 )
                 for h in await self.state.holders()
             ],

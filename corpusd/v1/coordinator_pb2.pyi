@@ -39,20 +39,22 @@ class RegisterHolderResponse(_message.Message):
     def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("holder_id", "used_frames", "active_flows", "elbow_flows", "queue_depth", "hot_pages")
+    __slots__ = ("holder_id", "used_frames", "active_flows", "elbow_flows", "queue_depth", "hot_pages", "fanin_mean")
     HOLDER_ID_FIELD_NUMBER: _ClassVar[int]
     USED_FRAMES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FLOWS_FIELD_NUMBER: _ClassVar[int]
     ELBOW_FLOWS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     HOT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FANIN_MEAN_FIELD_NUMBER: _ClassVar[int]
     holder_id: str
     used_frames: int
     active_flows: int
     elbow_flows: int
     queue_depth: int
     hot_pages: _containers.RepeatedCompositeFieldContainer[PageHeat]
-    def __init__(self, holder_id: _Optional[str] = ..., used_frames: _Optional[int] = ..., active_flows: _Optional[int] = ..., elbow_flows: _Optional[int] = ..., queue_depth: _Optional[int] = ..., hot_pages: _Optional[_Iterable[_Union[PageHeat, _Mapping]]] = ...) -> None: ...
+    fanin_mean: float
+    def __init__(self, holder_id: _Optional[str] = ..., used_frames: _Optional[int] = ..., active_flows: _Optional[int] = ..., elbow_flows: _Optional[int] = ..., queue_depth: _Optional[int] = ..., hot_pages: _Optional[_Iterable[_Union[PageHeat, _Mapping]]] = ..., fanin_mean: _Optional[float] = ...) -> None: ...
 
 class PageHeat(_message.Message):
     __slots__ = ("corpus_id", "page", "hits")

@@ -1,7 +1,8 @@
 """Replicas that follow load, on a real coordinator and real holders: synthetic load reports (the
 holder's heartbeat, sent by the test) keep one holder past its elbow; the leader copies its
 hottest pages to the other holder, attention over the copy equals attention over the corpus, and
-when the reports fall under half the elbow the copy goes. Both state backends."""
+when the reports fall under half the elbow the copy leaves the page table and, a grace later, the
+holder: a reader still routing by the older table is served meanwhile. Both state backends."""
 
 from __future__ import annotations
 
@@ -10,22 +11,29 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 import torch
 
-from corpusd.coordinator.client import CoordinatorClient, PageTable
+from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, PageTable
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
 from corpusd.model import partial_attention
-from tests.procs.test_coordinator_failures import SCALE, held, route
+from holder.launch import HolderProcess
+from tests.procs.test_coordinator_failures import SCALE, held, route, until
 from tests.support.coordinators import start_holders, synthetic_corpus
 
 HOT = {2: 100, 5: 50, 9: 7}  # page → hits
+GRACE_S = 4.0
 
 
 def counted(metrics_port: int, action: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
     line = f'corpusd_coordinator_load_replicas_total{{action="{action}"}} '
     return next((float(x.split()[-1]) for x in text.decode().splitlines() if x.startswith(line)), 0)
+
+
+async def _empty(h: HolderProcess) -> bool:
+    return await held(h) == {}
 
 
 def test_a_hot_holder_gets_a_replica_of_its_hottest_pages_and_loses_it_when_cool(
@@ -36,6 +44,7 @@ def test_a_hot_holder_gets_a_replica_of_its_hottest_pages_and_loses_it_when_cool
     profile = tmp_path / "profile.json"
     profile.write_text('{"cp_buckets": [[null, 1]]}')  # the whole corpus on one holder
     flags = ("--profile", str(profile), "--lease-s", "30", "--replica-window-s", "1")
+    flags += ("--release-grace-s", str(GRACE_S))
     co = start_coordinator(tmp_path / "coord", store, *flags, *state_flags)
     hs = start_holders(store, tmp_path, tiny_dir, co.address, 2, "--capacity-tokens", "1024")
     lat, _ = PageStore(store).read_pages(cid, 1, list(range(10)))
@@ -56,13 +65,16 @@ def test_a_hot_holder_gets_a_replica_of_its_hottest_pages_and_loses_it_when_cool
                 deadline = time.monotonic() + 20
                 while True:
                     hot = [(cid, p, n) for p, n in HOT.items()] if fanin else []
-                    await c.heartbeat(src, 10, min(fanin, 8), 8, max(0, fanin - 8), hot)
+                    # the instant's count says idle; the time-averaged fan-in is what counts
+                    await c.heartbeat(src, 10, 0, 8, 0, hot, fanin_mean=float(fanin))
                     table = await c.page_table(cid)
                     if max(len(r) for r in table.pages) == until_replicas:
                         return table
                     assert time.monotonic() < deadline, f"no change to {until_replicas} replicas"
                     await asyncio.sleep(0.2)
 
+            with pytest.raises(CoordinatorError, match="fanin_mean: nan"):
+                await c.heartbeat(src, 10, 0, 8, 0, [], fanin_mean=float("nan"))
             t2 = await report(20, 2)  # fan-in 20 past the elbow 8
             assert {p for p, r in enumerate(t2.pages) if len(r) == 2} == set(HOT)
             assert all(r[0] == t.pages[p][0] for p, r in enumerate(t2.pages))  # source kept
@@ -73,14 +85,21 @@ def test_a_hot_holder_gets_a_replica_of_its_hottest_pages_and_loses_it_when_cool
             status = {h.info.holder_id: h for h in await c.list_holders()}
             assert status[dst].placed_frames == len(HOT)
 
-            t3 = await report(2, 1)  # under half the elbow: the copy goes
-            assert t3.pages == t.pages and await held(dst_proc) == {}
-            assert counted(co.metrics_port, "removed") == 1
+            t3 = await report(2, 1)  # under half the elbow: the copy leaves the page table
+            removed = time.monotonic()
+            assert t3.pages == t.pages and counted(co.metrics_port, "removed") == 1
+            # a reader that has not re-read the table still routes to the copy: served
+            out = await route(t2, cid, q, pos, replica=-1)
+            assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+            assert time.monotonic() - removed < GRACE_S, "too slow to test the grace"
+            await until(lambda: _empty(dst_proc), timeout=GRACE_S + 10)
+            assert time.monotonic() - removed >= GRACE_S - 0.5, "released before its grace"
 
     try:
         asyncio.run(go())
         log = (tmp_path / "coord" / "coordinator.log").read_text()
         assert "load replica added: 3 hot pages" in log and "load replica removed" in log
+        assert "load replica released: 3 pages" in log
     finally:
         assert [h.stop() for h in hs] == [0, 0]
         assert co.stop() == 0

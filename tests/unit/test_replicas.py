@@ -4,8 +4,13 @@ under half its elbow for a window."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
 from corpusd.coordinator.db import HolderRow
-from corpusd.coordinator.replicas import LoadReport, Replicator
+from corpusd.coordinator.replicas import LoadReport, PendingRelease, Replicator
 
 
 def holder(hid: str) -> HolderRow:
@@ -85,3 +90,59 @@ def test_a_replica_that_split_the_load_stays_until_the_total_falls() -> None:
     feed(r, 20.5, 26, {"a": 2, d.replica.target: 2, other: 0}, {})  # 4 in all: half the elbow
     (gone,) = r.decide(26, HOLDERS, held, {"b": 40, "c": 40}, LOADABLE)
     assert (gone.action, gone.replica) == ("remove", d.replica)
+
+
+class _Links:
+    """Release calls as the holder sees them; the first ``cancel`` calls are cancelled."""
+
+    def __init__(self, cancel: int = 0) -> None:
+        self.released: list[tuple[str, str, list[int]]] = []
+        self.cancel = cancel
+
+    async def release(self, hid: str, address: str, cid: str, pages: list[int]) -> int:
+        if self.cancel:
+            self.cancel -= 1
+            raise asyncio.CancelledError
+        self.released.append((hid, cid, pages))
+        return len(pages)
+
+
+class _State:
+    def __init__(self, table: dict[int, list[tuple[str, int]]]) -> None:
+        self.table, self.used = table, {"b": 3}
+
+    async def page_table(self, cid: str) -> dict[int, list[tuple[str, int]]]:
+        return {p: list(r) for p, r in self.table.items()}
+
+    async def add_used(self, hid: str, n: int) -> None:
+        self.used[hid] += n
+
+
+def test_a_removed_copy_is_released_after_its_grace_sparing_pages_a_newer_replica_reuses() -> None:
+    """The copy's frames outlive the page-table write by ``grace_s`` (readers of the older table
+    still route to them); pages the table gives the target again by then are not released; a
+    round cancelled during the Release keeps it pending and the next round releases it."""
+    r = Replicator(window_s=5, grace_s=2)
+    r.pending.append(PendingRelease("x", "b", frozenset({1, 2, 3}), due=12))
+    table = {p: [("a", p)] for p in range(10)}
+    table[2] = [("a", 2), ("b", 7)]  # a newer replica put page 2 on b again
+    links, state = _Links(cancel=1), _State(table)
+    pub = SimpleNamespace(links=links, capacity_changed=asyncio.Event())
+    by_id = {h.holder_id: h for h in HOLDERS}
+
+    async def rounds() -> None:
+        await r._release_due(pub, state, by_id, 11.9)  # type: ignore[arg-type]
+        assert links.released == [] and len(r.pending) == 1  # within the grace
+        with pytest.raises(asyncio.CancelledError):
+            await r._release_due(pub, state, by_id, 12)  # type: ignore[arg-type]
+        assert len(r.pending) == 1  # cancelled mid-call: still pending
+        await r._release_due(pub, state, by_id, 12.5)  # type: ignore[arg-type]
+
+    asyncio.run(rounds())
+    assert links.released == [("b", "x", [1, 3])] and r.pending == []
+    assert state.used["b"] == 1
+
+
+def test_a_grace_or_window_below_zero_is_refused() -> None:
+    with pytest.raises(ValueError, match="grace_s"):
+        Replicator(window_s=5, grace_s=-1)
