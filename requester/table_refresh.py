@@ -1,13 +1,15 @@
-"""Bound corpora follow their page tables: a worker re-reads each one every ``every_s`` (the
-coordinator's lease / 3 by default) and, when its replicas changed, stages a new view that the
-worker adopts between decode steps (:meth:`requester.worker.Worker.adopt_views`), never inside
-one: a step plans every layer on one view.
+"""Bound corpora follow their page tables: a requester re-reads each one every ``every_s`` (the
+coordinator's lease / 3 by default) and, when its replicas changed, stages a new view that it
+adopts at a step boundary (:func:`adopt`), never inside a step: a step plans every layer on one
+view. Two requesters do this: corpusd's agent worker (:meth:`requester.worker.Worker.adopt_views`,
+between decode steps) and the SGLang plugin's link (:class:`requester.sglang.link.CorpusLink`, at
+the first layer of a forward).
 
 Why: the coordinator adds a load replica of a hot holder's pages while sessions decode
 (``corpusd/coordinator/replicas.py``); without a re-read only bindings made afterwards route to
 the copy. The coordinator releases a removed copy two re-reads after it leaves the table
-(``--release-grace-s``), so a worker that re-reads this often reaches a released copy only when
-a step or a read outlasts a re-read interval (and then fails over to the source).
+(``--release-grace-s``), so a requester that re-reads this often reaches a released copy only
+when a step or a read outlasts a re-read interval (and then fails over to the source).
 
 Cheap when nothing changed: one PageTable call per bound corpus and a comparison of the holder
 addresses and replicas (failover changes only which replica is chosen, so it is not mistaken
@@ -20,45 +22,85 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
 from requester.corpus_view import CorpusUnavailable, CorpusView
-from requester.worker import Worker
+from requester.fanout import CorpusBinding
+from requester.metrics import RequesterMetrics
+from requester.routes import Connections
 
 log = logging.getLogger("corpusd.requester")
 
+#: corpus id → (the binding a re-read was for, its new view), waiting for a step boundary
+Staged = dict[str, tuple[CorpusBinding, CorpusView]]
+
+
+class Follower(Protocol):
+    """A requester whose bound corpora follow their page tables: its bindings by corpus id,
+    the views staged for them, its holder connections and its metrics (``rereads``)."""
+
+    @property
+    def corpora(self) -> Mapping[str, CorpusBinding]: ...
+
+    @property
+    def staged(self) -> Staged: ...
+
+    @property
+    def fanout(self) -> Connections: ...
+
+    @property
+    def metrics(self) -> RequesterMetrics: ...
+
+
+def adopt(corpora: Mapping[str, CorpusBinding], staged: Staged, only: str | None = None) -> int:
+    """Give bindings the views staged for them (every corpus, or just ``only``), keeping the
+    holders each marked failed; a view staged for a binding since unbound is dropped. Removes
+    what it adopted from ``staged``; returns how many views were adopted. The caller calls it at
+    a step boundary only."""
+    n = 0
+    for cid in [only] if only is not None else list(staged):
+        got = staged.pop(cid, None)
+        if got is None:
+            continue
+        b, view = got
+        if corpora.get(cid) is b:
+            b.view, b.dead = view.without({b.view.holders[i] for i in b.dead})
+            n += 1
+    return n
+
 
 class TableRefresh:
-    """Re-reads the page table of every corpus bound to ``worker`` (``run``); counts
+    """Re-reads the page table of every corpus bound to ``follower`` (``run``); counts
     ``corpusd_requester_table_rereads_total{result}``: unchanged, changed, failed."""
 
-    def __init__(self, worker: Worker, coordinator: CoordinatorClient) -> None:
-        self.worker, self.coordinator = worker, coordinator
+    def __init__(self, follower: Follower, coordinator: CoordinatorClient) -> None:
+        self.follower, self.coordinator = follower, coordinator
 
     async def once(self) -> int:
         """One re-read of every bound corpus; returns how many new views were staged."""
-        staged = 0
-        for cid, b in list(self.worker.corpora.items()):
+        f, staged = self.follower, 0
+        for cid, b in list(f.corpora.items()):
             if b.force is not None:  # the monolithic baseline: no holders to follow
                 continue
             try:
                 view = CorpusView.from_page_table(await self.coordinator.page_table(cid))
             except (CoordinatorError, CorpusUnavailable) as e:  # unpinned, or coordinator down
                 log.debug("re-reading corpus %s's page table: %s", cid[:12], e)
-                self.worker.metrics.rereads.labels("failed").inc()
+                f.metrics.rereads.labels("failed").inc()
                 continue
-            if self.worker.corpora.get(cid) is not b:  # unbound meanwhile
+            if f.corpora.get(cid) is not b:  # unbound meanwhile
                 continue
-            pending = self.worker.staged.get(cid)
+            pending = f.staged.get(cid)
             current = pending[1] if pending is not None and pending[0] is b else b.view
             if view.same_table(current):
-                self.worker.metrics.rereads.labels("unchanged").inc()
+                f.metrics.rereads.labels("unchanged").inc()
                 continue
             for address in view.holders:  # route transports set up now, not inside a step
-                await self.worker.fanout.route(address)
-            self.worker.staged[cid] = (b, view)
-            self.worker.metrics.rereads.labels("changed").inc()
+                await f.fanout.route(address)
+            f.staged[cid] = (b, view)
+            f.metrics.rereads.labels("changed").inc()
             log.info(
                 "corpus %s's page table changed (%d holders, %d page replicas); adopted at the "
                 "next step",

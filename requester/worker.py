@@ -37,6 +37,7 @@ from requester.sampling import SamplingParams, sample
 from requester.session import Session
 from requester.sources import LocalRows
 from requester.step import StepRows
+from requester.table_refresh import Staged, adopt
 
 log = logging.getLogger("corpusd.requester")
 T = TypeVar("T")
@@ -75,7 +76,7 @@ class Worker:
         )
         self.corpora: dict[str, CorpusBinding] = {}
         # re-read page tables waiting for the next step (table_refresh.py): corpus → (binding, view)
-        self.staged: dict[str, tuple[CorpusBinding, CorpusView]] = {}
+        self.staged: Staged = {}
         self.sessions: dict[str, Session] = {}
         self.steps = 0
         self._stepping = 0  # forward passes in flight: a view is never swapped inside one
@@ -111,13 +112,7 @@ class Worker:
         """Give bindings the views their re-read page tables staged (``staged``), keeping the
         holders each marked failed; returns how many. Called between steps only."""
         assert not self._stepping, "a view is swapped between steps, never inside one"
-        n = 0
-        for cid, (b, view) in self.staged.items():
-            if self.corpora.get(cid) is b:
-                b.view, b.dead = view.without({b.view.holders[i] for i in b.dead})
-                n += 1
-        self.staged.clear()
-        return n
+        return adopt(self.corpora, self.staged)
 
     async def _bind(
         self, view: CorpusView, refresh: Callable[[], Awaitable[CorpusView]] | None = None
