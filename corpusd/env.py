@@ -58,6 +58,11 @@ VARIABLES = {
         "fetch)",
         "256",
     ),
+    "CORPUSD_SGLANG_TABLE_REFRESH_S": (
+        "SGLang plugin, host path: re-read each bound corpus's page table this often (seconds), "
+        "so running requests follow load replicas; 0: the coordinator's lease / 3; -1: never",
+        "the coordinator's lease / 3 (10 / 3 s if it does not say)",
+    ),
     "CORPUSD_SGLANG_PROFILE": (
         "SGLang plugin: the calibration profile (`corpusd calibrate`) its predicate uses",
         "$CORPUSD_HOME/profile.json if present",

@@ -271,6 +271,14 @@ class CoordinatorClient:
             for s in r.holders
         ]
 
+    async def lease_s(self) -> float:
+        """The coordinator's holder lease in seconds (0: a coordinator too old to say), for a
+        client that registers nothing (the SGLang plugin) and still paces itself by it."""
+        r: Any = await self._call(
+            lambda stub: stub.ListHolders(pb.ListHoldersRequest(), timeout=self.timeout)
+        )
+        return float(r.lease_seconds)
+
     async def page_table(self, corpus_id: str) -> PageTable:
         """Raises CoordinatorError: NOT_FOUND (unknown), FAILED_PRECONDITION (not ready)."""
         req = pb.GetPageTableRequest(corpus_id=corpus_id)

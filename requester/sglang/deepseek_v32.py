@@ -28,7 +28,7 @@ from sglang.srt.server_args import get_global_server_args
 from corpusd.model import ModelConfig
 from corpusd.model.checkpoint import fingerprint
 from requester.predicate import Predicate
-from requester.sglang import admission, choose, page_cache
+from requester.sglang import admission, choose, follow, page_cache
 from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
 from requester.sglang.link import CorpusLink
 from requester.sglang.metrics import PluginMetrics, metrics_port, serve
@@ -92,6 +92,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             chooser=choose.Chooser(Predicate(choose.profile(), force), metrics, trace),
             cache_bytes=page_cache.cache_bytes(),
             store=os.environ.get("CORPUSD_STORE") or None,
+            table_refresh_s=follow.table_refresh_s(),
         )
         port = metrics_port()
         if port is not None:

@@ -12,11 +12,16 @@ score at the precision of the request's own keys).
 ``attend`` serves each holder group of a layer call by route or fetch, as the plugin's
 :class:`~.choose.Chooser` decides: fetched pages live in a :class:`~.page_cache.PageCache` on the
 queries' GPU and are attended there (NOTES.md, "Route or fetch").
+
+Bound corpora follow their page tables (:mod:`.follow`): from the first ``attend`` on, a task on
+the loop re-reads them, and a changed view is adopted at the first layer of a forward, so every
+layer of one forward plans on one view.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -39,10 +44,12 @@ from requester.predicate import Decision, Predicate, Profile
 from requester.sglang.binding import Binding, PinnedCorpus, resolve
 from requester.sglang.choose import Chooser
 from requester.sglang.device import sparse_partial
+from requester.sglang.follow import follow
 from requester.sglang.metrics import PluginMetrics
 from requester.sglang.page_cache import PageCache, PageCacheFull, Plan
 from requester.sglang.pages import engine_index_keys, engine_index_pages
 from requester.sglang.resident import ArenaCorpus, Resident
+from requester.table_refresh import Staged, adopt
 
 log = logging.getLogger("corpusd.sglang")
 
@@ -90,7 +97,8 @@ class CorpusLink:
     and ``attend``. ``cfg`` is the served model's config (widths, indexer); the corpus must
     have been pinned for ``fingerprint`` with ``page_size``-token pages. ``chooser`` picks route
     or fetch per (layer, holder group) (default: route, the defaults' profile); fetch keeps
-    pages in a page cache of ``cache_bytes`` on the queries' device."""
+    pages in a page cache of ``cache_bytes`` on the queries' device. ``table_refresh_s``: how
+    often bound page tables are re-read (0: the coordinator's lease / 3; -1: never)."""
 
     def __init__(
         self,
@@ -102,6 +110,7 @@ class CorpusLink:
         chooser: Chooser | None = None,
         cache_bytes: int = 0,
         store: str | None = None,
+        table_refresh_s: float = 0.0,
     ) -> None:
         """``store``: a page store this process can read (``$CORPUSD_STORE``), or None; engine
         pins found there have their index keys scored as SGLang computed them."""
@@ -111,6 +120,8 @@ class CorpusLink:
             )
         self.coordinator, self.fingerprint, self.page_size = coordinator, fingerprint, page_size
         self.timeout = timeout
+        assert table_refresh_s >= 0 or table_refresh_s == -1, f"{table_refresh_s=}"
+        self.table_refresh_s = table_refresh_s
         # float32: keys and partials as the holders send them (bf16 or fp32, widened exactly)
         self.geometry = Geometry.of_config(cfg, torch.float32)
         self._loop = asyncio.new_event_loop()
@@ -133,7 +144,10 @@ class CorpusLink:
             Predicate(Profile(), "route"), self.metrics, transport="grpc", rpc_timeout_s=timeout
         )
         self._bindings: dict[str, Binding] = {}
-        self._corpora: dict[str, CorpusBinding] = {}
+        self.corpora: dict[str, CorpusBinding] = {}
+        self.staged: Staged = {}  # re-read views waiting for a forward's first layer (follow.py)
+        self._following: asyncio.Task[None] | None = None
+        self._first_layer = 1 << 30  # the lowest layer attended yet: where a forward starts
         self._keys: dict[tuple[str, int], torch.Tensor] = {}
         self.store = PageStore(store) if store and Path(store, "corpora").is_dir() else None
         self.timings = Timings()
@@ -143,6 +157,7 @@ class CorpusLink:
 
     def close(self) -> None:
         self.chooser.close()
+        self._run(self._stop_following())
         self._run(self.fanout.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
@@ -206,7 +221,7 @@ class CorpusLink:
         pulled into the page cache, then :func:`.device.sparse_partial` over cache rows on
         ``q``'s device; ``base2``: that kernel's LSE base). Groups run concurrently; one LSE
         merge."""
-        c = self._run(self._corpus(b.corpus_id))
+        c = self._run(self._bound(b.corpus_id, layer))
         groups = holder_groups(c.view, positions.to("cpu", torch.int64))
         h, kv_dim, d_v = q.shape[1], q.shape[2], self.geometry.d_v
         cache = self._cache(q.device) if self.chooser.force != "route" else None
@@ -356,12 +371,35 @@ class CorpusLink:
         return list(await asyncio.gather(*(one(*w) for w in work)))
 
     async def _corpus(self, corpus_id: str) -> CorpusBinding:
-        if corpus_id not in self._corpora:
+        if corpus_id not in self.corpora:
             view = await self._page_table(corpus_id)
-            self._corpora[corpus_id] = await self.fanout.bind(
+            self.corpora[corpus_id] = await self.fanout.bind(
                 view, self.geometry, refresh=lambda: self._page_table(corpus_id)
             )
-        return self._corpora[corpus_id]
+        return self.corpora[corpus_id]
+
+    async def _bound(self, corpus_id: str, layer: int) -> CorpusBinding:
+        """The binding an attend at ``layer`` plans on. At a forward's first layer (0; the
+        lowest this link attends, were its model split into stages) a view the re-read staged
+        is adopted first; at any other layer it waits, so one forward plans on one view. Starts
+        the re-read (host path only: the device path never attends through the link)."""
+        c = await self._corpus(corpus_id)
+        if self._following is None and self.table_refresh_s != -1:
+            self._following = asyncio.create_task(
+                follow(self, self.coordinator, self.table_refresh_s, self.timeout)
+            )
+        self._first_layer = min(self._first_layer, layer)
+        if layer == self._first_layer and adopt(self.corpora, self.staged, only=corpus_id):
+            log.info("corpus %s: layer %d adopts its re-read page table (%d holders)",
+                     corpus_id[:12], layer, len(c.view.holders))  # fmt: skip
+        return c
+
+    async def _stop_following(self) -> None:
+        if self._following is not None:
+            self._following.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._following
+            self._following = None
 
     async def _page_table(self, corpus_id: str) -> CorpusView:
         async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:

@@ -162,7 +162,7 @@ def test_link_attend_fails_over_like_the_worker_when_a_holder_call_fails(
     try:
         b = link.bind(cluster.corpus_id)
         want = link.attend(b, 0, q, pos, cfg.softmax_scale)
-        binding = link._corpora[cluster.corpus_id]
+        binding = link.corpora[cluster.corpus_id]
         view = binding.view
         with socket.socket() as s:  # a port nothing listens on
             s.bind(("127.0.0.1", 0))
@@ -313,7 +313,7 @@ def test_auto_decides_per_group_and_fetch_falls_back_to_route_when_it_cannot(
         assert _counter(small, "decisions", "route", "yes") == 1
         b = broken.bind(cluster.corpus_id)
         broken.attend(b, 0, q, pos[:, :1], cfg.softmax_scale)  # binds; caches page 0
-        binding = broken._corpora[cluster.corpus_id]
+        binding = broken.corpora[cluster.corpus_id]
         with socket.socket() as s:  # a port nothing listens on
             s.bind(("127.0.0.1", 0))
             gone = f"127.0.0.1:{s.getsockname()[1]}"

@@ -1,0 +1,67 @@
+"""The link's bound corpora follow their page tables, as corpusd's agent worker's do (issue 21):
+a task on the link's loop re-reads each bound corpus's page table every
+``CORPUSD_SGLANG_TABLE_REFRESH_S`` seconds and stages a changed view, which the link adopts at the
+first layer of a forward (:meth:`.link.CorpusLink.attend`), never inside one. The re-read, its
+cheap unchanged path, failover kept and a coordinator that is down are
+:mod:`requester.table_refresh`'s, reused as they are.
+
+So a load replica the coordinator adds (``corpusd/coordinator/replicas.py``) reaches the holder
+calls of requests already running on the host path. The device path does not follow (NOTES.md,
+item 4, says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping
+
+from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
+from requester.table_refresh import Follower, TableRefresh
+
+log = logging.getLogger("corpusd.sglang")
+
+ENV = "CORPUSD_SGLANG_TABLE_REFRESH_S"
+#: seconds between re-reads when the coordinator does not say its lease: its default lease / 3
+FALLBACK_S = 10.0 / 3
+
+
+def table_refresh_s(env: Mapping[str, str] = os.environ) -> float:
+    """``CORPUSD_SGLANG_TABLE_REFRESH_S``: seconds between re-reads (> 0); 0 when unset or 0 (the
+    coordinator's lease / 3); -1: never. Raises ValueError naming the variable for anything
+    else."""
+    raw = env.get(ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        s = float(raw)
+    except ValueError:
+        s = math.nan
+    if not (math.isfinite(s) and (s >= 0 or s == -1)):
+        raise ValueError(
+            f"corpusd plugin: {ENV}={raw!r}: seconds between re-reads of a bound corpus's page "
+            "table, a number > 0; 0 or unset: the coordinator's lease / 3; -1: never"
+        )
+    return s
+
+
+async def lease_third(c: CoordinatorClient) -> float:
+    """The coordinator's lease / 3 (what its release grace is sized for), else ``FALLBACK_S``."""
+    try:
+        lease = await c.lease_s()
+    except CoordinatorError as e:
+        log.warning("corpusd plugin: the coordinator's lease is unknown (%s); page tables are "
+                    "re-read every %.1f s", e, FALLBACK_S)  # fmt: skip
+        return FALLBACK_S
+    return lease / 3 if lease > 0 else FALLBACK_S
+
+
+async def follow(link: Follower, address: str, every_s: float, timeout: float) -> None:
+    """Until cancelled: re-read the page table of every corpus bound to ``link`` every
+    ``every_s`` seconds (0: the lease / 3 of the coordinator at ``address``, asked once)."""
+    async with CoordinatorClient(address, timeout=timeout) as c:
+        every = every_s or await lease_third(c)
+        log.info("corpusd plugin: bound page tables re-read every %.2f s (%s)", every,
+                 f"{ENV}" if every_s else "the coordinator's lease / 3")  # fmt: skip
+        await TableRefresh(link, c).run(lambda: every)
