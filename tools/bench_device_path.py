@@ -118,9 +118,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     frames = math.ceil(t / p) + 8
     res.add_pool("h0", [torch.randn(frames * p, 576, device=dev).bfloat16()])
     n_pages = math.ceil(t / p)
+    page_frame = torch.randperm(frames)[:n_pages]
     view = CorpusView(
-        "c", t, p, ("h0",), torch.zeros(n_pages, dtype=torch.int64),
-        torch.randperm(frames)[:n_pages], tuple(((0, 0),) for _ in range(n_pages)),
+        "c", t, p, ("h0",), torch.zeros(n_pages, dtype=torch.int64), page_frame,
+        tuple(((0, int(f)),) for f in page_frame),  # the arena maps each page's first replica
     )  # fmt: skip
     c = res.load(view, [torch.randn(t, 128)])
     base2 = _sparse_lse_base2("cuda")

@@ -17,6 +17,11 @@ streamed from the holders (corpusd's fan-out engine, with its failover) and its 
 from the coordinator. Its pages must sit on holders mapped here; the window (the corpus length a
 decode step scores, fixed at graph capture) must cover it. Otherwise the binding is refused with
 what to change.
+
+Each page is read from its first replica, the placement's own frame, never from a load replica
+the coordinator added for a hot holder: the map is not re-read (NOTES.md, item 4), and a copy's
+frames are released a grace after the copy leaves the page table, when the holder may give them
+to another corpus — a graph reading them would get another corpus's rows, with no call to fail.
 """
 
 from __future__ import annotations
@@ -129,7 +134,7 @@ class Resident:
                     "larger and restart the server)"
                 )
         if view is not None:
-            missing = sorted(set(view.holders) - set(self.holder_slot))
+            missing = sorted({view.holders[r[0][0]] for r in view.replicas} - set(self.holder_slot))
             if missing:
                 raise CorpusBindingError(
                     f"corpus {corpus_id} has pages on holders {missing}, which are not on this "
@@ -140,8 +145,8 @@ class Resident:
     def load(self, view: CorpusView, keys: list[torch.Tensor]) -> ArenaCorpus:
         """Place ``view``'s corpus in the arena: its index keys as pages (per layer float keys
         ``[T, D]``, or an engine pin's pages as SGLang computed them, uint8 ``[n_pages, P·(D +
-        4)]``, placed as they are), its frames as (holder slot, frame). Idempotent; raises
-        CorpusBindingError."""
+        4)]``, placed as they are), each page's first replica as (holder slot, frame), whichever
+        replica ``view`` chose. Idempotent; raises CorpusBindingError."""
         cid = view.corpus_id
         if cid in self.corpora:
             return self.corpora[cid]
@@ -155,9 +160,11 @@ class Resident:
             else:
                 pages = index_pages(k[: view.token_count], self.page_size, self.ue8m0)
             self.pages[layer][base : base + n] = pages.to(self.device)
-        slots = torch.tensor([self.holder_slot[a] for a in view.holders], dtype=torch.int32)
-        self.page_holder[base : base + n] = slots[view.page_holder].to(self.device)
-        self.page_frame[base : base + n] = view.page_frame.to(torch.int32).to(self.device)
+        first = [r[0] for r in view.replicas]  # the placement's; never a load replica's copy
+        slots = [self.holder_slot[view.holders[h]] for h, _ in first]
+        self.page_holder[base : base + n] = torch.tensor(slots, dtype=torch.int32).to(self.device)
+        frames = torch.tensor([f for _, f in first], dtype=torch.int32)
+        self.page_frame[base : base + n] = frames.to(self.device)
         self._next_page += n
         c = ArenaCorpus(cid, base, n, view.token_count)
         self.corpora[cid] = c

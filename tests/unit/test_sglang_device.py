@@ -18,6 +18,7 @@ from requester.sglang import device, pagehash, topk
 from requester.sglang.binding import CorpusBindingError
 from requester.sglang.resident import Resident, index_pages
 from tests.support.checks import rel
+from tests.unit.test_table_refresh import TWO
 
 SEED = 20261124
 
@@ -200,3 +201,20 @@ def test_an_engine_pins_index_pages_are_placed_as_they_are() -> None:
         assert torch.equal(got, pages[layer]), layer
     want = from_keys.pages[0][a.base_page : a.base_page + a.n_pages]
     assert torch.equal(from_pages.pages[0][b.base_page : b.base_page + b.n_pages], want)
+
+
+def test_the_arena_maps_each_pages_first_replica_never_a_load_replicas_copy() -> None:
+    """A corpus bound while a load replica of it exists (its view routes pages 1 and 3 to the
+    copy): the arena reads every page from the placement's frame, which outlives the copy, and
+    a copy on a holder not on this GPU does not refuse the binding."""
+    two = CorpusView.from_page_table(TWO)  # type: ignore[arg-type]
+    assert two.page_holder.tolist() == [0, 1, 0, 1]  # the view spreads over the copy
+    keys = [torch.randn(two.token_count, 128) for _ in range(2)]
+    both, here = _resident(), _resident()
+    for res, mapped in ((both, ("addr-b", "addr-a")), (here, ("addr-a",))):
+        for a in mapped:
+            res.add_pool(a, [torch.zeros(40 * 64, 576) for _ in range(2)])
+        c = res.load(two, keys)
+        span = slice(c.base_page, c.base_page + c.n_pages)
+        assert res.page_holder[span].tolist() == [res.holder_slot["addr-a"]] * 4
+        assert res.page_frame[span].tolist() == [0, 1, 2, 3]
