@@ -60,8 +60,11 @@ async def lease_third(c: CoordinatorClient) -> float:
 async def follow(link: Follower, address: str, every_s: float, timeout: float) -> None:
     """Until cancelled: re-read the page table of every corpus bound to ``link`` every
     ``every_s`` seconds (0: the lease / 3 of the coordinator at ``address``, asked once)."""
-    async with CoordinatorClient(address, timeout=timeout) as c:
-        every = every_s or await lease_third(c)
-        log.info("corpusd plugin: bound page tables re-read every %.2f s (%s)", every,
-                 f"{ENV}" if every_s else "the coordinator's lease / 3")  # fmt: skip
-        await TableRefresh(link, c).run(lambda: every)
+    try:
+        async with CoordinatorClient(address, timeout=timeout) as c:
+            every = every_s or await lease_third(c)
+            log.info("corpusd plugin: bound page tables re-read every %.2f s (%s)", every,
+                     ENV if every_s else "the coordinator's lease / 3")  # fmt: skip
+            await TableRefresh(link, c).run(lambda: every)
+    except Exception:  # not the forward's to fail: bindings keep their views, failover stays
+        log.exception("corpusd plugin: page-table re-reads stopped")

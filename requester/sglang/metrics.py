@@ -4,7 +4,8 @@ The requester's names (:class:`requester.metrics.RequesterMetrics`) where they m
 ``corpusd_requester_decisions_total{primitive, forced}``, ``…_predicted_seconds``,
 ``…_measured_seconds``, ``…_last_measured_over_predicted``, ``…_measured_over_predicted_median``
 (a closed window of :class:`requester.drift.Drift`), ``…_calibration_drift_windows_total``,
-``…_fetched_bytes_total``, ``…_errors_total``, ``…_fallbacks_total``. Added for the plugin: the
+``…_fetched_bytes_total``, ``…_errors_total``, ``…_fallbacks_total``, ``…_table_rereads_total``
+(host path: the link's page-table re-reads, :mod:`.follow`). Added for the plugin: the
 decisions per layer and holder, and the fetch page cache.
 
 ``CORPUSD_SGLANG_METRICS_PORT`` starts one HTTP server per process (:func:`serve`); a port in use
