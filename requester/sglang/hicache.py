@@ -29,6 +29,15 @@ the spool (:func:`corpusd.engine.spool.capture`), for ``corpusd pin --engine`` t
 True. ``engine.json`` (what the pool holds, the model's fingerprint) is written when SGLang
 registers the host pool.
 
+Every method SGLang calls from its storage threads answers instead of raising: ``batch_exists``
+runs in the prefetch thread, ``batch_get_v1`` in its I/O helper and ``batch_set_v1`` in the backup
+thread (``managers/cache_controller.py``), and those loops catch nothing but ``queue.Empty``. An
+exception ends the thread for the life of the server: with the ``wait_complete`` prefetch policy
+every later request that asks storage waits forever, and with a dead backup thread no backup is
+acknowledged again (``ongoing_backup`` never drains, so ``/flush_cache`` is refused from then on and
+nothing more reaches the spool). A failure is logged and answered as a miss (get) or a failed write
+(set), which SGLang handles.
+
 Written against sglang 0.5.10.post1; ran in a live server (``tools/bench_sglang.py``, fetch mode).
 """
 
@@ -64,6 +73,7 @@ class CorpusdHiCacheStorage(HiCacheStorage):
         model_fp = extra.get("model_fingerprint") or fingerprint(self.model_path)
         self.model_fp = model_fp
         self.tp_rank = int(getattr(storage_config, "tp_rank", 0))
+        self._key_ue8m0: bool | None = None  # how this server scales index keys (first read)
         self.spool: Path | None = None
         if "corpusd_capture" in extra:
             self.spool = Path(extra["corpusd_capture"])
@@ -72,7 +82,6 @@ class CorpusdHiCacheStorage(HiCacheStorage):
             log.info("corpusd HiCache backend: capturing pages into %s", self.spool)
             return
         self.corpus_pages = CorpusPages(extra["corpusd_store"], model_fp)
-        self._key_ue8m0: bool | None = None  # how this server scales index keys (first read)
         log.info(
             "corpusd HiCache backend: %d pages of pinned corpora", len(self.corpus_pages.pages)
         )
@@ -92,29 +101,36 @@ class CorpusdHiCacheStorage(HiCacheStorage):
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
-        host = self.mem_pool_host
-        index_buf = getattr(host, "index_k_with_scale_buffer", None)  # NSA host pools only
-        out = []
+        """Per key, whether its page is now in the host pool. SGLang uses the leading Trues
+        (``_page_get_zero_copy``); a page that cannot be read (its corpus removed since the index
+        was built, say) is a miss, and so is every page after it (module docstring)."""
+        out = [False] * len(keys)
         for i, key in enumerate(keys):
             if key not in self.corpus_pages:
-                out.append(False)
-                continue
-            at = int(host_indices[i * host.page_size])  # first host slot of the page
-            if self._key_ue8m0 is None:
-                self._key_ue8m0 = sglang_key_scales_ue8m0(host.page_size)
-            kv, index_pages = self.corpus_pages.host_page(
-                key, host.layout, host.dtype, self._key_ue8m0
-            )
-            host.set_from_flat_data_page(at, kv)
-            if index_buf is not None:
-                page = at // host.page_size  # NSATokenToKVPoolHost._get_indexer_page_indices
-                for li, data in enumerate(index_pages):
-                    if host.layout == "layer_first":
-                        index_buf[li][page] = data
-                    else:
-                        index_buf[page, li, 0] = data
-            out.append(True)
+                break
+            try:
+                self._get_page(key, int(host_indices[i * self.mem_pool_host.page_size]))
+            except Exception:
+                log.exception("corpusd HiCache backend: page %s… not served", key[:16])
+                break
+            out[i] = True
         return out
+
+    def _get_page(self, key: str, at: int) -> None:
+        """Write the page ``key`` names into the host pool at slot ``at`` (its first slot)."""
+        host = self.mem_pool_host
+        index_buf = getattr(host, "index_k_with_scale_buffer", None)  # NSA host pools only
+        if self._key_ue8m0 is None:
+            self._key_ue8m0 = sglang_key_scales_ue8m0(host.page_size)
+        kv, index_pages = self.corpus_pages.host_page(key, host.layout, host.dtype, self._key_ue8m0)
+        host.set_from_flat_data_page(at, kv)
+        if index_buf is not None:
+            page = at // host.page_size  # NSATokenToKVPoolHost._get_indexer_page_indices
+            for li, data in enumerate(index_pages):
+                if host.layout == "layer_first":
+                    index_buf[li][page] = data
+                else:
+                    index_buf[page, li, 0] = data
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
@@ -124,7 +140,13 @@ class CorpusdHiCacheStorage(HiCacheStorage):
         if self.spool is not None:
             if self.tp_rank != 0:
                 return [True] * len(keys)
-            return spool.capture(self.mem_pool_host, keys, host_indices, self.spool)
+            try:
+                return spool.capture(self.mem_pool_host, keys, host_indices, self.spool)
+            except Exception:  # a full disk, say: SGLang logs the failed write and goes on
+                log.exception(
+                    "corpusd HiCache backend: %d pages not captured into %s", len(keys), self.spool
+                )
+                return [False] * len(keys)
         return [key in self.corpus_pages for key in keys]
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:

@@ -22,8 +22,11 @@ Skipped with the reason without sglang or an SM90 GPU; it never runs in CPU CI.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -50,6 +53,13 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE, CORPUS_BYTES, NEW, TOP = 64, 3_000, 8, 5
+#: a server is healthy once its own warm-up request (3 tokens) is answered: ~50 s on an H100
+#: with SGLang's JIT kernels built (bench/results/logs/sglang-*-h100-route.log). On a bare
+#: machine its first forward first builds them (tvm-ffi: ninja, nvcc; Triton: ptxas), silently,
+#: one after another; that time is not counted against START_S but is capped by START_CAP_S.
+#: Past either, the test dumps every server process's stack and fails, inside one 10-minute call
+START_S, START_CAP_S = 240, 480
+COMPILERS = (b"ninja", b"nvcc", b"cicc", b"ptxas", b"cudafe", b"fatbinary", b"nvlink", b"cc1plus")
 QUESTIONS = ["\nQ: what does a holder own?\nA:", "\nQ: where are pages stored?\nA:"]
 
 
@@ -59,8 +69,41 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _children(pid: int, workers: bool = False) -> list[int]:
+    """Every live descendant of ``pid`` (Linux ``/proc``); with ``workers``, only its direct
+    children that ``multiprocessing`` started (SGLang's scheduler and detokenizer: not the
+    compilers and tools that come and go under them)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":  # state; a zombie has exited
+            parents[int(stat.parent.name)] = int(fields[1])
+    if workers:
+        out = []
+        for c, pp in parents.items():
+            try:
+                cmd = Path(f"/proc/{c}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if pp == pid and b"multiprocessing" in cmd:
+                out.append(c)
+        return out
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
 class Server:
-    def __init__(self, model: Path, log: Path, kv: str, extra: dict[str, Any]) -> None:
+    def __init__(
+        self, model: Path, log: Path, kv: str, extra: dict[str, Any], prefetch: str
+    ) -> None:
         port = _free_port()
         flags = [*SGLANG_FLAGS, "--model-path", str(model), "--port", str(port)]
         flags[flags.index("--kv-cache-dtype") + 1] = kv
@@ -68,29 +111,79 @@ class Server:
             "--disable-cuda-graph", "--enable-hierarchical-cache",
             "--hicache-write-policy", "write_through", "--hicache-storage-backend", "dynamic",
             "--hicache-storage-backend-extra-config", json.dumps(extra),
-            "--hicache-storage-prefetch-policy", "wait_complete",
+            "--hicache-storage-prefetch-policy", prefetch,
             "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "kernel",
             "--hicache-size", "2",
         ]  # fmt: skip
         self.url, self.log = f"http://127.0.0.1:{port}", log
         self._log = log.open("w")
         path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
-        env = {**os.environ, **SGLANG_ENV, "PYTHONPATH": path}
+        # faulthandler: a process that dies of a signal (or gets SIGABRT from wait) writes every
+        # thread's Python stack into the log
+        env = {**os.environ, **SGLANG_ENV, "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1"}
         cmd = [sys.executable, "-m", "sglang.launch_server", *flags]
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
-    def wait(self, timeout: float = 600) -> None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
+    def wait(self, timeout: float = START_S, cap: float = START_CAP_S) -> None:
+        """Until ``/health`` answers 200 (SGLang's warm-up request was answered): ``timeout``
+        s not counting the time a compiler runs under the server, at most ``cap`` s in all.
+        Fails at once when the server or one of its processes exits (a scheduler that dies of a
+        signal takes no launcher down with it: SGLang would wait forever), and past the limits
+        with every server thread's stack in the failure. ``self.jit_s``: the time compilers ran."""
+        t0, last, seen = time.monotonic(), time.monotonic(), set[int]()
+        self.jit_s = 0.0
+        while (now := time.monotonic()) - t0 - self.jit_s < timeout and now - t0 < cap:
             assert self.proc.poll() is None, f"sglang exited:\n{self.tail()}"
+            kids = set(_children(self.proc.pid, workers=True))
+            if gone := seen - kids:
+                time.sleep(2)  # let faulthandler's dump reach the log
+                pytest.fail(f"sglang processes {sorted(gone)} exited:\n{self.tail(200)}")
+            seen |= kids
+            if self._compiling():
+                self.jit_s += now - last
+            last = now
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
+                        print(f"{self.log.name}: healthy in {now - t0:.0f} s, compilers ran "
+                              f"{self.jit_s:.0f} s of it")  # fmt: skip
                         return
             except OSError:
                 pass
             time.sleep(1)
-        pytest.fail(f"sglang not healthy in {timeout} s:\n{self.tail()}")
+        pytest.fail(
+            f"sglang not healthy in {time.monotonic() - t0:.0f} s ({self.jit_s:.0f} s of it "
+            f"compiling); its stacks:\n{self.stacks()}"
+        )
+
+    def _compiling(self) -> bool:
+        for pid in _children(self.proc.pid):
+            with contextlib.suppress(OSError):
+                argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+                if any(c in Path(argv0.decode(errors="replace")).name.encode() for c in COMPILERS):
+                    return True
+        return False
+
+    def stacks(self) -> str:
+        """Where every server process is (py-spy when installed, else faulthandler's dump on
+        SIGABRT, which ends the process), then the log's tail."""
+        pids = [*_children(self.proc.pid), self.proc.pid]
+        dumps = ["== processes (a compiler here: the server is building a JIT kernel)"]
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                dumps.append(f"{pid}: {cmd.decode(errors='replace')[:200]}")
+        if spy := shutil.which("py-spy"):
+            for pid in pids:
+                r = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True,
+                                   text=True, timeout=60)  # fmt: skip
+                dumps.append(f"== py-spy dump --pid {pid}\n{r.stdout}{r.stderr}")
+        else:
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGABRT)
+            time.sleep(3)
+        return "\n".join(dumps) + "\n" + self.tail(400)
 
     def tail(self, n: int = 60) -> str:
         self._log.flush()
@@ -139,8 +232,11 @@ def test_pages_pinned_through_sglang_are_what_sglang_holds(tmp_path: Path, kv: s
     src.mkdir()
     (src / "notes.md").write_text(text)
     store, spool = tmp_path / "store", tmp_path / "spool"
+    # A as `corpusd pin --engine` tells users to start it (client.capture_flags: SGLang's default
+    # prefetch policy, best_effort: a capture server has nothing to fetch, so no request waits on
+    # its prefetch thread); B must load every stored page before prefilling, so wait_complete
     a = Server(model, tmp_path / "capture.log", kv, _backend(corpusd_capture=str(spool),
-               model_path=str(model)))  # fmt: skip
+               model_path=str(model)), "best_effort")  # fmt: skip
     b = None
     try:
         a.wait()
@@ -153,7 +249,7 @@ def test_pages_pinned_through_sglang_are_what_sglang_holds(tmp_path: Path, kv: s
         assert m.engine["kv_dtype"] == want_kv and m.engine["marker"].startswith("sglang-0.5")
         assert m.token_count > 2048 and m.token_count % PAGE, m.token_count
         b = Server(model, tmp_path / "fetch.log", kv, _backend(corpusd_store=str(store),
-                   model_path=str(model)))  # fmt: skip
+                   model_path=str(model)), "wait_complete")  # fmt: skip
         b.wait()
         corpus = ps.read_tokens(m.corpus_id).tolist()
         whole = m.token_count // PAGE * PAGE
