@@ -321,8 +321,13 @@ class CorpusLink:
         assert self.cache is not None
         t0 = time.perf_counter()
         rows = pad_cols(plan.rows, TOPK_ALIGN).to(q.device)
-        part = sparse_partial(q[g.keep.to(q.device)], self.cache.kv(layer), rows, scale,
-                              self.geometry.d_v, base2)  # fmt: skip
+        o, lse = sparse_partial(q[g.keep.to(q.device)], self.cache.kv(layer), rows, scale,
+                                self.geometry.d_v, base2)  # fmt: skip
+        # Rounded as a holder's reply is (O in q's dtype, holder/service.py), so route and fetch
+        # give the same partial: on an H100 fetch's float32 O parted from route's bf16 O at 2 of
+        # 64 teacher-forced near-ties (bench/results/sglang-predicate-h100.json). SGLang casts
+        # the merged output to bf16 anyway.
+        part = (o.to(q.dtype).float(), lse)
         if q.is_cuda:
             torch.cuda.synchronize(q.device)
         return part, time.perf_counter() - t0

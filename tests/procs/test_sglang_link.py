@@ -274,9 +274,11 @@ def test_fetch_through_the_page_cache_is_route_to_float_tolerance(
         fetch.close()
     ro, rl = partial_attention(q.float(), rows, pos, cfg.softmax_scale, cfg.kv_lora_rank)
     for o, lse in (first, second):
-        # the holder returns O in the query's dtype (bf16 on the wire): route is fetch rounded
-        assert rel(o, want[0]) < 4e-3 and torch.allclose(lse, want[1], atol=1e-4)
-        assert rel(o, ro) < 1e-5 and torch.equal(torch.isinf(lse), torch.isinf(rl))
+        # The holder returns O in the query's dtype (bf16 on the wire), and fetch rounds its O
+        # the same way, so the two primitives agree to a rare bf16 ulp (float32 O parted them at
+        # 2 of 64 teacher-forced near-ties on an H100), and both are the reference rounded.
+        assert rel(o, want[0]) < 2e-4 and torch.allclose(lse, want[1], atol=1e-4)
+        assert rel(o, ro) < 4e-3 and torch.equal(torch.isinf(lse), torch.isinf(rl))
         assert torch.allclose(lse[~torch.isinf(rl)], rl[~torch.isinf(rl)], atol=1e-5)
     assert bool(torch.isinf(first[1][1]).all()) and bool((first[0][1] == 0).all())
     lines = [json.loads(x) for x in trace.read_text().splitlines()]
