@@ -44,7 +44,7 @@ from corpusd.model import ModelConfig
 from corpusd.model.tiny import init_tiny
 from corpusd.tokenizer import load_tokenizer
 from tests.support.checks import why_no_sglang_gpu
-from tools.bench_sglang import SGLANG_ENV, SGLANG_FLAGS
+from tools.sglang_server import SGLANG_ENV, SGLANG_FLAGS
 
 pytestmark = [
     pytest.mark.sglang,

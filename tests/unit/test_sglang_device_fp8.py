@@ -253,3 +253,19 @@ def test_backends_the_plugin_cannot_serve_stop_the_server_at_start() -> None:
         formats.check_backends("plain", "flashmla_sparse", "fa3")
     with pytest.raises(RuntimeError, match="--nsa-prefill-backend tilelang"):
         formats.check_backends("plain", "tilelang", "flashmla_sparse")
+
+
+def test_the_bench_runs_fp8_with_flags_the_plugin_accepts() -> None:
+    """tools/bench_sglang.py --kv-cache-dtype: the default flags are unchanged, and fp8_e4m3
+    gives every server SGLang's fp8 cache with the backends the plugin serves it with."""
+    from tools.sglang_server import SGLANG_FLAGS, sglang_flags
+
+    assert sglang_flags() == SGLANG_FLAGS
+    for kv, backend in (("bfloat16", "flashmla_sparse"), ("fp8_e4m3", "flashmla_kv")):
+        flags = sglang_flags(kv)
+        got = {f: flags[flags.index(f) + 1] for f in flags if f.startswith("--")}
+        assert got["--kv-cache-dtype"] == kv
+        assert got["--nsa-prefill-backend"] == got["--nsa-decode-backend"] == backend
+        worker = formats.worker_format(kv)
+        formats.check_backends(worker, got["--nsa-prefill-backend"], got["--nsa-decode-backend"])
+    assert len(sglang_flags("fp8_e4m3")) == len(SGLANG_FLAGS)
