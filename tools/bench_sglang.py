@@ -66,7 +66,7 @@ from tools.sglang_compare import (
     report,
     vectors,
 )
-from tools.sglang_server import SGLANG_ENV, Corpusd, Server, sglang_flags, start_corpusd
+from tools.sglang_server import SGLANG_ENV, Corpusd, Server, formats, pin_format, start_corpusd
 
 QUESTIONS = [
     "What does the coordinator store, and where?",
@@ -292,7 +292,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.probe_only:  # a route server and its binding probe only (no stock, no timing)
         return probe_only(a, work, model, regimes, vocab)
     assert modes[0] == "stock", "stock runs first: it is the reference"
-    cd = start_corpusd(work, model, regimes, a.holders, a.holder_device, kv_format(a))
+    cd = start_corpusd(
+        work, model, regimes, a.holders, a.holder_device, pin_format(a.kv_cache_dtype)
+    )
     tok = ByteTokenizer()
     suffixes = [tok.encode(f"\n\nQ: {q}\nA:") for q in QUESTIONS[: a.requests]]
     runs: dict[str, dict[str, Any]] = {r: {} for r in regimes}
@@ -343,8 +345,10 @@ def probe_only(
 ) -> dict[str, Any]:
     """``--probe-only``: a route server over each regime's pinned corpus, and requests it cannot
     bind (:func:`binding_probe`), which must fail alone while the server serves on."""
-    cd = start_corpusd(work, model, regimes, a.holders, a.holder_device, kv_format(a))
-    out: dict[str, Any] = {"holder_device": a.holder_device, **formats(a)}
+    cd = start_corpusd(
+        work, model, regimes, a.holders, a.holder_device, pin_format(a.kv_cache_dtype)
+    )
+    out: dict[str, Any] = {"holder_device": a.holder_device, **formats(a.kv_cache_dtype)}
     try:
         graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
         log = work / "sglang-route.log"
@@ -364,17 +368,6 @@ def probe_only(
     save(a.out, out)
     print(json.dumps({k: out[k] for k in ("binding_probe", "concurrent_probe")}, indent=1))
     return out
-
-
-def kv_format(a: argparse.Namespace) -> str:
-    """The pins' latent row format: fp8 rows when SGLang's own cache is fp8, so every server
-    (stock and route) and the holders attend the same fp8 pages."""
-    return "fp8_e4m3" if a.kv_cache_dtype == "fp8_e4m3" else "plain"
-
-
-def formats(a: argparse.Namespace) -> dict[str, Any]:
-    return {"kv_cache_dtype": a.kv_cache_dtype, "kv_format": kv_format(a),
-            "sglang_flags": sglang_flags(a.kv_cache_dtype)}  # fmt: skip
 
 
 def save(path: str, out: dict[str, Any]) -> None:
@@ -398,7 +391,7 @@ def summarize(
         "holder_device": a.holder_device,
         "cuda_graph_bs": [] if a.no_cuda_graph else list(a.graph_bs or a.streams),
         "streams": list(a.streams),
-        **formats(a),
+        **formats(a.kv_cache_dtype),
         "sglang_env": SGLANG_ENV,
         "failed": failed,
         "regimes": {},

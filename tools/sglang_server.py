@@ -61,6 +61,18 @@ def sglang_flags(kv_cache_dtype: str = "auto") -> list[str]:
     return flags
 
 
+def pin_format(kv_cache_dtype: str) -> str:
+    """The pins' latent row format: fp8 rows when SGLang's own cache is fp8, so every server
+    (stock and route) and the holders attend the same fp8 pages."""
+    return "fp8_e4m3" if kv_cache_dtype == "fp8_e4m3" else "plain"
+
+
+def formats(kv_cache_dtype: str) -> dict[str, Any]:
+    """What a result records of the formats: SGLang's cache, the pins' rows, the flags."""
+    return {"kv_cache_dtype": kv_cache_dtype, "kv_format": pin_format(kv_cache_dtype),
+            "sglang_flags": sglang_flags(kv_cache_dtype)}  # fmt: skip
+
+
 @dataclass
 class Corpusd:
     daemons: list[Daemon]
