@@ -15,11 +15,8 @@ attention with:
   normalised to natural log, and empty rows are set to O = 0, LSE = -inf here, never trusted.
 
 A pool of fp8 rows (uint8 ``[N, 656]``, ``corpusd/model/fp8_cache.py``) goes to FlashMLA's fp8
-sparse decode instead, ``flash_mla_with_kvcache(..., is_fp8_kvcache=True, indices=…)`` as
-SGLang's ``flashmla_kv`` decode calls it, with the pool viewed as ``[N/64, 64, 1, 656]``
-float8_e4m3fn (FlashMLA's block is 64 rows; fp8 pools are allocated in whole blocks), one query
-row per batch entry, heads padded to 64 / 128 and top-k to a multiple of 128 as above. Its
-``softmax_lse [n, h, 1]`` is checked on a probe the same way (natural log in the builds we know).
+sparse decode instead: ``corpusd/model/flashmla_fp8.py``, shared with the SGLang plugin's device
+path, given this module's one-launch index preparation.
 """
 
 from __future__ import annotations
@@ -29,11 +26,9 @@ from functools import cache
 
 import torch
 
-from corpusd.model.fp8_cache import ROW_BYTES, fp8_partial_attention, quantize
+from corpusd.model import flashmla_fp8
+from corpusd.model.flashmla_fp8 import D_QK, D_V, pad_heads, padded_topk
 from corpusd.model.partial import partial_attention
-
-D_QK, D_V, TOPK_ALIGN = 576, 512, 128
-FP8_BLOCK = 64  # rows of one FlashMLA fp8 cache block
 
 
 @cache
@@ -43,17 +38,10 @@ def _sparse_fwd():
     return flash_mla_sparse_fwd
 
 
-@cache
-def _decode_fwd():
-    from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
-
-    return flash_mla_with_kvcache, get_mla_metadata
-
-
 def importable() -> bool:
     try:
         _sparse_fwd()
-        _decode_fwd()
+        flashmla_fp8._decode_fwd()
     except Exception:
         return False
     return True
@@ -71,29 +59,14 @@ def fits(dtype: torch.dtype, d: int, d_v: int) -> bool:
     return dtype == torch.bfloat16 and d == D_QK and d_v == D_V
 
 
-def padded_heads(h: int) -> int:
-    assert 0 < h <= 128, f"FlashMLA takes at most 128 heads, got {h=}"
-    return 64 if h <= 64 else 128
-
-
 def _padded(
     q: torch.Tensor, indices: torch.Tensor, rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What both kernels take: q with its heads zero-padded to 64 or 128, and the indices
     padded to a multiple of TOPK_ALIGN with -1 for unused (``prep_sparse_indices``: [n, 1, kp]),
     with each row's count of valid ones."""
-    n, h, d = q.shape
-    hp = padded_heads(h)
-    if hp != h:
-        qp = q.new_zeros(n, hp, d)
-        qp[:, :h] = q
-        q = qp
-    k = indices.shape[1]
-    kp = max(TOPK_ALIGN, math.ceil(k / TOPK_ALIGN) * TOPK_ALIGN)
-    from holder.triton_mla import prep_sparse_indices
-
-    idx, count = prep_sparse_indices(indices, rows, kp)
-    return q, idx, count
+    idx, count = _prep(indices, rows, padded_topk(indices.shape[1]))
+    return pad_heads(q), idx, count
 
 
 def _raw(
@@ -127,51 +100,9 @@ def lse_to_natural(device: str) -> float:
     )
 
 
-def _raw_fp8(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashMLA's fp8 sparse decode: (O [n, h, 512], raw lse [n, h], valid count [n])."""
-    n, h, d = q.shape
-    q, idx, count = _padded(q, indices, kv.shape[0])  # idx [n, 1, kp]: -1 = unused
-    q = q.contiguous()  # viewed as [n, 1, hp, d] below
-    hp, kp = q.shape[1], idx.shape[-1]
-    fwd, metadata = _decode_fwd()
-    seqlens = torch.full((n,), kp, dtype=torch.int32, device=q.device)
-    sched, splits = metadata(seqlens, hp, 1, hp, True, kp)
-    blocks = kv.view(torch.float8_e4m3fn).view(kv.shape[0] // FP8_BLOCK, FP8_BLOCK, 1, ROW_BYTES)
-    out, lse = fwd(
-        q=q.view(n, 1, hp, d),
-        k_cache=blocks,
-        block_table=torch.empty((n, 0), dtype=torch.int32, device=q.device),
-        cache_seqlens=seqlens,
-        head_dim_v=D_V,
-        tile_scheduler_metadata=sched,
-        num_splits=splits,
-        softmax_scale=scale,
-        causal=False,
-        is_fp8_kvcache=True,
-        indices=idx,
-    )
-    return out[:, 0, :h], lse[:, :h, 0], count
-
-
-@cache
 def fp8_lse_to_natural(device: str) -> float:
-    """``lse_to_natural`` for the fp8 decode kernel: probed against the fp8 torch reference."""
-    g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(2, 64, D_QK, generator=g, device=device).bfloat16()
-    kv = quantize(torch.randn(256, D_QK, generator=g, device=device))
-    idx = torch.randperm(256, generator=g, device=device)[:128].repeat(2, 1)
-    scale = D_QK**-0.5
-    _, lse, _ = _raw_fp8(q, kv, idx, scale)
-    _, ref = fp8_partial_attention(q.float(), kv, idx, scale, D_V)
-    for factor in (1.0, math.log(2.0)):
-        if torch.allclose(lse.float() * factor, ref, rtol=1e-3, atol=1e-2):
-            return factor
-    raise RuntimeError(
-        f"FlashMLA's fp8 decode lse matches neither natural log nor base 2: {lse[0, :4].tolist()} "
-        f"vs reference {ref[0, :4].tolist()}; check the sgl_kernel build"
-    )
+    """``lse_to_natural`` for the fp8 decode kernel (``flashmla_fp8.lse_to_natural``)."""
+    return flashmla_fp8.lse_to_natural(device)
 
 
 def flashmla_partial_attention(
@@ -210,19 +141,12 @@ def flashmla_partial_attention(
 def _fp8_partial(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    n, h, d = q.shape
-    assert fits(q.dtype, d, d_v), (
-        f"FlashMLA's fp8 decode needs bf16 q of width {D_QK} and d_v {D_V}: {q.dtype=} {d=} "
-        f"{d_v=}; use the triton kernel for other shapes"
-    )
-    assert kv.is_contiguous() and kv.shape[1] == ROW_BYTES and kv.shape[0] % FP8_BLOCK == 0, (
-        f"FlashMLA reads fp8 rows as [N/64, 64, 1, 656]: pass a contiguous pool of whole blocks, "
-        f"got {list(kv.shape)}"
-    )
-    if n == 0:
-        return q.new_empty(0, h, D_V), torch.empty(0, h, device=q.device)
-    factor = fp8_lse_to_natural(str(q.device))
-    out, lse, count = _raw_fp8(q, kv, indices, scale)
-    empty = (count == 0)[:, None]
-    lse = torch.where(empty, float("-inf"), lse.float() * factor)
-    return out.contiguous().masked_fill_(empty[..., None], 0.0), lse
+    return flashmla_fp8.fp8_sparse_partial(q, kv, indices, scale, d_v, prep=_prep)
+
+
+def _prep(indices: torch.Tensor, n_kv: int, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flashmla_fp8.Prep`` in one Triton launch (torch's takes four)."""
+    from holder.triton_mla import prep_sparse_indices
+
+    idx, count = prep_sparse_indices(indices, n_kv, kp)
+    return idx, count

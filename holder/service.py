@@ -294,12 +294,6 @@ class HolderService(holder_pb2_grpc.HolderServicer):
                 f"holder {self.cfg.holder_id} keeps its pool on {geo.device}; only a GPU pool is "
                 "shared (start the holder with --device cuda:N)",
             )
-        if geo.fp8:
-            raise Reject(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"holder {self.cfg.holder_id} holds fp8 rows; the SGLang device path maps plain "
-                "pools only: use Attend",
-            )
         here = cuda_ipc.device_uuid(geo.device)
         if request.device_uuid != here:
             raise Reject(
@@ -307,6 +301,8 @@ class HolderService(holder_pb2_grpc.HolderServicer):
                 f"holder {self.cfg.holder_id} is on GPU {here}, not {request.device_uuid!r}: "
                 "CUDA IPC works on one device only; use Attend",
             )
+        # fp8 pools go as they are (uint8 [whole 64-row blocks, 656]): the requester's device
+        # path runs FlashMLA's fp8 decode over them as this holder does
         latent = [cuda_ipc.to_wire(cuda_ipc.share(t)) for t in self.pool.latent]
         log.info("pool shared over CUDA IPC (%d layers) with a requester on %s", len(latent), here)
         return holder_pb2.SharePoolResponse(

@@ -9,6 +9,9 @@ the shapes of ``tools/bench_sglang.py``'s sparse regime (64 heads, top-2048, a 3
 corpus), for several batch sizes. Needs sglang's kernels (deep_gemm, sgl_kernel): .sglang-deps/.
 
     python -m tools.bench_device_path --out bench/results/sglang-device-path-h100.json
+
+``--kv-format fp8_e4m3`` times the same step over a pool of FlashMLA's fp8 rows (the partial is
+then FlashMLA's fp8 sparse decode, ``corpusd/model/flashmla_fp8.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 
 import torch
 
+from corpusd.model import flashmla_fp8
+from corpusd.model import fp8_cache as f8
 from requester.corpus_view import CorpusView
 from requester.sglang import device
 from requester.sglang.backend import _sparse_lse_base2
@@ -85,7 +90,7 @@ def measure(
         "merge": lambda: merge_local_corpus(o_loc, l_loc, o_c, l_c),
         "step": step,
     }
-    if a.variants:  # other ways to the same top-k, for the choice in device.exact_topk
+    if a.variants and res.kv_format == "plain":  # other top-k methods, kernel splits (bf16)
         cat = torch.cat([scores, own], 1)
         ok = torch.ones_like(cat, dtype=torch.bool)
         keys = device.order_keys(cat, ok)
@@ -101,8 +106,8 @@ def measure(
             )
     row: dict[str, Any] = {"rows": n}
     row.update({f"{s}_us": 1e3 * graphed_ms(f, a.reps) for s, f in stages.items()})
-    # The partial's floor: it reads k latent rows (bf16) per query row from HBM.
-    row["partial_bytes"] = n * k * 576 * 2
+    # The partial's floor: it reads k latent rows (bf16, or 656-byte fp8 rows) per query row.
+    row["partial_bytes"] = n * k * (656 if res.kv_format == "fp8_e4m3" else 576 * 2)
     return row
 
 
@@ -116,7 +121,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         device=dev, ue8m0=False, req_slots=max(a.batches),
     )  # fmt: skip
     frames = math.ceil(t / p) + 8
-    res.add_pool("h0", [torch.randn(frames * p, 576, device=dev).bfloat16()])
+    pool = torch.randn(frames * p, 576, device=dev).bfloat16()
+    res.add_pool("h0", [f8.quantize(pool) if a.kv_format == "fp8_e4m3" else pool])
+    if a.kv_format == "fp8_e4m3":  # probed before any capture, as the entry model does
+        flashmla_fp8.lse_to_natural(str(pool.device))
     n_pages = math.ceil(t / p)
     page_frame = torch.randperm(frames)[:n_pages]
     view = CorpusView(
@@ -145,6 +153,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "topk": k,
         "heads": h,
         "holder_pools": 1,
+        "kv_format": a.kv_format,
         "reps": a.reps,
         "rows": rows,
     }
@@ -160,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[8, 64])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--variants", action="store_true", help="also time other top-k methods")
+    ap.add_argument("--kv-format", choices=("plain", "fp8_e4m3"), default="plain",
+                    help="the holder pool's rows: bf16, or FlashMLA's fp8 rows")  # fmt: skip
     a = ap.parse_args(argv)
     out = run(a)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,11 @@ forced by ``CORPUSD_SGLANG_PRIMITIVE`` on the host path (modes ``route@route``, 
 decision is checked against the faster forced run of the same group, auto's total against the
 better forced total (within 10 %), and route vs fetch teacher-forced agreement and mean |Δ
 log-prob| (``tools/sglang_compare.py``). Without the flag the run is as before.
+
+``--kv-cache-dtype fp8_e4m3`` (issue 18, item 3) starts every server, stock and route, with
+SGLang's fp8 KV cache and ``flashmla_kv`` prefill and decode (``tools/sglang_server.py:
+sglang_flags`` says why), and pins with ``--kv-format fp8_e4m3``, so the holders hold FlashMLA's
+fp8 rows; the JSON records both. Use a fresh ``--work``: its pins keep the format they were made in.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ from tools.sglang_compare import (
     report,
     vectors,
 )
-from tools.sglang_server import SGLANG_ENV, SGLANG_FLAGS, Corpusd, Server, start_corpusd
+from tools.sglang_server import SGLANG_ENV, Corpusd, Server, formats, pin_format, start_corpusd
 
 QUESTIONS = [
     "What does the coordinator store, and where?",
@@ -287,7 +292,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.probe_only:  # a route server and its binding probe only (no stock, no timing)
         return probe_only(a, work, model, regimes, vocab)
     assert modes[0] == "stock", "stock runs first: it is the reference"
-    cd = start_corpusd(work, model, regimes, a.holders, a.holder_device)
+    cd = start_corpusd(
+        work, model, regimes, a.holders, a.holder_device, pin_format(a.kv_cache_dtype)
+    )
     tok = ByteTokenizer()
     suffixes = [tok.encode(f"\n\nQ: {q}\nA:") for q in QUESTIONS[: a.requests]]
     runs: dict[str, dict[str, Any]] = {r: {} for r in regimes}
@@ -297,7 +304,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             print(f"== {mode}", flush=True)
             log = work / f"sglang-{mode}.log"
             graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
-            server = Server(mode, model, a.port, cd, log, graph_bs=graph_bs)
+            server = Server(mode, model, a.port, cd, log, graph_bs, a.kv_cache_dtype)
             try:
                 start_s = server.wait()
                 for r in regimes:
@@ -338,11 +345,14 @@ def probe_only(
 ) -> dict[str, Any]:
     """``--probe-only``: a route server over each regime's pinned corpus, and requests it cannot
     bind (:func:`binding_probe`), which must fail alone while the server serves on."""
-    cd = start_corpusd(work, model, regimes, a.holders, a.holder_device)
-    out: dict[str, Any] = {"holder_device": a.holder_device, "sglang_flags": SGLANG_FLAGS}
+    cd = start_corpusd(
+        work, model, regimes, a.holders, a.holder_device, pin_format(a.kv_cache_dtype)
+    )
+    out: dict[str, Any] = {"holder_device": a.holder_device, **formats(a.kv_cache_dtype)}
     try:
         graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
-        server = Server("route", model, a.port, cd, work / "sglang-route.log", graph_bs=graph_bs)
+        log = work / "sglang-route.log"
+        server = Server("route", model, a.port, cd, log, graph_bs, a.kv_cache_dtype)
         try:
             out["server_start_s"] = server.wait()
             suffix = ByteTokenizer().encode(f"\n\nQ: {QUESTIONS[0]}\nA:")
@@ -381,7 +391,7 @@ def summarize(
         "holder_device": a.holder_device,
         "cuda_graph_bs": [] if a.no_cuda_graph else list(a.graph_bs or a.streams),
         "streams": list(a.streams),
-        "sglang_flags": SGLANG_FLAGS,
+        **formats(a.kv_cache_dtype),
         "sglang_env": SGLANG_ENV,
         "failed": failed,
         "regimes": {},
@@ -492,6 +502,11 @@ def main(argv: list[str] | None = None) -> int:
         default="fp8",
         help="the pinned model's indexer arithmetic (fp8: as SGLang computes it)",
     )
+    ap.add_argument(
+        "--kv-cache-dtype", choices=("auto", "bfloat16", "fp8_e4m3"), default="auto",
+        help="SGLang's KV cache in every server; fp8_e4m3 also pins with --kv-format fp8_e4m3 "
+        "(holders hold FlashMLA's fp8 rows) and runs flashmla_kv prefill and decode",
+    )  # fmt: skip
     a = ap.parse_args(argv)
     out = run(a)
     if a.probe_only:

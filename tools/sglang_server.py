@@ -47,6 +47,32 @@ SGLANG_FLAGS = [
 ]  # fmt: skip
 
 
+def sglang_flags(kv_cache_dtype: str = "auto") -> list[str]:
+    """:data:`SGLANG_FLAGS` with SGLang's KV cache in ``kv_cache_dtype``. ``fp8_e4m3`` takes
+    ``flashmla_kv`` for prefill and decode: SGLang reads its fp8 cache in decode with
+    ``flashmla_kv`` only (its ``flashmla_sparse`` decode hands the fp8 buffer to the bf16
+    kernel), and ``flashmla_kv`` is what its own fp8 default (``flashmla_auto`` prefill) runs
+    on SM90, so stock and route run the kernels stock SGLang picks for an fp8 cache."""
+    flags = list(SGLANG_FLAGS)
+    flags[flags.index("--kv-cache-dtype") + 1] = kv_cache_dtype
+    if kv_cache_dtype == "fp8_e4m3":
+        for name in ("--nsa-prefill-backend", "--nsa-decode-backend"):
+            flags[flags.index(name) + 1] = "flashmla_kv"
+    return flags
+
+
+def pin_format(kv_cache_dtype: str) -> str:
+    """The pins' latent row format: fp8 rows when SGLang's own cache is fp8, so every server
+    (stock and route) and the holders attend the same fp8 pages."""
+    return "fp8_e4m3" if kv_cache_dtype == "fp8_e4m3" else "plain"
+
+
+def formats(kv_cache_dtype: str) -> dict[str, Any]:
+    """What a result records of the formats: SGLang's cache, the pins' rows, the flags."""
+    return {"kv_cache_dtype": kv_cache_dtype, "kv_format": pin_format(kv_cache_dtype),
+            "sglang_flags": sglang_flags(kv_cache_dtype)}  # fmt: skip
+
+
 @dataclass
 class Corpusd:
     daemons: list[Daemon]
@@ -73,17 +99,21 @@ def corpus_source(out: Path, n_bytes: int, first: str) -> Path:
 
 
 def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], holders: int,
-                  device: str) -> Corpusd:  # fmt: skip
+                  device: str, kv_format: str = "plain") -> Corpusd:  # fmt: skip
     """A coordinator, ``holders`` holders and an agent; each of ``corpora`` (name → bytes, first
-    file) pinned through them."""
+    file) pinned through them, its latent rows in ``kv_format`` (``fp8_e4m3``: FlashMLA's fp8
+    rows, held and attended as such)."""
     store = work / "store"
     daemons: list[Daemon] = []
     try:
         coord = start_coordinator(work / "coordinator", store)
         daemons.append(coord)
         extra = ["--coordinator", coord.address, "--capacity-tokens", "16384", "--device", device]
-        if device != "cpu":  # bf16 pages (as SGLang's pool), our Triton sparse-MLA kernel
-            extra += ["--dtype", "bfloat16", "--kernel", "triton"]
+        extra += ["--kv-format", kv_format]
+        if device != "cpu":  # bf16 pages (as SGLang's pool), our Triton sparse-MLA kernel;
+            # fp8 rows: the kernel auto picks, FlashMLA's fp8 decode on SM90 (stock fp8's kernel)
+            kernel = "triton" if kv_format == "plain" else "auto"
+            extra += ["--dtype", "bfloat16", "--kernel", kernel]
         for i in range(holders):
             daemons.append(start_holder(store, work / f"holder-{i}", model, *extra))
         daemons.append(start_agent(store, work / "agent", model, "--coordinator", coord.address))
@@ -93,6 +123,7 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
             pin = [sys.executable, "-m", "corpusd", "pin", "--corpus", str(src), "--name", name]
             pin += ["--model", str(model), "--store", str(store), "--coordinator", coord.address]
             pin += ["--dtype", "float32" if device == "cpu" else "bfloat16"]  # the holders' dtype
+            pin += ["--kv-format", kv_format]
             subprocess.run(pin, check=True)
             ps = PageStore(store)
             tokens[name] = ps.read_tokens(ps.resolve(name)).tolist()
@@ -107,10 +138,10 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
 class Server:
     def __init__(
         self, mode: str, model: Path, port: int, cd: Corpusd, log: Path,
-        graph_bs: tuple[int, ...] = (),
+        graph_bs: tuple[int, ...] = (), kv_cache_dtype: str = "auto",
     ) -> None:  # fmt: skip
         env = {**os.environ, **SGLANG_ENV}
-        flags = ["--model-path", str(model), "--port", str(port), *SGLANG_FLAGS]
+        flags = ["--model-path", str(model), "--port", str(port), *sglang_flags(kv_cache_dtype)]
         prim = forced_primitive(mode)
         self.trace: Path | None = None
         self.metrics_url = ""

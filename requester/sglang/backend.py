@@ -278,8 +278,7 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         sel = cb.corpus_sel.pop(layer.layer_id, None)
         assert sel is not None and self._lse is not None, (
             f"layer {layer.layer_id}: no corpus selection or local LSE; the corpusd plugin "
-            f"supports --nsa-prefill-backend flashmla_sparse and --nsa-decode-backend "
-            f"flashmla_kv/flashmla_sparse with SGLANG_NSA_FUSE_TOPK=0"
+            f"supports the NSA backends formats.py lists with SGLANG_NSA_FUSE_TOPK=0"
         )
         h = layer.tp_q_head_num
         q_all = _q_all(q, q_rope, layer)
@@ -321,8 +320,7 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         sel = cb.corpus_sel.pop(layer.layer_id, None)
         assert sel is not None and self._lse is not None and cb.resident is not None, (
             f"layer {layer.layer_id}: no corpus selection or local LSE; the corpusd plugin "
-            f"supports --nsa-prefill-backend flashmla_sparse and --nsa-decode-backend "
-            f"flashmla_kv/flashmla_sparse with SGLANG_NSA_FUSE_TOPK=0"
+            f"supports the NSA backends formats.py lists with SGLANG_NSA_FUSE_TOPK=0"
         )
         assert cb.base is not None
         h = layer.tp_q_head_num

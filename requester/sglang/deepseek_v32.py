@@ -25,10 +25,10 @@ from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.models.deepseek_v2 import DeepseekV32ForCausalLM as _SGLangDeepseekV32
 from sglang.srt.server_args import get_global_server_args
 
-from corpusd.model import ModelConfig
+from corpusd.model import ModelConfig, flashmla_fp8
 from corpusd.model.checkpoint import fingerprint
 from requester.predicate import Predicate
-from requester.sglang import admission, choose, follow, page_cache
+from requester.sglang import admission, choose, follow, formats, page_cache
 from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
 from requester.sglang.link import CorpusLink
 from requester.sglang.metrics import PluginMetrics, metrics_port, serve
@@ -80,6 +80,11 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 f"index_head_dim = {ROPE_START}, {ROPE_WIDTH}, {INDEX_DIM}); this model has "
                 f"{', '.join(map(str, widths))}"
             )
+        # The worker's own page format and the backends that keep the LSE (formats.py).
+        self.corpusd_kv_format = formats.worker_format(str(args.kv_cache_dtype))
+        formats.check_backends(
+            self.corpusd_kv_format, args.nsa_prefill_backend, args.nsa_decode_backend
+        )
         # The route/fetch predicate (choose.py): its variables are checked here, at start.
         force = choose.primitive()
         metrics = PluginMetrics()
@@ -153,14 +158,28 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 device=dev,
                 ue8m0=True,  # set from the indexers below
             )
-            if not self.corpusd_link.map_holders(res, dev):
+            mapped = self.corpusd_link.map_holders(res, dev)
+            if not mapped:
                 res = None
+            else:  # the kernels' LSE bases: probed now, never inside a graph capture
+                _sparse_lse_base2(str(dev))
+                fmt = res.kv_format
+                assert fmt is not None, "holders mapped, but no pool format recorded"
+                if fmt == formats.FP8:
+                    flashmla_fp8.lse_to_natural(str(dev))
+                formats.log_pairing(self.corpusd_kv_format, dict.fromkeys(mapped, fmt))
+        if res is None:  # the host path: the holders' formats as the coordinator has them
+            try:
+                held = self.corpusd_link.holder_formats()
+            except Exception as e:  # the first bound request will say what is wrong
+                log.warning("corpusd plugin: could not list the holders at start: %s", e)
             else:
-                _sparse_lse_base2(str(dev))  # probed now, never inside a graph capture
+                formats.log_pairing(self.corpusd_kv_format, held)
         if res is None and choice == "device":
             raise RuntimeError(
                 "corpusd plugin: CORPUSD_SGLANG_PATH=device, but no holder shares its pool with "
-                "this GPU (start holders with --device on this GPU and --dtype bfloat16 first; "
+                "this GPU (start holders with --device on this GPU and --dtype bfloat16, plain or "
+                "--kv-format fp8_e4m3, first; "
                 "tensor parallelism is host path only)"
             )
         if res is None and not args.disable_cuda_graph:

@@ -15,7 +15,9 @@ Per layer:
    :func:`indexer.select.select_topk` over the concatenated row.
 2. **Route.** The corpus positions become frame rows of the holders' pools
    (:func:`corpus_rows`); a holder on this GPU has its pool mapped here by CUDA IPC, so the
-   sparse partial runs on the worker's stream over the holder's frames.
+   sparse partial runs on the worker's stream over the holder's frames: FlashMLA's bf16 sparse
+   kernel over plain pools (:func:`sparse_partial`), its fp8 sparse decode over pools of
+   FlashMLA's 656-byte fp8 rows (:func:`fp8_partial`), whichever format the holders hold.
 3. **Merge** the partials with the request's own by LSE (:func:`.lse.merge_local_corpus`).
 """
 
@@ -25,6 +27,7 @@ import math
 
 import torch
 
+from corpusd.model.fp8_cache import FP8
 from requester.sglang.resident import Resident
 
 INT64_MIN = torch.iinfo(torch.int64).min
@@ -241,6 +244,26 @@ def sparse_partial(
     return (w[..., None] * o.reshape(n, splits, h, -1)).sum(1), total
 
 
+def fp8_partial(
+    q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, scale: float, d_v: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sparse_partial` over a pool of fp8 rows (uint8 ``[N, 656]``, N whole 64-row
+    blocks): ``(O [n, h, d_v] float32, LSE [n, h] natural, -inf empty)``. FlashMLA's fp8 sparse
+    decode on CUDA (``corpusd/model/flashmla_fp8.py``, the holders' own fp8 kernel), whose LSE
+    base must have been probed for q's device before any graph capture
+    (``flashmla_fp8.lse_to_natural``, the entry model does it at start);
+    :func:`corpusd.model.fp8_cache.fp8_partial_attention` elsewhere."""
+    if not q.is_cuda:
+        from corpusd.model.fp8_cache import fp8_partial_attention
+
+        o, lse = fp8_partial_attention(q.float(), kv, rows, scale, d_v)
+        return o, lse
+    from corpusd.model import flashmla_fp8
+
+    o, lse = flashmla_fp8.fp8_sparse_partial(q, kv, rows, scale, d_v)
+    return o.float(), lse
+
+
 def corpus_partial(
     res: Resident,
     layer: int,
@@ -253,17 +276,24 @@ def corpus_partial(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The corpus partial of ``q [n, h, d_qk]`` (bf16, corpusd's rope layout) over each row's
     selected corpus ``positions [n, k]`` (-1 unused): one sparse call per mapped holder over its
-    own pool, merged by LSE. ``(O [n, h, d_v] float32, LSE [n, h])``."""
+    own pool, merged by LSE. ``(O [n, h, d_v] float32, LSE [n, h])``. The pools' row format
+    (``res.kv_format``) picks the kernel: :func:`sparse_partial` (``base2``: its LSE base) for
+    plain rows, :func:`fp8_partial` for fp8 rows."""
     from requester.sglang.lse import merge_local_corpus
 
     holder, rows = corpus_rows(positions, base, res.page_holder, res.page_frame, res.page_size)
     n, h, _ = q.shape
+
+    def partial(kv: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if res.kv_format == FP8:
+            return fp8_partial(q, kv, idx, scale, d_v)
+        return sparse_partial(q, kv, idx, scale, d_v, base2)
+
     if len(res.pools) == 1:  # every resident page is on this holder (or unused: -1)
-        return sparse_partial(q, res.pools[0][layer], rows, scale, d_v, base2)
+        return partial(res.pools[0][layer], rows)
     o = torch.zeros(n, h, d_v, device=q.device)
     lse = empty_lse(n, h, q.device)
     for slot, pools in enumerate(res.pools):
-        idx = torch.where(holder == slot, rows, -1)
-        o_s, l_s = sparse_partial(q, pools[layer], idx, scale, d_v, base2)
+        o_s, l_s = partial(pools[layer], torch.where(holder == slot, rows, -1))
         o, lse = merge_local_corpus(o, lse, o_s, l_s)
     return o, lse

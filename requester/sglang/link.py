@@ -45,7 +45,8 @@ from requester.sglang.binding import Binding, PinnedCorpus, resolve
 from requester.sglang.choose import Chooser
 from requester.sglang.device import sparse_partial
 from requester.sglang.follow import follow
-from requester.sglang.metrics import PluginMetrics
+from requester.sglang.formats import holder_format
+from requester.sglang.metrics import PluginMetrics, Timings
 from requester.sglang.page_cache import PageCache, PageCacheFull, Plan
 from requester.sglang.pages import engine_index_keys, engine_index_pages
 from requester.sglang.resident import ArenaCorpus, Resident
@@ -54,29 +55,6 @@ from requester.table_refresh import Staged, adopt
 log = logging.getLogger("corpusd.sglang")
 
 T = TypeVar("T")
-
-
-class Timings:
-    """Where the plugin's time goes, logged every ``every_s`` seconds as mean ms per call of each
-    stage (the SGLang log is where a user looks; SGLang's own metrics time the whole step)."""
-
-    def __init__(self, every_s: float = 30.0) -> None:
-        self.every_s = every_s
-        self._since = time.monotonic()
-        self._sums: dict[str, list[float]] = {}
-
-    def add(self, stage: str, seconds: float) -> None:
-        acc = self._sums.setdefault(stage, [0.0, 0.0])
-        acc[0] += seconds
-        acc[1] += 1
-        if time.monotonic() - self._since >= self.every_s:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._sums:
-            parts = [f"{k} {1e3 * s / n:.2f} ms × {n:.0f}" for k, (s, n) in self._sums.items()]
-            log.info("corpusd plugin, per call: %s", ", ".join(parts))
-        self._sums, self._since = {}, time.monotonic()
 
 
 class _Fanout(Fanout):
@@ -410,10 +388,20 @@ class CorpusLink:
         async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:
             return CorpusView.from_page_table(await c.page_table(corpus_id))
 
+    def holder_formats(self) -> dict[str, str]:
+        """Each registered holder's row format, address → ``plain`` or ``fp8_e4m3``."""
+        return self._run(self._holder_formats())
+
+    async def _holder_formats(self) -> dict[str, str]:
+        async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:
+            return {h.info.address: holder_format(h.info.dtype) for h in await c.list_holders()}
+
     # -- the device path (requester/sglang/resident.py) -------------------------------------------
     def map_holders(self, res: Resident, device: torch.device) -> list[str]:
         """Map the pools of every registered holder on ``device`` into ``res`` (CUDA IPC);
-        returns their addresses. Holders elsewhere, or on the CPU, are skipped (logged)."""
+        returns their addresses. Holders elsewhere, on the CPU, with other pages or float32
+        rows are skipped (logged); bf16 and fp8 rows are mapped, and holders of both formats,
+        or a pool FlashMLA cannot read, raise CorpusBindingError (``Resident.add_pool``)."""
         return self._run(self._map_holders(res, device))
 
     async def _map_holders(self, res: Resident, device: torch.device) -> list[str]:
@@ -429,15 +417,19 @@ class CorpusLink:
             except grpc.aio.AioRpcError as e:
                 log.info("holder %s not mapped: %s", h.address, e.details())
                 continue
-            if page_size != res.page_size or shared[0].dtype != "bfloat16":
+            if page_size != res.page_size or shared[0].dtype not in ("bfloat16", "uint8"):
                 log.warning(
                     "holder %s not mapped: %d-token %s pages (the device path needs %d-token "
-                    "bfloat16 pages)", h.address, page_size, shared[0].dtype, res.page_size,
+                    "bfloat16 or fp8 pages)", h.address, page_size, shared[0].dtype, res.page_size,
                 )  # fmt: skip
                 continue
+            meta = [torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta")
+                    for s in shared]  # fmt: skip
+            res.pool_format(h.address, meta)  # a bad shape raises before anything is mapped
             res.add_pool(h.address, [cuda_ipc.open_shared(s) for s in shared])
             mapped.append(h.address)
-        log.info("corpusd plugin: %d holder pools on this GPU mapped: %s", len(mapped), mapped)
+        log.info("corpusd plugin: %d holder pools on this GPU mapped (%s rows): %s",
+                 len(mapped), res.kv_format, mapped)  # fmt: skip
         return mapped
 
     def load_resident(self, b: Binding, res: Resident) -> ArenaCorpus:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 
 from requester.metrics import RequesterMetrics
@@ -83,3 +84,26 @@ def serve(metrics: PluginMetrics, port: int, addr: str = "127.0.0.1") -> bool:
             "rank?) may have the port; serving on without them", ENV_PORT, port, e,
         )  # fmt: skip
     return _SERVED[port]
+
+
+class Timings:
+    """Where the plugin's time goes, logged every ``every_s`` seconds as mean ms per call of each
+    stage (the SGLang log is where a user looks; SGLang's own metrics time the whole step)."""
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        self.every_s = every_s
+        self._since = time.monotonic()
+        self._sums: dict[str, list[float]] = {}
+
+    def add(self, stage: str, seconds: float) -> None:
+        acc = self._sums.setdefault(stage, [0.0, 0.0])
+        acc[0] += seconds
+        acc[1] += 1
+        if time.monotonic() - self._since >= self.every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._sums:
+            parts = [f"{k} {1e3 * s / n:.2f} ms × {n:.0f}" for k, (s, n) in self._sums.items()]
+            log.info("corpusd plugin, per call: %s", ", ".join(parts))
+        self._sums, self._since = {}, time.monotonic()

@@ -10,7 +10,9 @@ written in place afterwards, so a captured graph always reads the current state:
 - per SGLang request slot (``req_pool_idx``), the **arena page** of its corpus's first page and
   its corpus length (0 = unbound);
 - per holder on this GPU, its **latent pools mapped by CUDA IPC**
-  (:mod:`corpusd.transport.cuda_ipc`).
+  (:mod:`corpusd.transport.cuda_ipc`), all in one row format (:attr:`Resident.kv_format`):
+  ``plain`` rows (bf16 ``[rows, 576]``; float32 in the CPU tests) or FlashMLA's fp8 rows (uint8
+  ``[rows, 656]``, whole 64-row blocks; ``corpusd/model/fp8_cache.py``).
 
 A corpus is loaded at the first prefill that names it (outside any graph): its index keys are
 streamed from the holders (corpusd's fan-out engine, with its failover) and its page table is read
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from corpusd.corpus.manifest import KV_FORMATS
+from corpusd.model.flashmla_fp8 import check_pool
 from indexer import fp8
 from requester.corpus_view import CorpusView
 from requester.sglang.binding import CorpusBindingError
@@ -94,6 +98,7 @@ class Resident:
         self.req_tokens = torch.zeros(req_slots, dtype=torch.int32, device=dev)
         self.pools: list[list[torch.Tensor]] = []  # [holder slot][layer] → [rows, kv_dim]
         self.holder_slot: dict[str, int] = {}  # holder address → slot
+        self.kv_format: str | None = None  # the mapped pools' row format (KV_FORMATS)
         self.corpora: dict[str, ArenaCorpus] = {}
         self._next_page = 0
 
@@ -111,11 +116,47 @@ class Resident:
             log.info("corpusd plugin: %d request slots", req_slots)
 
     def add_pool(self, address: str, layers: list[torch.Tensor]) -> int:
-        """Map holder ``address``'s pools (one ``[rows, kv_dim]`` tensor per layer)."""
+        """Map holder ``address``'s pools (one tensor per layer, :meth:`pool_format`); returns
+        its slot. Raises CorpusBindingError for a pool of another shape or format than the
+        pools mapped before it (the device path attends one row format)."""
         assert len(layers) == self.n_layers, f"{address}: {len(layers)=} vs {self.n_layers=}"
+        fmt = self.pool_format(address, layers)
+        if self.kv_format is not None and fmt != self.kv_format:
+            raise CorpusBindingError(
+                f"holder {address} holds {fmt} rows, holders {sorted(self.holder_slot)} hold "
+                f"{self.kv_format} rows: the device path attends one row format per server; "
+                f"restart the holders on this GPU with one --kv-format (and pin for it)"
+            )
+        self.kv_format = fmt
         self.holder_slot[address] = len(self.pools)
         self.pools.append(layers)
         return self.holder_slot[address]
+
+    @staticmethod
+    def pool_format(address: str, layers: list[torch.Tensor]) -> str:
+        """The row format of holder ``address``'s per-layer pools: ``plain`` (float rows ``[rows,
+        d]``) or ``fp8_e4m3`` (uint8 ``[rows, 656]``, rows whole 64-row blocks). Raises
+        CorpusBindingError, naming the holder and the shape, for anything else or for layers that
+        differ. Reads only shapes and dtypes (meta tensors do)."""
+        first = layers[0]
+        for i, t in enumerate(layers):
+            if t.dtype != first.dtype or t.shape != first.shape:
+                raise CorpusBindingError(
+                    f"holder {address}: layer {i}'s pool is {t.dtype} {list(t.shape)}, layer 0's "
+                    f"{first.dtype} {list(first.shape)}"
+                )
+        if first.dtype == torch.uint8:
+            try:
+                check_pool(first)
+            except ValueError as e:
+                raise CorpusBindingError(f"holder {address}: {e}") from e
+            return KV_FORMATS[1]
+        if not first.is_floating_point() or first.dim() != 2:
+            raise CorpusBindingError(
+                f"holder {address}: a pool of {first.dtype} {list(first.shape)} is neither float "
+                f"rows [rows, d] nor fp8 rows (uint8 [rows, 656])"
+            )
+        return KV_FORMATS[0]
 
     # -- loading (eager, at bind) ------------------------------------------------------------------
     def check(self, corpus_id: str, tokens: int, view: CorpusView | None = None) -> None:

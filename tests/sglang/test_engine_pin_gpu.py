@@ -44,7 +44,7 @@ from corpusd.model import ModelConfig
 from corpusd.model.tiny import init_tiny
 from corpusd.tokenizer import load_tokenizer
 from tests.support.checks import why_no_sglang_gpu
-from tools.bench_sglang import SGLANG_ENV, SGLANG_FLAGS
+from tools.sglang_server import SGLANG_ENV, sglang_flags
 
 pytestmark = [
     pytest.mark.sglang,
@@ -105,8 +105,9 @@ class Server:
         self, model: Path, log: Path, kv: str, extra: dict[str, Any], prefetch: str
     ) -> None:
         port = _free_port()
-        flags = [*SGLANG_FLAGS, "--model-path", str(model), "--port", str(port)]
-        flags[flags.index("--kv-cache-dtype") + 1] = kv
+        # fp8: flashmla_kv prefill and decode (SGLang's flashmla_sparse decode cannot read its
+        # fp8 cache; tools/sglang_server.py: sglang_flags)
+        flags = [*sglang_flags(kv), "--model-path", str(model), "--port", str(port)]
         flags += [
             "--disable-cuda-graph", "--enable-hierarchical-cache",
             "--hicache-write-policy", "write_through", "--hicache-storage-backend", "dynamic",

@@ -1,7 +1,8 @@
 """The SGLang plugin's device path on a GPU (``pytest -m sglang``), against the torch reference:
-SGLang's fp8 indexer kernel over the arena, FlashMLA's sparse partial, a holder's pool mapped by
-CUDA IPC from a real holder process, and the whole layer step captured in a CUDA graph and
-replayed after the request tables change. Skipped elsewhere with the reason."""
+SGLang's fp8 indexer kernel over the arena, FlashMLA's sparse partial over bf16 pools and its fp8
+sparse decode over pools of fp8 rows, a holder's pool (either format) mapped by CUDA IPC from a
+real holder process, and the whole layer step captured in a CUDA graph and replayed after the
+request tables change. Skipped elsewhere with the reason."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import torch
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.model import ModelConfig, fingerprint, partial_attention
+from corpusd.model import fp8_cache as f8
 from requester.corpus_view import CorpusView
 from requester.sglang import device
 from requester.sglang.lse import merge_local_corpus
-from requester.sglang.resident import Resident, index_pages
+from requester.sglang.resident import ArenaCorpus, Resident, index_pages
 from tests.support.checks import rel, why_no_sglang_gpu
 from tests.support.holders import pin_sample, start_holder
 
@@ -29,16 +31,20 @@ pytestmark = [
 SEED = 20261124
 
 
-def _resident(tokens: list[int], pools: int = 2, window: int = 4096) -> tuple[Resident, list]:
-    """A resident with ``pools`` in-process bf16 pools and one loaded corpus per entry of
-    ``tokens``; returns it and the corpora."""
+def _resident(
+    tokens: list[int], pools: int = 2, window: int = 4096, fp8: bool = False
+) -> tuple[Resident, list]:
+    """A resident with ``pools`` in-process pools (bf16 rows, or ``fp8``: FlashMLA's fp8 rows
+    quantized from random bf16 rows) and one loaded corpus per entry of ``tokens``; returns it
+    and the corpora."""
     g = torch.Generator().manual_seed(SEED)
     res = Resident(
         n_layers=1, page_size=64, index_dim=128, arena_tokens=4 * window, window_tokens=window,
         device="cuda", ue8m0=False, req_slots=128,
     )  # fmt: skip
     for i in range(pools):
-        res.add_pool(f"h{i}", [torch.randn(64 * 200, 576, generator=g).bfloat16().cuda()])
+        rows = torch.randn(64 * 200, 576, generator=g).bfloat16()
+        res.add_pool(f"h{i}", [(f8.quantize(rows) if fp8 else rows).cuda()])
     corpora = []
     for j, t in enumerate(tokens):
         n_pages = math.ceil(t / 64)
@@ -86,6 +92,48 @@ def test_sparse_partial_is_flashmla_and_matches_the_reference() -> None:
     assert bool(torch.isinf(lse[2]).all()) and bool((o[2] == 0).all())
 
 
+def _canon(res: Resident, c: ArenaCorpus, layer: int = 0) -> torch.Tensor:
+    """Corpus ``c``'s pool rows laid out by position: page p is its frame of its holder's pool."""
+    span = slice(c.base_page, c.base_page + c.n_pages)
+    where = zip(res.page_holder[span].tolist(), res.page_frame[span].tolist(), strict=True)
+    return torch.cat([res.pools[s][layer][f * 64 : (f + 1) * 64] for s, f in where])
+
+
+def test_fp8_corpus_partial_is_flashmlas_fp8_decode_and_matches_the_reference() -> None:
+    """Three holders' fp8 pools: each row's corpus partial through FlashMLA's fp8 sparse decode
+    (one call per pool, merged by LSE) against ``fp8_partial_attention`` over the corpus's rows
+    in position order; O within 1e-2 relative, LSE within 1e-2, empty rows exact."""
+    from corpusd.model import flashmla_fp8
+
+    res, (a, b) = _resident([3000, 700], pools=3, fp8=True)
+    assert res.kv_format == "fp8_e4m3" and res.pools[0][0].dtype == torch.uint8
+    assert flashmla_fp8.lse_to_natural("cuda:0") in (1.0, math.log(2.0))
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    n, h, k = 9, 64, 2048
+    bound = [a, b, None] * 3
+    q = torch.randn(n, h, 576, generator=g, device="cuda").bfloat16()
+    pos = torch.full((n, k), -1, dtype=torch.int64, device="cuda")
+    for i, c in enumerate(bound):
+        if c is not None:
+            take = min(k, c.tokens)
+            pos[i, :take] = torch.randperm(c.tokens, generator=g, device="cuda")[:take]
+    pos[3, 100:] = -1  # a row that selected few
+    base = torch.tensor([c.base_page if c else 0 for c in bound], dtype=torch.int32).cuda()
+    scale = 576**-0.5
+    o, lse = device.corpus_partial(res, 0, q, pos, base, scale, 512, base2=True)
+    assert o.shape == (n, h, 512) and o.dtype == torch.float32 and lse.shape == (n, h)
+    assert not o.isnan().any() and not lse.isnan().any()
+    for i, c in enumerate(bound):
+        if c is None:
+            assert bool(torch.isneginf(lse[i]).all()) and bool((o[i] == 0).all()), f"row {i}"
+            continue
+        ro, rl = f8.fp8_partial_attention(
+            q[i : i + 1].float().cpu(), _canon(res, c).cpu(), pos[i : i + 1].cpu(), scale, 512
+        )
+        err, lse_err = rel(o[i : i + 1].cpu(), ro), float((lse[i].cpu() - rl[0]).abs().max())
+        assert err < 1e-2 and lse_err < 1e-2, f"row {i}: O rel {err:.2e}, |LSE err| {lse_err:.2e}"
+
+
 def _layer_step(res: Resident, inp: dict[str, torch.Tensor], k: int) -> tuple[torch.Tensor, ...]:
     """One layer's corpus path as the backend runs it in decode."""
     base, tokens = res.rows_of(inp["slots"])
@@ -96,14 +144,20 @@ def _layer_step(res: Resident, inp: dict[str, torch.Tensor], k: int) -> tuple[to
     return corpus, own, o, lse
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("n", [8, 24, 64])
-def test_layer_step_in_a_cuda_graph_follows_the_tables_and_times_it(n: int) -> None:
+def test_layer_step_in_a_cuda_graph_follows_the_tables_and_times_it(n: int, fp8: bool) -> None:
     """``n`` rows: SGLang's decode graphs above 16 requests crashed (issue 17); this captures the
-    plugin's own part of a layer alone at those sizes."""
+    plugin's own part of a layer alone at those sizes, over bf16 pools (FlashMLA's sparse
+    kernel) and fp8 pools (its fp8 sparse decode, scheduler metadata computed in the graph)."""
     from requester.sglang.backend import _sparse_lse_base2
 
     assert _sparse_lse_base2("cuda")  # the build these tests run on: base-2 LSE
-    res, (a, b) = _resident([3656, 1000], pools=1)
+    res, (a, b) = _resident([3656, 1000], pools=1, fp8=fp8)
+    if fp8:  # as the entry model does at start: the fp8 kernel's LSE base, never in a capture
+        from corpusd.model import flashmla_fp8
+
+        flashmla_fp8.lse_to_natural("cuda:0")
     g = torch.Generator(device="cuda").manual_seed(SEED)
     h, k, own_w = 64, 2048, 256
     slots = torch.arange(n, device="cuda") * 2 + 1  # request slots need not be 0..n-1
@@ -148,18 +202,26 @@ def test_layer_step_in_a_cuda_graph_follows_the_tables_and_times_it(n: int) -> N
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    print(f"corpus path per layer, graphed, {n} rows: p50 {sorted(times)[25]:.0f} µs")
+    fmt = "fp8" if fp8 else "bf16"
+    print(f"corpus path per layer, graphed, {n} rows, {fmt} pool: p50 {sorted(times)[25]:.0f} µs")
 
 
-def test_holder_pool_over_cuda_ipc_attends_as_the_holder(tmp_path: Path, tiny_dir: Path) -> None:
+@pytest.mark.parametrize("kv_format", ["plain", "fp8_e4m3"])
+def test_holder_pool_over_cuda_ipc_attends_as_the_holder(
+    tmp_path: Path, tiny_dir: Path, kv_format: str
+) -> None:
+    """A real holder's pool (bf16 rows, or fp8 rows of an ``--kv-format fp8_e4m3`` pin) mapped
+    by CUDA IPC: the device path's partial equals the holder's own answer to the same rows."""
+    from corpusd.model import flashmla_fp8
     from requester.sglang.backend import _sparse_lse_base2
     from requester.sglang.link import CorpusLink
 
-    cid = pin_sample(tmp_path, tiny_dir, tokens=900, dtype="bfloat16")
+    cid = pin_sample(tmp_path, tiny_dir, tokens=900, dtype="bfloat16", kv_format=kv_format)
     co = start_coordinator(tmp_path / "coord", tmp_path / "store")
     hp = start_holder(
         tmp_path / "store", tmp_path / "h0", tiny_dir, "--coordinator", co.address,
         "--device", "cuda:0", "--dtype", "bfloat16", "--capacity-tokens", "4096",
+        "--kv-format", kv_format,
     )  # fmt: skip
     cfg = ModelConfig.from_dir(tiny_dir)
     link = CorpusLink(co.address, cfg, fingerprint(tiny_dir), 64)
@@ -176,6 +238,10 @@ def test_holder_pool_over_cuda_ipc_attends_as_the_holder(tmp_path: Path, tiny_di
             arena_tokens=4096, window_tokens=1024, device="cuda:0", ue8m0=False, req_slots=8,
         )  # fmt: skip
         assert link.map_holders(res, torch.device("cuda:0")) == [hp.address]
+        assert res.kv_format == kv_format
+        if kv_format == "fp8_e4m3":
+            assert res.pools[0][0].dtype == torch.uint8 and res.pools[0][0].shape[1] == 656
+            flashmla_fp8.lse_to_natural("cuda:0")
         bound = link.bind(cid)
         c = link.load_resident(bound, res)
         assert (c.tokens, c.n_pages) == (bound.tokens, math.ceil(bound.tokens / 64))
