@@ -139,6 +139,7 @@ def test_the_links_attends_reach_a_load_replica_after_one_reread(
             d.stop()
     for kind, layer, (o, lse) in results:
         ro, rl = ref[layer]
-        assert rel(o, ro) < (1e-2 if kind == "route" else 1e-5), f"{kind=} {layer=}"
+        # fetch's O is rounded to q's dtype (bf16) as a holder's reply is: both within bf16
+        assert rel(o, ro) < (1e-2 if kind == "route" else 4e-3), f"{kind=} {layer=}"
         assert torch.allclose(lse, rl, atol=1e-3), f"{kind=} {layer=}"
     assert len(results) == 11
