@@ -16,14 +16,13 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
-from corpusd.daemon import Daemon
-from holder.launch import start_holder
-from requester.launch import start_agent
 from tools.sglang_compare import forced_primitive, is_route
+
+if TYPE_CHECKING:  # the daemons (grpc) load in start_corpusd: a stock Server needs none
+    from corpusd.daemon import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 SGLANG_ENV = {
@@ -103,6 +102,10 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
     """A coordinator, ``holders`` holders and an agent; each of ``corpora`` (name → bytes, first
     file) pinned through them, its latent rows in ``kv_format`` (``fp8_e4m3``: FlashMLA's fp8
     rows, held and attended as such)."""
+    from corpusd.coordinator.launch import start_coordinator
+    from holder.launch import start_holder
+    from requester.launch import start_agent
+
     store = work / "store"
     daemons: list[Daemon] = []
     try:
