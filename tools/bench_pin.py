@@ -372,6 +372,11 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+    if a.sglang:
+        from tools.pin_sglang import failures
+
+        if failures(result["sglang"]):  # the JSON keeps what was measured; the exit says not all
+            sys.exit("SGLang: " + "; ".join(failures(result["sglang"]))[:2000])
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ first use.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import statistics
 import time
@@ -194,6 +195,10 @@ def run_sglang(
     context = context_for(longest, positions)
     server = Server("stock", model, port, None, log, flags=prefill_flags(context))
     out: dict[str, Any] = {"argv": server.cmd[1:], "env": SGLANG_ENV, "log": str(log)}
+    try:
+        out["version"] = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        out["version"] = None  # the server will not start either; "failed" says so
     rows: dict[str, Any] = {}
     out["rows"] = rows
     try:
@@ -220,6 +225,13 @@ def run_sglang(
     finally:
         server.stop()
     return out
+
+
+def failures(sglang: dict[str, Any]) -> list[str]:
+    """What of a :func:`run_sglang` result failed (the server, or a size), one line each."""
+    out = [f"server: {sglang['failed']}"] if "failed" in sglang else []
+    rows = sglang.get("rows", {})
+    return out + [f"{size}: {r['failed']}" for size, r in rows.items() if "failed" in r]
 
 
 def compare(

@@ -19,6 +19,7 @@ from tools.pin_sglang import (
     HEADROOM,
     compare,
     context_for,
+    failures,
     positions_skip,
     prefill_flags,
     run_sglang,
@@ -191,3 +192,13 @@ def test_bench_pin_sglang_end_to_end_on_the_cpu(fake: Path, tmp_path: Path) -> N
     assert cmp600["ratio"] == round(row["tok_per_s"] / sg["tok_per_s"], 3)
     assert cmp200k["ratio"] is None and "163,840 positions" in cmp200k["why"]
     assert res["skipped"][0]["size"] == 200000 and out.with_suffix(".sglang.log").exists()
+
+
+def test_a_server_that_does_not_start_is_recorded_and_fails_the_run(tmp_path: Path) -> None:
+    """No fake on the path and no checkpoint: whether sglang is installed or not, the server
+    exits; the result says so with its log, and the comparison says why there is no ratio."""
+    out = run_sglang(tmp_path, {600: [1] * 600}, 163_840, free_port(), tmp_path / "s.log")
+    assert "sglang exited" in out["failed"] and out["rows"] == {}
+    assert failures(out) == [f"server: {out['failed']}"]
+    row = compare({600: {"tokens": 600, "tok_per_s": 100.0}}, out)["rows"][0]
+    assert row["ratio"] is None and "sglang exited" in row["why"]
