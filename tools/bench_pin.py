@@ -348,7 +348,9 @@ def main() -> None:
         result["skipped"] = [r for r in by_size.values() if "skipped" in r]
         out = Path(a.out or f"bench/results/pin-{device_name(a.device)}"
                    f"{'-sglang' if a.sglang else ''}.json")  # fmt: skip
-        if a.sglang:
+        if a.sglang:  # the pins' rows first: a run cut short by a time limit keeps them
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2) + "\n")
             result.update(vs_sglang(a, model_dir, by_size, positions, Path(tmp) / "ids", out))
     result["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
     print(f"\nmatmul fp32: {gflops:.1f} GFLOP/s ({result['machine']['device']})")
