@@ -15,12 +15,19 @@ peak memory is its own. Two measurements:
 ``--profile`` first times the prefill's phases (indexer scores, top-k, projections, attention,
 MLPs) over the tar's first ``--profile`` tokens. ``--device cuda[:N]`` runs the same code on a
 GPU (default there: the SGLang-shaped preset in bf16, 1,024-token chunks, 16k/64k/256k tokens);
-``--device cpu`` with the same flags exercises that path here.
+``--device cpu`` with the same flags exercises that path here. Sizes past the model's positions
+(the preset's 163,840) are skipped with the reason.
+
+``--sglang`` (GPU, sglang installed) then times stock SGLang's prefill of the same token ids on
+the same checkpoint, one server started once after the pins (``tools/pin_sglang.py``), and
+records corpusd tok/s over SGLang's per size. The checkpoint then has index_topk 2048 (SGLang's
+NSA top-k kernels take only that), so its corpusd rows differ from a run without the flag.
 
     python -m tools.bench_pin                       # CPU default: the tar, then 4k and 16k
     python -m tools.bench_pin --sizes 4096 --no-tar --out /tmp/pin.json
     python -m tools.bench_pin --device cuda:0       # GPU: writes bench/results/pin-<gpu>.json
-Writes bench/results/pin-cpu.json (or pin-<gpu>.json).
+    python -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 65536 131072 --sglang
+Writes bench/results/pin-cpu.json (or pin-<gpu>.json; pin-<gpu>-sglang.json with --sglang).
 """
 
 from __future__ import annotations
@@ -102,9 +109,13 @@ def flop_model(cfg: ModelConfig, t: int, chunk: int) -> dict[str, float]:
     return {"indexer": indexer, "attention": attn * layers}
 
 
-def pin_once(corpus: str, model: str, device: str, chunk: int, dtype: str) -> dict[str, Any]:
-    """One ``pin`` into a temporary store; its numbers."""
+def pin_once(
+    corpus: str, model: str, device: str, chunk: int, dtype: str, ids_out: Path | None = None
+) -> dict[str, Any]:
+    """One ``pin`` into a temporary store; its numbers. ``ids_out``: also write the pinned token
+    ids there (a JSON list), for SGLang to prefill the same."""
     from corpusd.corpus.pin import PinConfig, pin
+    from corpusd.corpus.store import PageStore
 
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as quiet:
         if device != "cpu":
@@ -115,6 +126,9 @@ def pin_once(corpus: str, model: str, device: str, chunk: int, dtype: str) -> di
             device=device,
         )  # fmt: skip
         r = pin(cfg, quiet)
+        if ids_out is not None:
+            ids = PageStore(f"{tmp}/store").read_tokens(r.path.name).tolist()
+            ids_out.write_text(json.dumps(ids))
     m = r.manifest
     row: dict[str, Any] = {
         "tokens": m.token_count,
@@ -129,12 +143,14 @@ def pin_once(corpus: str, model: str, device: str, chunk: int, dtype: str) -> di
     return row
 
 
-def run_size(tokens: int, model: str, device: str, chunk: int, dtype: str) -> dict[str, Any]:
+def run_size(
+    tokens: int, model: str, device: str, chunk: int, dtype: str, ids_out: Path | None = None
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
         src.mkdir()
         make_corpus(src, tokens, model)
-        row = pin_once(str(src), model, device, chunk, dtype)
+        row = pin_once(str(src), model, device, chunk, dtype, ids_out)
     flops = flop_model(ModelConfig.from_dir(model), row["tokens"], chunk)
     row["indexer_gflop"] = round(flops["indexer"] / 1e9, 1)
     row["attention_gflop"] = round(flops["attention"] / 1e9, 1)
@@ -201,6 +217,26 @@ def _child(args: list[str], env: dict[str, str]) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def vs_sglang(
+    a: argparse.Namespace, model: Path, by_size: dict[int, dict[str, Any]], positions: int,
+    ids_dir: Path, out: Path,
+) -> dict[str, Any]:  # fmt: skip
+    """Stock SGLang's prefill of each pinned size's ids (tools/pin_sglang.py) and the ratios."""
+    from tools.pin_sglang import compare, run_sglang
+
+    ids = {
+        size: json.loads((ids_dir / f"{size}.json").read_text())
+        for size, row in by_size.items()
+        if "skipped" not in row
+    }
+    for size, got in ids.items():
+        assert len(got) == by_size[size]["tokens"], f"{size=}: {len(got)=} is not the pin's count"
+    log = out.with_suffix(".sglang.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sg = run_sglang(model, ids, positions, a.sglang_port, log, a.sglang_reps) if ids else {}
+    return {"sglang": sg, "comparison": compare(by_size, sg)}
+
+
 def device_name(device: str) -> str:
     if device == "cpu":
         return "cpu"
@@ -218,7 +254,13 @@ def main() -> None:
     p.add_argument("--package", default="prometheus_client", help="the tar: this package's source")
     p.add_argument("--no-tar", action="store_true", help="skip the tar")
     p.add_argument("--profile", type=int, default=0, help="time the phases over N tar tokens")
-    p.add_argument("--out", help="default: bench/results/pin-<device>.json")
+    p.add_argument("--out", help="default: bench/results/pin-<device>[-sglang].json")
+    p.add_argument(
+        "--sglang", action="store_true",
+        help="also time stock SGLang's prefill of the same ids (GPU, sglang installed)",
+    )  # fmt: skip
+    p.add_argument("--sglang-port", type=int, default=30124)
+    p.add_argument("--sglang-reps", type=int, default=0, help="default: 5 to 32k tokens, else 3")
     p.add_argument("--one", help=argparse.SUPPRESS)
     a = p.parse_args()
     cuda = a.device != "cpu"
@@ -231,15 +273,20 @@ def main() -> None:
         elif a.one == "tar":
             row = pin_once(os.environ["BENCH_TAR"], model, a.device, chunk, dtype)
         else:
-            row = run_size(int(a.one), model, a.device, chunk, dtype)
+            ids = Path(os.environ["BENCH_IDS"]) / f"{a.one}.json" if a.sglang else None
+            row = run_size(int(a.one), model, a.device, chunk, dtype, ids)
         print(json.dumps(row))
         return
     preset = a.preset or ("sglang" if cuda else "cpu")
+    if a.sglang and preset != "sglang":
+        p.error("--sglang needs --preset sglang: SGLang's NSA kernels take its 64 x 128 indexer")
     sizes = a.sizes or ([16384, 65536, 262144] if cuda else [4096, 16384])
     from corpusd.corpus.pin import sample_repo
     from corpusd.model.tiny import init_tiny
+    from tools.pin_sglang import SGLANG_TOPK, positions_skip
 
     common = ["--device", a.device, "--chunk", str(chunk), "--dtype", dtype]
+    common += ["--sglang"] if a.sglang else []
     result: dict[str, Any] = {
         "what": f"corpusd pin, tiny model ({preset} preset), {a.device}, {dtype}; "
         "tok/s = tokens / prefill s",
@@ -257,8 +304,13 @@ def main() -> None:
         "load_avg_before": [round(x, 2) for x in os.getloadavg()],
     }
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = init_tiny(Path(tmp) / "model", preset=preset)
+        topk = {"index_topk": SGLANG_TOPK} if a.sglang else {}
+        model_dir = init_tiny(Path(tmp) / "model", preset=preset, **topk)
+        positions = ModelConfig.from_dir(model_dir).max_position_embeddings
+        result["index_topk"] = ModelConfig.from_dir(model_dir).index_topk  # SGLang's with --sglang
+        (Path(tmp) / "ids").mkdir()
         env = {**os.environ, "BENCH_MODEL": str(model_dir), "CORPUSD_HOME": tmp}
+        env["BENCH_IDS"] = str(Path(tmp) / "ids")
         if not a.no_tar or a.profile:
             os.environ["CORPUSD_HOME"] = tmp
             tar = sample_repo(a.package)
@@ -278,15 +330,28 @@ def main() -> None:
                 print(f"tar {a.package} ({tar.stat().st_size:,} bytes): {json.dumps(row)}")
         gflops = matmul_gflops(a.device)
         result["matmul_fp32_gflops"] = round(gflops, 1)
-        rows = []
+        rows, by_size = [], {}
         for size in sizes:
+            skip = positions_skip(size, positions)
+            if skip is not None:  # both sides: neither model can hold it
+                by_size[size] = {"size": size, **skip}
+                print(f"{size:,}: skipped: {skip['reason']}", file=sys.stderr)
+                continue
             row = _child(["--one", str(size), *common], env)
             floor = (row["indexer_gflop"] + row["attention_gflop"]) / gflops
             row["compute_floor_s"] = round(floor, 2)
             row["of_floor"] = round(floor / row["prefill_s"], 2)
             rows.append(row)
+            by_size[size] = row
             print(json.dumps(row), file=sys.stderr)
         result["rows"] = rows
+        result["skipped"] = [r for r in by_size.values() if "skipped" in r]
+        out = Path(a.out or f"bench/results/pin-{device_name(a.device)}"
+                   f"{'-sglang' if a.sglang else ''}.json")  # fmt: skip
+        if a.sglang:  # the pins' rows first: a run cut short by a time limit keeps them
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2) + "\n")
+            result.update(vs_sglang(a, model_dir, by_size, positions, Path(tmp) / "ids", out))
     result["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
     print(f"\nmatmul fp32: {gflops:.1f} GFLOP/s ({result['machine']['device']})")
     head = ("tokens", "prefill s", "tok/s", "peak RSS", "indexer GF", "attn GF", "floor/act")
@@ -302,10 +367,18 @@ def main() -> None:
             f"{r['of_floor']:.2f}",
         )
         print(" ".join(f"{c:>10}" for c in cells))
-    out = Path(a.out or f"bench/results/pin-{device_name(a.device)}.json")
+    for r in result.get("comparison", {}).get("rows", []):
+        c, s = (f"{v:,.0f}" if v else "-" for v in (r["corpusd_tok_per_s"], r["sglang_tok_per_s"]))
+        tail = f"ratio {r['ratio']:.2f}" if r["ratio"] is not None else f"({r['why']})"
+        print(f"{r['size']:>10,}  corpusd {c:>9}  SGLang {s:>9} tok/s  {tail}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+    if a.sglang:
+        from tools.pin_sglang import failures
+
+        if failures(result["sglang"]):  # the JSON keeps what was measured; the exit says not all
+            sys.exit("SGLang: " + "; ".join(failures(result["sglang"]))[:2000])
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
-from corpusd.daemon import Daemon
-from holder.launch import start_holder
-from requester.launch import start_agent
 from tools.sglang_compare import forced_primitive, is_route
+
+if TYPE_CHECKING:  # the daemons (grpc) load in start_corpusd: a stock Server needs none
+    from corpusd.daemon import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 SGLANG_ENV = {
@@ -103,6 +102,10 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
     """A coordinator, ``holders`` holders and an agent; each of ``corpora`` (name → bytes, first
     file) pinned through them, its latent rows in ``kv_format`` (``fp8_e4m3``: FlashMLA's fp8
     rows, held and attended as such)."""
+    from corpusd.coordinator.launch import start_coordinator
+    from holder.launch import start_holder
+    from requester.launch import start_agent
+
     store = work / "store"
     daemons: list[Daemon] = []
     try:
@@ -135,13 +138,29 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
 
 
 # -- one SGLang server ---------------------------------------------------------------------------
+def post_json(url: str, body: dict[str, Any], timeout: float = 600) -> Any:
+    """POST ``body`` as JSON to ``url`` (e.g. a server's ``/generate``); the parsed reply.
+    Raises urllib.error.HTTPError on a non-2xx status, OSError when unreachable."""
+    head = {"Content-Type": "application/json"}
+    req = urllib.request.Request(url, json.dumps(body).encode(), head)
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
 class Server:
+    """``python -m sglang.launch_server`` in ``mode`` (stock, route, route@<p>, fetch). ``cd`` is
+    the corpusd that route and fetch serve from (stock needs none); ``flags`` replaces
+    :func:`sglang_flags` (the model path, port and CUDA-graph flags are still added)."""
+
     def __init__(
-        self, mode: str, model: Path, port: int, cd: Corpusd, log: Path,
+        self, mode: str, model: Path, port: int, cd: Corpusd | None, log: Path,
         graph_bs: tuple[int, ...] = (), kv_cache_dtype: str = "auto",
+        flags: list[str] | None = None,
     ) -> None:  # fmt: skip
+        assert cd is not None or mode == "stock", f"{mode=} serves from a corpusd: pass cd"
         env = {**os.environ, **SGLANG_ENV}
-        flags = ["--model-path", str(model), "--port", str(port), *sglang_flags(kv_cache_dtype)]
+        base = sglang_flags(kv_cache_dtype) if flags is None else flags
+        flags = ["--model-path", str(model), "--port", str(port), *base]
         prim = forced_primitive(mode)
         self.trace: Path | None = None
         self.metrics_url = ""
@@ -151,6 +170,7 @@ class Server:
         else:
             flags.append("--disable-cuda-graph")
         if is_route(mode):
+            assert cd is not None
             env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "requester.sglang"
             env["CORPUSD_COORDINATOR"] = cd.coordinator
             # the device path's window: the longest corpus, in whole 1,024-token steps
@@ -167,6 +187,7 @@ class Server:
                 CORPUSD_SGLANG_TRACE=str(self.trace), CORPUSD_SGLANG_METRICS_PORT=str(port + 1),
             )  # fmt: skip
         if mode == "fetch":
+            assert cd is not None
             extra = {
                 "backend_name": "corpusd",
                 "module_path": "requester.sglang.hicache",
@@ -185,6 +206,7 @@ class Server:
         self.mode, self.url, self.log = mode, f"http://127.0.0.1:{port}", log
         self._log = log.open("w")
         cmd = [sys.executable, "-m", "sglang.launch_server", *flags]
+        self.cmd = cmd
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float = 420) -> float:
@@ -217,11 +239,7 @@ class Server:
         self._log.close()
 
     def post(self, body: dict[str, Any], timeout: float = 600) -> Any:
-        req = urllib.request.Request(
-            self.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+        return post_json(self.url + "/generate", body, timeout)
 
     def stream(self, body: dict[str, Any], timeout: float = 600) -> tuple[list[float], list[int]]:
         """Arrival times (monotonic) of each streamed chunk that carries new tokens, and the
