@@ -35,7 +35,6 @@ import torch
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.corpus.store import PageStore
 from corpusd.model import ModelConfig
-from corpusd.transport import cuda_ipc
 from indexer.fp8 import fp8_view
 from requester.corpus_view import CorpusView
 from requester.fanout import CorpusBinding, Fanout
@@ -46,10 +45,10 @@ from requester.sglang.choose import Chooser
 from requester.sglang.device import sparse_partial
 from requester.sglang.follow import follow
 from requester.sglang.formats import holder_format
+from requester.sglang.link_device import DeviceLink
 from requester.sglang.metrics import PluginMetrics, Timings
 from requester.sglang.page_cache import PageCache, PageCacheFull, Plan
-from requester.sglang.pages import engine_index_keys, engine_index_pages
-from requester.sglang.resident import ArenaCorpus, Resident
+from requester.sglang.pages import engine_index_keys
 from requester.table_refresh import Staged, adopt
 
 log = logging.getLogger("corpusd.sglang")
@@ -70,7 +69,7 @@ class _Fanout(Fanout):
 TOPK_ALIGN = 128
 
 
-class CorpusLink:
+class CorpusLink(DeviceLink):
     """corpusd as SGLang's model sees it: ``bind`` a corpus name, then per layer ``index_keys``
     and ``attend``. ``cfg`` is the served model's config (widths, indexer); the corpus must
     have been pinned for ``fingerprint`` with ``page_size``-token pages. ``chooser`` picks route
@@ -395,61 +394,6 @@ class CorpusLink:
     async def _holder_formats(self) -> dict[str, str]:
         async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:
             return {h.info.address: holder_format(h.info.dtype) for h in await c.list_holders()}
-
-    # -- the device path (requester/sglang/resident.py) -------------------------------------------
-    def map_holders(self, res: Resident, device: torch.device) -> list[str]:
-        """Map the pools of every registered holder on ``device`` into ``res`` (CUDA IPC);
-        returns their addresses. Holders elsewhere, on the CPU, with other pages or float32
-        rows are skipped (logged); bf16 and fp8 rows are mapped, and holders of both formats,
-        or a pool FlashMLA cannot read, raise CorpusBindingError (``Resident.add_pool``)."""
-        return self._run(self._map_holders(res, device))
-
-    async def _map_holders(self, res: Resident, device: torch.device) -> list[str]:
-        async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:
-            holders = [h.info for h in await c.list_holders()]
-        here = cuda_ipc.device_uuid(device)
-        mapped = []
-        for h in holders:
-            if not h.device.startswith("cuda") or h.address in res.holder_slot:
-                continue
-            try:
-                shared, page_size, _ = await self.fanout.client(h.address).share_pool(here)
-            except grpc.aio.AioRpcError as e:
-                log.info("holder %s not mapped: %s", h.address, e.details())
-                continue
-            if page_size != res.page_size or shared[0].dtype not in ("bfloat16", "uint8"):
-                log.warning(
-                    "holder %s not mapped: %d-token %s pages (the device path needs %d-token "
-                    "bfloat16 or fp8 pages)", h.address, page_size, shared[0].dtype, res.page_size,
-                )  # fmt: skip
-                continue
-            meta = [torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta")
-                    for s in shared]  # fmt: skip
-            res.pool_format(h.address, meta)  # a bad shape raises before anything is mapped
-            res.add_pool(h.address, [cuda_ipc.open_shared(s) for s in shared])
-            mapped.append(h.address)
-        log.info("corpusd plugin: %d holder pools on this GPU mapped (%s rows): %s",
-                 len(mapped), res.kv_format, mapped)  # fmt: skip
-        return mapped
-
-    def load_resident(self, b: Binding, res: Resident) -> ArenaCorpus:
-        """Corpus ``b`` in ``res``'s arena (loaded once: its page table and every layer's
-        index keys). Raises CorpusBindingError when it cannot be served from this GPU."""
-        if b.corpus_id in res.corpora:
-            return res.corpora[b.corpus_id]
-        res.check(b.corpus_id, b.tokens)
-        view, keys = self._run(self._resident_inputs(b.corpus_id, res.n_layers))
-        return res.load(view, keys)
-
-    async def _resident_inputs(
-        self, corpus_id: str, n_layers: int
-    ) -> tuple[CorpusView, list[torch.Tensor]]:
-        c = await self._corpus(corpus_id)
-        keys = []
-        for layer in range(n_layers):
-            pages = engine_index_pages(self.store, corpus_id, layer) if self.store else None
-            keys.append(pages if pages is not None else await c.index_keys(layer))
-        return c.view, keys
 
 
 def pad_cols(rows: torch.Tensor, multiple: int) -> torch.Tensor:

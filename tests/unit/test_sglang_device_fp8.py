@@ -20,7 +20,7 @@ from corpusd.model import fp8_cache as f8
 from corpusd.model.flashmla_fp8 import prep_indices
 from corpusd.transport import cuda_ipc
 from requester.corpus_view import CorpusView
-from requester.sglang import device, formats
+from requester.sglang import device, formats, link_device
 from requester.sglang import link as link_mod
 from requester.sglang.binding import CorpusBindingError
 from requester.sglang.resident import Resident
@@ -179,7 +179,7 @@ def test_map_holders_maps_fp8_pools_and_refuses_mixed_formats(
     }
     holder = lambda a: SimpleNamespace(info=SimpleNamespace(address=a, device="cuda:0"))  # noqa: E731
     monkeypatch.setattr(_Coordinator, "holders", [holder(a) for a in pools])
-    monkeypatch.setattr(link_mod, "CoordinatorClient", _Coordinator)
+    monkeypatch.setattr(link_device, "CoordinatorClient", _Coordinator)  # map_holders' client
     monkeypatch.setattr(cuda_ipc, "device_uuid", lambda dev: "GPU-0")
     opened: list[tuple[int, ...]] = []
 

@@ -1,0 +1,94 @@
+"""The device path's half of :class:`.link.CorpusLink`: mapping the pools of the holders on the
+server's GPU (CUDA IPC) and loading a bound corpus into the arena (``resident.py``). A mixin of
+the link, kept apart because it is the device path's set-up, run eagerly at start and at a
+prefill, never per layer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+import torch
+
+from corpusd.coordinator.client import CoordinatorClient
+from corpusd.corpus.store import PageStore
+from corpusd.transport import cuda_ipc
+from requester.corpus_view import CorpusView
+from requester.fanout import CorpusBinding, Fanout
+from requester.sglang.binding import Binding
+from requester.sglang.pages import engine_index_pages
+from requester.sglang.resident import ArenaCorpus, Resident
+
+log = logging.getLogger("corpusd.sglang")
+
+T = TypeVar("T")
+
+
+class DeviceLink:
+    """``map_holders`` and ``load_resident``, over the link's coordinator, fan-out and loop."""
+
+    if TYPE_CHECKING:  # provided by CorpusLink
+        coordinator: str
+        timeout: float
+        fanout: Fanout
+        store: PageStore | None
+
+        def _run(self, coro: Coroutine[Any, Any, T]) -> T: ...
+
+        async def _corpus(self, corpus_id: str) -> CorpusBinding: ...
+
+    def map_holders(self, res: Resident, device: torch.device) -> list[str]:
+        """Map the pools of every registered holder on ``device`` into ``res`` (CUDA IPC);
+        returns their addresses. Holders elsewhere, on the CPU, with other pages or float32
+        rows are skipped (logged); bf16 and fp8 rows are mapped, and holders of both formats,
+        or a pool FlashMLA cannot read, raise CorpusBindingError (``Resident.add_pool``)."""
+        return self._run(self._map_holders(res, device))
+
+    async def _map_holders(self, res: Resident, device: torch.device) -> list[str]:
+        async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:
+            holders = [h.info for h in await c.list_holders()]
+        here = cuda_ipc.device_uuid(device)
+        mapped = []
+        for h in holders:
+            if not h.device.startswith("cuda") or h.address in res.holder_slot:
+                continue
+            try:
+                shared, page_size, _ = await self.fanout.client(h.address).share_pool(here)
+            except grpc.aio.AioRpcError as e:
+                log.info("holder %s not mapped: %s", h.address, e.details())
+                continue
+            if page_size != res.page_size or shared[0].dtype not in ("bfloat16", "uint8"):
+                log.warning(
+                    "holder %s not mapped: %d-token %s pages (the device path needs %d-token "
+                    "bfloat16 or fp8 pages)", h.address, page_size, shared[0].dtype, res.page_size,
+                )  # fmt: skip
+                continue
+            meta = [torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta")
+                    for s in shared]  # fmt: skip
+            res.pool_format(h.address, meta)  # a bad shape raises before anything is mapped
+            res.add_pool(h.address, [cuda_ipc.open_shared(s) for s in shared])
+            mapped.append(h.address)
+        log.info("corpusd plugin: %d holder pools on this GPU mapped (%s rows): %s",
+                 len(mapped), res.kv_format, mapped)  # fmt: skip
+        return mapped
+
+    def load_resident(self, b: Binding, res: Resident) -> ArenaCorpus:
+        """Corpus ``b`` in ``res``'s arena (loaded once: its page table and every layer's
+        index keys). Raises CorpusBindingError when it cannot be served from this GPU."""
+        if b.corpus_id in res.corpora:
+            return res.corpora[b.corpus_id]
+        res.check(b.corpus_id, b.tokens)
+        view, keys = self._run(self._resident_inputs(b.corpus_id, res.n_layers))
+        return res.load(view, keys)
+
+    async def _resident_inputs(
+        self, corpus_id: str, n_layers: int
+    ) -> tuple[CorpusView, list[torch.Tensor]]:
+        c = await self._corpus(corpus_id)
+        keys = []
+        for layer in range(n_layers):
+            pages = engine_index_pages(self.store, corpus_id, layer) if self.store else None
+            keys.append(pages if pages is not None else await c.index_keys(layer))
+        return c.view, keys
