@@ -121,28 +121,15 @@ class Fanout(Connections):
         e.drift.observe(d.pick, measured_s, predicted_s)
         log.debug(
             "step %d layer %d holder %s rows %d: %s predicted %.0f µs (%s) measured %.0f µs",
-            e.step,
-            layer,
-            g.address,
-            len(g.keep),
-            d.pick,
-            d.predicted_us[d.pick],
-            ", ".join(f"{k} {v:.0f}" for k, v in d.predicted_us.items()),
-            measured_s * 1e6,
-        )
+            e.step, layer, g.address, len(g.keep), d.pick, d.predicted_us[d.pick],
+            ", ".join(f"{k} {v:.0f}" for k, v in d.predicted_us.items()), measured_s * 1e6,
+        )  # fmt: skip
         if e.trace is not None:
-            e.trace.append(
-                {
-                    "step": e.step,
-                    "layer": layer,
-                    "holder": g.holder,
-                    "rows": len(g.keep),
-                    "k": int(g.canon.shape[1]),
-                    "pick": d.pick,
-                    "predicted_us": d.predicted_us,
-                    "measured_us": measured_s * 1e6,
-                }
-            )
+            e.trace.append({
+                "step": e.step, "layer": layer, "holder": g.holder, "rows": len(g.keep),
+                "k": int(g.canon.shape[1]), "pick": d.pick, "predicted_us": d.predicted_us,
+                "measured_us": measured_s * 1e6,
+            })  # fmt: skip
 
 
 class CorpusBinding:
