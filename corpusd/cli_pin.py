@@ -1,5 +1,6 @@
 """``corpusd pin``: the pin, its one-screen summary, and the publish through a coordinator (the
-CLI's pin command; torch and the store are imported when it runs, as in :mod:`corpusd.cli`)."""
+CLI's pin command, and ``demo``, which pins a sample repository with it; torch and the store are
+imported when one runs, as in :mod:`corpusd.cli`)."""
 
 from __future__ import annotations
 
@@ -138,3 +139,20 @@ def published(t: PageTable, address: str) -> str:
         )
     spans = ", ".join(f"{h} ({count(len(t.frames_on(h)), 'page')})" for h in sorted(t.holders))
     return f"published via {address}: {count(c.pages, 'page')} × {c.replicas} on {spans}"
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    """Pin a sample repository: a tar of a few of corpusd's own source files, or (--package)
+    of an installed package's source."""
+    from corpusd.corpus.pin import DEMO_FILES, sample_repo
+
+    out = sample_repo(a.package)
+    what = (
+        f"{a.package}'s installed source"
+        if a.package
+        else (f"{len(DEMO_FILES)} files of corpusd's own source")
+    )
+    print(f"sample repository: {out} ({what}, {out.stat().st_size:,} bytes)")
+    a.name = a.name or a.package or "sample-repo"
+    a.corpus = str(out)
+    return cmd_pin(a)
