@@ -52,7 +52,6 @@ from typing import Any
 
 from corpusd.tokenizer import ByteTokenizer
 from indexer import ARITHS
-from requester.sglang.binding import request_fields
 from tools.sglang_compare import PRIMITIVES as PRIMS
 from tools.sglang_compare import (
     compare,
@@ -66,7 +65,16 @@ from tools.sglang_compare import (
     report,
     vectors,
 )
-from tools.sglang_server import SGLANG_ENV, Corpusd, Server, formats, pin_format, start_corpusd
+from tools.sglang_probe import binding_probe, concurrent_probe
+from tools.sglang_server import (
+    SGLANG_ENV,
+    Corpusd,
+    Server,
+    formats,
+    pin_format,
+    request,
+    start_corpusd,
+)
 
 QUESTIONS = [
     "What does the coordinator store, and where?",
@@ -78,89 +86,6 @@ QUESTIONS = [
     "What is sent to a holder at each decode step?",
     "How is the README's first command run?",
 ]
-
-
-def request(
-    prompt: list[int], n: int, mode: str, corpus: str, i: int, vocab: int, logprobs: bool,
-    phase: str = "",
-) -> dict:  # fmt: skip
-    body: dict[str, Any] = {
-        "input_ids": prompt,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True},
-    }
-    if logprobs:
-        body.update(
-            return_logprob=True,
-            logprob_start_len=len(prompt),
-            token_ids_logprob=list(range(vocab)),
-        )
-    if is_route(mode):  # phase: the trace's name for a request (tools/sglang_compare.py)
-        tag = mode.replace("@", "-")
-        body.update(request_fields(corpus, f"{tag}-{phase}{i}-{time.monotonic_ns()}"))
-    return body
-
-
-def binding_probe(server: Server, corpus: str, prompt: list[int], vocab: int) -> dict[str, Any]:
-    """Requests the plugin cannot bind (an unknown corpus, a malformed id) must each fail alone
-    with a clear message, and the server must go on serving (issue 17, item 4)."""
-    out: dict[str, Any] = {}
-    bad = {
-        "unknown corpus": request_fields("no-such-corpus", "probe"),
-        "malformed id": {"rid": f"corpusd:{corpus}"},
-    }
-    for label, fields in bad.items():
-        body = {
-            "input_ids": prompt,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": 4},
-            **fields,
-        }
-        try:
-            meta = server.post(body, timeout=120)["meta_info"]
-            out[label] = {"http": 200, "finish_reason": meta.get("finish_reason")}
-        except urllib.error.HTTPError as e:
-            out[label] = {"http": e.code, "body": e.read().decode(errors="replace")[:500]}
-    after = server.post(request(prompt, 4, "route", corpus, 10**6, vocab, False), timeout=120)
-    out["after"] = {"tokens": len(after["output_ids"]), "server_alive": server.proc.poll() is None}
-    return out
-
-
-def concurrent_probe(
-    server: Server, corpus: str, prompts: list[list[int]], vocab: int, tokens: int = 8
-) -> dict[str, Any]:
-    """The issue's bad-input check: ``len(prompts)`` good requests at once, alone and then with
-    one bound to an unknown corpus sent among them. The bad one must get its error within 1 s;
-    the good ones the tokens they got alone; the server must stay up."""
-
-    def good(i: int) -> list[int]:
-        body = request(prompts[i], tokens, "route", corpus, i, vocab, False, phase="probe")
-        return list(server.post(body, timeout=300)["output_ids"])
-
-    def bad() -> dict[str, Any]:
-        body = {
-            "input_ids": prompts[0],
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": tokens},
-            **request_fields("no-such-corpus", f"probe-{time.monotonic_ns()}"),
-        }
-        t0 = time.monotonic()
-        try:
-            server.post(body, timeout=60)
-            return {"http": 200, "s": time.monotonic() - t0}
-        except urllib.error.HTTPError as e:
-            return {"http": e.code, "s": time.monotonic() - t0, "body": e.read().decode()[:300]}
-
-    n = len(prompts)
-    with ThreadPoolExecutor(n + 1) as pool:
-        alone = list(pool.map(good, range(n)))
-        futures = [pool.submit(good, i) for i in range(n)]
-        time.sleep(0.05)  # the bad request arrives while the good ones are in flight
-        refused = bad()
-        together = [f.result() for f in futures]
-    return {
-        "bad": refused,
-        "good_same_tokens": sum(a == b for a, b in zip(alone, together, strict=True)),
-        "good": n,
-        "server_alive": server.proc.poll() is None,
-    }
 
 
 def greedy_tag(corpus: str) -> str:

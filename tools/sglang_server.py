@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from corpusd.corpus.store import PageStore
+from requester.sglang.binding import request_fields
 from tools.sglang_compare import forced_primitive, is_route
 
 if TYPE_CHECKING:  # the daemons (grpc) load in start_corpusd: a stock Server needs none
@@ -264,3 +265,23 @@ class Server:
             text = r.read().decode()
         vals = [float(m) for m in re.findall(r"^sglang:num_used_tokens\{[^}]*\} (\S+)", text, re.M)]
         return max(vals, default=math.nan)
+
+
+def request(
+    prompt: list[int], n: int, mode: str, corpus: str, i: int, vocab: int, logprobs: bool,
+    phase: str = "",
+) -> dict:  # fmt: skip
+    body: dict[str, Any] = {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True},
+    }
+    if logprobs:
+        body.update(
+            return_logprob=True,
+            logprob_start_len=len(prompt),
+            token_ids_logprob=list(range(vocab)),
+        )
+    if is_route(mode):  # phase: the trace's name for a request (tools/sglang_compare.py)
+        tag = mode.replace("@", "-")
+        body.update(request_fields(corpus, f"{tag}-{phase}{i}-{time.monotonic_ns()}"))
+    return body
