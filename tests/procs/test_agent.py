@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import io
 import re
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from indexer.select import select_topk
 from requester.ask import PROMPT, ask, printable
 from requester.client import AgentError, Client
 from requester.launch import AgentProcess, start_agent
-from tests.support.checks import rel
+from tests.support.checks import metric, rel
 from tests.support.coordinators import start_holders
 from tests.support.holders import pin_sample
 from tests.support.oracle import greedy
@@ -101,13 +100,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterato
 def oracle(cluster: Cluster, hf_model) -> list[list[int]]:  # type: ignore[no-untyped-def]
     toks = PageStore(cluster.tmp / "store").read_tokens(cluster.cid)
     return [tokens for tokens, _ in greedy(hf_model, toks, SUFFIXES, NEW)]
-
-
-def metric(port: int, name: str, *labels: str) -> float:
-    """The sum of ``name``'s samples whose labels contain every one of ``labels``."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    found = re.findall(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.M)
-    return sum(float(v) for lab, v in found if all(x in lab for x in labels))
 
 
 # The CPU default's BPE (the cluster's model is ``corpusd model init``'s)

@@ -15,7 +15,6 @@ import asyncio
 import io
 import re
 import tarfile
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from corpusd.corpus.store import PageStore
 from corpusd.model.tiny import init_tiny
 from requester.client import Client
 from requester.launch import start_agent
+from tests.support.checks import metric
 from tests.support.coordinators import start_holders
 from tests.support.engine_server import CaptureEngine
 from tests.support.sglang_host import load_hicache
@@ -43,15 +43,6 @@ def _tar(path: Path) -> Path:
         info.size = len(data.encode())
         tar.addfile(info, io.BytesIO(data.encode()))
     return path
-
-
-def _metric(port: int, name: str, *labels: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(lab in line for lab in labels):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_an_engine_pin_is_published_and_decodes_as_a_normal_pin(
@@ -104,7 +95,7 @@ def test_an_engine_pin_is_published_and_decodes_as_a_normal_pin(
         assert eng == normal
         # the holder served the corpus: every corpus chunk was routed to it or fetched from it
         port, name = agent.metrics_port, "corpusd_requester_decisions_total"
-        used = {k: _metric(port, name, f'primitive="{k}"') for k in ("route", "fetch", "local")}
+        used = {k: metric(port, name, f'primitive="{k}"') for k in ("route", "fetch", "local")}
         assert used["route"] + used["fetch"] > 0 and not used["local"], used
     finally:
         engine.close()

@@ -31,7 +31,7 @@ from holder.launch import HolderProcess
 from requester.client import AgentError, Client
 from requester.launch import AgentProcess, start_agent
 from requester.openai_api import chat_text
-from tests.procs.test_agent import metric
+from tests.support.checks import metric
 from tests.support.coordinators import start_holders, synthetic_corpus
 
 openai = pytest.importorskip("openai", reason="the OpenAI client is a test dependency: .[test]")

@@ -26,8 +26,7 @@ from requester.sglang.choose import Chooser
 from requester.sglang.follow import lease_third
 from requester.sglang.link import CorpusLink
 from requester.sglang.metrics import PluginMetrics
-from tests.procs.test_agent import metric
-from tests.support.checks import rel
+from tests.support.checks import metric, rel
 from tests.support.coordinators import start_holders, synthetic_corpus
 
 TOKENS, PAGES = 600, 10

@@ -16,7 +16,7 @@ from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
 from requester.client import Client
 from requester.launch import start_agent
-from tests.procs.test_agent import metric
+from tests.support.checks import metric
 from tests.support.coordinators import start_holders
 from tests.support.holders import pin_sample
 from tests.support.oracle import greedy
