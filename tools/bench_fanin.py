@@ -341,14 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.cpus_per_holder:
         n = a.holders
         try:  # holders' blocks, the coordinator's core, the load's core, the rest (the load's)
-            b = cpu_pin.blocks([a.cpus_per_holder] * n + [1, 1])
+            b = cpu_pin.blocks(
+                [a.cpus_per_holder] * n + [1, 1], cpu_pin.by_core(cpu_pin.available())
+            )
         except ValueError as e:
             p.error(f"--cpus-per-holder {a.cpus_per_holder} × {n} holders, 1 core for the "
                     f"coordinator and at least 1 for the load: {e}")  # fmt: skip
         mine = [*b[n + 1], *b[n + 2]]
         cores = {"coordinator": b[n], "load": mine, **{f"h{i}": b[i] for i in range(n)}}
         cpu_pin.pin(os.getpid(), mine)
-        torch.set_num_threads(len(mine))
+        torch.set_num_threads(min(2, len(mine)))  # the merge is small; idle OpenMP threads spin
     tmp = tempfile.TemporaryDirectory(prefix="bench-fanin-")
     root = Path(a.work or tmp.name)
     root.mkdir(parents=True, exist_ok=True)

@@ -9,12 +9,33 @@ is pinned, and threads started later inherit the mask of the thread that starts 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
 def available() -> list[int]:
     """The cores this process may run on, ascending."""
     return sorted(os.sched_getaffinity(0))
+
+
+def siblings(cpu: int) -> tuple[int, int]:
+    """``cpu``'s physical core as (package, core id), from sysfs; ``(0, cpu)`` when the kernel
+    does not say (each logical cpu then counts as its own core)."""
+    top = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+    try:
+        return int((top / "physical_package_id").read_text()), int((top / "core_id").read_text())
+    except (OSError, ValueError):
+        return 0, cpu
+
+
+def by_core(cpus: list[int], core_of: Callable[[int], tuple[int, int]] = siblings) -> list[int]:
+    """``cpus`` reordered so that hyperthread siblings are adjacent, cores in order of their
+    lowest cpu: consecutive blocks then hold whole physical cores (a block of 4 on a 2-way SMT
+    host is 2 cores, not 4 halves shared with another block's threads)."""
+    cores: dict[tuple[int, int], list[int]] = {}
+    for c in sorted(cpus):
+        cores.setdefault(core_of(c), []).append(c)
+    return [c for group in sorted(cores.values(), key=min) for c in group]
 
 
 def blocks(sizes: list[int], cpus: list[int] | None = None) -> list[list[int]]:
@@ -50,7 +71,8 @@ def pin(pid: int, cpus: list[int]) -> int:
 
 
 def span(cpus: list[int]) -> str:
-    """``[0, 1, 2, 5]`` → ``"0-2,5"`` (for logs and JSON)."""
+    """``[0, 1, 2, 5]`` → ``"0-2,5"`` (for logs and JSON; any order in, ascending out)."""
+    cpus = sorted(cpus)
     parts, i = [], 0
     while i < len(cpus):
         j = i
