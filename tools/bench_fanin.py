@@ -52,7 +52,7 @@ from requester.holder_client import HolderClient
 from requester.plan import holder_groups, merge_groups
 from tests.support.coordinators import start_holders, synthetic_corpus
 from tools import cpu_pin
-from tools.fanin_report import Run, actions, pct, per_second, phase_stats, plot
+from tools.fanin_report import Run, actions, holder_stats, pct, per_second, phase_stats, plot
 
 REPLICAS = "corpusd_coordinator_load_replicas_total"
 
@@ -80,6 +80,7 @@ class Requester:
         self.view = CorpusView.from_page_table(table)
         self.clients: dict[str, HolderClient] = {}
         self.compute_s = 0.0  # the last call's longest holder compute
+        self.calls: list[tuple[float, str, float, float]] = []  # (done at, holder, wall, compute)
 
     def client(self, address: str) -> HolderClient:
         if address not in self.clients:
@@ -96,12 +97,15 @@ class Requester:
         """The requester's plan: positions grouped by the holder of their page, compacted (each
         holder gets only its own rows), one Attend per holder, the exact merge."""
         groups = holder_groups(self.view, positions)
-        parts = await asyncio.gather(
-            *(
-                self.client(g.address).attend_rows(self.cid, 0, q[g.keep], g.rows, self.scale)
-                for g in groups
-            )
-        )
+
+        async def call(g: Any) -> Any:
+            t = time.perf_counter()
+            p = await self.client(g.address).attend_rows(self.cid, 0, q[g.keep], g.rows, self.scale)
+            done = time.perf_counter()
+            self.calls.append((done, g.address, done - t, p.compute_us / 1e6))
+            return p
+
+        parts = await asyncio.gather(*(call(g) for g in groups))
         self.compute_s = max(p.compute_us for p in parts) / 1e6
         return merge_groups(q, self.d_v, groups, [(p.o, p.lse) for p in parts])[0]
 
@@ -138,8 +142,10 @@ async def drive(
         (hot,) = table.holders
         port_of = {h.address: h.metrics_port for h in holders}
         hid_port = {hid: port_of[table.address(hid)] for hid in table.holders}
+        names: dict[str, str] = {}
         for info in await cc.list_holders():
             hid_port[info.info.holder_id] = port_of[info.info.address]
+            names[info.info.address] = info.info.holder_id
         req = Requester(cc, table, scale, d_v)
         # one holder's capacity: serial calls on the hot holder (the only one the table names)
         for q, pos in pool[:3]:
@@ -179,7 +185,8 @@ async def drive(
             f"serial Attend {service_s * 1e3:.1f} ms (holder compute {compute_s * 1e3:.1f} ms) "
             f"on {hot}; saturated, one holder completes {capacity:.2f} req/s"
         )
-        run = Run(time.perf_counter())
+        run = Run(time.perf_counter(), names=names)
+        req.calls = run.calls  # from here on: each holder's calls, for per_holder
         rate = 0.0
         stop = asyncio.Event()
         inflight: set[asyncio.Task[None]] = set()
@@ -414,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         **meta,
         "phases": stats,
+        "per_holder": holder_stats(run),
         "recovered_p50_over_baseline": round(rec / base, 2) if base else None,
         "with_replica_p50_over_baseline": round(used / base, 2) if base else None,
         "events": run.events,
@@ -445,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{s['p50_ms']:>8} {s['p99_ms']:>8}"
             )
     print(f"recovered p50 / baseline p50: {out['recovered_p50_over_baseline']}")
+    for name in ("baseline", "continued"):
+        print(f"per holder, {name}: {out['per_holder'].get(name)}")
     print(
         f"with the replica in the requester's view, under load: {stats['with_replica_under_load']}"
     )

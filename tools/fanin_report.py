@@ -28,6 +28,9 @@ class Run:
     samples: list[dict[str, Any]] = field(default_factory=list)  # fan-in / replicas, 0.5 s
     events: list[dict[str, Any]] = field(default_factory=list)
     phases: list[tuple[str, float]] = field(default_factory=list)  # (name, start s)
+    # each Attend to one holder: (done at, perf_counter s; address; wall s; holder compute s)
+    calls: list[tuple[float, str, float, float]] = field(default_factory=list)
+    names: dict[str, str] = field(default_factory=dict)  # address → holder id
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -108,6 +111,25 @@ def phase_stats(run: Run, settle_s: float) -> dict[str, Any]:
         "p50_ms": round(pct(used, 0.5) * 1e3, 1),
         "p99_ms": round(pct(used, 0.99) * 1e3, 1),
     }
+    return out
+
+
+def holder_stats(run: Run) -> dict[str, Any]:
+    """Per phase and holder: calls, p50 of the call's wall time (queue + compute + transport)
+    and of the compute the holder reports; says which copy is slower when latency splits."""
+    bounds = [*run.phases, ("end", run.now())]
+    out: dict[str, Any] = {}
+    for (name, t0), (_, t1) in itertools.pairwise(bounds):
+        per: dict[str, Any] = {}
+        for addr in sorted({a for _, a, _, _ in run.calls}):
+            c = [(w, x) for t, a, w, x in run.calls if a == addr and t0 <= t - run.t0 < t1]
+            if c:
+                per[run.names.get(addr, addr)] = {
+                    "calls": len(c),
+                    "wall_p50_ms": round(pct([w for w, _ in c], 0.5) * 1e3, 1),
+                    "compute_p50_ms": round(pct([x for _, x in c], 0.5) * 1e3, 1),
+                }
+        out[name] = per
     return out
 
 

@@ -81,7 +81,11 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 f"{', '.join(map(str, widths))}"
             )
         # The worker's own page format and the backends that keep the LSE (formats.py).
-        self.corpusd_kv_format = formats.worker_format(str(args.kv_cache_dtype))
+        self.corpusd_kv_format = formats.worker_format(
+            str(args.kv_cache_dtype),
+            getattr(quant_config, "kv_cache_quant_algo", None),
+            formats.model_dtype(str(args.dtype), config),
+        )
         formats.check_backends(
             self.corpusd_kv_format, args.nsa_prefill_backend, args.nsa_decode_backend
         )

@@ -16,6 +16,7 @@ The backends: the plugin keeps the LSE of FlashMLA's two kernels only (``flashml
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from corpusd.corpus.manifest import KV_FORMATS
 
@@ -26,9 +27,36 @@ PREFILL_BACKENDS = ("flashmla_sparse", "flashmla_kv", "flashmla_auto")
 DECODE_BACKENDS = ("flashmla_sparse", "flashmla_kv")
 
 
-def worker_format(kv_cache_dtype: str) -> str:
-    """SGLang's resolved ``kv_cache_dtype`` → ``plain`` or ``fp8_e4m3``. Raises RuntimeError for
-    a dtype SGLang's NSA does not store (it resolves ``auto`` before the model is built)."""
+def model_dtype(flag: str, config: Any) -> str:
+    """The dtype SGLang 0.5.10 runs the model in: ``--dtype``, or with ``auto`` the checkpoint's
+    ``torch_dtype`` (a float32 or unstated one runs in float16, as its ``_get_and_verify_dtype``
+    does for non-Gemma models)."""
+    if flag != "auto":
+        return flag
+    got = str(getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or "float32")
+    got = got.removeprefix("torch.")
+    return "float16" if got == "float32" else got
+
+
+def worker_format(
+    kv_cache_dtype: str, kv_quant_algo: object = None, dtype: str = "bfloat16"
+) -> str:
+    """SGLang's ``kv_cache_dtype`` → ``plain`` or ``fp8_e4m3``. Raises RuntimeError for a dtype
+    SGLang's NSA does not store.
+
+    ``auto`` is resolved as SGLang 0.5.10 does: its server arguments turn it into bfloat16 or
+    fp8_e4m3 only for the architectures they list (``DeepseekV32ForCausalLM`` is not among them,
+    so the model sees ``auto``), and the model runner then takes FP8 when the checkpoint's
+    quantization config says ``kv_cache_quant_algo: FP8``, else the model's ``dtype``."""
+    if kv_cache_dtype == "auto":
+        if isinstance(kv_quant_algo, str) and kv_quant_algo.upper() == "FP8":
+            return FP8
+        if dtype in ("bfloat16", "bf16", "torch.bfloat16"):
+            return PLAIN
+        raise RuntimeError(
+            f"corpusd plugin: --kv-cache-dtype auto gives a {dtype} cache; DeepSeek's NSA stores "
+            "bfloat16 or fp8_e4m3 pages, pass --kv-cache-dtype bfloat16 or fp8_e4m3"
+        )
     if kv_cache_dtype in ("bfloat16", "bf16"):
         return PLAIN
     if kv_cache_dtype == FP8:

@@ -231,6 +231,18 @@ def test_formats_pair_every_combination_and_warn_on_a_mixed_one() -> None:
     assert formats.worker_format("fp8_e4m3") == "fp8_e4m3"
     with pytest.raises(RuntimeError, match="--kv-cache-dtype 'fp8_e5m2'"):
         formats.worker_format("fp8_e5m2")
+    # SGLang 0.5.10 leaves ``auto`` unresolved for DeepseekV32ForCausalLM (an H100 run's route
+    # server died of it): the checkpoint's kv quantization, else the model's dtype
+    assert formats.worker_format("auto") == "plain"
+    assert formats.worker_format("auto", "FP8") == "fp8_e4m3"
+    assert formats.worker_format("auto", None, "torch.bfloat16") == "plain"
+    with pytest.raises(RuntimeError, match="auto gives a float16 cache"):
+        formats.worker_format("auto", None, "float16")
+    cfg = SimpleNamespace(torch_dtype="bfloat16")
+    assert formats.model_dtype("auto", cfg) == "bfloat16"
+    assert formats.model_dtype("auto", SimpleNamespace(torch_dtype=torch.float32)) == "float16"
+    assert formats.model_dtype("auto", object()) == "float16"
+    assert formats.model_dtype("bfloat16", object()) == "bfloat16"
     assert formats.holder_format("bfloat16+fp8_e4m3") == "fp8_e4m3"
     assert formats.holder_format("bfloat16") == formats.holder_format("float32") == "plain"
     level, line = formats.pairing("fp8_e4m3", {"b": "fp8_e4m3", "a": "fp8_e4m3"})
