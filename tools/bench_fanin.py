@@ -410,6 +410,13 @@ def main(argv: list[str] | None = None) -> int:
             "max_flows_elbow": a.max_flows,
             "holder_threads": threads,
             "cores": {k: cpu_pin.span(v) for k, v in cores.items()} or "not pinned",
+            # which holder ran on which block: tells a slow core block from a slow role
+            "holder_cores": {
+                run.names.get(h.address, h.address): cpu_pin.span(cores[f"h{i}"])
+                for i, h in enumerate(hs)
+            }
+            if cores
+            else {},
             "corpus_tokens": a.tokens,
             "rows": a.rows,
             "k": min(a.k, a.tokens),
