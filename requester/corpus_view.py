@@ -2,7 +2,10 @@
 
 The page table maps a corpus page to its replicas ``(holder, frame)``; a pool row on a holder is
 ``frame * page_size + slot``. The view is built from the holders' own reports (``Info``), so it
-is what the holders will accept; one replica per page is chosen to spread pages over replicas.
+is what the holders will accept; one replica per page is chosen to spread pages over replicas:
+page ``p`` to its ``p mod n``-th live replica, or, once the requester has measured its holders
+(``reweighted``, :mod:`requester.balance`), to the replica that keeps every holder's share of
+pages closest to its measured speed, so a slower copy does not hold back every fork-join call.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ class CorpusView:
     page_holder: torch.Tensor  # int64 [n_pages]
     page_frame: torch.Tensor  # int64 [n_pages]
     replicas: tuple[tuple[tuple[int, int], ...], ...]  # per page: every (holder idx, frame)
+    # relative speed per holder idx (rows/s, any scale), None: page p → replica p mod n
+    weights: tuple[float, ...] | None = None
+    excluded: frozenset[int] = frozenset()  # holders the chosen replicas avoid (failover's dead)
 
     @property
     def n_pages(self) -> int:
@@ -49,12 +55,18 @@ class CorpusView:
     def failover(self, dead: Collection[int]) -> CorpusView:
         """The same corpus with every page served by a replica on a holder not in ``dead``.
         Raises CorpusUnavailable naming the pages that have no such replica."""
-        chosen, lost = [], []
+        chosen: list[tuple[int, int]] = []
+        lost, shared = [], []
+        load = [0.0] * len(self.holders)
         for p, reps in enumerate(self.replicas):
             live = [r for r in reps if r[0] not in dead]
             if not live:
                 lost.append(p)
-                continue
+                live = [(-1, -1)]
+            elif self.weights is not None and len(live) > 1:
+                shared.append((p, live))  # placed below, once the single copies are counted
+            else:
+                load[live[p % len(live)][0]] += 1
             chosen.append(live[p % len(live)])
         if lost:
             gone = sorted({self.holders[h] for h in dead})
@@ -62,11 +74,32 @@ class CorpusView:
                 f"corpus {self.corpus_id}: pages {lost[:8]} (of {self.n_pages}) have no replica "
                 f"outside the failed holders {gone}"
             )
+        if self.weights is not None:
+            w = [max(x, 1e-9) for x in self.weights]
+            for p, live in shared:  # the copy whose holder then finishes its pages first
+                j = min(
+                    range(len(live)),
+                    key=lambda j: ((load[live[j][0]] + 1) / w[live[j][0]], (j - p) % len(live)),
+                )
+                chosen[p] = live[j]
+                load[live[j][0]] += 1
         return replace(
             self,
             page_holder=torch.tensor([h for h, _ in chosen], dtype=torch.int64),
             page_frame=torch.tensor([f for _, f in chosen], dtype=torch.int64),
+            excluded=frozenset(dead),
         )
+
+    def reweighted(self, weights: tuple[float, ...] | None) -> CorpusView:
+        """This view with pages spread by holder speeds ``weights`` (per holder idx; None: by
+        page number), still avoiding the holders it avoids."""
+        if weights is not None and len(weights) != len(self.holders):
+            raise ValueError(f"{len(weights)} weights for {len(self.holders)} holders")
+        return replace(self, weights=weights).failover(self.excluded)
+
+    def shared_pages(self) -> bool:
+        """Whether some page has more than one replica (only then do weights change anything)."""
+        return any(len(r) > 1 for r in self.replicas)
 
     def same_table(self, other: CorpusView) -> bool:
         """Whether both views come from the same page table: the same holders and every page's

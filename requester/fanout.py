@@ -37,6 +37,7 @@ from corpusd.model import DeepseekV32
 from corpusd.rpc import StatusError
 from indexer import index_scores
 from indexer.select import merge_topk, select_topk
+from requester.balance import HolderSpeed
 from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.drift import Drift
 from requester.metrics import RequesterMetrics
@@ -155,6 +156,7 @@ class CorpusBinding:
         self.keys: dict[int, torch.Tensor] = {}  # replica indexer: layer → [T, D_I]
         self.local: LocalRows | None = None
         self.dead: set[int] = set()  # holders (view indices) that failed a call
+        self.speed = HolderSpeed()  # route calls' seconds per row: spreads replicated pages
         self.lock = asyncio.Lock()  # one local re-prefill at a time
         self._failing = asyncio.Lock()
 
@@ -278,7 +280,19 @@ class CorpusBinding:
         results = await asyncio.gather(
             *(self._group(layer, q, offsets, g, scale, len(self.view.holders)) for g in groups)
         )
+        self._rebalance()
         return merge_groups(q, self.geo.d_v, groups, results, dtype)
+
+    def _rebalance(self) -> None:
+        """Re-spread replicated pages by the holders' measured speeds (balance.py), when due."""
+        if not self.view.shared_pages():
+            return
+        w = self.speed.due(self.view.holders, self.view.weights)
+        if w is not None:
+            self.view = self.view.reweighted(w)
+            self.engine.metrics.rebalances.inc()
+            for address, x in zip(self.view.holders, w, strict=True):
+                self.engine.metrics.replica_weight.labels(address).set(x)
 
     def _shape(self, layer: int, g: GroupWork) -> Group:
         valid = g.canon >= 0
@@ -317,7 +331,10 @@ class CorpusBinding:
             code, _ = failure(e)
             self.engine.metrics.errors.labels(code.name).inc()
             return await self._recover(layer, q, off, g, scale, decision.pick, e, tries)
-        self.engine.record(layer, g, decision, time.perf_counter() - t0, bool(self.force))
+        took = time.perf_counter() - t0
+        self.engine.record(layer, g, decision, took, bool(self.force))
+        if decision.pick == "route":
+            self.speed.observe(g.address, shape.rows, took)
         return result
 
     def _is_dead(self, address: str) -> bool:
@@ -381,8 +398,10 @@ class CorpusBinding:
         except Exception as e:  # the coordinator is down too: the rows still have tokens
             log.warning("re-reading corpus %s's page table failed: %s", self.corpus_id, e)
             return "local"
-        if view.holders == self.view.holders and torch.equal(view.page_frame, self.view.page_frame):
-            return "local"  # nothing new: the same holders would fail again
+        if view.holders == self.view.holders:
+            view = view.reweighted(self.view.weights)  # compared, and kept, spread as now
+            if torch.equal(view.page_frame, self.view.page_frame):
+                return "local"  # nothing new: the same holders would fail again
         self.view, self.dead = view, set()
         return "table"
 

@@ -61,6 +61,16 @@ class RequesterMetrics(Metrics):
             "adopted at the next step) or failed",
             ["result"],
         )
+        self.rebalances = self.counter(
+            "replica_rebalances",
+            "views re-spread over a corpus's replicas by the holders' measured speeds",
+        )
+        self.replica_weight = self.gauge(
+            "replica_weight",
+            "a holder's measured speed (rows/s, mean 1 over the holders of a view), by which "
+            "replicated pages are spread",
+            ["holder"],
+        )
         self.fallbacks = self.counter(
             "fallbacks", "groups recomputed another way after a failure", ["from", "to"]
         )

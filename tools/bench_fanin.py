@@ -7,8 +7,9 @@ Starts a coordinator (SQLite, ``--lease-s`` 3: a heartbeat a second, ``--replica
 ``--holders`` holders (``--max-flows``: the elbow each reports; torch threads: ``--cpus-per-holder``
 or 1), and pins a synthetic corpus whole on one holder (1 replica). Requests arrive open-loop at a
 fixed rate (Poisson), each an Attend of ``--rows`` query rows over ``--k`` random corpus positions
-at layer 0, routed the way a requester routes them: the page table's ``CorpusView`` (page ``p`` →
-replica ``p mod n``), one ``Attend`` per holder, LSE-merged. The requester re-reads the page
+at layer 0, routed the way a requester routes them: the page table's ``CorpusView`` (replicated pages
+spread by each holder's measured speed, ``--spread speed``, as corpusd's fan-out does; or page
+``p`` on replica ``p mod n``, ``--spread page``), one ``Attend`` per holder, LSE-merged. The requester re-reads the page
 table every ``--refresh-s`` (default lease / 3, as an agent worker's ``--table-refresh-s``
 does; 0: read once).
 
@@ -42,17 +43,15 @@ from typing import Any
 import grpc
 import torch
 
-from corpusd.coordinator.client import CoordinatorClient, PageTable
+from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.model import ModelConfig
 from corpusd.model.tiny import init_tiny
 from holder.launch import HolderProcess
-from requester.corpus_view import CorpusView
-from requester.holder_client import HolderClient
-from requester.plan import holder_groups, merge_groups
 from tests.support.coordinators import start_holders, synthetic_corpus
 from tools import cpu_pin
 from tools.fanin_report import Run, actions, holder_stats, pct, per_second, phase_stats, plot
+from tools.fanin_requester import Requester
 
 REPLICAS = "corpusd_coordinator_load_replicas_total"
 
@@ -69,49 +68,6 @@ def metric(text: str, key: str) -> float:
         if ln.startswith(key + " ") or ("{" not in key and ln.startswith(key + "{")):
             return float(ln.split()[-1])
     return 0.0
-
-
-class Requester:
-    """Routes Attend calls by the page table's view, re-read every ``refresh_s``."""
-
-    def __init__(self, cc: CoordinatorClient, table: PageTable, scale: float, d_v: int) -> None:
-        self.cc, self.scale, self.d_v = cc, scale, d_v
-        self.cid = table.corpus.corpus_id
-        self.view = CorpusView.from_page_table(table)
-        self.clients: dict[str, HolderClient] = {}
-        self.compute_s = 0.0  # the last call's longest holder compute
-        self.calls: list[tuple[float, str, float, float]] = []  # (done at, holder, wall, compute)
-
-    def client(self, address: str) -> HolderClient:
-        if address not in self.clients:
-            self.clients[address] = HolderClient(address)
-        return self.clients[address]
-
-    async def refresh(self) -> int:
-        """Re-read the page table; returns the most replicas any page has."""
-        table = await self.cc.page_table(self.cid)
-        self.view = CorpusView.from_page_table(table)
-        return max(len(r) for r in table.pages)
-
-    async def attend(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The requester's plan: positions grouped by the holder of their page, compacted (each
-        holder gets only its own rows), one Attend per holder, the exact merge."""
-        groups = holder_groups(self.view, positions)
-
-        async def call(g: Any) -> Any:
-            t = time.perf_counter()
-            p = await self.client(g.address).attend_rows(self.cid, 0, q[g.keep], g.rows, self.scale)
-            done = time.perf_counter()
-            self.calls.append((done, g.address, done - t, p.compute_us / 1e6))
-            return p
-
-        parts = await asyncio.gather(*(call(g) for g in groups))
-        self.compute_s = max(p.compute_us for p in parts) / 1e6
-        return merge_groups(q, self.d_v, groups, [(p.o, p.lse) for p in parts])[0]
-
-    async def close(self) -> None:
-        for c in self.clients.values():
-            await c.close()
 
 
 async def drive(
@@ -146,7 +102,7 @@ async def drive(
         for info in await cc.list_holders():
             hid_port[info.info.holder_id] = port_of[info.info.address]
             names[info.info.address] = info.info.holder_id
-        req = Requester(cc, table, scale, d_v)
+        req = Requester(cc, table, scale, d_v, a.spread)
         # one holder's capacity: serial calls on the hot holder (the only one the table names)
         for q, pos in pool[:3]:
             await req.attend(q, pos)
@@ -295,6 +251,10 @@ async def drive(
         stop.set()
         await asyncio.gather(*tasks, *inflight)
         await req.close()
+    meta["rebalances"] = [
+        {"t_s": round(t - run.t0, 2), "weights": {run.names.get(k, k): x for k, x in w.items()}}
+        for t, w in req.rebalances[:200]
+    ]
     return run, meta
 
 
@@ -316,6 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=4096, help="corpus positions per query row")
     p.add_argument("--low", type=float, default=0.3, help="baseline rate × one holder's capacity")
     p.add_argument("--high", type=float, default=1.15, help="overload rate × one holder's capacity")
+    p.add_argument(
+        "--spread",
+        choices=("speed", "page"),
+        default="speed",
+        help="replicated pages: by measured holder speed (the fan-out's way) or page p on "
+        "replica p mod n",
+    )
     p.add_argument("--window-s", type=float, default=5.0, help="coordinator --replica-window-s")
     p.add_argument("--lease-s", type=float, default=3.0, help="coordinator --lease-s")
     p.add_argument("--baseline-s", type=float, default=15.0)
@@ -425,10 +392,12 @@ def main(argv: list[str] | None = None) -> int:
             "lease_s": a.lease_s,
             "requester_refresh_s": a.refresh_s,
             "arrivals": "open-loop Poisson",
+            "spread": a.spread,
         },
         **meta,
         "phases": stats,
         "per_holder": holder_stats(run),
+        "rebalances": meta.pop("rebalances"),
         "recovered_p50_over_baseline": round(rec / base, 2) if base else None,
         "with_replica_p50_over_baseline": round(used / base, 2) if base else None,
         "events": run.events,

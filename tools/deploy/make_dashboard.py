@@ -120,6 +120,13 @@ def panels() -> list[dict[str, Any]]:
             [(f"sum by (from, to) (rate({r}fallbacks_total[5m]))", "{{from}} → {{to}}")],
         ),
         panel(
+            "Replicated pages: holder speed weights (mean 1) and re-spreads",
+            [
+                (f"{r}replica_weight", "{{instance}} {{holder}}"),
+                (f"sum(rate({r}replica_rebalances_total[5m]))", "re-spreads/s"),
+            ],
+        ),
+        panel(
             "SGLang plugin: route / fetch by layer",
             [
                 (
