@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU runs the open issues wait for, one named step per device call (each fits the device
+# tool's 10-minute call), results and logs under $OUT (at most 8 files come back a call).
+# Run from the repo root on an offline H100/H200 host with .sglang-deps carried:
+#   bash tools/gpu_session.sh fanin          # issue 21: bench_fanin, --spread speed then page (~4 min)
+#   bash tools/gpu_session.sh decode         # issue 17: stock vs graphed route, 8 and 64 streams (~6 min)
+#   bash tools/gpu_session.sh bad-binding    # issue 17: the pytest -m sglang bad-input test (~5 min)
+#   bash tools/gpu_session.sh pin            # issue 18: bench_pin --sglang, corpusd vs SGLang prefill (~6 min)
+#   bash tools/gpu_session.sh engine-pin     # issue 18: engine-true pages bit for bit (up to 9 min cold)
+#   bash tools/gpu_session.sh fp8            # issue 18: fp8 GPU tests, then bench_sglang on fp8 (~8 min)
+# Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
+set -uo pipefail
+step=${1:?"a step: fanin | decode | bad-binding | pin | engine-pin | fp8"}
+case "$step" in fanin|decode|bad-binding|pin|engine-pin|fp8) ;;
+    *) echo "unknown step $step: fanin | decode | bad-binding | pin | engine-pin | fp8" >&2; exit 2 ;;
+esac
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+if [ ! -f /tmp/site/.corpusd-installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+        .sglang-deps/whl/*.whl && touch /tmp/site/.corpusd-installed
+fi
+export PYTHONPATH=/tmp/site:$PWD
+t0=$(date +%s)
+took() { echo "$1: rc=$2 after $(( $(date +%s) - t0 )) s"; }
+
+case "$step" in
+fanin)
+    for spread in speed page; do
+        timeout 150 python3 -m tools.bench_fanin --holders 2 --cpus-per-holder 4 --spread "$spread" \
+            --baseline-s 15 --continued-s 40 --settle-s 8 --max-wait-s 45 --plot none \
+            --out "$OUT/fanin-replicas-16core-$spread.json" --work "/tmp/fanin-$spread" \
+            > "$OUT/fanin-16core-$spread.log" 2>&1
+        took "fanin --spread $spread" $?
+        grep -E "recovered|per holder, continued" "$OUT/fanin-16core-$spread.log"
+    done ;;
+decode)
+    timeout 560 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
+        --tokens 16 --forced-steps 4 --streams 8,64 --graph-bs 8,64 --holder-device cuda:0 \
+        --fit-steps 0 --work /tmp/bsg --out "$OUT/sglang-graphs64-h100.json" \
+        > "$OUT/sglang-graphs64-h100.log" 2>&1
+    took decode $?
+    cp /tmp/bsg/sglang-route*.log "$OUT/" 2>/dev/null
+    tail -12 "$OUT/sglang-graphs64-h100.log" ;;
+bad-binding)
+    timeout 560 python3 -m pytest -x -q -s -m sglang tests/sglang/test_sglang_bad_binding.py \
+        --basetemp=/tmp/bb > "$OUT/bad-binding.log" 2>&1
+    took bad-binding $?
+    cp /tmp/bb/*/probe.json "$OUT/bad-binding-probe.json" 2>/dev/null
+    cp /tmp/bb/*/work/sglang-route.log "$OUT/bad-binding-route-server.log" 2>/dev/null
+    tail -5 "$OUT/bad-binding.log" ;;
+pin)
+    timeout 560 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 65536 131072 \
+        --sglang --out "$OUT/pin-h100-sglang.json" > "$OUT/pin-h100-sglang.log" 2>&1
+    took pin $?
+    tail -12 "$OUT/pin-h100-sglang.log" ;;
+engine-pin)
+    timeout 570 python3 -m pytest -x -q -s -m sglang tests/sglang/test_engine_pin_gpu.py \
+        --basetemp=/tmp/ep > "$OUT/engine-pin.log" 2>&1
+    took engine-pin $?
+    find /tmp/ep -name "*.log" -size -16M | head -4 | while read -r f; do cp "$f" "$OUT/"; done
+    tail -8 "$OUT/engine-pin.log" ;;
+fp8)
+    timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py > "$OUT/fp8-gpu-tests.log" 2>&1
+    took "fp8 gpu tests" $?
+    tail -3 "$OUT/fp8-gpu-tests.log"
+    timeout 350 python3 -m tools.bench_sglang --kv-cache-dtype fp8_e4m3 --modes stock,route \
+        --regimes sparse --requests 8 --tokens 16 --forced-steps 4 --streams 8 --graph-bs 8 \
+        --holder-device cuda:0 --fit-steps 0 --work /tmp/corpusd-bench-fp8 \
+        --out "$OUT/sglang-fp8-h100.json" > "$OUT/sglang-fp8-h100.log" 2>&1
+    took "fp8 bench" $?
+    tail -10 "$OUT/sglang-fp8-h100.log" ;;
+esac
