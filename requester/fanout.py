@@ -280,10 +280,10 @@ class CorpusBinding:
         results = await asyncio.gather(
             *(self._group(layer, q, offsets, g, scale, len(self.view.holders)) for g in groups)
         )
-        self._rebalance()
+        self.rebalance()
         return merge_groups(q, self.geo.d_v, groups, results, dtype)
 
-    def _rebalance(self) -> None:
+    def rebalance(self) -> None:
         """Re-spread replicated pages by the holders' measured speeds (balance.py), when due."""
         if not self.view.shared_pages():
             return

@@ -7,10 +7,11 @@ Starts a coordinator (SQLite, ``--lease-s`` 3: a heartbeat a second, ``--replica
 ``--holders`` holders (``--max-flows``: the elbow each reports; torch threads: ``--cpus-per-holder``
 or 1), and pins a synthetic corpus whole on one holder (1 replica). Requests arrive open-loop at a
 fixed rate (Poisson), each an Attend of ``--rows`` query rows over ``--k`` random corpus positions
-at layer 0, routed the way a requester routes them: the page table's ``CorpusView`` (replicated pages
-spread by each holder's measured speed, ``--spread speed``, as corpusd's fan-out does; or page
-``p`` on replica ``p mod n``, ``--spread page``), one ``Attend`` per holder, LSE-merged. The requester re-reads the page
-table every ``--refresh-s`` (default lease / 3, as an agent worker's ``--table-refresh-s``
+at layer 0, routed the way a requester routes them: the page table's ``CorpusView``
+(replicated pages spread by each holder's measured speed, ``--spread speed``, as corpusd's
+fan-out does; or page ``p`` on replica ``p mod n``, ``--spread page``), one ``Attend`` per
+holder, LSE-merged. The requester re-reads the page table every ``--refresh-s`` (default
+lease / 3, as an agent worker's ``--table-refresh-s``
 does; 0: read once).
 
 ``--cpus-per-holder N`` gives each holder N cores of its own (every thread pinned, N torch

@@ -140,6 +140,9 @@ def test_link_attend_is_the_corpus_partial_from_inside_a_sync_caller(
         first = link.attend(b, 1, q, pos, cfg.softmax_scale)
         for _ in range(40):
             o, lse = link.attend(b, 1, q, pos, cfg.softmax_scale)
+        # every route call timed once for the replica spread (balance.py, in the shared fan-out)
+        speed = link.corpora[cluster.corpus_id].speed
+        assert speed.calls == {cluster.holders[0].address: 41}, speed.calls
     finally:
         link.close()
     assert torch.equal(first[0], o) and torch.equal(first[1], lse)
