@@ -220,11 +220,15 @@ def report(out: dict[str, Any]) -> None:
         ans = v["stock_answers"]
         print(f"{r}: stock answers {ans['distinct']} distinct, {ans['corpus_dependent']} change "
               f"without the corpus: {ans['text'][:2]}")  # fmt: skip
-    print(f"{'regime':<7} {'mode':<6} {'streams':>7} {'ttft ms':>8} {'itl p50 ms':>10} {'kv':>6}")
+    print(
+        f"{'regime':<7} {'mode':<6} {'streams':>7} {'ttft ms':>8} {'itl p50 ms':>10} "
+        f"{'tpot p50 ms':>11} {'kv':>6}"
+    )
     for r, v in out["regimes"].items():
         for m, by in v.get("concurrent_by_streams", {}).items():
             for n, c in by.items():
                 print(
                     f"{r:<7} {m:<6} {n:>7} {c['ttft_p50_ms']:>8.1f} "
-                    f"{c['inter_token_p50_ms']:>10.1f} {c['kv_pool_peak_tokens']:>6.0f}"
+                    f"{c['inter_token_p50_ms']:>10.1f} {c.get('tpot_p50_ms', float('nan')):>11.2f} "
+                    f"{c['kv_pool_peak_tokens']:>6.0f}"
                 )

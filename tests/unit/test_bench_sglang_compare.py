@@ -111,7 +111,8 @@ def test_report_prints_the_primitive_lines(capsys: pytest.CaptureFixture[str]) -
     score.update(inter_token_p50_ms={"route": 9.0, "fetch": 6.0, "auto": 6.3},
                  auto_itl_over_better_forced=1.05)  # fmt: skip
     c = compare(a, a)
-    conc = {"ttft_p50_ms": 50.0, "inter_token_p50_ms": 6.0, "kv_pool_peak_tokens": 100.0}
+    conc = {"ttft_p50_ms": 50.0, "inter_token_p50_ms": 6.0, "tpot_p50_ms": 6.25,
+            "kv_pool_peak_tokens": 100.0}  # fmt: skip
     out = {"regimes": {"sparse": {
         "vs_stock": {"route@fetch": c},
         "batched_vs_sequential": {"stock": free_running([[1]], [[1]])},
@@ -125,3 +126,4 @@ def test_report_prints_the_primitive_lines(capsys: pytest.CaptureFixture[str]) -
     # auto always routed: right where route measured cheaper, and its total is route's
     assert "predicate right 4/12 groups" in text and "auto / better forced 1.0 (within 10 %" in text
     assert "auto / better forced 1.050" in text and "route@auto       8" in text
+    assert "tpot p50 ms" in text and "       6.25    100" in text
