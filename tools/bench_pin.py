@@ -15,8 +15,9 @@ peak memory is its own. Two measurements:
 ``--profile`` first times the prefill's phases (indexer scores, top-k, projections, attention,
 MLPs) over the tar's first ``--profile`` tokens. ``--device cuda[:N]`` runs the same code on a
 GPU (default there: the SGLang-shaped preset in bf16, 1,024-token chunks, 16k/64k/256k tokens);
-``--device cpu`` with the same flags exercises that path here. Sizes past the model's positions
-(the preset's 163,840) are skipped with the reason.
+``--device cpu`` with the same flags exercises that path here. When a size is past the preset's
+163,840 positions the bench's checkpoint gets more (``--positions``; the rope stays the
+preset's), so 256k tokens run on both sides; with ``--positions 0`` such sizes are skipped.
 
 ``--sglang`` (GPU, sglang installed) then times stock SGLang's prefill of the same token ids on
 the same checkpoint, one server started once after the pins (``tools/pin_sglang.py``), and
@@ -217,6 +218,21 @@ def _child(args: list[str], env: dict[str, str]) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def bench_positions(preset: str, sizes: list[int], flag: int) -> int | None:
+    """The max_position_embeddings the bench's checkpoint needs for ``sizes`` (None: the
+    preset's). The rope stays the preset's (YaRN, factor 40 over 4,096): a throughput bench of
+    a random-weight model, which corpusd and SGLang then load alike, not a longer-context model."""
+    from corpusd.model.tiny import preset_config
+    from tools.pin_sglang import HEADROOM
+
+    have = preset_config(preset).max_position_embeddings
+    if flag > 0:
+        return flag
+    if flag == 0 or max(sizes) <= have:
+        return None
+    return -(-(max(sizes) + HEADROOM) // 4096) * 4096
+
+
 def vs_sglang(
     a: argparse.Namespace, model: Path, by_size: dict[int, dict[str, Any]], positions: int,
     ids_dir: Path, out: Path,
@@ -255,6 +271,11 @@ def main() -> None:
     p.add_argument("--no-tar", action="store_true", help="skip the tar")
     p.add_argument("--profile", type=int, default=0, help="time the phases over N tar tokens")
     p.add_argument("--out", help="default: bench/results/pin-<device>[-sglang].json")
+    p.add_argument(
+        "--positions", type=int, default=-1,
+        help="the checkpoint's max_position_embeddings: -1 (default) raises the preset's to the "
+        "largest size rounded up to 4,096 when it is short; 0 keeps the preset's",
+    )  # fmt: skip
     p.add_argument(
         "--sglang", action="store_true",
         help="also time stock SGLang's prefill of the same ids (GPU, sglang installed)",
@@ -304,8 +325,12 @@ def main() -> None:
         "load_avg_before": [round(x, 2) for x in os.getloadavg()],
     }
     with tempfile.TemporaryDirectory() as tmp:
-        topk = {"index_topk": SGLANG_TOPK} if a.sglang else {}
-        model_dir = init_tiny(Path(tmp) / "model", preset=preset, **topk)
+        overrides: dict[str, Any] = {"index_topk": SGLANG_TOPK} if a.sglang else {}
+        raised = bench_positions(preset, sizes, a.positions)
+        if raised is not None:  # the preset's 163,840 positions stop short of 256k tokens
+            overrides["max_position_embeddings"] = raised
+            result["max_position_embeddings_raised_to"] = raised
+        model_dir = init_tiny(Path(tmp) / "model", preset=preset, **overrides)
         positions = ModelConfig.from_dir(model_dir).max_position_embeddings
         result["index_topk"] = ModelConfig.from_dir(model_dir).index_topk  # SGLang's with --sglang
         (Path(tmp) / "ids").mkdir()

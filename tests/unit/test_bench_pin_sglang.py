@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.fake_sglang import install
+from tools.bench_pin import bench_positions
 from tools.pin_sglang import (
     CHUNK,
     HEADROOM,
@@ -58,6 +59,11 @@ def test_flags_are_the_shared_ones_with_room_for_the_longest_request() -> None:
 
 def test_skips_say_which_limit_and_why() -> None:
     assert positions_skip(163_840, 163_840) is None
+    # the bench raises the checkpoint's positions to its largest size (rounded up to 4,096)
+    assert bench_positions("sglang", [16_384, 262_144], -1) == 266_240
+    assert bench_positions("sglang", [16_384, 65_536], -1) is None  # the preset's suffice
+    assert bench_positions("sglang", [262_144], 0) is None  # kept: 256k is then skipped
+    assert bench_positions("cpu", [4_096], 300_000) == 300_000
     skip = positions_skip(262_144, 163_840)
     assert skip is not None and skip["skipped"] == "positions" and "163,840" in skip["reason"]
     ctx = 132_096
@@ -171,12 +177,14 @@ def test_run_sglang_warms_up_times_and_skips_what_the_pool_cannot_hold(
 
 def test_bench_pin_sglang_end_to_end_on_the_cpu(fake: Path, tmp_path: Path) -> None:
     """The lead's GPU command with ``--device cpu`` and the fake server: the pinned ids reach
-    SGLang, a size past the positions is skipped on both sides, the ratio is in the JSON."""
+    SGLang, a size past the positions is skipped on both sides (``--positions 0`` keeps the
+    preset's; by default the bench raises them), the ratio is in the JSON."""
     out = tmp_path / "pin.json"
     cmd = [
         sys.executable, "-m", "tools.bench_pin", "--device", "cpu", "--preset", "sglang",
         "--sizes", "600", "200000", "--chunk", "1024", "--dtype", "bfloat16", "--no-tar",
         "--sglang", "--sglang-port", str(free_port()), "--sglang-reps", "2", "--out", str(out),
+        "--positions", "0",  # the preset's: 200k is then skipped on both sides
     ]  # fmt: skip
     env = {**os.environ, "FAKE_SGLANG_S_PER_TOKEN": "2e-4"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
