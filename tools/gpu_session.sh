@@ -51,7 +51,7 @@ bad-binding)
     cp /tmp/bb/*/work/sglang-route.log "$OUT/bad-binding-route-server.log" 2>/dev/null
     tail -5 "$OUT/bad-binding.log" ;;
 pin)
-    timeout 560 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 65536 131072 \
+    timeout 560 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 65536 262144 \
         --sglang --out "$OUT/pin-h100-sglang.json" > "$OUT/pin-h100-sglang.log" 2>&1
     took pin $?
     tail -12 "$OUT/pin-h100-sglang.log" ;;
