@@ -5,14 +5,16 @@
 #   bash tools/gpu_session.sh fanin          # issue 21: bench_fanin, --spread speed then page (~4 min)
 #   bash tools/gpu_session.sh decode         # issue 17: stock vs graphed route, 8 and 64 streams (~6 min)
 #   bash tools/gpu_session.sh bad-binding    # issue 17: the pytest -m sglang bad-input test (~5 min)
+#   bash tools/gpu_session.sh predicate      # issue 17: forced route, forced fetch and auto, host path (~9 min)
 #   bash tools/gpu_session.sh pin            # issue 18: bench_pin --sglang, corpusd vs SGLang prefill (~6 min)
 #   bash tools/gpu_session.sh engine-pin     # issue 18: engine-true pages bit for bit (up to 9 min cold)
 #   bash tools/gpu_session.sh fp8            # issue 18: fp8 GPU tests, then bench_sglang on fp8 (~8 min)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | bad-binding | pin | engine-pin | fp8"}
-case "$step" in fanin|decode|bad-binding|pin|engine-pin|fp8) ;;
-    *) echo "unknown step $step: fanin | decode | bad-binding | pin | engine-pin | fp8" >&2; exit 2 ;;
+step=${1:?"a step: fanin | decode | bad-binding | predicate | pin | engine-pin | fp8"}
+case "$step" in fanin|decode|bad-binding|predicate|pin|engine-pin|fp8) ;;
+    *) echo "unknown step $step: fanin | decode | bad-binding | predicate | pin | engine-pin | fp8" >&2
+       exit 2 ;;
 esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -50,12 +52,26 @@ bad-binding)
     cp /tmp/bb/*/probe.json "$OUT/bad-binding-probe.json" 2>/dev/null
     cp /tmp/bb/*/work/sglang-route.log "$OUT/bad-binding-route-server.log" 2>/dev/null
     tail -5 "$OUT/bad-binding.log" ;;
+predicate)  # the JSON is saved after every mode, so a cut-short run keeps what it measured
+    timeout 570 python3 -m tools.bench_sglang --modes stock,route --primitive route,fetch,auto \
+        --regimes sparse --requests 8 --tokens 16 --forced-steps 4 --streams 8 --graph-bs 8 \
+        --holder-device cuda:0 --fit-steps 0 --work /tmp/bsp --out "$OUT/sglang-predicate-h100.json" \
+        > "$OUT/sglang-predicate-h100.log" 2>&1
+    took predicate $?
+    tail -14 "$OUT/sglang-predicate-h100.log" ;;
 pin)
     timeout 560 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 65536 262144 \
         --sglang --out "$OUT/pin-h100-sglang.json" > "$OUT/pin-h100-sglang.log" 2>&1
     took pin $?
     tail -12 "$OUT/pin-h100-sglang.log" ;;
-engine-pin)
+engine-predicate)  # the JSON is saved after every mode, so a cut-short run keeps what it measured
+    timeout 570 python3 -m tools.bench_sglang --modes stock,route --primitive route,fetch,auto \
+        --regimes sparse --requests 8 --tokens 16 --forced-steps 4 --streams 8 --graph-bs 8 \
+        --holder-device cuda:0 --fit-steps 0 --work /tmp/bsp --out "$OUT/sglang-predicate-h100.json" \
+        > "$OUT/sglang-predicate-h100.log" 2>&1
+    took predicate $?
+    tail -14 "$OUT/sglang-predicate-h100.log" ;;
+pin)
     timeout 570 python3 -m pytest -x -q -s -m sglang tests/sglang/test_engine_pin_gpu.py \
         --basetemp=/tmp/ep > "$OUT/engine-pin.log" 2>&1
     took engine-pin $?
