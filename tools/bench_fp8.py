@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from corpusd.model import fp8_cache as f8
-from tools.bench_gpu import (
+from tools.gpu_timing import (
     D_V,
     D,
     K,

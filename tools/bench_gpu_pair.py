@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tools.bench_gpu import D_V, D, K, command, env_info, graph_us, med, save
+from tools.gpu_timing import D_V, D, K, command, env_info, graph_us, med, save
 
 HOLDER_TOKENS = 1 << 17  # per GPU: 256k tokens over two
 PAGE = 64
