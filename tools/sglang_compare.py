@@ -70,6 +70,42 @@ def free_running(ref: list[list[int]], got: list[list[int]]) -> dict[str, Any]:
     return {"greedy_agree": same / total, "first_divergence": first_div}
 
 
+#: a first divergence at a stock top-2 margin under this is a near-tie (issue 18)
+NEAR_TIE_NATS = 0.05
+
+
+def divergences(
+    first: list[int],
+    lengths: list[int],
+    ref_forced: list[list[list[float]]],
+    got_forced: list[list[list[float]]],
+) -> dict[str, Any]:
+    """Each free-running answer that differs: its first differing step and both sides' top-2
+    margin there (nats). Up to that step both ran the same context, so the teacher-forced
+    vectors at it are the distributions each side chose from; a step past the forced steps
+    has no margin (None). ``all_near_ties``: every divergence has a margin, and stock's is under
+    :data:`NEAR_TIE_NATS`."""
+
+    def margin(v: list[float]) -> float:
+        top = sorted(v, reverse=True)
+        return round(top[0] - top[1], 5)
+
+    rows: list[dict[str, Any]] = []
+    for i, (d, n) in enumerate(zip(first, lengths, strict=True)):
+        if d >= n:
+            continue  # the same answer
+        known = d < len(ref_forced[i]) and d < len(got_forced[i])
+        rows.append({
+            "request": i,
+            "step": d,
+            "stock_top2_margin": margin(ref_forced[i][d]) if known else None,
+            "got_top2_margin": margin(got_forced[i][d]) if known else None,
+        })  # fmt: skip
+    near = all(r["stock_top2_margin"] is not None and r["stock_top2_margin"] < NEAR_TIE_NATS
+               for r in rows)  # fmt: skip
+    return {"near_tie_nats": NEAR_TIE_NATS, "all_near_ties": near, "rows": rows}
+
+
 def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
     """Free-running greedy agreement position by position; teacher-forced argmax agreement and
     log-softmax differences (entries above −30 in both) at every step and at the first."""
@@ -92,6 +128,12 @@ def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
                 first += d
     return {
         **free,
+        "divergences": divergences(
+            free["first_divergence"],
+            [len(g["tokens"]) for g in ref["greedy"]],
+            ref["forced"],
+            got["forced"],
+        ),
         "forced_agree": agree / steps,
         "forced_steps": steps,
         "ref_top2_margin_where_forced_differs": margins,
@@ -201,6 +243,12 @@ def report(out: dict[str, Any]) -> None:
             )
         for m, c in v["batched_vs_sequential"].items():
             print(f"{r:<7} {m + ' b8/b1':<11} {c['greedy_agree']:>6.3f}")
+        for name, c in pairs.items():
+            dv = c.get("divergences")
+            if dv and dv["rows"]:
+                at = [(x["step"], x["stock_top2_margin"]) for x in dv["rows"]]
+                print(f"{r:<7} {name:<11} first divergences (step, stock top-2 margin): {at}; "
+                      f"all under {dv['near_tie_nats']} nats: {dv['all_near_ties']}")  # fmt: skip
     for r, v in out["regimes"].items():
         if "primitive_exactness" in v:
             e = v["primitive_exactness"]

@@ -90,6 +90,39 @@ def _run(vectors: list[list[list[float]]]) -> dict[str, Any]:
     return {"greedy": [{"tokens": [1, 2]}], "forced": vectors}
 
 
+def test_first_divergences_carry_both_sides_top2_margins() -> None:
+    """Issue 18: every free-running divergence listed with stock's and route's top-2 margin at
+    the step where they parted (a near-tie under 0.05 nats is noise, a wide one is a defect)."""
+    stock = {
+        "greedy": [{"tokens": [1, 2, 0]}, {"tokens": [0, 0, 0]}, {"tokens": [2, 2, 2]}],
+        "forced": [
+            [[-0.1, -2.5, -9.0], [-0.70, -0.69, -9.0], [-0.1, -3.0, -9.0]],  # step 1: near tie
+            [[-0.1, -2.5, -9.0]] * 3,
+            [[-5.0, -5.0, -0.01]] * 2,  # 2 forced steps: a divergence at step 2 has no margin
+        ],
+    }
+    route = {
+        "greedy": [{"tokens": [1, 0, 0]}, {"tokens": [0, 0, 0]}, {"tokens": [2, 2, 1]}],
+        "forced": [
+            [[-0.1, -2.5, -9.0], [-0.69, -0.70, -9.0], [-0.1, -3.0, -9.0]],
+            [[-0.1, -2.5, -9.0]] * 3,
+            [[-5.0, -5.0, -0.01]] * 2,
+        ],
+    }
+    d = compare(stock, route)["divergences"]
+    assert d["rows"] == [
+        {"request": 0, "step": 1, "stock_top2_margin": 0.01, "got_top2_margin": 0.01},
+        {"request": 2, "step": 2, "stock_top2_margin": None, "got_top2_margin": None},
+    ]
+    assert not d["all_near_ties"]  # one divergence has no margin to judge
+    two = {k: v[:2] for k, v in stock.items()}
+    got = {k: v[:2] for k, v in route.items()}
+    assert compare(two, got)["divergences"]["all_near_ties"]
+    wide = {**got, "greedy": [{"tokens": [0, 2, 0]}, {"tokens": [0, 0, 0]}]}
+    far = compare(two, wide)["divergences"]
+    assert far["rows"][0]["stock_top2_margin"] == 2.4 and not far["all_near_ties"]
+
+
 def test_exactness_counts_every_teacher_forced_step() -> None:
     a = _run([[[-0.1, -2.5, -9.0], [-3.0, -0.06, -4.0]]])
     close = _run([[[-0.11, -2.49, -9.01], [-3.0, -0.07, -4.0]]])
