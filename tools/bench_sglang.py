@@ -74,6 +74,7 @@ from tools.sglang_server import (
     pin_format,
     request,
     start_corpusd,
+    start_pinned,
 )
 
 QUESTIONS = [
@@ -221,9 +222,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.probe_only:  # a route server and its binding probe only (no stock, no timing)
         return probe_only(a, work, model, regimes, vocab)
     assert modes[0] == "stock", "stock runs first: it is the reference"
-    cd = start_corpusd(
-        work, model, regimes, a.holders, a.holder_device, pin_format(a.kv_cache_dtype)
-    )
+    cd = start_pinned(work, model, regimes, a.holders, a.holder_device, a.kv_cache_dtype,
+                      a.port + 7 if a.pin_engine else 0)  # fmt: skip
     tok = ByteTokenizer()
     suffixes = [tok.encode(f"\n\nQ: {q}\nA:") for q in QUESTIONS[: a.requests]]
     runs: dict[str, dict[str, Any]] = {r: {} for r in regimes}
@@ -314,6 +314,7 @@ def summarize(
         "index_topk": topk,
         "index_arith": a.index_arith,
         "fit_steps": a.fit_steps,
+        "pinned_by": "sglang (capture backend)" if a.pin_engine else "corpusd",
         "requests": len(suffixes),
         "tokens_each": a.tokens,
         "holders": a.holders,
@@ -418,6 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run every server with --disable-cuda-graph (the plugin's host path needs it)",
     )
     ap.add_argument("--port", type=int, default=30123)
+    ap.add_argument(
+        "--pin-engine", action="store_true",
+        help="pin the corpora through a stock SGLang server in capture mode (corpusd pin "
+        "--engine): route then attends the engine's own pages (issue 18)",
+    )  # fmt: skip
     ap.add_argument(
         "--fit-steps",
         type=int,

@@ -8,12 +8,13 @@
 #   bash tools/gpu_session.sh predicate      # issue 17: forced route, forced fetch and auto, host path (~9 min)
 #   bash tools/gpu_session.sh pin            # issue 18: bench_pin --sglang, corpusd vs SGLang prefill (~6 min)
 #   bash tools/gpu_session.sh engine-pin     # issue 18: engine-true pages bit for bit (up to 9 min cold)
+#   bash tools/gpu_session.sh engine-agree   # issue 18: route on engine-true pages vs stock, fitted (~9 min)
 #   bash tools/gpu_session.sh fp8            # issue 18: fp8 GPU tests, then bench_sglang on fp8 (~8 min)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | bad-binding | predicate | pin | engine-pin | fp8"}
-case "$step" in fanin|decode|bad-binding|predicate|pin|engine-pin|fp8) ;;
-    *) echo "unknown step $step: fanin | decode | bad-binding | predicate | pin | engine-pin | fp8" >&2
+step=${1:?"a step: fanin | decode | bad-binding | predicate | pin | engine-pin | engine-agree | fp8"}
+case "$step" in fanin|decode|bad-binding|predicate|pin|engine-pin|engine-agree|fp8) ;;
+    *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
 OUT=${OUT:-/tmp/out}
@@ -77,6 +78,14 @@ pin)
     took engine-pin $?
     find /tmp/ep -name "*.log" -size -16M | head -4 | while read -r f; do cp "$f" "$OUT/"; done
     tail -8 "$OUT/engine-pin.log" ;;
+engine-agree)  # the fitted model stays in /tmp/bse: a second call on a warm machine resumes
+    timeout 570 python3 -m tools.bench_sglang --pin-engine --modes stock,route \
+        --regimes dense,sparse --requests 8 --tokens 16 --forced-steps 16 --streams 8 \
+        --graph-bs 8 --holder-device cuda:0 --fit-steps 2000 --work /tmp/bse \
+        --out "$OUT/sglang-engine-pages-h100.json" > "$OUT/sglang-engine-pages-h100.log" 2>&1
+    took engine-agree $?
+    cp /tmp/bse/sglang-capture.log "$OUT/" 2>/dev/null
+    tail -14 "$OUT/sglang-engine-pages-h100.log" ;;
 fp8)
     timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py > "$OUT/fp8-gpu-tests.log" 2>&1
     took "fp8 gpu tests" $?

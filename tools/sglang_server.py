@@ -99,10 +99,12 @@ def corpus_source(out: Path, n_bytes: int, first: str) -> Path:
 
 
 def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], holders: int,
-                  device: str, kv_format: str = "plain") -> Corpusd:  # fmt: skip
+                  device: str, kv_format: str = "plain", engine: str = "") -> Corpusd:  # fmt: skip
     """A coordinator, ``holders`` holders and an agent; each of ``corpora`` (name → bytes, first
     file) pinned through them, its latent rows in ``kv_format`` (``fp8_e4m3``: FlashMLA's fp8
-    rows, held and attended as such)."""
+    rows, held and attended as such). ``engine``: the URL of an SGLang server in capture mode
+    (``Server("capture", …)``) whose prefill the pins store instead of corpusd's own (the
+    engine's KV cache dtype then decides the format)."""
     from corpusd.coordinator.launch import start_coordinator
     from holder.launch import start_holder
     from requester.launch import start_agent
@@ -128,6 +130,8 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
             pin += ["--model", str(model), "--store", str(store), "--coordinator", coord.address]
             pin += ["--dtype", "float32" if device == "cpu" else "bfloat16"]  # the holders' dtype
             pin += ["--kv-format", kv_format]
+            if engine:
+                pin += ["--engine", engine]
             subprocess.run(pin, check=True)
             ps = PageStore(store)
             tokens[name] = ps.read_tokens(ps.resolve(name)).tolist()
@@ -136,6 +140,29 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
         for d in reversed(daemons):
             d.kill()
         raise
+
+
+def start_pinned(
+    work: Path, model: Path, corpora: dict[str, tuple[int, str]], holders: int, device: str,
+    kv_cache_dtype: str, engine_port: int = 0,
+) -> Corpusd:  # fmt: skip
+    """:func:`start_corpusd` with the pins' format following SGLang's ``kv_cache_dtype``; with
+    ``engine_port`` the corpora are pinned through a stock SGLang server in capture mode on that
+    port (engine-true pages, issue 18), stopped before the measured servers start, and
+    ``CORPUSD_STORE`` is set for the servers started after (the route plugin scores the engine's
+    verbatim indexer pages when it can read the store)."""
+    fmt = pin_format(kv_cache_dtype)
+    if not engine_port:
+        return start_corpusd(work, model, corpora, holders, device, fmt)
+    capture = Server("capture", model, engine_port, None, work / "sglang-capture.log", (),
+                     kv_cache_dtype)  # fmt: skip
+    try:
+        capture.wait()
+        cd = start_corpusd(work, model, corpora, holders, device, fmt, capture.url)
+    finally:
+        capture.stop()
+    os.environ["CORPUSD_STORE"] = str(cd.store)
+    return cd
 
 
 # -- one SGLang server ---------------------------------------------------------------------------
@@ -158,7 +185,7 @@ class Server:
         graph_bs: tuple[int, ...] = (), kv_cache_dtype: str = "auto",
         flags: list[str] | None = None,
     ) -> None:  # fmt: skip
-        assert cd is not None or mode == "stock", f"{mode=} serves from a corpusd: pass cd"
+        assert cd is not None or mode in ("stock", "capture"), f"{mode=} serves from a corpusd"
         env = {**os.environ, **SGLANG_ENV}
         base = sglang_flags(kv_cache_dtype) if flags is None else flags
         flags = ["--model-path", str(model), "--port", str(port), *base]
@@ -187,6 +214,19 @@ class Server:
                 CORPUSD_SGLANG_PATH="host", CORPUSD_SGLANG_PRIMITIVE=prim,
                 CORPUSD_SGLANG_TRACE=str(self.trace), CORPUSD_SGLANG_METRICS_PORT=str(port + 1),
             )  # fmt: skip
+        if mode == "capture":  # stock, whose HiCache backups go to a spool (corpusd pin --engine)
+            extra_cfg = {
+                "backend_name": "corpusd", "module_path": "requester.sglang.hicache",
+                "class_name": "CorpusdHiCacheStorage", "interface_v1": 1,
+                "corpusd_capture": str(log.parent / "spool-capture"), "model_path": str(model),
+            }  # fmt: skip
+            flags += [
+                "--enable-hierarchical-cache", "--hicache-write-policy", "write_through",
+                "--hicache-storage-backend", "dynamic",
+                "--hicache-storage-backend-extra-config", json.dumps(extra_cfg),
+                "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "kernel",
+                "--hicache-size", "2",
+            ]  # fmt: skip
         if mode == "fetch":
             assert cd is not None
             extra = {
