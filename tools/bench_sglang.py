@@ -65,7 +65,7 @@ from tools.sglang_compare import (
     report,
     vectors,
 )
-from tools.sglang_probe import binding_probe, concurrent_probe
+from tools.sglang_probe import binding_probe, concurrent_probe, first_token, first_token_score
 from tools.sglang_server import (
     SGLANG_ENV,
     Corpusd,
@@ -142,6 +142,10 @@ def measure(
     with ThreadPoolExecutor(len(prompts)) as pool:  # one thread per prompt
         steps = list(pool.map(forced, range(len(prompts))))
     result["forced"] = steps
+    try:  # a refused flush or a failed request costs this probe, not the mode's other numbers
+        result["first_token"] = first_token(server, mode, corpus, prompts, vocab)
+    except (RuntimeError, OSError) as e:
+        result["first_token"] = {"error": f"{type(e).__name__}: {e}"}
     by_streams = {s: concurrent(server, mode, corpus, prompts, s, n_tokens, vocab) for s in streams}
     result["concurrent"] = by_streams[streams[0]]
     result["concurrent_by_streams"] = {str(s): c for s, c in by_streams.items()}
@@ -340,6 +344,7 @@ def summarize(
             "concurrent_by_streams": {
                 m: v["concurrent_by_streams"] for m, v in by_mode.items() if "concurrent" in v
             },
+            "first_token": {m: v["first_token"] for m, v in by_mode.items() if "first_token" in v},
             "binding_probe": {
                 m: v["binding_probe"] for m, v in by_mode.items() if "binding_probe" in v
             },
@@ -364,6 +369,11 @@ def summarize(
             ),
             "text": [ByteTokenizer().decode(t) for t in stock],
         }
+        ft = {m: v.get("first_token", {}) for m, v in by_mode.items()}
+        if "cold_p50_ms" in ft["stock"] and "cold_p50_ms" in ft.get("route", {}):
+            out["regimes"][r]["first_token_score"] = first_token_score(
+                by_mode["stock"]["first_token"], by_mode["route"]["first_token"]
+            )
         if "route" in by_mode and "fetch" in by_mode:
             out["regimes"][r]["route_vs_fetch"] = compare(by_mode["fetch"], by_mode["route"])
         if "route@route" in by_mode and "route@fetch" in by_mode:  # the plugin's primitives

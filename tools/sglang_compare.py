@@ -268,6 +268,13 @@ def report(out: dict[str, Any]) -> None:
         ans = v["stock_answers"]
         print(f"{r}: stock answers {ans['distinct']} distinct, {ans['corpus_dependent']} change "
               f"without the corpus: {ans['text'][:2]}")  # fmt: skip
+    for r, v in out["regimes"].items():
+        for m, ft in v.get("first_token", {}).items():
+            if "cold_p50_ms" in ft:
+                print(f"{r}: {m} first token p50, idle server: cold {ft['cold_p50_ms']:.1f} ms "
+                      f"(after /flush_cache), warm {ft['warm_p50_ms']:.1f} ms")  # fmt: skip
+        if "first_token_score" in v:
+            print(f"{r}: first token targets {v['first_token_score']}")
     print(
         f"{'regime':<7} {'mode':<6} {'streams':>7} {'ttft ms':>8} {'itl p50 ms':>10} "
         f"{'tpot p50 ms':>11} {'kv':>6}"

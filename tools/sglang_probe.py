@@ -3,6 +3,7 @@ must fail alone with a clear message, fast, while the server serves every other 
 
 from __future__ import annotations
 
+import statistics
 import time
 import urllib.error
 from concurrent.futures import ThreadPoolExecutor
@@ -73,3 +74,35 @@ def concurrent_probe(
         "good": n,
         "server_alive": server.proc.poll() is None,
     }
+
+
+def first_token(
+    server: Server, mode: str, corpus: str, prompts: list[list[int]], vocab: int, n: int = 4
+) -> dict[str, Any]:
+    """Time to first token of single requests on an otherwise idle server (issue 17), each
+    twice: right after ``/flush_cache`` (**cold**: stock prefills the corpus with the question;
+    route prefills the question only, the corpus staying on the holders) and again at once
+    (**warm**: stock's radix cache holds the corpus). Medians over the first ``n`` prompts,
+    ms; each request asks for 2 tokens and is streamed, so the first chunk is the first token."""
+    from tools.pin_sglang import flush
+
+    cold: list[float] = []
+    warm: list[float] = []
+    for i, p in enumerate(prompts[:n]):
+        flush(server.url)
+        for into in (cold, warm):
+            t0 = time.monotonic()
+            times, _ = server.stream(request(p, 2, mode, corpus, 300 + i, vocab, False))
+            into.append((times[0] - t0) * 1e3)
+    med = statistics.median
+    return {"requests": len(cold), "cold_p50_ms": med(cold), "warm_p50_ms": med(warm),
+            "cold_ms": cold, "warm_ms": warm}  # fmt: skip
+
+
+def first_token_score(stock: dict[str, Any], route: dict[str, Any]) -> dict[str, Any]:
+    """Issue 17's first-token targets: route's (cold: it never holds the corpus in its radix
+    cache) within 1.5× stock's warm, and below stock's cold."""
+    warm = route["cold_p50_ms"] / stock["warm_p50_ms"]
+    cold = route["cold_p50_ms"] / stock["cold_p50_ms"]
+    return {"route_over_stock_warm": round(warm, 3), "within_1_5x_warm": warm <= 1.5,
+            "route_over_stock_cold": round(cold, 3), "below_stock_cold": cold < 1.0}  # fmt: skip

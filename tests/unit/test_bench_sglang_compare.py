@@ -93,7 +93,7 @@ def _run(vectors: list[list[list[float]]]) -> dict[str, Any]:
 def test_first_divergences_carry_both_sides_top2_margins() -> None:
     """Issue 18: every free-running divergence listed with stock's and route's top-2 margin at
     the step where they parted (a near-tie under 0.05 nats is noise, a wide one is a defect)."""
-    stock = {
+    stock: dict[str, list[Any]] = {
         "greedy": [{"tokens": [1, 2, 0]}, {"tokens": [0, 0, 0]}, {"tokens": [2, 2, 2]}],
         "forced": [
             [[-0.1, -2.5, -9.0], [-0.70, -0.69, -9.0], [-0.1, -3.0, -9.0]],  # step 1: near tie
@@ -101,7 +101,7 @@ def test_first_divergences_carry_both_sides_top2_margins() -> None:
             [[-5.0, -5.0, -0.01]] * 2,  # 2 forced steps: a divergence at step 2 has no margin
         ],
     }
-    route = {
+    route: dict[str, list[Any]] = {
         "greedy": [{"tokens": [1, 0, 0]}, {"tokens": [0, 0, 0]}, {"tokens": [2, 2, 1]}],
         "forced": [
             [[-0.1, -2.5, -9.0], [-0.69, -0.70, -9.0], [-0.1, -3.0, -9.0]],
@@ -152,6 +152,8 @@ def test_report_prints_the_primitive_lines(capsys: pytest.CaptureFixture[str]) -
         "primitive_exactness": exactness(a, a), "predicate": score,
         "stock_answers": {"distinct": 8, "corpus_dependent": 8, "text": ["a", "b"]},
         "concurrent_by_streams": {"route@auto": {"8": conc}},
+        "first_token": {"stock": {"cold_p50_ms": 400.0, "warm_p50_ms": 50.0}},
+        "first_token_score": {"within_1_5x_warm": True},
     }}}  # fmt: skip
     report(out)
     text = capsys.readouterr().out
@@ -160,3 +162,43 @@ def test_report_prints_the_primitive_lines(capsys: pytest.CaptureFixture[str]) -
     assert "predicate right 4/12 groups" in text and "auto / better forced 1.0 (within 10 %" in text
     assert "auto / better forced 1.050" in text and "route@auto       8" in text
     assert "tpot p50 ms" in text and "       6.25    100" in text
+    assert "stock first token p50, idle server: cold 400.0 ms (after /flush_cache)" in text
+    assert "first token targets {'within_1_5x_warm': True}" in text
+
+
+def test_first_token_is_timed_cold_after_a_flush_then_warm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 17's first-token probe: each prompt right after /flush_cache, then again; the
+    targets compare route's cold time with stock's warm (1.5x) and cold (below)."""
+    import tools.pin_sglang as pin_sglang
+    from tools import sglang_probe
+
+    events: list[str] = []
+    monkeypatch.setattr(pin_sglang, "flush", lambda url: events.append(f"flush {url}"))
+
+    class Stub:
+        url = "http://stub"
+
+        def __init__(self) -> None:
+            self.n = 0
+
+        def stream(self, body: dict[str, Any]) -> tuple[list[float], list[int]]:
+            import time
+
+            self.n += 1
+            events.append(f"req {body['input_ids'][0]}")
+            first = time.monotonic() + (0.02 if self.n % 2 else 0.002)  # cold, then warm
+            return [first, first + 0.01], [1, 2]
+
+    got = sglang_probe.first_token(Stub(), "stock", "c", [[7], [8], [9]], 16, n=2)  # type: ignore[arg-type]
+    assert events == ["flush http://stub", "req 7", "req 7", "flush http://stub", "req 8", "req 8"]
+    assert got["requests"] == 2 and got["cold_p50_ms"] > 15 > 5 > got["warm_p50_ms"]
+    score = sglang_probe.first_token_score(
+        {"cold_p50_ms": 400.0, "warm_p50_ms": 50.0}, {"cold_p50_ms": 70.0}
+    )
+    assert score == {"route_over_stock_warm": 1.4, "within_1_5x_warm": True,
+                     "route_over_stock_cold": 0.175, "below_stock_cold": True}  # fmt: skip
+    assert not sglang_probe.first_token_score(
+        {"cold_p50_ms": 60.0, "warm_p50_ms": 20.0}, {"cold_p50_ms": 70.0}
+    )["within_1_5x_warm"]
