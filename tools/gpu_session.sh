@@ -6,14 +6,15 @@
 #   bash tools/gpu_session.sh decode         # issue 17: stock vs graphed route, 8 and 64 streams (~6 min)
 #   bash tools/gpu_session.sh bad-binding    # issue 17: the pytest -m sglang bad-input test (~5 min)
 #   bash tools/gpu_session.sh predicate      # issue 17: forced route, forced fetch and auto, host path (~9 min)
+#   bash tools/gpu_session.sh layer          # issue 17: the corpus path per layer, top-k variants (~2 min)
 #   bash tools/gpu_session.sh pin            # issue 18: bench_pin --sglang, corpusd vs SGLang prefill (~6 min)
 #   bash tools/gpu_session.sh engine-pin     # issue 18: engine-true pages bit for bit (up to 9 min cold)
 #   bash tools/gpu_session.sh engine-agree   # issue 18: route on engine-true pages vs stock, fitted (~9 min)
 #   bash tools/gpu_session.sh fp8            # issue 18: fp8 GPU tests, then bench_sglang on fp8 (~8 min)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | bad-binding | predicate | pin | engine-pin | engine-agree | fp8"}
-case "$step" in fanin|decode|bad-binding|predicate|pin|engine-pin|engine-agree|fp8) ;;
+step=${1:?"a step: fanin | decode | bad-binding | predicate | layer | pin | engine-pin | engine-agree | fp8"}
+case "$step" in fanin|decode|bad-binding|predicate|layer|pin|engine-pin|engine-agree|fp8) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
@@ -60,6 +61,11 @@ predicate)  # the JSON is saved after every mode, so a cut-short run keeps what 
         > "$OUT/sglang-predicate-h100.log" 2>&1
     took predicate $?
     tail -14 "$OUT/sglang-predicate-h100.log" ;;
+layer)
+    timeout 300 python3 -m tools.bench_device_path --variants \
+        --out "$OUT/sglang-device-path-h100.json" > "$OUT/sglang-device-path-h100.log" 2>&1
+    took layer $?
+    tail -12 "$OUT/sglang-device-path-h100.log" ;;
 pin)
     timeout 560 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 65536 262144 \
         --sglang --out "$OUT/pin-h100-sglang.json" > "$OUT/pin-h100-sglang.log" 2>&1
