@@ -71,14 +71,7 @@ pin)
         --sglang --out "$OUT/pin-h100-sglang.json" > "$OUT/pin-h100-sglang.log" 2>&1
     took pin $?
     tail -12 "$OUT/pin-h100-sglang.log" ;;
-engine-predicate)  # the JSON is saved after every mode, so a cut-short run keeps what it measured
-    timeout 570 python3 -m tools.bench_sglang --modes stock,route --primitive route,fetch,auto \
-        --regimes sparse --requests 8 --tokens 16 --forced-steps 4 --streams 8 --graph-bs 8 \
-        --holder-device cuda:0 --fit-steps 0 --work /tmp/bsp --out "$OUT/sglang-predicate-h100.json" \
-        > "$OUT/sglang-predicate-h100.log" 2>&1
-    took predicate $?
-    tail -14 "$OUT/sglang-predicate-h100.log" ;;
-pin)
+engine-pin)
     timeout 570 python3 -m pytest -x -q -s -m sglang tests/sglang/test_engine_pin_gpu.py \
         --basetemp=/tmp/ep > "$OUT/engine-pin.log" 2>&1
     took engine-pin $?
