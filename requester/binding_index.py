@@ -1,0 +1,131 @@
+"""The indexer's corpus side of a :class:`~requester.fanout.CorpusBinding`: the two modes by
+which a requester finds a row's top-k corpus positions. **Replica**: the corpus's index keys,
+streamed once from as few live holders as cover every page and kept (:meth:`index_keys`), then
+scored here. **Distributed**: each live holder's own top-k, merged exactly (:meth:`holder_topk`).
+A holder that fails an indexer call is failed over as a failed attention call is (:meth:`_lost`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from indexer import index_scores
+from indexer.select import merge_topk, select_topk
+from requester.corpus_view import CorpusUnavailable, CorpusView
+from requester.plan import Geometry, failure
+
+if TYPE_CHECKING:
+    from requester.fanout import Fanout
+
+log = logging.getLogger("corpusd.requester")
+
+
+class CorpusIndexer:
+    """Mixed into CorpusBinding, which sets these."""
+
+    engine: Fanout
+    view: CorpusView
+    geo: Geometry
+    keys: dict[int, torch.Tensor]  # replica indexer: layer → [T, D_I]
+    dead: set[int]
+    _failing: asyncio.Lock
+
+    @property
+    def corpus_id(self) -> str:
+        return self.view.corpus_id
+
+    async def index_keys(self, layer: int) -> torch.Tensor:
+        """``[T, D_I]`` index keys of ``layer`` (in the geometry's dtype), streamed once and
+        kept: from as few holders as cover every page (a replica's copy is not streamed again),
+        skipping holders that fail (they are failed over, as for attention). Raises
+        CorpusUnavailable when the live holders do not hold every page."""
+        if layer not in self.keys:
+            view, p = self.view, self.view.page_size
+            keys = torch.empty(view.n_pages * p, self.geo.index_dim, dtype=self.geo.dtype)
+            got: set[int] = set()
+            for i, address in enumerate(view.holders):
+                held = {pg for pg, reps in enumerate(view.replicas) for h, _ in reps if h == i}
+                if i in self.dead or held <= got:
+                    continue
+                try:
+                    pages = await self.engine.client(address).index_keys(view.corpus_id, layer)
+                except grpc.aio.AioRpcError as e:
+                    await self._lost(i, e, "index keys")
+                    continue
+                for page, k in pages.items():
+                    keys[page * p : (page + 1) * p] = k
+                    got.add(page)
+            if len(got) < view.n_pages:
+                lost = sorted(set(range(view.n_pages)) - got)
+                raise CorpusUnavailable(
+                    f"corpus {view.corpus_id}: no live holder has the index keys of pages "
+                    f"{lost[:8]} (of {view.n_pages}); failed: "
+                    f"{sorted(view.holders[h] for h in self.dead)}"
+                )
+            self.keys[layer] = keys[: view.token_count]
+        return self.keys[layer]
+
+    async def holder_topk(
+        self, layer: int, iq: torch.Tensor, iw: torch.Tensor, limit: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Distributed indexer, phase one: each live holder's local top-``index_topk``
+        ``(positions, scores)`` of ``iq [n, H_I, D_I]`` / ``iw [n, H_I]`` over canonical
+        positions below ``limit [n]``. The global top-k is a subset of their union, which
+        still holds when a holder fails, as long as the others hold a replica of each of its
+        pages (else CorpusUnavailable)."""
+        g = self.geo
+        live = [(i, a) for i, a in enumerate(self.view.holders) if i not in self.dead]
+        parts = await asyncio.gather(
+            *(
+                self.engine.client(a).index_topk(
+                    self.corpus_id, layer, iq, iw, limit, g.index_topk, g.index_arith
+                )
+                for _, a in live
+            ),
+            return_exceptions=True,
+        )
+        for (i, _), part in zip(live, parts, strict=True):
+            if isinstance(part, grpc.aio.AioRpcError):
+                await self._lost(i, part, "index top-k")
+            elif isinstance(part, BaseException):
+                raise part
+        return [part for part in parts if not isinstance(part, BaseException)]
+
+    async def _lost(self, holder: int, e: grpc.aio.AioRpcError, what: str) -> None:
+        """A holder failed an indexer call: fail it over, as a failed attention call is. Raises
+        CorpusUnavailable when some page then has no live replica."""
+        code, detail = failure(e)
+        self.engine.metrics.errors.labels(code.name).inc()
+        async with self._failing:
+            if holder in self.dead:
+                return
+            self.dead.add(holder)
+            log.warning(
+                "holder %s failed (%s: %s) during %s; failing it over",
+                self.view.holders[holder], code.name, detail, what,
+            )  # fmt: skip
+            self.view = self.view.failover(self.dead)
+            self.engine.metrics.fallbacks.labels("index", "replica").inc()
+
+    async def topk(self, layer: int, iq: torch.Tensor, iw: torch.Tensor) -> torch.Tensor:
+        """The exact top-``index_topk`` canonical positions ``[n, k]`` of the whole corpus for
+        index queries ``iq [n, H_I, D_I]`` and head weights ``iw [n, H_I]`` (ties: lowest
+        position first): over the replica keys when this binding keeps them, else merged from
+        the holders' own top-k."""
+        g = self.geo
+        iq, iw = iq.to(g.dtype), iw.to(g.dtype)
+        if self.keys:
+            keys = await self.index_keys(layer)
+            scale = g.index_dim**-0.5
+            return await self.engine.off(
+                lambda: select_topk(index_scores(iq, iw, keys, scale, g.index_arith), g.index_topk)
+            )
+        limit = torch.full((len(iq),), self.view.token_count, dtype=torch.int64)
+        parts = await self.holder_topk(layer, iq, iw, limit)
+        positions = torch.cat([p for p, _ in parts], 1)
+        return merge_topk(positions, torch.cat([s for _, s in parts], 1), g.index_topk)
