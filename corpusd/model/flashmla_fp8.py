@@ -136,12 +136,18 @@ def lse_to_natural(device: str) -> float:
     scale = D_QK**-0.5
     _, lse, _ = raw(q, kv, idx, scale)
     _, ref = fp8_partial_attention(q.float(), kv, idx, scale, D_V)
+    return lse_base(lse, ref, "FlashMLA's fp8 decode lse")
+
+
+def lse_base(lse: torch.Tensor, ref: torch.Tensor, kernel: str) -> float:
+    """The factor (1.0 or ln 2) that makes a kernel's probe ``lse`` the reference's natural-log
+    ``ref``. Raises RuntimeError naming ``kernel`` when neither does."""
     for factor in (1.0, math.log(2.0)):
         if torch.allclose(lse.float() * factor, ref, rtol=1e-3, atol=1e-2):
             return factor
     raise RuntimeError(
-        f"FlashMLA's fp8 decode lse matches neither natural log nor base 2: {lse[0, :4].tolist()} "
-        f"vs reference {ref[0, :4].tolist()}; check the sgl_kernel build"
+        f"{kernel} matches neither natural log nor base 2: {lse[0, :4].tolist()} vs reference "
+        f"{ref[0, :4].tolist()}; check the sgl_kernel build"
     )
 
 

@@ -281,3 +281,14 @@ def test_the_bench_runs_fp8_with_flags_the_plugin_accepts() -> None:
         worker = formats.worker_format(kv)
         formats.check_backends(worker, got["--nsa-prefill-backend"], got["--nsa-decode-backend"])
     assert len(sglang_flags("fp8_e4m3")) == len(SGLANG_FLAGS)
+
+
+def test_lse_base_says_which_log_a_kernel_returns() -> None:
+    """The LSE-base probe both FlashMLA wrappers share (corpusd/model/flashmla_fp8.lse_base)."""
+    from corpusd.model.flashmla_fp8 import lse_base
+
+    ref = torch.tensor([[2.0, 3.5], [0.25, -1.0]])
+    assert lse_base(ref.clone(), ref, "k") == 1.0
+    assert lse_base(ref / math.log(2.0), ref, "k") == pytest.approx(math.log(2.0))
+    with pytest.raises(RuntimeError, match="FlashMLA's lse matches neither natural log nor base"):
+        lse_base(ref * 3.0, ref, "FlashMLA's lse")
