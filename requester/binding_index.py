@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import grpc
 import torch
@@ -17,10 +18,20 @@ import torch
 from indexer import index_scores
 from indexer.select import merge_topk, select_topk
 from requester.corpus_view import CorpusUnavailable, CorpusView
+from requester.holder_client import HolderClient
+from requester.metrics import RequesterMetrics
 from requester.plan import Geometry, failure
 
-if TYPE_CHECKING:
-    from requester.fanout import Fanout
+
+class Engine(Protocol):
+    """What the indexer side uses of :class:`~requester.fanout.Fanout` (named here, not
+    imported: fanout.py imports this module)."""
+
+    metrics: RequesterMetrics
+    off: Callable[..., Awaitable[Any]]
+
+    def client(self, address: str) -> HolderClient: ...
+
 
 log = logging.getLogger("corpusd.requester")
 
@@ -28,7 +39,7 @@ log = logging.getLogger("corpusd.requester")
 class CorpusIndexer:
     """Mixed into CorpusBinding, which sets these."""
 
-    engine: Fanout
+    engine: Engine
     view: CorpusView
     geo: Geometry
     keys: dict[int, torch.Tensor]  # replica indexer: layer → [T, D_I]

@@ -136,6 +136,8 @@ class Fanout(Connections):
 class CorpusBinding(CorpusIndexer):
     """One bound corpus: its plan and per-corpus state (see the module docstring)."""
 
+    engine: Fanout  # the whole engine here; the indexer side needs only its Engine part
+
     def __init__(
         self,
         engine: Fanout,
