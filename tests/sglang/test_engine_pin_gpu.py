@@ -44,6 +44,7 @@ from corpusd.model import ModelConfig
 from corpusd.model.tiny import init_tiny
 from corpusd.tokenizer import load_tokenizer
 from tests.support.checks import why_no_sglang_gpu
+from tests.support.procwatch import Workers, descendants
 from tools.sglang_server import SGLANG_ENV, sglang_flags
 
 pytestmark = [
@@ -67,37 +68,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _children(pid: int, workers: bool = False) -> list[int]:
-    """Every live descendant of ``pid`` (Linux ``/proc``); with ``workers``, only its direct
-    children that ``multiprocessing`` started (SGLang's scheduler and detokenizer: not the
-    compilers and tools that come and go under them)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z":  # state; a zombie has exited
-            parents[int(stat.parent.name)] = int(fields[1])
-    if workers:
-        out = []
-        for c, pp in parents.items():
-            try:
-                cmd = Path(f"/proc/{c}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if pp == pid and b"multiprocessing" in cmd:
-                out.append(c)
-        return out
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
 
 
 class Server:
@@ -131,15 +101,13 @@ class Server:
         Fails at once when the server or one of its processes exits (a scheduler that dies of a
         signal takes no launcher down with it: SGLang would wait forever), and past the limits
         with every server thread's stack in the failure. ``self.jit_s``: the time compilers ran."""
-        t0, last, seen = time.monotonic(), time.monotonic(), set[int]()
+        t0, last, workers = time.monotonic(), time.monotonic(), Workers(self.proc.pid)
         self.jit_s = 0.0
         while (now := time.monotonic()) - t0 - self.jit_s < timeout and now - t0 < cap:
             assert self.proc.poll() is None, f"sglang exited:\n{self.tail()}"
-            kids = set(_children(self.proc.pid, workers=True))
-            if gone := seen - kids:
+            if gone := workers.poll():
                 time.sleep(2)  # let faulthandler's dump reach the log
-                pytest.fail(f"sglang processes {sorted(gone)} exited:\n{self.tail(200)}")
-            seen |= kids
+                pytest.fail(f"sglang processes {gone} exited:\n{self.tail(200)}")
             if self._compiling():
                 self.jit_s += now - last
             last = now
@@ -158,7 +126,7 @@ class Server:
         )
 
     def _compiling(self) -> bool:
-        for pid in _children(self.proc.pid):
+        for pid in descendants(self.proc.pid):
             with contextlib.suppress(OSError):
                 argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
                 if any(c in Path(argv0.decode(errors="replace")).name.encode() for c in COMPILERS):
@@ -168,7 +136,7 @@ class Server:
     def stacks(self) -> str:
         """Where every server process is (py-spy when installed, else faulthandler's dump on
         SIGABRT, which ends the process), then the log's tail."""
-        pids = [*_children(self.proc.pid), self.proc.pid]
+        pids = [*descendants(self.proc.pid), self.proc.pid]
         dumps = ["== processes (a compiler here: the server is building a JIT kernel)"]
         for pid in pids:
             with contextlib.suppress(OSError):
