@@ -5,7 +5,9 @@ it the JSON and the table are still written)."""
 from __future__ import annotations
 
 import itertools
+import json
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,3 +194,24 @@ def plot(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
+
+
+def replot(result: Path, path: Path | None = None) -> Path | None:
+    """The plot of a saved bench_fanin JSON (a run made with ``--plot none``, e.g. on a host
+    without matplotlib), next to it unless ``path``; None without matplotlib."""
+    out = json.loads(result.read_text())
+    run = Run(t0=0.0, samples=out["samples"])
+    run.phases = [(name, s["from_s"]) for name, s in out["phases"].items() if "from_s" in s]
+    png = path or result.with_suffix(".png")
+    s = out["setup"]
+    title = (
+        f"bench_fanin: {s['holders']} holders, elbow {s['max_flows_elbow']}, "
+        f"{s.get('spread', 'page')} spread; {out['machine']} (replotted from the JSON)"
+    )
+    acts = out["replica_actions"]
+    return png if plot(out["per_second"], run, acts, out["hot_holder"], png, title) else None
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        print(replot(Path(name)) or "no plot: matplotlib is not installed")
