@@ -34,6 +34,7 @@ from requester.sglang import device
 from requester.sglang.backend import _sparse_lse_base2
 from requester.sglang.lse import merge_local_corpus
 from requester.sglang.resident import ArenaCorpus, Resident
+from tools.gpu_timing import command
 
 
 def graphed_ms(fn: Callable[[], Any], reps: int) -> float:
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-format", choices=("plain", "fp8_e4m3"), default="plain",
                     help="the holder pool's rows: bf16, or FlashMLA's fp8 rows")  # fmt: skip
     a = ap.parse_args(argv)
-    out = run(a)
+    out = {"command": command(), "gpu": torch.cuda.get_device_name(), **run(a)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     return 0

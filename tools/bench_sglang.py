@@ -303,6 +303,15 @@ def probe_only(
     return out
 
 
+def gpu_name() -> str:
+    """The first GPU's name as nvidia-smi gives it (this process does not load torch)."""
+    try:
+        q = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        return subprocess.run(q, capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def save(path: str, out: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(path).with_suffix(".tmp")
@@ -315,6 +324,8 @@ def summarize(
     topk: int, suffixes: list[list[int]],
 ) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {
+        "command": "python -m tools.bench_sglang " + " ".join(sys.argv[1:]),
+        "gpu": gpu_name(),
         "index_topk": topk,
         "index_arith": a.index_arith,
         "fit_steps": a.fit_steps,

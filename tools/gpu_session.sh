@@ -26,6 +26,9 @@ if [ ! -f /tmp/site/.corpusd-installed ]; then
         .sglang-deps/whl/*.whl && touch /tmp/site/.corpusd-installed
 fi
 export PYTHONPATH=/tmp/site:$PWD
+# outputs are named by the card that ran them (a call for an H100 may get an H200)
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE "h100|h200|a100|b200" | tr A-Z a-z)
+GPU=${GPU:-gpu}
 t0=$(date +%s)
 took() { echo "$1: rc=$2 after $(( $(date +%s) - t0 )) s"; }
 
@@ -42,11 +45,11 @@ fanin)
 decode)
     timeout 560 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
         --tokens 16 --forced-steps 4 --streams 8,64 --graph-bs 8,64 --holder-device cuda:0 \
-        --fit-steps 0 --work /tmp/bsg --out "$OUT/sglang-graphs64-h100.json" \
-        > "$OUT/sglang-graphs64-h100.log" 2>&1
+        --fit-steps 0 --work /tmp/bsg --out "$OUT/sglang-graphs64-$GPU.json" \
+        > "$OUT/sglang-graphs64-$GPU.log" 2>&1
     took decode $?
     cp /tmp/bsg/sglang-route*.log "$OUT/" 2>/dev/null
-    tail -12 "$OUT/sglang-graphs64-h100.log" ;;
+    tail -12 "$OUT/sglang-graphs64-$GPU.log" ;;
 bad-binding)
     timeout 560 python3 -m pytest -x -q -s -m sglang tests/sglang/test_sglang_bad_binding.py \
         --basetemp=/tmp/bb > "$OUT/bad-binding.log" 2>&1
@@ -57,20 +60,20 @@ bad-binding)
 predicate)  # the JSON is saved after every mode, so a cut-short run keeps what it measured
     timeout 570 python3 -m tools.bench_sglang --modes stock,route --primitive route,fetch,auto \
         --regimes sparse --requests 8 --tokens 16 --forced-steps 4 --streams 8 --graph-bs 8 \
-        --holder-device cuda:0 --fit-steps 0 --work /tmp/bsp --out "$OUT/sglang-predicate-h100.json" \
-        > "$OUT/sglang-predicate-h100.log" 2>&1
+        --holder-device cuda:0 --fit-steps 0 --work /tmp/bsp --out "$OUT/sglang-predicate-$GPU.json" \
+        > "$OUT/sglang-predicate-$GPU.log" 2>&1
     took predicate $?
-    tail -14 "$OUT/sglang-predicate-h100.log" ;;
+    tail -14 "$OUT/sglang-predicate-$GPU.log" ;;
 layer)
     timeout 300 python3 -m tools.bench_device_path --variants \
-        --out "$OUT/sglang-device-path-h100.json" > "$OUT/sglang-device-path-h100.log" 2>&1
+        --out "$OUT/sglang-device-path-$GPU.json" > "$OUT/sglang-device-path-$GPU.log" 2>&1
     took layer $?
-    tail -12 "$OUT/sglang-device-path-h100.log" ;;
+    tail -12 "$OUT/sglang-device-path-$GPU.log" ;;
 pin)
     timeout 560 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 65536 262144 \
-        --sglang --out "$OUT/pin-h100-sglang.json" > "$OUT/pin-h100-sglang.log" 2>&1
+        --sglang --out "$OUT/pin-$GPU-sglang.json" > "$OUT/pin-$GPU-sglang.log" 2>&1
     took pin $?
-    tail -12 "$OUT/pin-h100-sglang.log" ;;
+    tail -12 "$OUT/pin-$GPU-sglang.log" ;;
 engine-pin)
     timeout 570 python3 -m pytest -x -q -s -m sglang tests/sglang/test_engine_pin_gpu.py \
         --basetemp=/tmp/ep > "$OUT/engine-pin.log" 2>&1
@@ -81,10 +84,10 @@ engine-agree)  # the fitted model stays in /tmp/bse: a second call on a warm mac
     timeout 570 python3 -m tools.bench_sglang --pin-engine --modes stock,route \
         --regimes dense,sparse --requests 8 --tokens 16 --forced-steps 16 --streams 8 \
         --graph-bs 8 --holder-device cuda:0 --fit-steps 2000 --work /tmp/bse \
-        --out "$OUT/sglang-engine-pages-h100.json" > "$OUT/sglang-engine-pages-h100.log" 2>&1
+        --out "$OUT/sglang-engine-pages-$GPU.json" > "$OUT/sglang-engine-pages-$GPU.log" 2>&1
     took engine-agree $?
     cp /tmp/bse/sglang-capture.log "$OUT/" 2>/dev/null
-    tail -14 "$OUT/sglang-engine-pages-h100.log" ;;
+    tail -14 "$OUT/sglang-engine-pages-$GPU.log" ;;
 fp8)
     timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py > "$OUT/fp8-gpu-tests.log" 2>&1
     took "fp8 gpu tests" $?
