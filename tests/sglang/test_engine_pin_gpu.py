@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from corpusd.cli import main as cli_main
 from corpusd.corpus.layout import FILE_HEADER
@@ -239,3 +240,72 @@ def test_pages_pinned_through_sglang_are_what_sglang_holds(tmp_path: Path, kv: s
         for s in (a, b):
             if s is not None:
                 s.stop()
+
+
+def _corpus_dir(tmp_path: Path) -> tuple[Path, Any, Path]:
+    """The tiny SGLang-shaped model, its tokenizer and a one-file corpus longer than the index's
+    top-k with a partial last page (as the test above builds them)."""
+    model = init_tiny(tmp_path / "model", preset="sglang", index_topk=2048)
+    mc = ModelConfig.from_dir(model)
+    tok = load_tokenizer(model, mc.bos_token_id, mc.eos_token_id)
+    text = (ROOT / "README.md").read_text()[:CORPUS_BYTES].rstrip("\n") + "\n"
+    header = len(tok.encode(FILE_HEADER.format(path="notes.md"))) + (tok.bos_id is not None)
+    if (header + len(tok.encode(text))) % PAGE == 0:
+        text = text[:-2] + "\n"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "notes.md").write_text(text)
+    return model, tok, src
+
+
+def test_control_two_servers_compute_the_same_pages_and_log_probs(tmp_path: Path) -> None:
+    """The premise of the bit-for-bit test: two fresh servers that compute the same corpus
+    themselves (both capture servers, each pinned through) hold the same page bytes and answer a
+    question after it with the same log-probs. A third server fed the first one's pinned pages
+    is compared too. Every fact is printed (JSON) before anything is asserted, so one run says
+    which of the three comparisons breaks."""
+    model, tok, src = _corpus_dir(tmp_path)
+    servers: dict[str, Server] = {}
+    facts: dict[str, Any] = {}
+    try:
+        for name in ("a", "c"):  # started together: each takes --mem-fraction-static 0.3
+            extra = _backend(corpusd_capture=str(tmp_path / f"spool-{name}"), model_path=str(model))
+            servers[name] = Server(model, tmp_path / f"{name}.log", "auto", extra, "best_effort")
+        stores = {}
+        for name in ("a", "c"):
+            servers[name].wait()
+            stores[name] = PageStore(tmp_path / f"store-{name}")
+            args = ["pin", "--corpus", str(src), "--model", str(model), "--store",
+                    str(tmp_path / f"store-{name}"), "--engine", servers[name].url,
+                    "--coordinator", "", "--name", "eng"]  # fmt: skip
+            assert cli_main(args) == 0, servers[name].tail()
+        ids = {n: s.resolve("eng") for n, s in stores.items()}
+        m = stores["a"].manifest(ids["a"])
+        facts["corpus_ids_equal"] = ids["a"] == ids["c"]
+        differ, rows = [], []  # per layer: indexer pages, latent rows that differ
+        for li in range(m.n_layers):
+            pa, pc = (stores[n].read_index_pages(ids[n], li, range(m.n_pages)) for n in "ac")
+            assert pa is not None and pc is not None
+            differ.append(int((pa != pc).any(dim=-1).sum()))
+            la, lc = (stores[n].read_pages(ids[n], li, range(m.n_pages))[0] for n in "ac")
+            rows.append(int((la.view(torch.int16) != lc.view(torch.int16)).any(dim=-1).sum()))
+        facts["index_pages_differing_per_layer"] = differ
+        facts["latent_rows_differing_per_layer"] = rows
+        extra = _backend(corpusd_store=str(tmp_path / "store-a"), model_path=str(model))
+        servers["b"] = Server(model, tmp_path / "b.log", "auto", extra, "wait_complete")
+        servers["b"].wait()
+        corpus = stores["a"].read_tokens(ids["a"]).tolist()
+        for q in QUESTIONS:
+            out = {n: servers[n].generate(corpus + tok.encode(q))["meta_info"] for n in "acb"}
+            facts[q] = {
+                n: {"cached": o["cached_tokens"], "lp": [x[0] for x in o["output_token_logprobs"]]}
+                for n, o in out.items()
+            }
+        print("CONTROL " + json.dumps(facts))
+        assert not any(rows) and not any(differ), facts
+        for q in QUESTIONS:
+            assert facts[q]["a"]["lp"] == facts[q]["c"]["lp"], f"two fresh servers differ: {facts}"
+            assert facts[q]["a"]["lp"] == facts[q]["b"]["lp"], f"pinned pages differ: {facts}"
+    finally:
+        for s in servers.values():
+            s.stop()
