@@ -1,18 +1,25 @@
 """``corpusd pin --engine`` against a real SGLang server (issue 18; ``pytest -m sglang``).
 
 Server A runs with the capture backend; the test pins a text through ``--engine`` and holds the
-stored pages to what A itself holds for that prompt, bit for bit. The check must not go through
-the capture path it tests (comparing the store with the spool would only check the copy), so it
-goes through SGLang's own arithmetic:
+stored pages to what A held, bit for bit, and to what a fresh server B is given back:
 
-- A keeps the corpus's whole pages in its radix cache (device KV pool and indexer cache) after
-  the pin's request. Server B, started fresh with the fetch backend (``corpusd_store`` = the
-  pinned store), holds nothing and loads those pages from the store through HiCache.
-- The same prompts (corpus + a question) go to both, one at a time. Each server reuses exactly
-  the corpus's whole pages (``cached_tokens``, checked) and computes the rest with the same
-  kernels on the same shapes: A from its own pool, B from the pinned pages. The greedy tokens and
-  every returned log-prob (float32, top 5 per step) must be equal, exactly. One bit off in a
-  latent row that is attended, or an index key that changes a top-k, changes log-probs.
+- The spool holds each page as A's host pool held it: SGLang's write-through copy of its device
+  pool (``batch_set_v1``), copied out by :func:`corpusd.engine.spool.capture`, whose reading of
+  every host layout is tested on CPU against pools shaped as SGLang's. Here every whole page of
+  the pinned corpus, as the fetch backend hands it to a host pool
+  (:meth:`CorpusPages.host_page`), must equal A's spooled bytes: latent rows and indexer pages.
+- Server B, started fresh with the fetch backend (``corpusd_store`` = the pinned store), holds
+  nothing, loads the corpus's whole pages from the store (``cached_tokens``, checked) and answers
+  the same questions as A.
+
+What this cannot check is A's and B's answers for equality: SGLang's NSA prefill is not
+deterministic from one server to the next. Two fresh servers that prefill the same corpus hold
+different bytes (an H200 run: layer 0 equal, layer 1 981 of 3,029 latent rows and 16 of 48
+indexer pages different) and answer with log-probs ~0.001-0.01 apart, and SGLang 0.5.10 refuses
+``--enable-deterministic-inference`` with ``--attention-backend nsa``. The strict xfail control
+below measures that and turns into a failure the day it stops being true; then the answers can be
+compared exactly again. A's and B's log-prob differences are printed.
+
 - The corpus is longer than ``index_topk`` (2,048) so the index keys decide which corpus keys are
   attended (sparse regime), and is not a whole number of pages (the tail page is filled by the
   pin's decode steps and dropped).
@@ -25,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -41,9 +49,11 @@ import torch
 from corpusd.cli import main as cli_main
 from corpusd.corpus.layout import FILE_HEADER
 from corpusd.corpus.store import PageStore
+from corpusd.engine.spool import page_hashes, read_page
 from corpusd.model import ModelConfig
 from corpusd.model.tiny import init_tiny
 from corpusd.tokenizer import load_tokenizer
+from requester.sglang.pages import CorpusPages
 from tests.support.checks import why_no_sglang_gpu
 from tests.support.procwatch import Workers, descendants
 from tools.sglang_server import SGLANG_ENV, sglang_flags
@@ -87,6 +97,8 @@ class Server:
             "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "kernel",
             "--hicache-size", "2",
         ]  # fmt: skip
+        # more SGLang flags for a run (e.g. --enable-deterministic-inference, for the control)
+        flags += shlex.split(os.environ.get("CORPUSD_TEST_SGLANG_FLAGS", ""))
         self.url, self.log = f"http://127.0.0.1:{port}", log
         self._log = log.open("w")
         path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
@@ -223,6 +235,19 @@ def test_pages_pinned_through_sglang_are_what_sglang_holds(tmp_path: Path, kv: s
         b.wait()
         corpus = ps.read_tokens(m.corpus_id).tolist()
         whole = m.token_count // PAGE * PAGE
+        pages = CorpusPages(str(store), m.model_fingerprint)
+        keys = page_hashes(corpus)
+        assert len(keys) == whole // PAGE and all(k in pages for k in keys)
+        layout = json.loads((spool / "engine.json").read_text())["layout"]
+        host_dtype = torch.uint8 if kv == "fp8_e4m3" else torch.bfloat16
+        for n, key in enumerate(keys):
+            held_kv, held_index = read_page(spool, key)
+            kv_page, index_pages = pages.host_page(key, layout, host_dtype)
+            same_kv = torch.equal(held_kv.flatten().view(torch.uint8), kv_page.view(torch.uint8))
+            assert same_kv, f"page {n}: latent rows differ from what A held"
+            assert held_index is not None and len(index_pages) == len(held_index)
+            for li, page in enumerate(index_pages):
+                assert torch.equal(page, held_index[li]), f"page {n} layer {li}: indexer page"
         for q in QUESTIONS:
             prompt = corpus + tok.encode(q)
             ra, rb = a.generate(prompt), b.generate(prompt)
@@ -231,11 +256,10 @@ def test_pages_pinned_through_sglang_are_what_sglang_holds(tmp_path: Path, kv: s
             assert mb["cached_tokens"] >= whole, (
                 f"B did not load the pinned pages ({mb['cached_tokens']} cached):\n{b.tail()}"
             )
-            assert ra["output_ids"] == rb["output_ids"], (q, ra["output_ids"], rb["output_ids"])
             la = [x[0] for x in ma["output_token_logprobs"]]
             lb = [x[0] for x in mb["output_token_logprobs"]]
-            assert la == lb, f"{q!r}: log-probs differ: {la} vs {lb}"
-            assert ma["output_top_logprobs"] == mb["output_top_logprobs"], q
+            print(f"{q!r}: A {ra['output_ids']} B {rb['output_ids']}; log-prob A - B "
+                  f"{[round(x - y, 5) for x, y in zip(la, lb, strict=True)]}")  # fmt: skip
     finally:
         for s in (a, b):
             if s is not None:
@@ -258,6 +282,11 @@ def _corpus_dir(tmp_path: Path) -> tuple[Path, Any, Path]:
     return model, tok, src
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="SGLang's NSA prefill is not deterministic across servers (module docstring); "
+    "an XPASS means it is now, and the bit-for-bit test can compare answers exactly again",
+)
 def test_control_two_servers_compute_the_same_pages_and_log_probs(tmp_path: Path) -> None:
     """The premise of the bit-for-bit test: two fresh servers that compute the same corpus
     themselves (both capture servers, each pinned through) hold the same page bytes and answer a
