@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-format", choices=("plain", "fp8_e4m3"), default="plain",
                     help="the holder pool's rows: bf16, or FlashMLA's fp8 rows")  # fmt: skip
     a = ap.parse_args(argv)
-    out = {"command": command(), "gpu": torch.cuda.get_device_name(), **run(a)}
+    out = {"command": command(), **run(a)}  # run() names the device
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     return 0

@@ -201,8 +201,9 @@ def _backend(**kw: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
-def test_pages_pinned_through_sglang_are_what_sglang_holds(tmp_path: Path, kv: str) -> None:
+def _corpus_dir(tmp_path: Path) -> tuple[Path, Any, Path]:
+    """The tiny SGLang-shaped model, its tokenizer and a one-file corpus longer than the index's
+    top-k with a partial last page."""
     model = init_tiny(tmp_path / "model", preset="sglang", index_topk=2048)
     mc = ModelConfig.from_dir(model)
     tok = load_tokenizer(model, mc.bos_token_id, mc.eos_token_id)
@@ -213,6 +214,12 @@ def test_pages_pinned_through_sglang_are_what_sglang_holds(tmp_path: Path, kv: s
     src = tmp_path / "src"
     src.mkdir()
     (src / "notes.md").write_text(text)
+    return model, tok, src
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_pages_pinned_through_sglang_are_what_sglang_holds(tmp_path: Path, kv: str) -> None:
+    model, tok, src = _corpus_dir(tmp_path)
     store, spool = tmp_path / "store", tmp_path / "spool"
     # A as `corpusd pin --engine` tells users to start it (client.capture_flags: SGLang's default
     # prefetch policy, best_effort: a capture server has nothing to fetch, so no request waits on
@@ -264,22 +271,6 @@ def test_pages_pinned_through_sglang_are_what_sglang_holds(tmp_path: Path, kv: s
         for s in (a, b):
             if s is not None:
                 s.stop()
-
-
-def _corpus_dir(tmp_path: Path) -> tuple[Path, Any, Path]:
-    """The tiny SGLang-shaped model, its tokenizer and a one-file corpus longer than the index's
-    top-k with a partial last page (as the test above builds them)."""
-    model = init_tiny(tmp_path / "model", preset="sglang", index_topk=2048)
-    mc = ModelConfig.from_dir(model)
-    tok = load_tokenizer(model, mc.bos_token_id, mc.eos_token_id)
-    text = (ROOT / "README.md").read_text()[:CORPUS_BYTES].rstrip("\n") + "\n"
-    header = len(tok.encode(FILE_HEADER.format(path="notes.md"))) + (tok.bos_id is not None)
-    if (header + len(tok.encode(text))) % PAGE == 0:
-        text = text[:-2] + "\n"
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "notes.md").write_text(text)
-    return model, tok, src
 
 
 @pytest.mark.xfail(
