@@ -111,8 +111,9 @@ def flop_model(cfg: ModelConfig, t: int, chunk: int) -> dict[str, float]:
 
 
 def pin_once(
-    corpus: str, model: str, device: str, chunk: int, dtype: str, ids_out: Path | None = None
-) -> dict[str, Any]:
+    corpus: str, model: str, device: str, chunk: int, dtype: str, ids_out: Path | None = None,
+    kernels: str = "auto",
+) -> dict[str, Any]:  # fmt: skip
     """One ``pin`` into a temporary store; its numbers. ``ids_out``: also write the pinned token
     ids there (a JSON list), for SGLang to prefill the same."""
     from corpusd.corpus.pin import PinConfig, pin
@@ -124,7 +125,7 @@ def pin_once(
             torch.cuda.reset_peak_memory_stats(torch.device(device))
         cfg = PinConfig(
             corpus=corpus, model=model, store=f"{tmp}/store", chunk=chunk, dtype=dtype,
-            device=device,
+            device=device, kernels=kernels,
         )  # fmt: skip
         r = pin(cfg, quiet)
         if ids_out is not None:
@@ -141,29 +142,40 @@ def pin_once(
     if device != "cpu":
         peak = torch.cuda.max_memory_allocated(torch.device(device))
         row["peak_gpu_mib"] = round(peak / (1 << 20), 1)
+        from corpusd.model.kernels import choose
+
+        mcfg = ModelConfig.from_dir(model)
+        row["kernels"] = choose(mcfg, device, getattr(torch, dtype), kernels).describe
     return row
 
 
 def run_size(
-    tokens: int, model: str, device: str, chunk: int, dtype: str, ids_out: Path | None = None
-) -> dict[str, Any]:
+    tokens: int, model: str, device: str, chunk: int, dtype: str, ids_out: Path | None = None,
+    kernels: str = "auto",
+) -> dict[str, Any]:  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
         src.mkdir()
         make_corpus(src, tokens, model)
-        row = pin_once(str(src), model, device, chunk, dtype, ids_out)
+        row = pin_once(str(src), model, device, chunk, dtype, ids_out, kernels)
     flops = flop_model(ModelConfig.from_dir(model), row["tokens"], chunk)
     row["indexer_gflop"] = round(flops["indexer"] / 1e9, 1)
     row["attention_gflop"] = round(flops["attention"] / 1e9, 1)
     return row
 
 
-def profile(tar: str, model_dir: str, tokens: int, chunk: int) -> dict[str, float]:
-    """Seconds per prefill phase over the tar's first ``tokens`` tokens (CPU, fp32)."""
+def profile(
+    tar: str, model_dir: str, tokens: int, chunk: int, device: str = "cpu", dtype: str = "float32",
+    kernels: str = "auto",
+) -> dict[str, float]:  # fmt: skip
+    """Seconds per prefill phase over the tar's first ``tokens`` tokens. On CUDA every timed call
+    is synchronised before and after, so each phase owns its kernels' time (the total then
+    includes those waits)."""
     from corpusd.corpus.ingest import ingest
     from corpusd.corpus.layout import render
     from corpusd.model import KVCache, load_model
     from corpusd.model import model as mm
+    from corpusd.model.kernels import Kernels, choose
     from corpusd.tokenizer import load_tokenizer
 
     cfg = ModelConfig.from_dir(model_dir)
@@ -172,21 +184,30 @@ def profile(tar: str, model_dir: str, tokens: int, chunk: int) -> dict[str, floa
     ids = render(ingest(tar), tok, 1 << 30).tokens[:tokens]
     spent: collections.defaultdict[str, float] = collections.defaultdict(float)
     spent["tokenize"] = time.perf_counter() - t0
-    model = load_model(model_dir)
+    model = load_model(model_dir, dtype=getattr(torch, dtype), device=device)
+
+    def sync() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize(device)
 
     def timed(name: str, fn: Any) -> Any:
         def wrapper(*a: Any, **k: Any) -> Any:
+            sync()
             t = time.perf_counter()
             out = fn(*a, **k)
+            sync()
             spent[name] += time.perf_counter() - t
             return out
 
         return wrapper
 
-    saved = (mm.index_scores, mm.select_topk, mm.partial_attention)
-    mm.index_scores = timed("indexer scores", mm.index_scores)
+    chosen = choose(cfg, device, getattr(torch, dtype), kernels)
+    timed_kernels = Kernels(
+        timed("indexer scores", chosen.scores), timed("sparse attention", chosen.attend),
+        chosen.describe,
+    )  # fmt: skip
+    saved = mm.select_topk
     mm.select_topk = timed("top-k", mm.select_topk)
-    mm.partial_attention = timed("sparse attention", mm.partial_attention)
     for layer in model.layers:
         layer.project = timed("projections (q, latent, index q/k)", layer.project)  # type: ignore[method-assign]
         attn, mlp = layer.self_attn, layer.mlp
@@ -197,14 +218,17 @@ def profile(tar: str, model_dir: str, tokens: int, chunk: int) -> dict[str, floa
     torch.set_num_threads(cpu_threads())  # as pin's prefill does
     spent["threads"] = torch.get_num_threads()
     try:
-        tensor = torch.tensor(ids)
-        cache = KVCache(cfg, len(ids), torch.float32)
+        tensor = torch.tensor(ids, device=device)
+        cache = KVCache(cfg, len(ids), getattr(torch, dtype), device=device)
+        sync()
         t0 = time.perf_counter()
         for start in range(0, len(ids), chunk):
-            mm.forward_tokens(model, tensor[start : start + chunk], cache, want_logits=False)
+            piece = tensor[start : start + chunk]
+            mm.forward_tokens(model, piece, cache, False, timed_kernels)
+        sync()
         spent["prefill (total)"] = time.perf_counter() - t0
     finally:
-        mm.index_scores, mm.select_topk, mm.partial_attention = saved
+        mm.select_topk = saved
     spent["tokens"] = len(ids)
     return {k: round(v, 3) for k, v in spent.items()}
 
@@ -270,6 +294,10 @@ def main() -> None:
     p.add_argument("--package", default="prometheus_client", help="the tar: this package's source")
     p.add_argument("--no-tar", action="store_true", help="skip the tar")
     p.add_argument("--profile", type=int, default=0, help="time the phases over N tar tokens")
+    p.add_argument(
+        "--kernels", default="auto", choices=("auto", "torch"),
+        help="the pin's prefill kernels (corpusd pin --kernels): auto or the torch references",
+    )  # fmt: skip
     p.add_argument("--out", help="default: bench/results/pin-<device>[-sglang].json")
     p.add_argument(
         "--positions", type=int, default=-1,
@@ -290,12 +318,14 @@ def main() -> None:
     if a.one:  # a child: one pin, its row as the last line of stdout
         model = os.environ["BENCH_MODEL"]
         if a.one == "profile":
-            row = profile(os.environ["BENCH_TAR"], model, a.profile, chunk)
+            row = profile(
+                os.environ["BENCH_TAR"], model, a.profile, chunk, a.device, dtype, a.kernels
+            )
         elif a.one == "tar":
-            row = pin_once(os.environ["BENCH_TAR"], model, a.device, chunk, dtype)
+            row = pin_once(os.environ["BENCH_TAR"], model, a.device, chunk, dtype, None, a.kernels)
         else:
             ids = Path(os.environ["BENCH_IDS"]) / f"{a.one}.json" if a.sglang else None
-            row = run_size(int(a.one), model, a.device, chunk, dtype, ids)
+            row = run_size(int(a.one), model, a.device, chunk, dtype, ids, a.kernels)
         print(json.dumps(row))
         return
     preset = a.preset or ("sglang" if cuda else "cpu")
@@ -307,6 +337,7 @@ def main() -> None:
     from tools.pin_sglang import SGLANG_TOPK, positions_skip
 
     common = ["--device", a.device, "--chunk", str(chunk), "--dtype", dtype]
+    common += ["--kernels", a.kernels]
     common += ["--sglang"] if a.sglang else []
     result: dict[str, Any] = {
         "what": f"corpusd pin, tiny model ({preset} preset), {a.device}, {dtype}; "
@@ -322,6 +353,7 @@ def main() -> None:
         "preset": preset,
         "chunk": chunk,
         "dtype": dtype,
+        "kernels": a.kernels,
         "load_avg_before": [round(x, 2) for x in os.getloadavg()],
     }
     with tempfile.TemporaryDirectory() as tmp:

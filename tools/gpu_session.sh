@@ -7,6 +7,7 @@
 #   bash tools/gpu_session.sh bad-binding    # issue 17: the pytest -m sglang bad-input test (~5 min)
 #   bash tools/gpu_session.sh predicate      # issue 17: forced route, forced fetch and auto, host path (~9 min)
 #   bash tools/gpu_session.sh layer          # issue 17: the corpus path per layer, top-k variants (~2 min)
+#   bash tools/gpu_session.sh pin-check      # issue 18: GPU pin tests, phase profiles (auto, torch), sizes (~5 min)
 #   bash tools/gpu_session.sh pin            # issue 18: bench_pin --sglang, corpusd vs SGLang prefill (~6 min)
 #   bash tools/gpu_session.sh engine-pin     # issue 18: engine pins = the server's page bytes (~6 min;
 #                                            #   its strict-xfail control, ~4 min: pytest -k control)
@@ -14,8 +15,8 @@
 #   bash tools/gpu_session.sh fp8            # issue 18: fp8 GPU tests, then bench_sglang on fp8 (~8 min)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | bad-binding | predicate | layer | pin | engine-pin | engine-agree | fp8"}
-case "$step" in fanin|decode|bad-binding|predicate|layer|pin|engine-pin|engine-agree|fp8) ;;
+step=${1:?"a step: fanin | decode | bad-binding | predicate | layer | pin-check | pin | engine-pin | engine-agree | fp8"}
+case "$step" in fanin|decode|bad-binding|predicate|layer|pin-check|pin|engine-pin|engine-agree|fp8) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
@@ -70,6 +71,21 @@ layer)
         --out "$OUT/sglang-device-path-$GPU.json" > "$OUT/sglang-device-path-$GPU.log" 2>&1
     took layer $?
     tail -12 "$OUT/sglang-device-path-$GPU.log" ;;
+pin-check)
+    timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_gpu_pin.py tests/gpu/test_gpu_kernels.py \
+        > "$OUT/pin-gpu-tests.log" 2>&1
+    took "gpu pin + kernel tests" $?
+    tail -3 "$OUT/pin-gpu-tests.log"
+    for k in auto torch; do
+        timeout 150 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 --profile 16384 \
+            --kernels $k --out "$OUT/pin-$GPU-profile-$k.json" > "$OUT/pin-$GPU-profile-$k.log" 2>&1
+        took "profile $k" $?
+        grep -A12 "prefill phases" "$OUT/pin-$GPU-profile-$k.log"
+    done
+    timeout 200 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 65536 262144 \
+        --out "$OUT/pin-$GPU-auto.json" > "$OUT/pin-$GPU-auto.log" 2>&1
+    took "sizes auto" $?
+    tail -5 "$OUT/pin-$GPU-auto.log" ;;
 pin)
     timeout 560 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 65536 262144 \
         --sglang --out "$OUT/pin-$GPU-sglang.json" > "$OUT/pin-$GPU-sglang.log" 2>&1

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from corpusd.corpus.manifest import KV_FORMATS, PAGE_SIZE
 
 DTYPES = ("float32", "bfloat16")
+KERNELS = ("auto", "torch")  # corpusd.model.kernels.choose
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -47,6 +48,14 @@ class PinConfig:
         default="cpu",
         metadata={"help": "where the prefill runs: cpu, cuda or cuda:N (pages are stored alike)"},
     )
+    kernels: str = field(
+        default="auto",
+        metadata={
+            "help": "prefill kernels: auto (on an SM90 GPU, Triton index scores and FlashMLA "
+            "sparse attention; elsewhere torch) or torch (the references, any device)",
+            "choices": KERNELS,
+        },
+    )
     engine: str | None = field(
         default=None,
         metadata={
@@ -65,6 +74,8 @@ class PinConfig:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
         if self.engine_timeout <= 0:

@@ -26,6 +26,7 @@ from corpusd.corpus.manifest import Manifest, corpus_id, page_format
 from corpusd.corpus.store import PageStore
 from corpusd.model import KVCache, ModelConfig, fingerprint, forward_tokens, load_model
 from corpusd.model import fp8_cache as fp8
+from corpusd.model.kernels import Kernels, choose
 from corpusd.progress import Progress
 from corpusd.tokenizer import Tokenizer, load_tokenizer
 
@@ -126,7 +127,10 @@ def pin(
     out.write(f"{estimate(len(layout.tokens)) if cfg.device == 'cpu' else cfg.dtype}\n")
     model = load_model(model_dir, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     t_prefill = time.perf_counter()
-    cache = prefill(model, layout, cfg.chunk, out)
+    kernels = choose(model_cfg, cfg.device, getattr(torch, cfg.dtype), cfg.kernels)
+    if cfg.device != "cpu":
+        out.write(f"kernels: {kernels.describe}\n")
+    cache = prefill(model, layout, cfg.chunk, out, kernels)
     t_prefill = time.perf_counter() - t_prefill
     name = cfg.name or Path(cfg.corpus).name.split(".")[0] or cid[:12]
     manifest = Manifest(
@@ -214,12 +218,19 @@ def cpu_threads() -> int:
     return max(1, min(cores, int(cores - os.getloadavg()[0] + 0.5)))
 
 
-def prefill(model: torch.nn.Module, layout: Layout, chunk: int, stream: TextIO) -> KVCache:
+def prefill(
+    model: torch.nn.Module,
+    layout: Layout,
+    chunk: int,
+    stream: TextIO,
+    kernels: Kernels | None = None,
+) -> KVCache:
     """Chunked prefill of the whole stream with a progress bar; returns the filled cache.
 
     Runs where ``model`` is (CPU or a CUDA device), in its dtype, the cache on the same device:
     ``chunk`` bounds the working set (the indexer's ``[chunk, T]`` scores, the gathered rows).
-    On CUDA the bar's rate is synchronised once per chunk, so it measures finished work."""
+    ``kernels`` runs scores and attention (the torch references without). On CUDA the bar's
+    rate is synchronised once per chunk, so it measures finished work."""
     param = next(model.parameters())
     tokens = torch.tensor(layout.tokens, device=param.device)
     cache = KVCache(model.cfg, len(tokens), param.dtype, device=str(param.device))  # type: ignore[arg-type]
@@ -231,7 +242,7 @@ def prefill(model: torch.nn.Module, layout: Layout, chunk: int, stream: TextIO) 
         bar = Progress("prefill", len(tokens), stream=stream)
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
-            forward_tokens(model, piece, cache, want_logits=False)  # type: ignore[arg-type]
+            forward_tokens(model, piece, cache, False, kernels)  # type: ignore[arg-type]
             if param.device.type == "cuda":
                 torch.cuda.synchronize(param.device)
             bar.update(len(piece))

@@ -8,6 +8,8 @@ is one token. Attention is sparse exactly as the model defines it: each token at
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -17,6 +19,9 @@ from corpusd.model.mla import MLA, Projections
 from corpusd.model.partial import partial_attention
 from corpusd.model.rope import Rotary
 from indexer import index_scores, select_topk
+
+if TYPE_CHECKING:
+    from corpusd.model.kernels import Kernels
 
 
 class DecoderLayer(nn.Module):
@@ -96,20 +101,26 @@ class KVCache:
 
 
 def select_rows(
-    cfg: ModelConfig, proj: Projections, index_keys: torch.Tensor, positions: torch.Tensor
+    cfg: ModelConfig,
+    proj: Projections,
+    index_keys: torch.Tensor,
+    positions: torch.Tensor,
+    kernels: Kernels | None = None,
 ) -> torch.Tensor:
     """The model's own DSA selection: top ``index_topk`` positions ``<= position`` by index score.
 
     ``index_keys [T, D_I]`` holds every position up to ``positions.max()``. Returns int64
     ``[n, min(index_topk, visible)]`` (ascending, ``-1`` padded), ``visible = positions.max() + 1``.
     While no row sees more than ``index_topk`` positions they select all of them without scoring.
+    ``kernels`` picks the scorer (the torch reference without).
     """
     limit = positions + 1
     visible = int(limit.max())
     if visible <= cfg.index_topk:
         pos = torch.arange(visible, device=positions.device)
         return torch.where(pos[None, :] < limit[:, None], pos[None, :], -1)
-    scores = index_scores(
+    score = index_scores if kernels is None else kernels.scores
+    scores = score(
         proj.index_q, proj.index_w, index_keys[:visible], cfg.index_head_dim**-0.5, cfg.index_arith
     )
     return select_topk(scores, cfg.index_topk, limit)
@@ -117,12 +128,18 @@ def select_rows(
 
 @torch.inference_mode()
 def forward_tokens(
-    model: DeepseekV32, tokens: torch.Tensor, cache: KVCache, want_logits: bool = True
+    model: DeepseekV32,
+    tokens: torch.Tensor,
+    cache: KVCache,
+    want_logits: bool = True,
+    kernels: Kernels | None = None,
 ) -> torch.Tensor | None:
     """Run ``tokens`` (int ``[n]``) at positions ``cache.length …`` through the model.
 
     Appends their cache rows to ``cache`` (mutates it). Returns float32 logits ``[n, vocab]`` or
-    None when ``want_logits`` is False (prefill chunks that only need the cache).
+    None when ``want_logits`` is False (prefill chunks that only need the cache). ``kernels``
+    (``corpusd.model.kernels.choose``) runs index scores and sparse attention; without it, the
+    torch references do.
     """
     cfg = model.cfg
     n = tokens.shape[0]
@@ -135,8 +152,9 @@ def forward_tokens(
         proj = layer.project(x, cos, sin)
         cache.latent[li][start : start + n] = proj.cache_row
         cache.index_keys[li][start : start + n] = proj.index_key
-        sel = select_rows(cfg, proj, cache.index_keys[li][: start + n], positions)
-        o, _ = partial_attention(
+        sel = select_rows(cfg, proj, cache.index_keys[li][: start + n], positions, kernels)
+        attend = partial_attention if kernels is None else kernels.attend
+        o, _ = attend(
             proj.q, cache.latent[li][: start + n], sel, cfg.softmax_scale, cfg.kv_lora_rank
         )
         x = layer.finish(x, o)

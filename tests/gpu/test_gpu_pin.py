@@ -2,7 +2,9 @@
 
 The CPU fp32 pin of the same corpus is the reference: every layer's latent rows and index keys
 of the GPU pin are compared with a relative tolerance that bf16 weights and activations allow,
-and the corpus id differs only through the cache dtype. GPU only (``-m gpu``); skips elsewhere.
+and the corpus id differs only through the cache dtype. Both prefill kernel sets run: ``auto``
+(Triton index scores + FlashMLA on SM90) and the torch references. The Triton scorer is also
+held to ``index_scores`` at the SGLang preset's shape. GPU only (``-m gpu``); skips elsewhere.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("chunk", [256, 1024])
-def test_gpu_pin_pages_match_the_cpu_pin(tmp_path: Path, tiny_dir: Path, chunk: int) -> None:
+@pytest.mark.parametrize("chunk,kernels", [(256, "auto"), (1024, "auto"), (1024, "torch")])
+def test_gpu_pin_pages_match_the_cpu_pin(
+    tmp_path: Path, tiny_dir: Path, chunk: int, kernels: str
+) -> None:
     src = tmp_path / "src"
     src.mkdir()
     root = Path(__file__).resolve().parents[2]
@@ -36,12 +40,16 @@ def test_gpu_pin_pages_match_the_cpu_pin(tmp_path: Path, tiny_dir: Path, chunk: 
     gpu = pin(
         PinConfig(
             corpus=str(src), model=str(tiny_dir), store=str(store.root), chunk=chunk,
-            dtype="bfloat16", device="cuda:0",
+            dtype="bfloat16", device="cuda:0", kernels=kernels,
         ),
         out,
     )  # fmt: skip
     a, b = ref.manifest, gpu.manifest
     assert "on cuda:0" in out.getvalue() and "prefill |" in out.getvalue()
+    if kernels == "torch":
+        assert "kernels: torch index scores, torch sparse attention" in out.getvalue()
+    elif torch.cuda.get_device_capability()[0] == 9:
+        assert "kernels: Triton index scores, FlashMLA sparse attention" in out.getvalue()
     assert a.token_count == b.token_count and a.token_count > 8 * 128
     assert a.corpus_id != b.corpus_id and b.dtype == "bfloat16"
     pages = list(range(a.n_pages))
@@ -50,3 +58,17 @@ def test_gpu_pin_pages_match_the_cpu_pin(tmp_path: Path, tiny_dir: Path, chunk: 
         lat_b, idx_b = store.read_pages(b.corpus_id, layer, pages)
         assert rel(lat_b.float(), lat_a.float()) <= 3e-2, f"{layer=} latent"
         assert rel(idx_b.float(), idx_a.float()) <= 3e-2, f"{layer=} index keys"
+
+
+@pytest.mark.parametrize("arith", ["exact", "fp8"])
+def test_triton_index_scores_match_the_reference(arith: str) -> None:
+    from indexer import index_scores
+    from indexer.triton_scores import triton_index_scores
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(300, 64, 128, generator=g, device="cuda").bfloat16()
+    keys = torch.randn(5000, 128, generator=g, device="cuda").bfloat16()
+    w = torch.randn(300, 64, generator=g, device="cuda") / 8
+    ref = index_scores(q, w, keys, 128**-0.5, arith)
+    got = triton_index_scores(q, w, keys, 128**-0.5, arith)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-import tests.support.triton_interpreted  # noqa: F401  (the interpreter's numpy-2.4 patch)
+import tests.support.triton_patch  # noqa: F401  (before any kernel module)
 from corpusd.model import fp8_cache as f8
 from holder.triton_mla_fp8 import triton_fp8_partial_attention
 from tests.support.mla_checks import rel

@@ -10,25 +10,13 @@ from __future__ import annotations
 import os
 
 import torch
-import triton.runtime.interpreter as interp
 
+import tests.support.triton_patch  # noqa: F401  (before any kernel module)
 from corpusd.model.partial import partial_attention
+from holder.triton_mla import triton_partial_attention
 from tests.support.mla_checks import check, inputs, rel
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-
-# Triton ≤ 3.5's interpreter calls int() on one-element arrays, an error since numpy 2.4.
-_orig = interp._patch_lang_tensor
-
-
-def _patch(tensor: type) -> None:
-    _orig(tensor)
-    tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])  # type: ignore
-
-
-interp._patch_lang_tensor = _patch
-
-from holder.triton_mla import triton_partial_attention  # noqa: E402
 
 CASES = [
     (4, 5, 40, torch.float32, None),  # h not a power of two, k not a block multiple

@@ -1,0 +1,49 @@
+"""Which implementation runs the prefill's two heavy ops: index scores and sparse attention.
+
+``forward_tokens`` takes a :class:`Kernels`; without one it runs the torch references
+(``indexer.index_scores``, ``partial_attention``), which define the results. On an SM90 GPU a
+pin chooses ``fast``: the fused Triton index-score kernel (``indexer/triton_scores.py``) and
+FlashMLA's bf16 sparse kernel (``flashmla_bf16``), each tested against its reference. Either
+falls back to torch on its own when it does not fit (no Triton; not SM90, no sgl_kernel, or a
+model whose latent rows are not FlashMLA's 576/512 bf16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from corpusd.corpus.config import KERNELS
+from corpusd.model import flashmla_bf16
+from corpusd.model.config import ModelConfig
+from corpusd.model.partial import partial_attention
+from indexer import index_scores
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """``scores``: ``index_scores``' contract; ``attend``: ``partial_attention``'s."""
+
+    scores: Callable[..., torch.Tensor]
+    attend: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    describe: str
+
+
+def choose(cfg: ModelConfig, device: str, dtype: torch.dtype, want: str = "auto") -> Kernels:
+    """The fastest kernels that run ``cfg`` in ``dtype`` on ``device`` (``want="auto"``), or the
+    torch references (``"torch"``). ValueError for another ``want``."""
+    if want not in KERNELS:
+        raise ValueError(f"unknown prefill kernels {want!r}: one of {', '.join(KERNELS)}")
+    scores, s_name = index_scores, "torch index scores"
+    attend, a_name = partial_attention, "torch sparse attention"
+    if want == "auto" and device.startswith("cuda"):
+        from indexer import triton_scores  # imports Triton: only where it may run
+
+        if triton_scores.usable(torch.device(device)):
+            scores, s_name = triton_scores.triton_index_scores, "Triton index scores"
+        fits = flashmla_bf16.fits(dtype, cfg.kv_dim, cfg.kv_lora_rank)
+        if fits and cfg.num_attention_heads <= 128 and flashmla_bf16.usable(device):
+            attend, a_name = flashmla_bf16.sparse_partial, "FlashMLA sparse attention"
+    return Kernels(scores, attend, f"{s_name}, {a_name}")

@@ -1,0 +1,149 @@
+"""Lightning-indexer scores in one Triton kernel: :func:`indexer.scores.index_scores` on a GPU.
+
+The torch path writes the ``[n · H_I, keys]`` per-head products to memory, reads them back for
+the ReLU and again for the weighted head sum: at a 256k-token pin that is ~30 TB of traffic per
+layer. Here one program computes a tile of ``R`` query rows × ``BLOCK_T`` keys: the per-head
+dot products ``[R · H_I, BLOCK_T]`` on tensor cores (bf16 operands, fp32 accumulation), the
+scale, ReLU and head weights in registers, and writes only the ``[R, BLOCK_T]`` scores.
+
+Arithmetic, against the float32 reference:
+
+- ``exact``: the model's bf16 queries and keys are the operands (exact in bf16, so every
+  product is exact in fp32); the softmax-free ``D ** -0.5`` scale is applied after the dot
+  (``relu(s·x) = s·relu(x)`` for ``s > 0``). Only the rounding of the sum differs.
+- ``fp8``: operands are the fp8 values (exact in bf16): queries dequantised with their
+  power-of-two (ue8m0) scales, keys as raw e4m3 values with their float32 per-block scale
+  applied to each 128-wide block's partial dot, as SGLang's fp8 logits kernel does.
+
+Float32 inputs (an fp32 model) use Triton's IEEE fp32 dot instead of bf16 operands.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from indexer.fp8 import quantize, rotate_round
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: importable() says so
+    triton = None
+
+# Triton's CPU interpreter (the CPU tests) multiplies the raw bits of bf16 operands in tl.dot;
+# there tiles are upcast to float32 first (holder/triton_mla.py does the same).
+_DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+_QUANT_BLOCK = 128  # indexer.fp8's block: one key scale per 128 columns
+
+
+def importable() -> bool:
+    return triton is not None
+
+
+def usable(device: torch.device) -> bool:
+    """A CUDA device with Triton present (or Triton's CPU interpreter, for tests)."""
+    return triton is not None and (device.type == "cuda" or _DOT_F32)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _scores_kernel(
+        q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr,
+        n, t, heads, d, scale,
+        s_qn, s_qh, s_wn, s_kt, s_ks, s_on,
+        R: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+        HAS_KS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        pid_r = tl.program_id(0)
+        pid_t = tl.program_id(1)
+        m = tl.arange(0, R * HP)  # flattened (row, head)
+        row = pid_r * R + m // HP
+        head = m % HP
+        qmask = (row < n) & (head < heads)
+        keys = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        kmask = keys < t
+        dd = tl.arange(0, BLOCK_D)
+        acc = tl.zeros((R * HP, BLOCK_T), dtype=tl.float32)
+        for d0 in range(0, d, BLOCK_D):
+            dmask = d0 + dd < d
+            qv = tl.load(
+                q_ptr + row[:, None] * s_qn + head[:, None] * s_qh + (d0 + dd)[None, :],
+                mask=qmask[:, None] & dmask[None, :], other=0.0,
+            )  # fmt: skip
+            kv = tl.load(
+                k_ptr + keys[None, :] * s_kt + (d0 + dd)[:, None],
+                mask=kmask[None, :] & dmask[:, None], other=0.0,
+            )  # fmt: skip
+            if DOT_F32:
+                qv = qv.to(tl.float32)
+                kv = kv.to(tl.float32)
+            if IEEE:  # noqa: SIM108  (a constexpr branch: one dot is compiled)
+                part = tl.dot(qv, kv, input_precision="ieee")
+            else:
+                part = tl.dot(qv, kv)
+            if HAS_KS:  # the key's scale of this 128-wide block
+                ks = tl.load(ks_ptr + keys * s_ks + d0 // BLOCK_D, mask=kmask, other=0.0)
+                part = part * ks[None, :]
+            acc += part
+        acc = tl.maximum(acc * scale, 0.0)
+        w = tl.load(w_ptr + row * s_wn + head, mask=qmask, other=0.0)
+        s = tl.sum(tl.reshape(acc * w[:, None], (R, HP, BLOCK_T)), axis=1)
+        rows = pid_r * R + tl.arange(0, R)
+        omask = (rows[:, None] < n) & kmask[None, :]
+        tl.store(out_ptr + rows[:, None] * s_on + keys[None, :], s, mask=omask)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def triton_index_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    scale: float,
+    arith: str = "exact",
+    block_t: int = 128,
+) -> torch.Tensor:
+    """:func:`indexer.scores.index_scores` (same arguments, float32 ``[n, T]``, no masking)."""
+    n, heads, d = q.shape
+    assert triton is not None, "triton is not installed"
+    assert scale > 0, f"{scale=}"
+    assert weights.shape == (n, heads), f"{weights.shape=} vs {q.shape=}"
+    assert keys.dim() == 2 and keys.shape[1] == d, f"{keys.shape=} vs {q.shape=}"
+    assert arith in ("exact", "fp8"), f"{arith=}"
+    t = keys.shape[0]
+    ks = None
+    if arith == "fp8":
+        qv, qs = quantize(rotate_round(q), ue8m0=True)
+        # power-of-two scales: the dequantised queries are exact in bf16
+        q = (qv.float().unflatten(-1, (-1, _QUANT_BLOCK)) * qs.unsqueeze(-1)).flatten(-2)
+        q = q.to(torch.bfloat16)
+        kv8, ks = quantize(rotate_round(keys), ue8m0=False)
+        keys = kv8.to(torch.bfloat16)  # e4m3 values are exact in bf16
+        ks = ks.contiguous()
+    elif q.dtype != keys.dtype or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        q, keys = q.float(), keys.float()
+    ieee = q.dtype == torch.float32
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    w = weights.float().contiguous()
+    out = torch.empty(n, t, dtype=torch.float32, device=q.device)
+    if n == 0 or t == 0:
+        return out
+    hp = _pow2(heads)
+    r = max(1, 128 // hp)  # a 128-row MMA tile of (row, head) pairs
+    block_d = _QUANT_BLOCK if ks is not None else min(128, max(16, _pow2(d)))
+    grid = (triton.cdiv(n, r), triton.cdiv(t, block_t))
+    _scores_kernel[grid](
+        q, w, keys, ks if ks is not None else w, out,
+        n, t, heads, d, float(scale),
+        q.stride(0), q.stride(1), w.stride(0), keys.stride(0),
+        ks.stride(0) if ks is not None else 0, out.stride(0),
+        R=r, HP=hp, BLOCK_D=block_d, BLOCK_T=block_t, HAS_KS=ks is not None, IEEE=ieee,
+        DOT_F32=_DOT_F32, num_warps=8 if r * hp >= 128 else 4,
+    )  # fmt: skip
+    return out

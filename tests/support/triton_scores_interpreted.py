@@ -1,0 +1,48 @@
+"""Run the Triton index-score kernel in Triton's CPU interpreter against ``index_scores``.
+
+Started by ``tests/unit/test_triton_scores.py`` with ``TRITON_INTERPRET=1`` in a fresh process
+(Triton decides at import whether it interprets). Prints "N cases ok"; a mismatch raises with
+the case in the message.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+import tests.support.triton_patch  # noqa: E402,F401  (before any kernel module)
+from indexer.scores import index_scores  # noqa: E402
+from indexer.triton_scores import triton_index_scores  # noqa: E402
+
+# (n, heads, d, keys, dtype, arith): head counts off powers of two, widths off the 128 block,
+# rows off the R-row tile and keys off BLOCK_T; fp32 models take the IEEE dot.
+CASES = [
+    (3, 16, 64, 70, torch.bfloat16, "exact"),
+    (5, 5, 48, 33, torch.bfloat16, "exact"),
+    (2, 64, 128, 150, torch.bfloat16, "exact"),
+    (3, 16, 64, 40, torch.float32, "exact"),
+    (2, 8, 128, 90, torch.bfloat16, "fp8"),
+    (3, 4, 256, 20, torch.bfloat16, "fp8"),  # two quant blocks per key
+]
+
+
+def main() -> None:
+    g = torch.Generator().manual_seed(torch.seed() % (1 << 31))
+    for n, heads, d, t, dtype, arith in CASES:
+        q = torch.randn(n, heads, d, generator=g).to(dtype)
+        keys = torch.randn(t, d, generator=g).to(dtype)
+        w = torch.randn(n, heads, generator=g) * heads**-0.5
+        ref = index_scores(q, w, keys, d**-0.5, arith)
+        got = triton_index_scores(q, w, keys, d**-0.5, arith, block_t=32)
+        err = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+        case = f"{n=} {heads=} {d=} {t=} {dtype} {arith}"
+        assert got.shape == ref.shape and err < 2e-5, f"{case}: {err=}"
+    empty = triton_index_scores(torch.zeros(0, 4, 64), torch.zeros(0, 4), torch.zeros(9, 64), 0.125)
+    assert empty.shape == (0, 9)
+    print(f"{len(CASES) + 1} cases ok")
+
+
+if __name__ == "__main__":
+    main()

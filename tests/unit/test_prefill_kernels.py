@@ -1,0 +1,56 @@
+"""``corpusd.model.kernels``: which prefill kernels run, and that ``forward_tokens`` uses them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corpusd.corpus.config import PinConfig
+from corpusd.model import KVCache, forward_tokens, partial_attention
+from corpusd.model.kernels import Kernels, choose
+from corpusd.model.tiny import build_tiny
+from indexer import index_scores
+
+
+def test_cpu_and_torch_choose_the_references() -> None:
+    cfg = build_tiny(preset="sglang").cfg
+    for device, want in (("cpu", "auto"), ("cpu", "torch"), ("cuda:0", "torch")):
+        k = choose(cfg, device, torch.bfloat16, want)
+        assert k.scores is index_scores and k.attend is partial_attention, (device, want)
+        assert k.describe == "torch index scores, torch sparse attention"
+    with pytest.raises(ValueError, match="unknown prefill kernels 'fast': one of auto, torch"):
+        choose(cfg, "cpu", torch.float32, "fast")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        PinConfig(corpus="x.tar", kernels="fast")
+
+
+def test_forward_tokens_runs_the_given_kernels() -> None:
+    """Spies that call the references: every layer past index_topk scores and attends through
+    them, and the cache and logits are those of the default path, bit for bit."""
+    model = build_tiny(preset="sglang", index_topk=16)
+    calls = {"scores": 0, "attend": 0}
+
+    def scores(*a: object, **k: object) -> torch.Tensor:
+        calls["scores"] += 1
+        return index_scores(*a, **k)  # type: ignore[arg-type]
+
+    def attend(*a: object, **k: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls["attend"] += 1
+        return partial_attention(*a, **k)  # type: ignore[arg-type]
+
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.cfg.vocab_size, (40,), generator=g)
+    runs = []
+    for kernels in (None, Kernels(scores, attend, "spies")):
+        cache = KVCache(model.cfg, 40, torch.float32)
+        forward_tokens(model, tokens[:20], cache, False, kernels)
+        logits = forward_tokens(model, tokens[20:], cache, True, kernels)
+        runs.append((cache, logits))
+    layers = model.cfg.num_hidden_layers
+    assert calls == {"scores": 2 * layers, "attend": 2 * layers}
+    (a, la), (b, lb) = runs
+    assert la is not None and lb is not None and torch.equal(la, lb)
+    for li in range(layers):
+        assert torch.equal(a.latent[li], b.latent[li])
+        assert torch.equal(a.index_keys[li], b.index_keys[li])
+
