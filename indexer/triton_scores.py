@@ -25,6 +25,7 @@ import os
 import torch
 
 from indexer.fp8 import quantize, rotate_round
+from indexer.scores import index_scores
 
 try:
     import triton
@@ -52,48 +53,65 @@ if triton is not None:
     @triton.jit
     def _scores_kernel(
         q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr,
-        n, t, heads, d, scale,
+        n, t, heads, d, scale, blocks_per_split,
         s_qn, s_qh, s_wn, s_kt, s_ks, s_on,
-        R: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-        HAS_KS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+        R: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr, D_BLOCKS: tl.constexpr,
+        BLOCK_T: tl.constexpr, HAS_KS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
+        # One program: R query rows (their R·HP (row, head) pairs are the MMA's M) against a
+        # contiguous run of key blocks, looped so that the queries stay in registers and the
+        # key loads pipeline.
         pid_r = tl.program_id(0)
-        pid_t = tl.program_id(1)
-        m = tl.arange(0, R * HP)  # flattened (row, head)
+        pid_s = tl.program_id(1)
+        m = tl.arange(0, R * HP)
         row = pid_r * R + m // HP
         head = m % HP
         qmask = (row < n) & (head < heads)
-        keys = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        kmask = keys < t
         dd = tl.arange(0, BLOCK_D)
-        acc = tl.zeros((R * HP, BLOCK_T), dtype=tl.float32)
-        for d0 in range(0, d, BLOCK_D):
-            dmask = d0 + dd < d
-            qv = tl.load(
-                q_ptr + row[:, None] * s_qn + head[:, None] * s_qh + (d0 + dd)[None, :],
-                mask=qmask[:, None] & dmask[None, :], other=0.0,
-            )  # fmt: skip
-            kv = tl.load(
-                k_ptr + keys[None, :] * s_kt + (d0 + dd)[:, None],
-                mask=kmask[None, :] & dmask[:, None], other=0.0,
-            )  # fmt: skip
-            if DOT_F32:
-                qv = qv.to(tl.float32)
-                kv = kv.to(tl.float32)
-            if IEEE:  # noqa: SIM108  (a constexpr branch: one dot is compiled)
-                part = tl.dot(qv, kv, input_precision="ieee")
-            else:
-                part = tl.dot(qv, kv)
-            if HAS_KS:  # the key's scale of this 128-wide block
-                ks = tl.load(ks_ptr + keys * s_ks + d0 // BLOCK_D, mask=kmask, other=0.0)
-                part = part * ks[None, :]
-            acc += part
-        acc = tl.maximum(acc * scale, 0.0)
+        q_at = q_ptr + row[:, None] * s_qn + head[:, None] * s_qh + dd[None, :]
+        q0 = tl.load(q_at, mask=qmask[:, None] & (dd < d)[None, :], other=0.0)
+        q1 = q0  # the second 128-wide block of a 256-wide key (D_BLOCKS == 2)
+        if D_BLOCKS == 2:
+            second = qmask[:, None] & (BLOCK_D + dd < d)[None, :]
+            q1 = tl.load(q_at + BLOCK_D, mask=second, other=0.0)
+        if DOT_F32:
+            q0 = q0.to(tl.float32)
+            q1 = q1.to(tl.float32)
         w = tl.load(w_ptr + row * s_wn + head, mask=qmask, other=0.0)
-        s = tl.sum(tl.reshape(acc * w[:, None], (R, HP, BLOCK_T)), axis=1)
         rows = pid_r * R + tl.arange(0, R)
-        omask = (rows[:, None] < n) & kmask[None, :]
-        tl.store(out_ptr + rows[:, None] * s_on + keys[None, :], s, mask=omask)
+        first = pid_s * blocks_per_split
+        last = tl.minimum(first + blocks_per_split, tl.cdiv(t, BLOCK_T))
+        for blk in range(first, last):
+            keys = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+            kmask = keys < t
+            acc = tl.zeros((R * HP, BLOCK_T), dtype=tl.float32)
+            for j in tl.static_range(D_BLOCKS):
+                dmask = j * BLOCK_D + dd < d
+                kv = tl.load(
+                    k_ptr + keys[None, :] * s_kt + (j * BLOCK_D + dd)[:, None],
+                    mask=kmask[None, :] & dmask[:, None], other=0.0,
+                )  # fmt: skip
+                if DOT_F32:
+                    kv = kv.to(tl.float32)
+                qv = q0 if j == 0 else q1
+                if IEEE:  # noqa: SIM108  (a constexpr branch: one dot is compiled)
+                    part = tl.dot(qv, kv, input_precision="ieee")
+                else:
+                    part = tl.dot(qv, kv)
+                if HAS_KS:  # the key's scale of this 128-wide block
+                    ks = tl.load(ks_ptr + keys * s_ks + j, mask=kmask, other=0.0)
+                    part = part * ks[None, :]
+                acc += part
+            acc = tl.maximum(acc * scale, 0.0) * w[:, None]
+            s = tl.sum(tl.reshape(acc, (R, HP, BLOCK_T)), axis=1)
+            omask = (rows[:, None] < n) & kmask[None, :]
+            tl.store(out_ptr + rows[:, None] * s_on + keys[None, :], s, mask=omask)
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, so the split arithmetic is exercised
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _pow2(x: int) -> int:
@@ -116,6 +134,8 @@ def triton_index_scores(
     assert keys.dim() == 2 and keys.shape[1] == d, f"{keys.shape=} vs {q.shape=}"
     assert arith in ("exact", "fp8"), f"{arith=}"
     t = keys.shape[0]
+    if d > 2 * _QUANT_BLOCK:  # the kernel holds at most two 128-wide blocks of each query
+        return index_scores(q, weights, keys, scale, arith)
     ks = None
     if arith == "fp8":
         qv, qs = quantize(rotate_round(q), ue8m0=True)
@@ -136,14 +156,19 @@ def triton_index_scores(
         return out
     hp = _pow2(heads)
     r = max(1, 128 // hp)  # a 128-row MMA tile of (row, head) pairs
-    block_d = _QUANT_BLOCK if ks is not None else min(128, max(16, _pow2(d)))
-    grid = (triton.cdiv(n, r), triton.cdiv(t, block_t))
-    _scores_kernel[grid](
+    block_d = _QUANT_BLOCK if ks is not None or d > _QUANT_BLOCK else max(16, _pow2(d))
+    row_programs = triton.cdiv(n, r)
+    blocks = triton.cdiv(t, block_t)
+    # enough programs to fill the GPU ~4 times over, each with a long run of key blocks
+    splits = min(blocks, max(1, -(-4 * _sms(q.device) // row_programs)))
+    per_split = triton.cdiv(blocks, splits)
+    _scores_kernel[(row_programs, triton.cdiv(blocks, per_split))](
         q, w, keys, ks if ks is not None else w, out,
-        n, t, heads, d, float(scale),
+        n, t, heads, d, float(scale), per_split,
         q.stride(0), q.stride(1), w.stride(0), keys.stride(0),
         ks.stride(0) if ks is not None else 0, out.stride(0),
-        R=r, HP=hp, BLOCK_D=block_d, BLOCK_T=block_t, HAS_KS=ks is not None, IEEE=ieee,
-        DOT_F32=_DOT_F32, num_warps=8 if r * hp >= 128 else 4,
+        R=r, HP=hp, BLOCK_D=block_d, D_BLOCKS=triton.cdiv(d, block_d), BLOCK_T=block_t,
+        HAS_KS=ks is not None, IEEE=ieee, DOT_F32=_DOT_F32,
+        num_warps=8 if r * hp >= 128 else 4, num_stages=3,
     )  # fmt: skip
     return out

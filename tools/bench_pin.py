@@ -308,6 +308,10 @@ def main() -> None:
         "--sglang", action="store_true",
         help="also time stock SGLang's prefill of the same ids (GPU, sglang installed)",
     )  # fmt: skip
+    p.add_argument(
+        "--index-topk", type=int, default=0,
+        help="the checkpoint's index_topk (default: the preset's; 2048 with --sglang)",
+    )  # fmt: skip
     p.add_argument("--sglang-port", type=int, default=30124)
     p.add_argument("--sglang-reps", type=int, default=0, help="default: 5 to 32k tokens, else 3")
     p.add_argument("--one", help=argparse.SUPPRESS)
@@ -358,6 +362,10 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         overrides: dict[str, Any] = {"index_topk": SGLANG_TOPK} if a.sglang else {}
+        if a.index_topk:
+            if a.sglang and a.index_topk != SGLANG_TOPK:
+                p.error(f"--sglang needs index_topk {SGLANG_TOPK} (SGLang's NSA top-k kernels)")
+            overrides["index_topk"] = a.index_topk
         raised = bench_positions(preset, sizes, a.positions)
         if raised is not None:  # the preset's 163,840 positions stop short of 256k tokens
             overrides["max_position_embeddings"] = raised

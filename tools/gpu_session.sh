@@ -71,21 +71,20 @@ layer)
         --out "$OUT/sglang-device-path-$GPU.json" > "$OUT/sglang-device-path-$GPU.log" 2>&1
     took layer $?
     tail -12 "$OUT/sglang-device-path-$GPU.log" ;;
-pin-check)
+pin-check)  # index_topk 2048 as in the --sglang comparison
     timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_gpu_pin.py tests/gpu/test_gpu_kernels.py \
         > "$OUT/pin-gpu-tests.log" 2>&1
     took "gpu pin + kernel tests" $?
     tail -3 "$OUT/pin-gpu-tests.log"
-    for k in auto torch; do
-        timeout 150 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 --profile 16384 \
-            --kernels $k --out "$OUT/pin-$GPU-profile-$k.json" > "$OUT/pin-$GPU-profile-$k.log" 2>&1
-        took "profile $k" $?
-        grep -A12 "prefill phases" "$OUT/pin-$GPU-profile-$k.log"
-    done
-    timeout 200 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 65536 262144 \
-        --out "$OUT/pin-$GPU-auto.json" > "$OUT/pin-$GPU-auto.log" 2>&1
-    took "sizes auto" $?
-    tail -5 "$OUT/pin-$GPU-auto.log" ;;
+    timeout 120 python3 -m tools.bench_index_scores --out "$OUT/index-scores-$GPU.json" \
+        > "$OUT/index-scores-$GPU.log" 2>&1
+    took "index scores" $?
+    tail -6 "$OUT/index-scores-$GPU.log"
+    timeout 200 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 --profile 65536 \
+        --index-topk 2048 --out "$OUT/pin-$GPU-profile.json" > "$OUT/pin-$GPU-profile.log" 2>&1
+    took "profile" $?
+    grep -A12 "prefill phases" "$OUT/pin-$GPU-profile.log"
+    tail -3 "$OUT/pin-$GPU-profile.log" ;;
 pin)
     timeout 560 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 65536 262144 \
         --sglang --out "$OUT/pin-$GPU-sglang.json" > "$OUT/pin-$GPU-sglang.log" 2>&1

@@ -25,6 +25,8 @@ CASES = [
     (3, 16, 64, 40, torch.float32, "exact"),
     (2, 8, 128, 90, torch.bfloat16, "fp8"),
     (3, 4, 256, 20, torch.bfloat16, "fp8"),  # two quant blocks per key
+    (2, 4, 200, 300, torch.bfloat16, "exact"),  # two 128-wide blocks, the second partial
+    (2, 2, 300, 10, torch.float32, "exact"),  # wider than two blocks: the torch reference
 ]
 
 
