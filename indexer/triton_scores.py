@@ -50,7 +50,7 @@ def usable(device: torch.device) -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "t", "blocks_per_split", "s_kt", "s_on"])
     def _scores_kernel(
         q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr,
         n, t, heads, d, scale, blocks_per_split,
@@ -108,6 +108,64 @@ if triton is not None:
             tl.store(out_ptr + rows[:, None] * s_on + keys[None, :], s, mask=omask)
 
 
+    @triton.jit(do_not_specialize=["n", "t", "blocks_per_split", "s_kt", "s_on"])
+    def _scores_kernel_kq(
+        q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr,
+        n, t, heads, d, scale, blocks_per_split,
+        s_qn, s_qh, s_wn, s_kt, s_ks, s_on,
+        R: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr, D_BLOCKS: tl.constexpr,
+        BLOCK_T: tl.constexpr, HAS_KS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        # Keys-major: the MMA computes [BLOCK_T keys, R·HP (row, head) pairs], so the head sum
+        # runs along the accumulator's N dimension (within a thread and its quad, no shared
+        # memory round trip). The queries [D, R·HP] are loaded once per program.
+        pid_r = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        m = tl.arange(0, R * HP)
+        row = pid_r * R + m // HP
+        head = m % HP
+        qmask = (row < n) & (head < heads)
+        dd = tl.arange(0, BLOCK_D)
+        q_at = q_ptr + row[None, :] * s_qn + head[None, :] * s_qh + dd[:, None]
+        q0 = tl.load(q_at, mask=qmask[None, :] & (dd < d)[:, None], other=0.0)
+        q1 = q0  # the second 128-wide block of a 256-wide key (D_BLOCKS == 2)
+        if D_BLOCKS == 2:
+            second = qmask[None, :] & (BLOCK_D + dd < d)[:, None]
+            q1 = tl.load(q_at + BLOCK_D, mask=second, other=0.0)
+        if DOT_F32:
+            q0 = q0.to(tl.float32)
+            q1 = q1.to(tl.float32)
+        w = tl.load(w_ptr + row * s_wn + head, mask=qmask, other=0.0)
+        rows = pid_r * R + tl.arange(0, R)
+        first = pid_s * blocks_per_split
+        last = tl.minimum(first + blocks_per_split, tl.cdiv(t, BLOCK_T))
+        for blk in range(first, last):
+            keys = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+            kmask = keys < t
+            acc = tl.zeros((BLOCK_T, R * HP), dtype=tl.float32)
+            for j in tl.static_range(D_BLOCKS):
+                dmask = j * BLOCK_D + dd < d
+                kv = tl.load(
+                    k_ptr + keys[:, None] * s_kt + (j * BLOCK_D + dd)[None, :],
+                    mask=kmask[:, None] & dmask[None, :], other=0.0,
+                )  # fmt: skip
+                if DOT_F32:
+                    kv = kv.to(tl.float32)
+                qv = q0 if j == 0 else q1
+                if IEEE:  # noqa: SIM108  (a constexpr branch: one dot is compiled)
+                    part = tl.dot(kv, qv, input_precision="ieee")
+                else:
+                    part = tl.dot(kv, qv)
+                if HAS_KS:  # the key's scale of this 128-wide block
+                    ks = tl.load(ks_ptr + keys * s_ks + j, mask=kmask, other=0.0)
+                    part = part * ks[:, None]
+                acc += part
+            acc = tl.maximum(acc * scale, 0.0) * w[None, :]
+            s = tl.sum(tl.reshape(acc, (BLOCK_T, R, HP)), axis=2)
+            omask = kmask[:, None] & (rows[None, :] < n)
+            tl.store(out_ptr + rows[None, :] * s_on + keys[:, None], s, mask=omask)
+
+
 def _sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few splits, so the split arithmetic is exercised
@@ -125,8 +183,11 @@ def triton_index_scores(
     scale: float,
     arith: str = "exact",
     block_t: int = 128,
+    config: dict | None = None,
 ) -> torch.Tensor:
-    """:func:`indexer.scores.index_scores` (same arguments, float32 ``[n, T]``, no masking)."""
+    """:func:`indexer.scores.index_scores` (same arguments, float32 ``[n, T]``, no masking).
+    ``config`` overrides the launch (``tools/bench_index_scores.py --sweep``): ``layout``
+    ("kq" or "qk"), ``m`` ((row, head) pairs per program), ``warps``, ``stages``."""
     n, heads, d = q.shape
     assert triton is not None, "triton is not installed"
     assert scale > 0, f"{scale=}"
@@ -154,21 +215,23 @@ def triton_index_scores(
     out = torch.empty(n, t, dtype=torch.float32, device=q.device)
     if n == 0 or t == 0:
         return out
+    c = {"layout": "kq", "m": 128, "warps": 8, "stages": 3, **(config or {})}
     hp = _pow2(heads)
-    r = max(1, 128 // hp)  # a 128-row MMA tile of (row, head) pairs
+    r = max(1, c["m"] // hp)  # R rows: R·HP (row, head) pairs, one MMA dimension
     block_d = _QUANT_BLOCK if ks is not None or d > _QUANT_BLOCK else max(16, _pow2(d))
     row_programs = triton.cdiv(n, r)
     blocks = triton.cdiv(t, block_t)
     # enough programs to fill the GPU ~4 times over, each with a long run of key blocks
     splits = min(blocks, max(1, -(-4 * _sms(q.device) // row_programs)))
     per_split = triton.cdiv(blocks, splits)
-    _scores_kernel[(row_programs, triton.cdiv(blocks, per_split))](
+    kernel = _scores_kernel_kq if c["layout"] == "kq" else _scores_kernel
+    kernel[(row_programs, triton.cdiv(blocks, per_split))](
         q, w, keys, ks if ks is not None else w, out,
         n, t, heads, d, float(scale), per_split,
         q.stride(0), q.stride(1), w.stride(0), keys.stride(0),
         ks.stride(0) if ks is not None else 0, out.stride(0),
         R=r, HP=hp, BLOCK_D=block_d, D_BLOCKS=triton.cdiv(d, block_d), BLOCK_T=block_t,
         HAS_KS=ks is not None, IEEE=ieee, DOT_F32=_DOT_F32,
-        num_warps=8 if r * hp >= 128 else 4, num_stages=3,
+        num_warps=c["warps"] if r * hp >= 128 else 4, num_stages=c["stages"],
     )  # fmt: skip
     return out

@@ -8,6 +8,7 @@ Writes bench/results/index-scores-<gpu>.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from functools import partial
@@ -55,6 +56,24 @@ def measure(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, k: int, reps: 
     return row
 
 
+def sweep(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, reps: int) -> list[dict]:
+    """Median ms of every launch config in the grid, fastest first."""
+    flop = 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * keys.shape[0]
+    out = []
+    for layout, m, warps, stages, bt in itertools.product(
+        ("kq", "qk"), (64, 128), (4, 8), (2, 3), (64, 128)
+    ):
+        cfg = {"layout": layout, "m": m, "warps": warps, "stages": stages}
+        fn = partial(triton_index_scores, q, w, keys, q.shape[2] ** -0.5, "exact", bt, cfg)
+        try:
+            ms = timed(fn, reps)
+        except Exception as e:  # a config the compiler refuses (shared memory): say which
+            out.append({**cfg, "block_t": bt, "error": str(e)[:200]})
+            continue
+        out.append({**cfg, "block_t": bt, "ms": round(ms, 3), "tflops": round(flop / ms / 1e9, 1)})
+    return sorted(out, key=lambda r: r.get("ms", float("inf")))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--rows", type=int, default=1024)
@@ -63,6 +82,7 @@ def main() -> None:
     p.add_argument("--keys", type=int, nargs="+", default=[16384, 65536, 262144])
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--sweep", type=int, default=0, help="also time launch configs at N keys")
     p.add_argument("--out")
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -76,6 +96,11 @@ def main() -> None:
         keys = torch.randn(t, a.dim, generator=g, device=dev).bfloat16()
         rows.append(measure(q, w, keys, a.topk, a.reps))
         print(json.dumps(rows[-1]), file=sys.stderr)
+    configs = []
+    if a.sweep:
+        configs = sweep(q, w, torch.randn(a.sweep, a.dim, generator=g, device=dev).bfloat16(), 3)
+        for c in configs[:8]:
+            print(json.dumps(c))
     result = {
         "what": "index scores of one prefill chunk: Triton fused kernel vs torch; top-k of them",
         "command": "python -m tools.bench_index_scores " + " ".join(sys.argv[1:]),
@@ -84,6 +109,7 @@ def main() -> None:
         "shape": {"rows": a.rows, "heads": a.heads, "dim": a.dim, "topk": a.topk},
         "peak_bf16_tflops": PEAK_BF16.get(gpu),
         "rows": rows,
+        "sweep": configs,
     }
     head = ("keys", "triton ms", "TFLOP/s", "fp8 ms", "torch ms", "top-k ms")
     print(" ".join(f"{h:>9}" for h in head))

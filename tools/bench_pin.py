@@ -14,7 +14,7 @@ peak memory is its own. Two measurements:
 
 ``--profile`` first times the prefill's phases (indexer scores, top-k, projections, attention,
 MLPs) over the tar's first ``--profile`` tokens. ``--device cuda[:N]`` runs the same code on a
-GPU (default there: the SGLang-shaped preset in bf16, 1,024-token chunks, 16k/64k/256k tokens);
+GPU (default there: the SGLang-shaped preset in bf16, 4,096-token chunks, 16k/64k/256k tokens);
 ``--device cpu`` with the same flags exercises that path here. When a size is past the preset's
 163,840 positions the bench's checkpoint gets more (``--positions``; the rope stays the
 preset's), so 256k tokens run on both sides; with ``--positions 0`` such sizes are skipped.
@@ -202,6 +202,7 @@ def profile(
         return wrapper
 
     chosen = choose(cfg, device, getattr(torch, dtype), kernels)
+    chosen.warm_up(cfg, device, getattr(torch, dtype))
     timed_kernels = Kernels(
         timed("indexer scores", chosen.scores), timed("sparse attention", chosen.attend),
         chosen.describe,
@@ -289,7 +290,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--preset", choices=("cpu", "sglang"), help="default: cpu (sglang on CUDA)")
     p.add_argument("--sizes", type=int, nargs="+", help="default: 4096 16384 (CUDA: 16k 64k 256k)")
-    p.add_argument("--chunk", type=int, help="prefill chunk (default: 256; CUDA: 1024)")
+    p.add_argument("--chunk", type=int, help="prefill chunk (default: 256; CUDA: 4096)")
     p.add_argument("--dtype", help="cache and model dtype (default: float32; CUDA: bfloat16)")
     p.add_argument("--package", default="prometheus_client", help="the tar: this package's source")
     p.add_argument("--no-tar", action="store_true", help="skip the tar")
@@ -317,7 +318,7 @@ def main() -> None:
     p.add_argument("--one", help=argparse.SUPPRESS)
     a = p.parse_args()
     cuda = a.device != "cpu"
-    chunk = a.chunk or (1024 if cuda else 256)
+    chunk = a.chunk or (4096 if cuda else 256)
     dtype = a.dtype or ("bfloat16" if cuda else "float32")
     if a.one:  # a child: one pin, its row as the last line of stdout
         model = os.environ["BENCH_MODEL"]

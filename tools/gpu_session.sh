@@ -76,15 +76,18 @@ pin-check)  # index_topk 2048 as in the --sglang comparison
         > "$OUT/pin-gpu-tests.log" 2>&1
     took "gpu pin + kernel tests" $?
     tail -3 "$OUT/pin-gpu-tests.log"
-    timeout 120 python3 -m tools.bench_index_scores --out "$OUT/index-scores-$GPU.json" \
+    timeout 200 python3 -m tools.bench_index_scores --sweep 65536 --out "$OUT/index-scores-$GPU.json" \
         > "$OUT/index-scores-$GPU.log" 2>&1
     took "index scores" $?
-    tail -6 "$OUT/index-scores-$GPU.log"
+    grep -v '^{"keys' "$OUT/index-scores-$GPU.log" | tail -14
     timeout 200 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 --profile 65536 \
         --index-topk 2048 --out "$OUT/pin-$GPU-profile.json" > "$OUT/pin-$GPU-profile.log" 2>&1
     took "profile" $?
     grep -A12 "prefill phases" "$OUT/pin-$GPU-profile.log"
-    tail -3 "$OUT/pin-$GPU-profile.log" ;;
+    timeout 200 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 65536 262144 \
+        --index-topk 2048 --out "$OUT/pin-$GPU-sizes.json" > "$OUT/pin-$GPU-sizes.log" 2>&1
+    took "sizes" $?
+    tail -5 "$OUT/pin-$GPU-sizes.log" ;;
 pin)
     timeout 560 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 65536 262144 \
         --sglang --out "$OUT/pin-$GPU-sglang.json" > "$OUT/pin-$GPU-sglang.log" 2>&1

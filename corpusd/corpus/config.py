@@ -31,7 +31,10 @@ class PinConfig:
     page_size: int = field(default=PAGE_SIZE, metadata={"help": "tokens per page"})
     max_tokens: int = field(default=1 << 20, metadata={"help": "refuse larger corpora"})
     max_file_bytes: int = field(default=1 << 20, metadata={"help": "skip larger files"})
-    chunk: int = field(default=256, metadata={"help": "prefill chunk (tokens)"})
+    chunk: int = field(
+        default=0,
+        metadata={"help": "prefill chunk in tokens (default: 256 on CPU, 4096 on CUDA)"},
+    )
     dtype: str = field(
         default="float32",
         metadata={"help": "cache and prefill dtype (bfloat16 for GPU pins)", "choices": DTYPES},
@@ -68,10 +71,18 @@ class PinConfig:
         default=600.0, metadata={"help": "seconds to wait for the engine's prefill and pages"}
     )
 
+    @property
+    def prefill_chunk(self) -> int:
+        """``chunk``, or the device's default: larger GPU chunks amortise each layer's launches
+        (the indexer's ``[chunk, T]`` float32 scores are 4 GiB at 4,096 × 256k)."""
+        return self.chunk or (256 if self.device == "cpu" else 4096)
+
     def __post_init__(self) -> None:
-        for key in ("page_size", "max_tokens", "max_file_bytes", "chunk"):
+        for key in ("page_size", "max_tokens", "max_file_bytes"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.chunk < 0:
+            raise ValueError(f"chunk must be > 0 (or 0: the device's default), got {self.chunk}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kernels not in KERNELS:

@@ -126,11 +126,12 @@ def pin(
     out.write(f"prefill of {len(layout.tokens):,} tokens{where}: ")
     out.write(f"{estimate(len(layout.tokens)) if cfg.device == 'cpu' else cfg.dtype}\n")
     model = load_model(model_dir, dtype=getattr(torch, cfg.dtype), device=cfg.device)
-    t_prefill = time.perf_counter()
     kernels = choose(model_cfg, cfg.device, getattr(torch, cfg.dtype), cfg.kernels)
     if cfg.device != "cpu":
         out.write(f"kernels: {kernels.describe}\n")
-    cache = prefill(model, layout, cfg.chunk, out, kernels)
+        kernels.warm_up(model_cfg, cfg.device, getattr(torch, cfg.dtype))
+    t_prefill = time.perf_counter()
+    cache = prefill(model, layout, cfg.prefill_chunk, out, kernels)
     t_prefill = time.perf_counter() - t_prefill
     name = cfg.name or Path(cfg.corpus).name.split(".")[0] or cid[:12]
     manifest = Manifest(

@@ -37,10 +37,12 @@ def main() -> None:
         keys = torch.randn(t, d, generator=g).to(dtype)
         w = torch.randn(n, heads, generator=g) * heads**-0.5
         ref = index_scores(q, w, keys, d**-0.5, arith)
-        got = triton_index_scores(q, w, keys, d**-0.5, arith, block_t=32)
-        err = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
-        case = f"{n=} {heads=} {d=} {t=} {dtype} {arith}"
-        assert got.shape == ref.shape and err < 2e-5, f"{case}: {err=}"
+        for layout in ("kq", "qk"):
+            cfg = {"layout": layout}
+            got = triton_index_scores(q, w, keys, d**-0.5, arith, block_t=32, config=cfg)
+            err = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+            case = f"{n=} {heads=} {d=} {t=} {dtype} {arith} {layout}"
+            assert got.shape == ref.shape and err < 2e-5, f"{case}: {err=}"
     empty = triton_index_scores(torch.zeros(0, 4, 64), torch.zeros(0, 4), torch.zeros(9, 64), 0.125)
     assert empty.shape == (0, 9)
     print(f"{len(CASES) + 1} cases ok")
