@@ -19,6 +19,7 @@ def index_scores(
     keys: torch.Tensor,
     scale: float,
     arith: str = "exact",
+    limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Score every key for every query row.
 
@@ -29,9 +30,12 @@ def index_scores(
         scale: ``D ** -0.5`` (> 0); applied before the ReLU, as the model does.
         arith: ``"exact"`` (float32, as transformers) or ``"fp8"``: q and keys as the fp8
             indexer of DeepSeek's inference code and SGLang sees them (:mod:`indexer.fp8`).
+        limit: optional int ``[n]``: row ``i``'s keys at positions ``>= limit[i]`` score
+            ``-inf`` (causality; ``select_topk`` never picks them).
 
     Returns:
-        float32 ``[n, T]``. No masking: the caller decides which keys a row may see.
+        float32 ``[n, T]``. Without ``limit`` no masking: the caller decides which keys a row
+        may see.
     """
     n, heads, d = q.shape
     assert scale > 0, f"{scale=}"
@@ -54,4 +58,8 @@ def index_scores(
         torch.mm(qf, kb.T, out=s)
         torch.relu_(s)
         torch.bmm(w, s.view(n, heads, b), out=out[:, start : start + b].unsqueeze(1))
+    if limit is not None:  # only columns past the lowest limit can be masked
+        lo = max(0, min(t, int(limit.min()))) if n else t
+        pos = torch.arange(lo, t, device=out.device)
+        out[:, lo:].masked_fill_(pos[None, :] >= limit[:, None], float("-inf"))
     return out

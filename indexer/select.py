@@ -9,12 +9,14 @@ def select_topk(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None)
     """Pick the ``k`` best-scoring keys of every row.
 
     One ``topk(k + 1)`` decides most rows: where the k-th best score is finite and beats the
-    (k+1)-th, no tie straddles the cut and the top k are the answer. Rows with a tie at the cut,
-    fewer than k eligible keys, or a NaN/inf among their best (``topk`` ranks NaN highest) go
-    through :func:`select_topk_exact`, which defines the result. Under causality only the last
-    ``T - min(limit)`` columns need masking: they are scored apart (a copy of that tail, not of
-    the row), and the two candidate lists merged, since the row's top ``k + 1`` lies in their
-    union. Same output as :func:`select_topk_exact`, bit for bit.
+    (k+1)-th, no tie straddles the cut and the top k are the answer. Without ``limit`` that
+    ``topk`` is unsorted (its two lowest values are the k-th and (k+1)-th best). Rows with a
+    tie at the cut, fewer than k eligible keys, or a NaN/inf among their best (``topk`` ranks
+    NaN highest) go through :func:`select_topk_exact`, which defines the result. Under
+    causality only the last ``T - min(limit)`` columns need masking: they are scored apart (a
+    copy of that tail, not of the row), and the two candidate lists merged, since the row's top
+    ``k + 1`` lies in their union. A scorer that masks itself (``index_scores(..., limit)``)
+    needs no ``limit`` here. Same output as :func:`select_topk_exact`, bit for bit.
 
     Args:
         scores: float ``[n, T]``; column ``t`` is the key at position ``t``.
@@ -30,10 +32,19 @@ def select_topk(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None)
     n, t = scores.shape
     if k >= t or n == 0:
         return select_topk_exact(scores, k, limit)
-    vals, idx = _top(scores, k + 1, limit)
-    kth, nxt = vals[:, k - 1], vals[:, k]
-    clean = (kth > nxt) & torch.isfinite(vals[:, :k]).all(dim=1)
-    out = idx[:, :k].sort(dim=1).values
+    if limit is None:
+        # unsorted top (k + 1): the two lowest of it are the k-th and (k+1)-th best scores
+        vals, idx = scores.float().topk(k + 1, dim=1, sorted=False)
+        low = vals.topk(2, dim=1, largest=False)
+        nxt, kth = low.values[:, 0], low.values[:, 1]
+        nonfinite = (~torch.isfinite(vals)).sum(dim=1) - (~torch.isfinite(nxt)).long()
+        clean = (kth > nxt) & (nonfinite == 0)
+        out = idx.scatter(1, low.indices[:, :1], t).sort(dim=1).values[:, :k]
+    else:
+        vals, idx = _top(scores, k + 1, limit)
+        kth, nxt = vals[:, k - 1], vals[:, k]
+        clean = (kth > nxt) & torch.isfinite(vals[:, :k]).all(dim=1)
+        out = idx[:, :k].sort(dim=1).values
     if not bool(clean.all()):
         rows = (~clean).nonzero().flatten()
         sub = None if limit is None else limit[rows]

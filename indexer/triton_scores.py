@@ -52,11 +52,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n", "t", "blocks_per_split", "s_kt", "s_on"])
     def _scores_kernel(
-        q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr,
+        q_ptr, w_ptr, k_ptr, ks_ptr, lim_ptr, out_ptr,
         n, t, heads, d, scale, blocks_per_split,
         s_qn, s_qh, s_wn, s_kt, s_ks, s_on,
         R: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr, D_BLOCKS: tl.constexpr,
-        BLOCK_T: tl.constexpr, HAS_KS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+        BLOCK_T: tl.constexpr, HAS_KS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+        IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
         # One program: R query rows (their R·HP (row, head) pairs are the MMA's M) against a
         # contiguous run of key blocks, looped so that the queries stay in registers and the
@@ -79,6 +80,9 @@ if triton is not None:
             q1 = q1.to(tl.float32)
         w = tl.load(w_ptr + row * s_wn + head, mask=qmask, other=0.0)
         rows = pid_r * R + tl.arange(0, R)
+        lim = rows  # unused unless HAS_LIMIT
+        if HAS_LIMIT:
+            lim = tl.load(lim_ptr + rows, mask=rows < n, other=0)
         first = pid_s * blocks_per_split
         last = tl.minimum(first + blocks_per_split, tl.cdiv(t, BLOCK_T))
         for blk in range(first, last):
@@ -104,17 +108,20 @@ if triton is not None:
                 acc += part
             acc = tl.maximum(acc * scale, 0.0) * w[:, None]
             s = tl.sum(tl.reshape(acc, (R, HP, BLOCK_T)), axis=1)
+            if HAS_LIMIT:
+                s = tl.where(keys[None, :] >= lim[:, None], float("-inf"), s)
             omask = (rows[:, None] < n) & kmask[None, :]
             tl.store(out_ptr + rows[:, None] * s_on + keys[None, :], s, mask=omask)
 
 
     @triton.jit(do_not_specialize=["n", "t", "blocks_per_split", "s_kt", "s_on"])
     def _scores_kernel_kq(
-        q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr,
+        q_ptr, w_ptr, k_ptr, ks_ptr, lim_ptr, out_ptr,
         n, t, heads, d, scale, blocks_per_split,
         s_qn, s_qh, s_wn, s_kt, s_ks, s_on,
         R: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr, D_BLOCKS: tl.constexpr,
-        BLOCK_T: tl.constexpr, HAS_KS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+        BLOCK_T: tl.constexpr, HAS_KS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+        IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
         # Keys-major: the MMA computes [BLOCK_T keys, R·HP (row, head) pairs], so the head sum
         # runs along the accumulator's N dimension (within a thread and its quad, no shared
@@ -137,6 +144,9 @@ if triton is not None:
             q1 = q1.to(tl.float32)
         w = tl.load(w_ptr + row * s_wn + head, mask=qmask, other=0.0)
         rows = pid_r * R + tl.arange(0, R)
+        lim = rows  # unused unless HAS_LIMIT
+        if HAS_LIMIT:
+            lim = tl.load(lim_ptr + rows, mask=rows < n, other=0)
         first = pid_s * blocks_per_split
         last = tl.minimum(first + blocks_per_split, tl.cdiv(t, BLOCK_T))
         for blk in range(first, last):
@@ -162,6 +172,8 @@ if triton is not None:
                 acc += part
             acc = tl.maximum(acc * scale, 0.0) * w[None, :]
             s = tl.sum(tl.reshape(acc, (BLOCK_T, R, HP)), axis=2)
+            if HAS_LIMIT:
+                s = tl.where(keys[:, None] >= lim[None, :], float("-inf"), s)
             omask = kmask[:, None] & (rows[None, :] < n)
             tl.store(out_ptr + rows[None, :] * s_on + keys[:, None], s, mask=omask)
 
@@ -184,8 +196,10 @@ def triton_index_scores(
     arith: str = "exact",
     block_t: int = 128,
     config: dict | None = None,
+    limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`indexer.scores.index_scores` (same arguments, float32 ``[n, T]``, no masking).
+    """:func:`indexer.scores.index_scores` (same arguments, float32 ``[n, T]``; keys at or
+    past ``limit`` score ``-inf``, in the kernel).
     ``config`` overrides the launch (``tools/bench_index_scores.py --sweep``): ``layout``
     ("kq" or "qk"), ``m`` ((row, head) pairs per program), ``warps``, ``stages``."""
     n, heads, d = q.shape
@@ -196,7 +210,7 @@ def triton_index_scores(
     assert arith in ("exact", "fp8"), f"{arith=}"
     t = keys.shape[0]
     if d > 2 * _QUANT_BLOCK:  # the kernel holds at most two 128-wide blocks of each query
-        return index_scores(q, weights, keys, scale, arith)
+        return index_scores(q, weights, keys, scale, arith, limit)
     ks = None
     if arith == "fp8":
         qv, qs = quantize(rotate_round(q), ue8m0=True)
@@ -215,7 +229,8 @@ def triton_index_scores(
     out = torch.empty(n, t, dtype=torch.float32, device=q.device)
     if n == 0 or t == 0:
         return out
-    c = {"layout": "kq", "m": 128, "warps": 8, "stages": 3, **(config or {})}
+    # tools/bench_index_scores.py --sweep on an H200 (bench/results/index-scores-h200.json)
+    c = {"layout": "kq", "m": 128, "warps": 4, "stages": 3, **(config or {})}
     hp = _pow2(heads)
     r = max(1, c["m"] // hp)  # R rows: R·HP (row, head) pairs, one MMA dimension
     block_d = _QUANT_BLOCK if ks is not None or d > _QUANT_BLOCK else max(16, _pow2(d))
@@ -225,13 +240,14 @@ def triton_index_scores(
     splits = min(blocks, max(1, -(-4 * _sms(q.device) // row_programs)))
     per_split = triton.cdiv(blocks, splits)
     kernel = _scores_kernel_kq if c["layout"] == "kq" else _scores_kernel
+    lim = None if limit is None else limit.to(torch.int64).contiguous()
     kernel[(row_programs, triton.cdiv(blocks, per_split))](
-        q, w, keys, ks if ks is not None else w, out,
+        q, w, keys, ks if ks is not None else w, lim if lim is not None else w, out,
         n, t, heads, d, float(scale), per_split,
         q.stride(0), q.stride(1), w.stride(0), keys.stride(0),
         ks.stride(0) if ks is not None else 0, out.stride(0),
         R=r, HP=hp, BLOCK_D=block_d, D_BLOCKS=triton.cdiv(d, block_d), BLOCK_T=block_t,
-        HAS_KS=ks is not None, IEEE=ieee, DOT_F32=_DOT_F32,
+        HAS_KS=ks is not None, HAS_LIMIT=lim is not None, IEEE=ieee, DOT_F32=_DOT_F32,
         num_warps=c["warps"] if r * hp >= 128 else 4, num_stages=c["stages"],
     )  # fmt: skip
     return out

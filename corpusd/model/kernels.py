@@ -24,7 +24,8 @@ from indexer import index_scores
 
 @dataclass(frozen=True)
 class Kernels:
-    """``scores``: ``index_scores``' contract; ``attend``: ``partial_attention``'s."""
+    """``scores``: ``index_scores``' contract (with its ``limit``); ``attend``:
+    ``partial_attention``'s."""
 
     scores: Callable[..., torch.Tensor]
     attend: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -48,7 +49,8 @@ def choose(cfg: ModelConfig, device: str, dtype: torch.dtype, want: str = "auto"
     torch references (``"torch"``). ValueError for another ``want``."""
     if want not in KERNELS:
         raise ValueError(f"unknown prefill kernels {want!r}: one of {', '.join(KERNELS)}")
-    scores, s_name = index_scores, "torch index scores"
+    scores: Callable[..., torch.Tensor] = index_scores
+    s_name = "torch index scores"
     attend, a_name = partial_attention, "torch sparse attention"
     if want == "auto" and device.startswith("cuda"):
         from indexer import triton_scores  # imports Triton: only where it may run

@@ -121,9 +121,10 @@ def select_rows(
         return torch.where(pos[None, :] < limit[:, None], pos[None, :], -1)
     score = index_scores if kernels is None else kernels.scores
     scores = score(
-        proj.index_q, proj.index_w, index_keys[:visible], cfg.index_head_dim**-0.5, cfg.index_arith
-    )
-    return select_topk(scores, cfg.index_topk, limit)
+        proj.index_q, proj.index_w, index_keys[:visible], cfg.index_head_dim**-0.5,
+        cfg.index_arith, limit=limit,
+    )  # fmt: skip  (causal keys come back -inf: never selected)
+    return select_topk(scores, cfg.index_topk)
 
 
 @torch.inference_mode()

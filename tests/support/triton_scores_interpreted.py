@@ -7,6 +7,7 @@ the case in the message.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -36,13 +37,18 @@ def main() -> None:
         q = torch.randn(n, heads, d, generator=g).to(dtype)
         keys = torch.randn(t, d, generator=g).to(dtype)
         w = torch.randn(n, heads, generator=g) * heads**-0.5
-        ref = index_scores(q, w, keys, d**-0.5, arith)
-        for layout in ("kq", "qk"):
+        limits = (None, torch.randint(0, t + 2, (n,), generator=g))  # causal masks, some empty
+        for layout, limit in itertools.product(("kq", "qk"), limits):
+            ref = index_scores(q, w, keys, d**-0.5, arith, limit)
             cfg = {"layout": layout}
-            got = triton_index_scores(q, w, keys, d**-0.5, arith, block_t=32, config=cfg)
-            err = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
-            case = f"{n=} {heads=} {d=} {t=} {dtype} {arith} {layout}"
-            assert got.shape == ref.shape and err < 2e-5, f"{case}: {err=}"
+            got = triton_index_scores(q, w, keys, d**-0.5, arith, 32, cfg, limit)
+            case = f"{n=} {heads=} {d=} {t=} {dtype} {arith} {layout} {limit=}"
+            masked = torch.isinf(ref)
+            assert got.shape == ref.shape and torch.equal(torch.isinf(got), masked), case
+            assert bool((got[masked] < 0).all()), f"{case}: masked keys are -inf"
+            diff = (got - ref).masked_fill(masked, 0.0).abs().max()
+            err = float(diff / ref.masked_fill(masked, 0.0).abs().max().clamp(min=1e-6))
+            assert err < 2e-5, f"{case}: {err=}"
     empty = triton_index_scores(torch.zeros(0, 4, 64), torch.zeros(0, 4), torch.zeros(9, 64), 0.125)
     assert empty.shape == (0, 9)
     print(f"{len(CASES) + 1} cases ok")

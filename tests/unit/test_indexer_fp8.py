@@ -108,8 +108,8 @@ def test_fp8_model_selects_by_fp8_scores(sglang_dir: Path, monkeypatch) -> None:
     toks = torch.randint(2, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(4))
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def spy(c, proj, keys, positions):  # type: ignore[no-untyped-def]
-        out = select_rows(c, proj, keys, positions)
+    def spy(c, proj, keys, positions, kernels=None):  # type: ignore[no-untyped-def]
+        out = select_rows(c, proj, keys, positions, kernels)
         if c.index_arith == "fp8" and int(positions.max()) >= c.index_topk:
             want = select_topk(
                 index_scores(proj.index_q, proj.index_w, keys, c.index_head_dim**-0.5, "fp8"),

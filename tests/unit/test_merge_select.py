@@ -114,6 +114,9 @@ def test_select_topk_is_exact_and_ties_go_to_lowest_position(
     limit = torch.randint(1, t + 1, (7,), generator=g)
     got = select_topk(scores, k, limit)
     assert got.tolist() == _reference_topk(scores, k, limit)
+    # a scorer that masked causality itself (-inf past the limit): the unsorted path
+    masked = scores.masked_fill(torch.arange(t)[None, :] >= limit[:, None], float("-inf"))
+    assert select_topk(masked, k).tolist() == _reference_topk(scores, k, limit)
 
 
 def test_select_topk_without_limit_and_k_beyond_length() -> None:
@@ -153,6 +156,12 @@ def test_select_topk_fast_path_equals_exact_on_prefill_shaped_rows(
     assert sum(slow_rows) <= 6, f"{slow_rows=}: the fast path decided too few rows"
     no_limit = select_topk(scores, k)
     assert torch.equal(no_limit, real(scores, k))
+    # the masking scorer's output through the unsorted path: same answer, as few slow rows
+    slow_rows.clear()
+    masked = scores.masked_fill(torch.arange(t)[None, :] >= limit[:, None], float("-inf"))
+    got = select_topk(masked, k)
+    assert torch.equal(got, want), f"{(got != want).any(dim=1).nonzero().flatten().tolist()=}"
+    assert sum(slow_rows) <= 6, f"{slow_rows=}: the fast path decided too few rows"
 
 
 def test_index_scores_match_formula_across_key_blocks() -> None:
@@ -167,3 +176,7 @@ def test_index_scores_match_formula_across_key_blocks() -> None:
         torch.relu(0.25 * torch.einsum("nhd,td->nht", q.double(), keys.double())),
     )
     assert rel(got, ref) <= 1e-6
+    limit = torch.tensor([0, 8999, 4500])
+    masked = index_scores(q, w, keys, 0.25, limit=limit)
+    past = torch.arange(9000)[None, :] >= limit[:, None]
+    assert bool(masked[past].eq(float("-inf")).all()) and torch.equal(masked[~past], got[~past])
