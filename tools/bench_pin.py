@@ -10,11 +10,11 @@ peak memory is its own. Two measurements:
 - ``rows``: corpora of real source text (this Python's standard library, sorted) cut to about
   each target token count with the model's tokenizer: prefill tok/s, peak RSS (and peak GPU
   memory on CUDA), and the pin's FLOP model (indexer + sparse attention) against this
-  machine's fp32 matmul rate measured in the same run (CPU).
+  machine's matmul rate measured in the same run (fp32 on CPU, bf16 on CUDA).
 
 ``--profile`` first times the prefill's phases (indexer scores, top-k, projections, attention,
 MLPs) over the tar's first ``--profile`` tokens. ``--device cuda[:N]`` runs the same code on a
-GPU (default there: the SGLang-shaped preset in bf16, 4,096-token chunks, 16k/64k/256k tokens);
+GPU (default there: the SGLang-shaped preset in bf16, 8,192-token chunks, 16k/64k/256k tokens);
 ``--device cpu`` with the same flags exercises that path here. When a size is past the preset's
 163,840 positions the bench's checkpoint gets more (``--positions``; the rope stays the
 preset's), so 256k tokens run on both sides; with ``--positions 0`` such sizes are skipped.
@@ -52,10 +52,12 @@ import torch
 from corpusd.model import ModelConfig
 
 
-def matmul_gflops(device: str = "cpu") -> float:
-    """fp32 GEMM rate at the indexer's shape ([16384, 128] @ [128, 1024]), median of 9."""
-    a, b = torch.randn(16384, 128, device=device), torch.randn(128, 1024, device=device)
-    out = torch.empty(16384, 1024, device=device)
+def matmul_gflops(device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
+    """GEMM rate at the indexer's shape ([16384, 128] @ [128, 1024]) in ``dtype``, median of 9:
+    fp32 on CPU (the torch scorer's), bf16 on CUDA (the Triton scorer's tensor-core operands)."""
+    a = torch.randn(16384, 128, device=device).to(dtype)
+    b = torch.randn(128, 1024, device=device).to(dtype)
+    out = torch.empty(16384, 1024, device=device, dtype=dtype)
     times = []
     for _ in range(12):
         t = time.perf_counter()
@@ -290,7 +292,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--preset", choices=("cpu", "sglang"), help="default: cpu (sglang on CUDA)")
     p.add_argument("--sizes", type=int, nargs="+", help="default: 4096 16384 (CUDA: 16k 64k 256k)")
-    p.add_argument("--chunk", type=int, help="prefill chunk (default: 256; CUDA: 4096)")
+    p.add_argument("--chunk", type=int, help="prefill chunk (default: 256; CUDA: 8192)")
     p.add_argument("--dtype", help="cache and model dtype (default: float32; CUDA: bfloat16)")
     p.add_argument("--package", default="prometheus_client", help="the tar: this package's source")
     p.add_argument("--no-tar", action="store_true", help="skip the tar")
@@ -318,7 +320,7 @@ def main() -> None:
     p.add_argument("--one", help=argparse.SUPPRESS)
     a = p.parse_args()
     cuda = a.device != "cpu"
-    chunk = a.chunk or (4096 if cuda else 256)
+    chunk = a.chunk or (8192 if cuda else 256)
     dtype = a.dtype or ("bfloat16" if cuda else "float32")
     if a.one:  # a child: one pin, its row as the last line of stdout
         model = os.environ["BENCH_MODEL"]
@@ -394,8 +396,10 @@ def main() -> None:
                 row = _child(["--one", "tar", *common], env)
                 result["tar"].update(row)
                 print(f"tar {a.package} ({tar.stat().st_size:,} bytes): {json.dumps(row)}")
-        gflops = matmul_gflops(a.device)
-        result["matmul_fp32_gflops"] = round(gflops, 1)
+        mm_dtype = torch.bfloat16 if cuda and dtype == "bfloat16" else torch.float32
+        gflops = matmul_gflops(a.device, mm_dtype)
+        mm_name = "bf16" if mm_dtype == torch.bfloat16 else "fp32"
+        result[f"matmul_{mm_name}_gflops"] = round(gflops, 1)
         rows, by_size = [], {}
         for size in sizes:
             skip = positions_skip(size, positions)
@@ -419,7 +423,7 @@ def main() -> None:
             out.write_text(json.dumps(result, indent=2) + "\n")
             result.update(vs_sglang(a, model_dir, by_size, positions, Path(tmp) / "ids", out))
     result["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
-    print(f"\nmatmul fp32: {gflops:.1f} GFLOP/s ({result['machine']['device']})")
+    print(f"\nmatmul {mm_dtype}: {gflops:.1f} GFLOP/s ({result['machine']['device']})")
     head = ("tokens", "prefill s", "tok/s", "peak RSS", "indexer GF", "attn GF", "floor/act")
     print(" ".join(f"{h:>10}" for h in head))
     for r in rows:

@@ -33,7 +33,7 @@ class PinConfig:
     max_file_bytes: int = field(default=1 << 20, metadata={"help": "skip larger files"})
     chunk: int = field(
         default=0,
-        metadata={"help": "prefill chunk in tokens (default: 256 on CPU, 4096 on CUDA)"},
+        metadata={"help": "prefill chunk in tokens (default: 256 on CPU, 8192 on CUDA)"},
     )
     dtype: str = field(
         default="float32",
@@ -74,8 +74,9 @@ class PinConfig:
     @property
     def prefill_chunk(self) -> int:
         """``chunk``, or the device's default: larger GPU chunks amortise each layer's launches
-        (the indexer's ``[chunk, T]`` float32 scores are 4 GiB at 4,096 × 256k)."""
-        return self.chunk or (256 if self.device == "cpu" else 4096)
+        (SGLang's chunked prefill is 8,192 too; the indexer's ``[chunk, T]`` float32 scores are
+        8 GiB at 8,192 × 256k)."""
+        return self.chunk or (256 if self.device == "cpu" else 8192)
 
     def __post_init__(self) -> None:
         for key in ("page_size", "max_tokens", "max_file_bytes"):
