@@ -228,6 +228,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     assert modes[0] == "stock", "stock runs first: it is the reference"
     cd = start_pinned(work, model, regimes, a.holders, a.holder_device, a.kv_cache_dtype,
                       a.port + 7 if a.pin_engine else 0)  # fmt: skip
+    cd.held = cd.residency(model, pin_format(a.kv_cache_dtype), a.holder_device)  # before serving
+    print(f"holders: {json.dumps(cd.held)}", flush=True)
     tok = ByteTokenizer()
     suffixes = [tok.encode(f"\n\nQ: {q}\nA:") for q in QUESTIONS[: a.requests]]
     runs: dict[str, dict[str, Any]] = {r: {} for r in regimes}
@@ -337,6 +339,7 @@ def summarize(
         "cuda_graph_bs": [] if a.no_cuda_graph else list(a.graph_bs or a.streams),
         "streams": list(a.streams),
         **formats(a.kv_cache_dtype),
+        "holder_residency": cd.held,
         "sglang_env": SGLANG_ENV,
         "failed": failed,
         "regimes": {},

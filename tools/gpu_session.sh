@@ -117,7 +117,7 @@ fp8)
     timeout 350 python3 -m tools.bench_sglang --kv-cache-dtype fp8_e4m3 --modes stock,route \
         --regimes sparse --requests 8 --tokens 16 --forced-steps 4 --streams 8 --graph-bs 8 \
         --holder-device cuda:0 --fit-steps 0 --work /tmp/corpusd-bench-fp8 \
-        --out "$OUT/sglang-fp8-h100.json" > "$OUT/sglang-fp8-h100.log" 2>&1
+        --out "$OUT/sglang-fp8-$GPU.json" > "$OUT/sglang-fp8-$GPU.log" 2>&1
     took "fp8 bench" $?
-    tail -10 "$OUT/sglang-fp8-h100.log" ;;
+    grep "^holders:" "$OUT/sglang-fp8-$GPU.log"; tail -10 "$OUT/sglang-fp8-$GPU.log" ;;
 esac

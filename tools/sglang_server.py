@@ -14,11 +14,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from corpusd.corpus.store import PageStore
+from corpusd.model.fp8_cache import ROW_BYTES
 from requester.sglang.binding import request_fields
 from tools.sglang_compare import forced_primitive, is_route
 
@@ -79,6 +80,35 @@ class Corpusd:
     coordinator: str
     store: Path
     tokens: dict[str, list[int]]  # corpus name → its tokens
+    held: dict[str, Any] = field(default_factory=dict)  # residency(), once pinned
+
+    def residency(self, model: Path, kv_format: str, device: str) -> dict[str, Any]:
+        """The holders' ``corpusd_holder_bytes_resident`` gauges (their Prometheus endpoints)
+        and what they come to per pinned token and layer, beside the row format's own bytes
+        (issue 18: FlashMLA's 656-byte fp8 row plus the index key, in the holders' dtype: bf16
+        on a GPU, float32 on CPU). Pages are whole, so a corpus's last page adds a little."""
+        cfg = json.loads((model / "config.json").read_text())
+        resident = {}
+        for d in self.daemons:
+            if d.state_dir.name.startswith("holder") and d.metrics_port > 0:
+                url = f"http://127.0.0.1:{d.metrics_port}/metrics"
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    text = r.read().decode()
+                got = re.search(r"^corpusd_holder_bytes_resident(?:\{[^}]*\})? (\S+)$", text, re.M)
+                resident[d.state_dir.name] = float(got.group(1)) if got else None
+        tokens = sum(len(t) for t in self.tokens.values())
+        layers = int(cfg["num_hidden_layers"])
+        total = sum(v for v in resident.values() if v)
+        elt = 4 if device == "cpu" else 2
+        plain = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * elt
+        row = ROW_BYTES if kv_format == "fp8_e4m3" else plain
+        return {
+            "bytes_resident": resident,
+            "pinned_tokens": tokens,
+            "layers": layers,
+            "bytes_per_token_layer": round(total / (tokens * layers), 1) if tokens else None,
+            "format_bytes_per_token_layer": {"row": row, "index_key": cfg["index_head_dim"] * elt},
+        }
 
     def stop(self) -> None:
         for d in reversed(self.daemons):
