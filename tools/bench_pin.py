@@ -204,7 +204,10 @@ def profile(
         return wrapper
 
     chosen = choose(cfg, device, getattr(torch, dtype), kernels)
-    chosen.warm_up(cfg, device, getattr(torch, dtype))
+    if device != "cpu":
+        from corpusd.corpus.pin import warm_up
+
+        warm_up(model, chosen)
     timed_kernels = Kernels(
         timed("indexer scores", chosen.scores), timed("sparse attention", chosen.attend),
         chosen.describe,

@@ -129,7 +129,7 @@ def pin(
     kernels = choose(model_cfg, cfg.device, getattr(torch, cfg.dtype), cfg.kernels)
     if cfg.device != "cpu":
         out.write(f"kernels: {kernels.describe}\n")
-        kernels.warm_up(model_cfg, cfg.device, getattr(torch, cfg.dtype))
+        warm_up(model, kernels)
     t_prefill = time.perf_counter()
     cache = prefill(model, layout, cfg.prefill_chunk, out, kernels)
     t_prefill = time.perf_counter() - t_prefill
@@ -217,6 +217,17 @@ def cpu_threads() -> int:
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     return max(1, min(cores, int(cores - os.getloadavg()[0] + 0.5)))
+
+
+def warm_up(model: torch.nn.Module, kernels: Kernels) -> None:
+    """A GPU's one-time costs before the timed prefill: the kernels' compile and probes, and
+    one token through the model (cuBLAS and the allocator's first use), into a scratch cache."""
+    param = next(model.parameters())
+    cfg: ModelConfig = model.cfg  # type: ignore[assignment]
+    kernels.warm_up(cfg, str(param.device), param.dtype)
+    token = torch.zeros(1, dtype=torch.int64, device=param.device)
+    forward_tokens(model, token, KVCache(cfg, 1, param.dtype, str(param.device)), False, kernels)  # type: ignore[arg-type]
+    torch.cuda.synchronize(param.device)
 
 
 def prefill(
