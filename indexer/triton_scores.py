@@ -78,7 +78,8 @@ if triton is not None:
         if DOT_F32:
             q0 = q0.to(tl.float32)
             q1 = q1.to(tl.float32)
-        w = tl.load(w_ptr + row * s_wn + head, mask=qmask, other=0.0)
+        # relu(s·x)·w = relu(x)·(s·w) for s > 0: one multiply less per score
+        w = tl.load(w_ptr + row * s_wn + head, mask=qmask, other=0.0) * scale
         rows = pid_r * R + tl.arange(0, R)
         lim = rows  # unused unless HAS_LIMIT
         if HAS_LIMIT:
@@ -106,7 +107,7 @@ if triton is not None:
                     ks = tl.load(ks_ptr + keys * s_ks + j, mask=kmask, other=0.0)
                     part = part * ks[None, :]
                 acc += part
-            acc = tl.maximum(acc * scale, 0.0) * w[:, None]
+            acc = tl.maximum(acc, 0.0) * w[:, None]
             s = tl.sum(tl.reshape(acc, (R, HP, BLOCK_T)), axis=1)
             if HAS_LIMIT:
                 s = tl.where(keys[None, :] >= lim[:, None], float("-inf"), s)
@@ -142,7 +143,8 @@ if triton is not None:
         if DOT_F32:
             q0 = q0.to(tl.float32)
             q1 = q1.to(tl.float32)
-        w = tl.load(w_ptr + row * s_wn + head, mask=qmask, other=0.0)
+        # relu(s·x)·w = relu(x)·(s·w) for s > 0: one multiply less per score
+        w = tl.load(w_ptr + row * s_wn + head, mask=qmask, other=0.0) * scale
         rows = pid_r * R + tl.arange(0, R)
         lim = rows  # unused unless HAS_LIMIT
         if HAS_LIMIT:
@@ -170,12 +172,78 @@ if triton is not None:
                     ks = tl.load(ks_ptr + keys * s_ks + j, mask=kmask, other=0.0)
                     part = part * ks[:, None]
                 acc += part
-            acc = tl.maximum(acc * scale, 0.0) * w[None, :]
+            acc = tl.maximum(acc, 0.0) * w[None, :]
             s = tl.sum(tl.reshape(acc, (BLOCK_T, R, HP)), axis=2)
             if HAS_LIMIT:
                 s = tl.where(keys[:, None] >= lim[None, :], float("-inf"), s)
             omask = kmask[:, None] & (rows[None, :] < n)
             tl.store(out_ptr + rows[None, :] * s_on + keys[:, None], s, mask=omask)
+
+
+    @triton.jit(do_not_specialize=["n", "t", "blocks_per_split", "s_kt", "s_on"])
+    def _scores_kernel_kq2(
+        q_ptr, w_ptr, k_ptr, ks_ptr, lim_ptr, out_ptr,
+        n, t, heads, d, scale, blocks_per_split,
+        s_qn, s_qh, s_wn, s_kt, s_ks, s_on,
+        HP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+        HAS_KS: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        # Keys-major for two rows as two MMAs [BLOCK_T, HP] (d <= BLOCK_D): each row's head
+        # sum is a plain reduction of its own accumulator, no reshape.
+        pid_r = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        r0 = pid_r * 2
+        r1 = r0 + 1
+        head = tl.arange(0, HP)
+        hmask = head < heads
+        dd = tl.arange(0, BLOCK_D)
+        dmask = dd < d
+        q_at = q_ptr + head[None, :] * s_qh + dd[:, None]
+        ok0 = r0 + head * 0 < n  # [HP] vectors: a scalar in a mask upsets the interpreter
+        ok1 = r1 + head * 0 < n
+        m0 = (hmask & ok0)[None, :] & dmask[:, None]
+        m1 = (hmask & ok1)[None, :] & dmask[:, None]
+        q0 = tl.load(q_at + r0 * s_qn, mask=m0, other=0.0)
+        q1 = tl.load(q_at + r1 * s_qn, mask=m1, other=0.0)
+        if DOT_F32:
+            q0 = q0.to(tl.float32)
+            q1 = q1.to(tl.float32)
+        w0 = tl.load(w_ptr + r0 * s_wn + head, mask=hmask & ok0, other=0.0) * scale
+        w1 = tl.load(w_ptr + r1 * s_wn + head, mask=hmask & ok1, other=0.0) * scale
+        lim0 = t
+        lim1 = t
+        if HAS_LIMIT:
+            lim0 = tl.load(lim_ptr + tl.minimum(r0, n - 1))
+            lim1 = tl.load(lim_ptr + tl.minimum(r1, n - 1))
+        first = pid_s * blocks_per_split
+        last = tl.minimum(first + blocks_per_split, tl.cdiv(t, BLOCK_T))
+        for blk in range(first, last):
+            keys = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+            kmask = keys < t
+            kv = tl.load(
+                k_ptr + keys[:, None] * s_kt + dd[None, :],
+                mask=kmask[:, None] & dmask[None, :], other=0.0,
+            )  # fmt: skip
+            if DOT_F32:
+                kv = kv.to(tl.float32)
+            if IEEE:
+                a0 = tl.dot(kv, q0, input_precision="ieee")
+                a1 = tl.dot(kv, q1, input_precision="ieee")
+            else:
+                a0 = tl.dot(kv, q0)
+                a1 = tl.dot(kv, q1)
+            if HAS_KS:
+                ks = tl.load(ks_ptr + keys * s_ks, mask=kmask, other=0.0)
+                a0 = a0 * ks[:, None]
+                a1 = a1 * ks[:, None]
+            s0 = tl.sum(tl.maximum(a0, 0.0) * w0[None, :], axis=1)
+            s1 = tl.sum(tl.maximum(a1, 0.0) * w1[None, :], axis=1)
+            if HAS_LIMIT:
+                s0 = tl.where(keys >= lim0, float("-inf"), s0)
+                s1 = tl.where(keys >= lim1, float("-inf"), s1)
+            tl.store(out_ptr + r0 * s_on + keys, s0, mask=kmask & (r0 + keys * 0 < n))
+            tl.store(out_ptr + r1 * s_on + keys, s1, mask=kmask & (r1 + keys * 0 < n))
 
 
 def _sms(device: torch.device) -> int:
@@ -232,22 +300,33 @@ def triton_index_scores(
     # tools/bench_index_scores.py --sweep on an H200 (bench/results/index-scores-h200.json)
     c = {"layout": "kq", "m": 128, "warps": 4, "stages": 3, **(config or {})}
     hp = _pow2(heads)
-    r = max(1, c["m"] // hp)  # R rows: R·HP (row, head) pairs, one MMA dimension
     block_d = _QUANT_BLOCK if ks is not None or d > _QUANT_BLOCK else max(16, _pow2(d))
+    two = c["layout"] == "kq2" and block_d >= d
+    r = 2 if two else max(1, c["m"] // hp)  # rows per program
     row_programs = triton.cdiv(n, r)
     blocks = triton.cdiv(t, block_t)
     # enough programs to fill the GPU ~4 times over, each with a long run of key blocks
     splits = min(blocks, max(1, -(-4 * _sms(q.device) // row_programs)))
     per_split = triton.cdiv(blocks, splits)
-    kernel = _scores_kernel_kq if c["layout"] == "kq" else _scores_kernel
     lim = None if limit is None else limit.to(torch.int64).contiguous()
-    kernel[(row_programs, triton.cdiv(blocks, per_split))](
+    args = (
         q, w, keys, ks if ks is not None else w, lim if lim is not None else w, out,
         n, t, heads, d, float(scale), per_split,
         q.stride(0), q.stride(1), w.stride(0), keys.stride(0),
         ks.stride(0) if ks is not None else 0, out.stride(0),
-        R=r, HP=hp, BLOCK_D=block_d, D_BLOCKS=triton.cdiv(d, block_d), BLOCK_T=block_t,
-        HAS_KS=ks is not None, HAS_LIMIT=lim is not None, IEEE=ieee, DOT_F32=_DOT_F32,
-        num_warps=c["warps"] if r * hp >= 128 else 4, num_stages=c["stages"],
     )  # fmt: skip
+    flags = {"HAS_KS": ks is not None, "HAS_LIMIT": lim is not None, "IEEE": ieee}
+    grid = (row_programs, triton.cdiv(blocks, per_split))
+    if two:
+        _scores_kernel_kq2[grid](
+            *args, HP=hp, BLOCK_D=block_d, BLOCK_T=block_t, **flags, DOT_F32=_DOT_F32,
+            num_warps=c["warps"], num_stages=c["stages"],
+        )  # fmt: skip
+    else:
+        kernel = _scores_kernel if c["layout"] == "qk" else _scores_kernel_kq
+        kernel[grid](
+            *args, R=r, HP=hp, BLOCK_D=block_d, D_BLOCKS=triton.cdiv(d, block_d),
+            BLOCK_T=block_t, **flags, DOT_F32=_DOT_F32,
+            num_warps=c["warps"] if r * hp >= 128 else 4, num_stages=c["stages"],
+        )  # fmt: skip
     return out

@@ -7,7 +7,7 @@
 #   bash tools/gpu_session.sh bad-binding    # issue 17: the pytest -m sglang bad-input test (~5 min)
 #   bash tools/gpu_session.sh predicate      # issue 17: forced route, forced fetch and auto, host path (~9 min)
 #   bash tools/gpu_session.sh layer          # issue 17: the corpus path per layer, top-k variants (~2 min)
-#   bash tools/gpu_session.sh pin-check      # issue 18: GPU pin tests, phase profiles (auto, torch), sizes (~5 min)
+#   bash tools/gpu_session.sh pin-check      # issue 18: GPU pin + kernel tests, index-score launch sweep (~3 min)
 #   bash tools/gpu_session.sh pin            # issue 18: bench_pin --sglang, corpusd vs SGLang prefill (~6 min)
 #   bash tools/gpu_session.sh engine-pin     # issue 18: engine pins = the server's page bytes (~6 min;
 #                                            #   its strict-xfail control, ~4 min: pytest -k control)
@@ -71,7 +71,7 @@ layer)
         --out "$OUT/sglang-device-path-$GPU.json" > "$OUT/sglang-device-path-$GPU.log" 2>&1
     took layer $?
     tail -12 "$OUT/sglang-device-path-$GPU.log" ;;
-pin-check)  # index_topk 2048 as in the --sglang comparison
+pin-check)
     timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_gpu_pin.py tests/gpu/test_gpu_kernels.py \
         > "$OUT/pin-gpu-tests.log" 2>&1
     took "gpu pin + kernel tests" $?
@@ -79,15 +79,7 @@ pin-check)  # index_topk 2048 as in the --sglang comparison
     timeout 200 python3 -m tools.bench_index_scores --sweep 65536 --out "$OUT/index-scores-$GPU.json" \
         > "$OUT/index-scores-$GPU.log" 2>&1
     took "index scores" $?
-    grep -v '^{"keys' "$OUT/index-scores-$GPU.log" | tail -14
-    timeout 200 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 --profile 65536 \
-        --index-topk 2048 --out "$OUT/pin-$GPU-profile.json" > "$OUT/pin-$GPU-profile.log" 2>&1
-    took "profile" $?
-    grep -A12 "prefill phases" "$OUT/pin-$GPU-profile.log"
-    timeout 200 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 65536 262144 \
-        --index-topk 2048 --out "$OUT/pin-$GPU-sizes.json" > "$OUT/pin-$GPU-sizes.log" 2>&1
-    took "sizes" $?
-    tail -5 "$OUT/pin-$GPU-sizes.log" ;;
+    grep -v '^{"keys' "$OUT/index-scores-$GPU.log" | tail -14 ;;
 pin)
     timeout 100 python3 -m pytest -q -m gpu tests/gpu/test_gpu_pin.py > "$OUT/pin-gpu-tests.log" 2>&1
     took "gpu pin tests" $?

@@ -38,7 +38,7 @@ def main() -> None:
         keys = torch.randn(t, d, generator=g).to(dtype)
         w = torch.randn(n, heads, generator=g) * heads**-0.5
         limits = (None, torch.randint(0, t + 2, (n,), generator=g))  # causal masks, some empty
-        for layout, limit in itertools.product(("kq", "qk"), limits):
+        for layout, limit in itertools.product(("kq", "kq2", "qk"), limits):
             ref = index_scores(q, w, keys, d**-0.5, arith, limit)
             cfg = {"layout": layout}
             got = triton_index_scores(q, w, keys, d**-0.5, arith, 32, cfg, limit)
