@@ -59,74 +59,12 @@ if triton is not None:
         BLOCK_T: tl.constexpr, HAS_KS: tl.constexpr, HAS_LIMIT: tl.constexpr,
         IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
-        # One program: R query rows (their R·HP (row, head) pairs are the MMA's M) against a
-        # contiguous run of key blocks, looped so that the queries stay in registers and the
-        # key loads pipeline.
-        pid_r = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        m = tl.arange(0, R * HP)
-        row = pid_r * R + m // HP
-        head = m % HP
-        qmask = (row < n) & (head < heads)
-        dd = tl.arange(0, BLOCK_D)
-        q_at = q_ptr + row[:, None] * s_qn + head[:, None] * s_qh + dd[None, :]
-        q0 = tl.load(q_at, mask=qmask[:, None] & (dd < d)[None, :], other=0.0)
-        q1 = q0  # the second 128-wide block of a 256-wide key (D_BLOCKS == 2)
-        if D_BLOCKS == 2:
-            second = qmask[:, None] & (BLOCK_D + dd < d)[None, :]
-            q1 = tl.load(q_at + BLOCK_D, mask=second, other=0.0)
-        if DOT_F32:
-            q0 = q0.to(tl.float32)
-            q1 = q1.to(tl.float32)
-        # relu(s·x)·w = relu(x)·(s·w) for s > 0: one multiply less per score
-        w = tl.load(w_ptr + row * s_wn + head, mask=qmask, other=0.0) * scale
-        rows = pid_r * R + tl.arange(0, R)
-        lim = rows  # unused unless HAS_LIMIT
-        if HAS_LIMIT:
-            lim = tl.load(lim_ptr + rows, mask=rows < n, other=0)
-        first = pid_s * blocks_per_split
-        last = tl.minimum(first + blocks_per_split, tl.cdiv(t, BLOCK_T))
-        for blk in range(first, last):
-            keys = blk * BLOCK_T + tl.arange(0, BLOCK_T)
-            kmask = keys < t
-            acc = tl.zeros((R * HP, BLOCK_T), dtype=tl.float32)
-            for j in tl.static_range(D_BLOCKS):
-                dmask = j * BLOCK_D + dd < d
-                kv = tl.load(
-                    k_ptr + keys[None, :] * s_kt + (j * BLOCK_D + dd)[:, None],
-                    mask=kmask[None, :] & dmask[:, None], other=0.0,
-                )  # fmt: skip
-                if DOT_F32:
-                    kv = kv.to(tl.float32)
-                qv = q0 if j == 0 else q1
-                if IEEE:  # noqa: SIM108  (a constexpr branch: one dot is compiled)
-                    part = tl.dot(qv, kv, input_precision="ieee")
-                else:
-                    part = tl.dot(qv, kv)
-                if HAS_KS:  # the key's scale of this 128-wide block
-                    ks = tl.load(ks_ptr + keys * s_ks + j, mask=kmask, other=0.0)
-                    part = part * ks[None, :]
-                acc += part
-            acc = tl.maximum(acc, 0.0) * w[:, None]
-            s = tl.sum(tl.reshape(acc, (R, HP, BLOCK_T)), axis=1)
-            if HAS_LIMIT:
-                s = tl.where(keys[None, :] >= lim[:, None], float("-inf"), s)
-            omask = (rows[:, None] < n) & kmask[None, :]
-            tl.store(out_ptr + rows[:, None] * s_on + keys[None, :], s, mask=omask)
-
-
-    @triton.jit(do_not_specialize=["n", "t", "blocks_per_split", "s_kt", "s_on"])
-    def _scores_kernel_kq(
-        q_ptr, w_ptr, k_ptr, ks_ptr, lim_ptr, out_ptr,
-        n, t, heads, d, scale, blocks_per_split,
-        s_qn, s_qh, s_wn, s_kt, s_ks, s_on,
-        R: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr, D_BLOCKS: tl.constexpr,
-        BLOCK_T: tl.constexpr, HAS_KS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-        IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    ):  # fmt: skip
-        # Keys-major: the MMA computes [BLOCK_T keys, R·HP (row, head) pairs], so the head sum
-        # runs along the accumulator's N dimension (within a thread and its quad, no shared
-        # memory round trip). The queries [D, R·HP] are loaded once per program.
+        # One program: R query rows against a contiguous run of key blocks, looped so that the
+        # queries [D, R·HP] stay in registers and the key loads pipeline. Keys-major: the MMA
+        # computes [BLOCK_T keys, R·HP (row, head) pairs], so the head sum runs along the
+        # accumulator's N dimension (within a thread and its quad, no shared-memory round
+        # trip). The rows-major [R·HP, BLOCK_T] tile was 1.4x slower and two [BLOCK_T, HP]
+        # MMAs per program no faster (bench/results/index-scores-h200{-layouts,}.json).
         pid_r = tl.program_id(0)
         pid_s = tl.program_id(1)
         m = tl.arange(0, R * HP)
@@ -180,72 +118,6 @@ if triton is not None:
             tl.store(out_ptr + rows[None, :] * s_on + keys[:, None], s, mask=omask)
 
 
-    @triton.jit(do_not_specialize=["n", "t", "blocks_per_split", "s_kt", "s_on"])
-    def _scores_kernel_kq2(
-        q_ptr, w_ptr, k_ptr, ks_ptr, lim_ptr, out_ptr,
-        n, t, heads, d, scale, blocks_per_split,
-        s_qn, s_qh, s_wn, s_kt, s_ks, s_on,
-        HP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-        HAS_KS: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE: tl.constexpr,
-        DOT_F32: tl.constexpr,
-    ):  # fmt: skip
-        # Keys-major for two rows as two MMAs [BLOCK_T, HP] (d <= BLOCK_D): each row's head
-        # sum is a plain reduction of its own accumulator, no reshape.
-        pid_r = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        r0 = pid_r * 2
-        r1 = r0 + 1
-        head = tl.arange(0, HP)
-        hmask = head < heads
-        dd = tl.arange(0, BLOCK_D)
-        dmask = dd < d
-        q_at = q_ptr + head[None, :] * s_qh + dd[:, None]
-        ok0 = r0 + head * 0 < n  # [HP] vectors: a scalar in a mask upsets the interpreter
-        ok1 = r1 + head * 0 < n
-        m0 = (hmask & ok0)[None, :] & dmask[:, None]
-        m1 = (hmask & ok1)[None, :] & dmask[:, None]
-        q0 = tl.load(q_at + r0 * s_qn, mask=m0, other=0.0)
-        q1 = tl.load(q_at + r1 * s_qn, mask=m1, other=0.0)
-        if DOT_F32:
-            q0 = q0.to(tl.float32)
-            q1 = q1.to(tl.float32)
-        w0 = tl.load(w_ptr + r0 * s_wn + head, mask=hmask & ok0, other=0.0) * scale
-        w1 = tl.load(w_ptr + r1 * s_wn + head, mask=hmask & ok1, other=0.0) * scale
-        lim0 = t
-        lim1 = t
-        if HAS_LIMIT:
-            lim0 = tl.load(lim_ptr + tl.minimum(r0, n - 1))
-            lim1 = tl.load(lim_ptr + tl.minimum(r1, n - 1))
-        first = pid_s * blocks_per_split
-        last = tl.minimum(first + blocks_per_split, tl.cdiv(t, BLOCK_T))
-        for blk in range(first, last):
-            keys = blk * BLOCK_T + tl.arange(0, BLOCK_T)
-            kmask = keys < t
-            kv = tl.load(
-                k_ptr + keys[:, None] * s_kt + dd[None, :],
-                mask=kmask[:, None] & dmask[None, :], other=0.0,
-            )  # fmt: skip
-            if DOT_F32:
-                kv = kv.to(tl.float32)
-            if IEEE:
-                a0 = tl.dot(kv, q0, input_precision="ieee")
-                a1 = tl.dot(kv, q1, input_precision="ieee")
-            else:
-                a0 = tl.dot(kv, q0)
-                a1 = tl.dot(kv, q1)
-            if HAS_KS:
-                ks = tl.load(ks_ptr + keys * s_ks, mask=kmask, other=0.0)
-                a0 = a0 * ks[:, None]
-                a1 = a1 * ks[:, None]
-            s0 = tl.sum(tl.maximum(a0, 0.0) * w0[None, :], axis=1)
-            s1 = tl.sum(tl.maximum(a1, 0.0) * w1[None, :], axis=1)
-            if HAS_LIMIT:
-                s0 = tl.where(keys >= lim0, float("-inf"), s0)
-                s1 = tl.where(keys >= lim1, float("-inf"), s1)
-            tl.store(out_ptr + r0 * s_on + keys, s0, mask=kmask & (r0 + keys * 0 < n))
-            tl.store(out_ptr + r1 * s_on + keys, s1, mask=kmask & (r1 + keys * 0 < n))
-
-
 def _sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few splits, so the split arithmetic is exercised
@@ -268,8 +140,8 @@ def triton_index_scores(
 ) -> torch.Tensor:
     """:func:`indexer.scores.index_scores` (same arguments, float32 ``[n, T]``; keys at or
     past ``limit`` score ``-inf``, in the kernel).
-    ``config`` overrides the launch (``tools/bench_index_scores.py --sweep``): ``layout``
-    ("kq" or "qk"), ``m`` ((row, head) pairs per program), ``warps``, ``stages``."""
+    ``config`` overrides the launch (``tools/bench_index_scores.py --sweep``): ``m`` ((row,
+    head) pairs per program), ``warps``, ``stages``."""
     n, heads, d = q.shape
     assert triton is not None, "triton is not installed"
     assert scale > 0, f"{scale=}"
@@ -298,35 +170,23 @@ def triton_index_scores(
     if n == 0 or t == 0:
         return out
     # tools/bench_index_scores.py --sweep on an H200 (bench/results/index-scores-h200.json)
-    c = {"layout": "kq", "m": 128, "warps": 4, "stages": 3, **(config or {})}
+    c = {"m": 128, "warps": 4, "stages": 3, **(config or {})}
     hp = _pow2(heads)
     block_d = _QUANT_BLOCK if ks is not None or d > _QUANT_BLOCK else max(16, _pow2(d))
-    two = c["layout"] == "kq2" and block_d >= d
-    r = 2 if two else max(1, c["m"] // hp)  # rows per program
+    r = max(1, c["m"] // hp)  # R rows per program: R·HP (row, head) pairs, the MMA's N
     row_programs = triton.cdiv(n, r)
     blocks = triton.cdiv(t, block_t)
     # enough programs to fill the GPU ~4 times over, each with a long run of key blocks
     splits = min(blocks, max(1, -(-4 * _sms(q.device) // row_programs)))
     per_split = triton.cdiv(blocks, splits)
     lim = None if limit is None else limit.to(torch.int64).contiguous()
-    args = (
+    _scores_kernel[(row_programs, triton.cdiv(blocks, per_split))](
         q, w, keys, ks if ks is not None else w, lim if lim is not None else w, out,
         n, t, heads, d, float(scale), per_split,
         q.stride(0), q.stride(1), w.stride(0), keys.stride(0),
         ks.stride(0) if ks is not None else 0, out.stride(0),
+        R=r, HP=hp, BLOCK_D=block_d, D_BLOCKS=triton.cdiv(d, block_d), BLOCK_T=block_t,
+        HAS_KS=ks is not None, HAS_LIMIT=lim is not None, IEEE=ieee, DOT_F32=_DOT_F32,
+        num_warps=c["warps"] if r * hp >= 128 else 4, num_stages=c["stages"],
     )  # fmt: skip
-    flags = {"HAS_KS": ks is not None, "HAS_LIMIT": lim is not None, "IEEE": ieee}
-    grid = (row_programs, triton.cdiv(blocks, per_split))
-    if two:
-        _scores_kernel_kq2[grid](
-            *args, HP=hp, BLOCK_D=block_d, BLOCK_T=block_t, **flags, DOT_F32=_DOT_F32,
-            num_warps=c["warps"], num_stages=c["stages"],
-        )  # fmt: skip
-    else:
-        kernel = _scores_kernel if c["layout"] == "qk" else _scores_kernel_kq
-        kernel[grid](
-            *args, R=r, HP=hp, BLOCK_D=block_d, D_BLOCKS=triton.cdiv(d, block_d),
-            BLOCK_T=block_t, **flags, DOT_F32=_DOT_F32,
-            num_warps=c["warps"] if r * hp >= 128 else 4, num_stages=c["stages"],
-        )  # fmt: skip
     return out

@@ -60,9 +60,8 @@ def sweep(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, reps: int) -> li
     """Median ms of every launch config in the grid, fastest first."""
     flop = 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * keys.shape[0]
     out = []
-    grid = [("kq", m) for m in (128, 256)] + [("kq2", 128)]  # kq2: two rows, m unused
-    for (layout, m), warps, stages, bt in itertools.product(grid, (4, 8), (3, 4), (64, 128, 256)):
-        cfg = {"layout": layout, "m": m, "warps": warps, "stages": stages}
+    for m, warps, stages, bt in itertools.product((128, 256), (4, 8), (3, 4), (64, 128, 256)):
+        cfg = {"m": m, "warps": warps, "stages": stages}
         fn = partial(triton_index_scores, q, w, keys, q.shape[2] ** -0.5, "exact", bt, cfg)
         try:
             ms = timed(fn, reps)
