@@ -84,7 +84,7 @@ pin)
     timeout 100 python3 -m pytest -q -m gpu tests/gpu/test_gpu_pin.py > "$OUT/pin-gpu-tests.log" 2>&1
     took "gpu pin tests" $?
     tail -2 "$OUT/pin-gpu-tests.log"
-    timeout 460 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 65536 262144 --profile 16384 \
+    timeout 460 python3 -m tools.bench_pin --device cuda:0 --no-tar --sizes 16384 65536 262144 --profile 262144 \
         --sglang --out "$OUT/pin-$GPU-sglang.json" > "$OUT/pin-$GPU-sglang.log" 2>&1
     took pin $?
     tail -12 "$OUT/pin-$GPU-sglang.log" ;;
