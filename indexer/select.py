@@ -34,7 +34,7 @@ def select_topk(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None)
         return select_topk_exact(scores, k, limit)
     if limit is None:
         # unsorted top (k + 1): the two lowest of it are the k-th and (k+1)-th best scores
-        vals, idx = _top_unsorted(scores.float(), k + 1)
+        vals, idx = scores.float().topk(k + 1, dim=1, sorted=False)
         low = vals.topk(2, dim=1, largest=False)
         nxt, kth = low.values[:, 0], low.values[:, 1]
         nonfinite = (~torch.isfinite(vals)).sum(dim=1) - (~torch.isfinite(nxt)).long()
@@ -50,36 +50,6 @@ def select_topk(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None)
         sub = None if limit is None else limit[rows]
         out[rows] = select_topk_exact(scores[rows], k, sub)
     return out
-
-
-#: Rows of at least this many times ``k + 1`` blocks of PREFILTER_BLOCK columns go through the
-#: block-maximum prefilter of :func:`_top_unsorted`.
-PREFILTER_BLOCK, PREFILTER_RATIO = 16, 4
-
-
-def _top_unsorted(scores: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unsorted ``topk(m)`` of float ``[n, T]`` rows: values and positions.
-
-    Long rows (a pin's last chunks: 2,049 of 262,144) keep the ``m`` best blocks of
-    ``PREFILTER_BLOCK`` columns by their maximum, plus the partial last block, and run the
-    ``topk`` over those columns only. That is exact for :func:`select_topk`'s use: every value
-    left out is at most each kept block's maximum, so at most the kept columns' ``m``-th best;
-    hence nothing left out beats the returned ``m``-th value, and where the ``(m-1)``-th beats
-    the ``m``-th (the caller's clean test) the best ``m - 1`` are the row's own. NaN blocks rank
-    first and are kept (the caller sends such rows to the exact path)."""
-    n, t = scores.shape
-    b = PREFILTER_BLOCK
-    nb = t // b
-    if nb < PREFILTER_RATIO * m or scores.stride(1) != 1:
-        v, i = scores.topk(m, dim=1, sorted=False)
-        return v, i
-    body = scores[:, : nb * b].view(n, nb, b)
-    blocks = body.amax(dim=2).topk(m, dim=1, sorted=False).indices  # [n, m]
-    kept = body.gather(1, blocks[..., None].expand(n, m, b)).flatten(1)
-    kept = torch.cat([kept, scores[:, nb * b :]], dim=1)  # the partial last block, always
-    v, j = kept.topk(m, dim=1, sorted=False)
-    block = blocks.gather(1, (j // b).clamp(max=m - 1))
-    return v, torch.where(j < m * b, block * b + j % b, nb * b + j - m * b)
 
 
 def _top(

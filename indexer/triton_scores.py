@@ -170,7 +170,7 @@ def triton_index_scores(
     if n == 0 or t == 0:
         return out
     # tools/bench_index_scores.py --sweep on an H200 (bench/results/index-scores-h200.json)
-    c = {"m": 256, "warps": 4, "stages": 3, **(config or {})}
+    c = {"m": 128, "warps": 4, "stages": 3, **(config or {})}
     hp = _pow2(heads)
     block_d = _QUANT_BLOCK if ks is not None or d > _QUANT_BLOCK else max(16, _pow2(d))
     r = max(1, c["m"] // hp)  # R rows per program: R·HP (row, head) pairs, the MMA's N

@@ -119,47 +119,6 @@ def test_select_topk_is_exact_and_ties_go_to_lowest_position(
     assert select_topk(masked, k).tolist() == _reference_topk(scores, k, limit)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**31 - 1), k=st.integers(1, 12), levels=st.integers(2, 400),
-    t=st.integers(900, 1100), specials=st.booleans(),
-)  # fmt: skip
-def test_select_topk_block_prefilter_is_exact(
-    seed: int, k: int, levels: int, t: int, specials: bool
-) -> None:
-    """Rows ≥ 4·(k+1) blocks long take the block-maximum prefilter: the answer is the exact
-    reference's, with ties (few levels: tied block maxima too), causal -inf tails, a partial
-    last block and, with ``specials``, NaN and +inf in some rows."""
-    g = torch.Generator().manual_seed(seed)
-    n = 6
-    scores = torch.randint(0, levels, (n, t), generator=g).float()
-    limit = torch.randint(1, t + 1, (n,), generator=g)
-    limit[0] = t  # one row with no mask at all
-    if specials:
-        scores[1, int(torch.randint(0, t, (1,), generator=g))] = float("nan")
-        scores[2, int(torch.randint(0, t, (1,), generator=g))] = float("inf")
-    masked = scores.masked_fill(torch.arange(t)[None, :] >= limit[:, None], float("-inf"))
-    assert t // indexer.select.PREFILTER_BLOCK >= indexer.select.PREFILTER_RATIO * (k + 1)
-    assert torch.equal(select_topk(masked, k), select_topk_exact(scores, k, limit))
-
-
-def test_block_prefilter_returns_the_rows_own_top() -> None:
-    """On continuous scores the prefilter's top m is the row's own (values and positions),
-    also when the best values sit in the partial last block."""
-    g = torch.Generator().manual_seed(9)
-    scores = torch.randn(8, 5003, generator=g)
-    scores[3, -3:] += 10.0  # the partial last block holds row 3's best
-    scores[4, 17] = 10.0  # one outstanding value in an otherwise ordinary block
-    m = 30
-    v, pos = indexer.select._top_unsorted(scores, m)
-    assert v.shape == pos.shape == (8, m)
-    ref = scores.topk(m, dim=1)
-    assert torch.equal(v.sort(dim=1, descending=True).values, ref.values)
-    assert torch.equal(pos.sort(dim=1).values, ref.indices.sort(dim=1).values)
-    assert torch.equal(scores.gather(1, pos), v)
-    assert {5000, 5001, 5002} <= set(pos[3].tolist()) and 17 in pos[4].tolist()
-
-
 def test_select_topk_without_limit_and_k_beyond_length() -> None:
     scores = torch.tensor([[3.0, 1.0, 3.0, 2.0]])
     assert select_topk(scores, 2).tolist() == [[0, 2]]
