@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 
 from indexer import index_scores, select_topk
 from indexer.triton_scores import triton_index_scores
+from tools.gpu_timing import device_ms
 
 #: dense bf16 tensor-core peak (TFLOP/s), from the vendors' data sheets
 PEAK_BF16 = {"h100": 989.0, "h200": 989.0}
@@ -26,16 +28,7 @@ PEAK_BF16 = {"h100": 989.0, "h200": 989.0}
 
 def timed(fn: Any, reps: int) -> float:
     """Median milliseconds of ``fn()`` over ``reps`` runs after one warm-up (CUDA events)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return statistics.median(device_ms(fn, reps, warmup=1))
 
 
 def measure(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, k: int, reps: int) -> dict:

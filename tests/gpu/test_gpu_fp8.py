@@ -9,21 +9,16 @@ pool, and sentinel values (NaN) in pool rows no index selects, so an out-of-boun
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from corpusd.model import fp8_cache as f8
 from holder.kernels import REGISTRY, choose
+from tests.support.interpreted import run_interpreted
 from tests.support.mla_checks import rel
 
-ROOT = Path(__file__).resolve().parents[2]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 D, D_V, SCALE = 576, 512, 576**-0.5
 
@@ -68,15 +63,7 @@ def _check(out: tuple[torch.Tensor, torch.Tensor], q, packed, idx, what: str) ->
 def test_triton_fp8_interpreted_matches_reference() -> None:
     """``tests/support/triton_fp8_interpreted.py`` in a fresh process (Triton decides at import
     whether its library functions are interpreted)."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (pip install triton) — the interpreter test needs it")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "support" / "triton_fp8_interpreted.py")],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "cases ok" in proc.stdout, proc.stdout
+    run_interpreted("triton_fp8_interpreted.py")
 
 
 def test_torch_kernel_serves_fp8_pools_on_cpu() -> None:

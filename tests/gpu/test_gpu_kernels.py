@@ -7,20 +7,15 @@ indexing, masking, split merge and empty-row handling are checked on every machi
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from holder.kernels import REGISTRY, choose
+from tests.support.interpreted import run_interpreted
 from tests.support.mla_checks import D_V, D, check, inputs
 
-ROOT = Path(__file__).resolve().parents[2]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -31,15 +26,7 @@ def test_triton_interpreted_matches_reference() -> None:
     """``tests/support/triton_interpreted.py`` in a fresh process: Triton decides at import
     whether its own library functions are interpreted, so the interpreter needs a process of its
     own."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (pip install triton) — the interpreter test needs it")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "support" / "triton_interpreted.py")],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "cases ok" in proc.stdout, proc.stdout
+    run_interpreted("triton_interpreted.py")
 
 
 def test_auto_picks_torch_on_cpu_and_rejects_gpu_kernels() -> None:
