@@ -37,6 +37,7 @@ except ImportError:  # CPU-only installs: importable() says so
 # there tiles are upcast to float32 first (holder/triton_mla.py does the same).
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 _QUANT_BLOCK = 128  # indexer.fp8's block: one key scale per 128 columns
+_MAX_HEADS = 256  # one row's heads fill at most a 256-wide MMA N (more: the torch path)
 
 
 def importable() -> bool:
@@ -149,7 +150,8 @@ def triton_index_scores(
     assert keys.dim() == 2 and keys.shape[1] == d, f"{keys.shape=} vs {q.shape=}"
     assert arith in ("exact", "fp8"), f"{arith=}"
     t = keys.shape[0]
-    if d > 2 * _QUANT_BLOCK:  # the kernel holds at most two 128-wide blocks of each query
+    if d > 2 * _QUANT_BLOCK or heads > _MAX_HEADS:
+        # the kernel holds at most two 128-wide blocks of each query and a [128, 256] tile
         return index_scores(q, weights, keys, scale, arith, limit)
     ks = None
     if arith == "fp8":

@@ -28,6 +28,7 @@ CASES = [
     (3, 4, 256, 20, torch.bfloat16, "fp8"),  # two quant blocks per key
     (2, 4, 200, 300, torch.bfloat16, "exact"),  # two 128-wide blocks, the second partial
     (2, 2, 300, 10, torch.float32, "exact"),  # wider than two blocks: the torch reference
+    (2, 300, 16, 20, torch.float32, "exact"),  # more heads than the kernel's tile: torch
 ]
 
 
