@@ -46,7 +46,9 @@ def importable() -> bool:
 
 def usable(device: torch.device) -> bool:
     """A CUDA device with Triton present (or Triton's CPU interpreter, for tests)."""
-    return triton is not None and (device.type == "cuda" or _DOT_F32)
+    if triton is None:
+        return False
+    return _DOT_F32 or (device.type == "cuda" and torch.cuda.is_available())
 
 
 if triton is not None:

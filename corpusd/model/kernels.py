@@ -60,7 +60,23 @@ def choose(cfg: ModelConfig, device: str, dtype: torch.dtype, want: str = "auto"
 
         if triton_scores.usable(torch.device(device)):
             scores, s_name = triton_scores.triton_index_scores, "Triton index scores"
-        fits = flashmla_bf16.fits(dtype, cfg.kv_dim, cfg.kv_lora_rank)
-        if fits and cfg.num_attention_heads <= 128 and flashmla_bf16.usable(device):
+        else:
+            s_name += " (no CUDA GPU)" if triton_scores.importable() else " (no Triton)"
+        why = _flashmla_misfit(cfg, device, dtype)
+        if why:
+            a_name += f" ({why})"
+        else:
             attend, a_name = flashmla_bf16.sparse_partial, "FlashMLA sparse attention"
     return Kernels(scores, attend, f"{s_name}, {a_name}")
+
+
+def _flashmla_misfit(cfg: ModelConfig, device: str, dtype: torch.dtype) -> str:
+    """Why FlashMLA's sparse kernel cannot attend ``cfg`` in ``dtype`` on ``device`` ("" when
+    it can), in words a pin prints beside its kernels."""
+    if dtype != torch.bfloat16:
+        return "FlashMLA needs --dtype bfloat16"
+    if not flashmla_bf16.fits(dtype, cfg.kv_dim, cfg.kv_lora_rank):
+        return f"FlashMLA needs 576-wide latent rows, this model's are {cfg.kv_dim}"
+    if not flashmla_bf16.usable(device):
+        return "FlashMLA needs an SM90 GPU and sgl_kernel"
+    return ""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -22,6 +24,23 @@ def test_cpu_and_torch_choose_the_references() -> None:
         choose(cfg, "cpu", torch.float32, "fast")
     with pytest.raises(ValueError, match="kernels must be one of"):
         PinConfig(corpus="x.tar", kernels="fast")
+
+
+def test_auto_says_why_a_gpu_kernel_is_not_used() -> None:
+    """``corpusd pin`` prints the kernels; where auto falls back to torch on CUDA it says why
+    (this machine has no GPU: every reason below is one a user can act on)."""
+    import importlib.util
+
+    cfg = build_tiny(preset="sglang").cfg
+    no_gpu = "no CUDA GPU" if importlib.util.find_spec("triton") else "no Triton"
+    k = choose(cfg, "cuda:0", torch.float32)
+    assert k.describe == (
+        f"torch index scores ({no_gpu}), torch sparse attention (FlashMLA needs --dtype bfloat16)"
+    )
+    bf16 = torch.bfloat16
+    assert "(FlashMLA needs an SM90 GPU and sgl_kernel)" in choose(cfg, "cuda:0", bf16).describe
+    narrow = replace(cfg, kv_lora_rank=256)
+    assert "576-wide latent rows, this model's are 320" in choose(narrow, "cuda", bf16).describe
 
 
 def test_forward_tokens_runs_the_given_kernels() -> None:
