@@ -2,15 +2,16 @@
 
 The torch path writes the ``[n · H_I, keys]`` per-head products to memory, reads them back for
 the ReLU and again for the weighted head sum: at a 256k-token pin that is ~30 TB of traffic per
-layer. Here one program computes a tile of ``R`` query rows × ``BLOCK_T`` keys: the per-head
-dot products ``[R · H_I, BLOCK_T]`` on tensor cores (bf16 operands, fp32 accumulation), the
-scale, ReLU and head weights in registers, and writes only the ``[R, BLOCK_T]`` scores.
+layer. Here one program takes ``R`` query rows and loops over a run of ``BLOCK_T``-key blocks:
+the per-head dot products ``[BLOCK_T, R · H_I]`` on tensor cores (bf16 operands, fp32
+accumulation), the ReLU, head weights (the scale folded in) and head sum in registers, keys past
+a row's causal ``limit`` set to -inf, and only the ``[R, BLOCK_T]`` scores written.
 
 Arithmetic, against the float32 reference:
 
 - ``exact``: the model's bf16 queries and keys are the operands (exact in bf16, so every
-  product is exact in fp32); the softmax-free ``D ** -0.5`` scale is applied after the dot
-  (``relu(s·x) = s·relu(x)`` for ``s > 0``). Only the rounding of the sum differs.
+  product is exact in fp32); the ``D ** -0.5`` scale multiplies the head weights instead of
+  the queries (``relu(s·x)·w = relu(x)·(s·w)`` for ``s > 0``). Only roundings differ.
 - ``fp8``: operands are the fp8 values (exact in bf16): queries dequantised with their
   power-of-two (ue8m0) scales, keys as raw e4m3 values with their float32 per-block scale
   applied to each 128-wide block's partial dot, as SGLang's fp8 logits kernel does.
