@@ -1,11 +1,12 @@
 """Which implementation runs the prefill's two heavy ops: index scores and sparse attention.
 
 ``forward_tokens`` takes a :class:`Kernels`; without one it runs the torch references
-(``indexer.index_scores``, ``partial_attention``), which define the results. On an SM90 GPU a
-pin chooses ``fast``: the fused Triton index-score kernel (``indexer/triton_scores.py``) and
-FlashMLA's bf16 sparse kernel (``flashmla_bf16``), each tested against its reference. Either
-falls back to torch on its own when it does not fit (no Triton; not SM90, no sgl_kernel, or a
-model whose latent rows are not FlashMLA's 576/512 bf16).
+(``indexer.index_scores``, ``partial_attention``), which define the results. On an SM90 GPU
+``corpusd pin --kernels auto`` (the default) runs the fused Triton index-score kernel
+(``indexer/triton_scores.py``) and FlashMLA's bf16 sparse kernel (``flashmla_bf16``), each
+tested against its reference. Either falls back to torch on its own when it does not fit (no
+Triton or GPU; not SM90 or no sgl_kernel; a float32 model, or latent rows that are not
+FlashMLA's 576/512), and :attr:`Kernels.describe` says why.
 """
 
 from __future__ import annotations
