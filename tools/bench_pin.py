@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from corpusd.corpus.config import KERNELS
 from corpusd.model import ModelConfig
 
 
@@ -301,7 +302,7 @@ def main() -> None:
     p.add_argument("--no-tar", action="store_true", help="skip the tar")
     p.add_argument("--profile", type=int, default=0, help="time the phases over N tar tokens")
     p.add_argument(
-        "--kernels", default="auto", choices=("auto", "torch"),
+        "--kernels", default="auto", choices=KERNELS,
         help="the pin's prefill kernels (corpusd pin --kernels): auto or the torch references",
     )  # fmt: skip
     p.add_argument("--out", help="default: bench/results/pin-<device>[-sglang].json")

@@ -220,8 +220,9 @@ def cpu_threads() -> int:
 
 
 def warm_up(model: torch.nn.Module, kernels: Kernels) -> None:
-    """A GPU's one-time costs before the timed prefill: the kernels' compile and probes, and
-    one token through the model (cuBLAS and the allocator's first use), into a scratch cache."""
+    """A GPU's one-time costs before the timed prefill: the scorer's compile, and one token
+    through the model into a scratch cache (attention's first call and FlashMLA's LSE probe,
+    cuBLAS and the allocator's first use)."""
     param = next(model.parameters())
     cfg: ModelConfig = model.cfg  # type: ignore[assignment]
     kernels.warm_up(cfg, str(param.device), param.dtype)

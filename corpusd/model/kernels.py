@@ -33,19 +33,16 @@ class Kernels:
     describe: str
 
     def warm_up(self, cfg: ModelConfig, device: str, dtype: torch.dtype) -> None:
-        """One call of each at a minimal shape, as the prefill calls them (causal limit given):
-        Triton compiles its kernel (or loads it from its disk cache) and FlashMLA's LSE base is
-        probed here, not inside the timed prefill."""
+        """One scorer call at a minimal shape, as the prefill calls it (causal limit given):
+        Triton compiles its kernel (or loads it from its disk cache) here, not inside the timed
+        prefill. Attention needs no call of its own: a one-token forward (``corpusd.corpus.pin.
+        warm_up``) attends, and FlashMLA probes its LSE base there, but never scores."""
         h, d_i = cfg.index_n_heads, cfg.index_head_dim
         q = torch.zeros(1, h, d_i, dtype=dtype, device=device)
         keys = torch.zeros(1, d_i, dtype=dtype, device=device)
         limit = torch.ones(1, dtype=torch.int64, device=device)
         self.scores(q, torch.zeros(1, h, device=device), keys, d_i**-0.5, cfg.index_arith,
                     limit=limit)  # fmt: skip
-        q = torch.zeros(1, cfg.num_attention_heads, cfg.kv_dim, dtype=dtype, device=device)
-        rows = torch.zeros(64, cfg.kv_dim, dtype=dtype, device=device)
-        index = torch.zeros(1, 1, dtype=torch.int64, device=device)
-        self.attend(q, rows, index, cfg.softmax_scale, cfg.kv_lora_rank)
 
 
 def choose(cfg: ModelConfig, device: str, dtype: torch.dtype, want: str = "auto") -> Kernels:
