@@ -12,9 +12,13 @@ Arithmetic, against the float32 reference:
 - ``exact``: the model's bf16 queries and keys are the operands (exact in bf16, so every
   product is exact in fp32); the ``D ** -0.5`` scale multiplies the head weights instead of
   the queries (``relu(s·x)·w = relu(x)·(s·w)`` for ``s > 0``). Only roundings differ.
-- ``fp8``: operands are the fp8 values (exact in bf16): queries dequantised with their
-  power-of-two (ue8m0) scales, keys as raw e4m3 values with their float32 per-block scale
-  applied to each 128-wide block's partial dot, as SGLang's fp8 logits kernel does.
+- ``fp8``: the MMA takes the e4m3 values themselves (fp8 tensor cores, twice bf16's rate),
+  as SGLang's fp8 logits kernel does; each 128-wide block's dot is then scaled by the query's
+  power-of-two (ue8m0) scale and the key's float32 one. With one block per key (V3.2's 128-wide
+  index keys) both scales leave the tile: ``relu(a·b·x) = a·b·relu(x)`` for positive scales,
+  so the query's multiplies its head weight and the key's the head-summed score. The products
+  of two e4m3 values are exact; the tensor cores' accumulation over a block's 128 products
+  keeps fewer bits than float32 (DeepSeek-V3's report: about 14), as in SGLang's kernel.
 
 Float32 inputs (an fp32 model) use Triton's IEEE fp32 dot instead of bf16 operands.
 """
@@ -53,13 +57,18 @@ def usable(device: torch.device) -> bool:
 
 
 if triton is not None:
-
-    @triton.jit(do_not_specialize=["n", "t", "blocks_per_split", "s_kt", "s_on"])
+    # n, t and the split change every prefill chunk: not specialised (one compile). The key
+    # and output strides are (divisibility by 16 lets the loads and stores vectorise) and the
+    # key width D is a constant: with a runtime D the width mask blocked vectorised key loads,
+    # and the kernel ran at 0.65x (bf16) and 0.3x (fp8) of bench/exp/scores_variants.py's
+    # unmasked tile (bench/results/index-scores-variants-h200.json).
+    @triton.jit(do_not_specialize=["n", "t", "blocks_per_split"])
     def _scores_kernel(
-        q_ptr, w_ptr, k_ptr, ks_ptr, lim_ptr, out_ptr,
-        n, t, heads, d, scale, blocks_per_split,
-        s_qn, s_qh, s_wn, s_kt, s_ks, s_on,
-        R: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr, D_BLOCKS: tl.constexpr,
+        q_ptr, w_ptr, k_ptr, ks_ptr, qs_ptr, lim_ptr, out_ptr,
+        n, t, heads, scale, blocks_per_split,
+        s_qn, s_qh, s_wn, s_kt, s_ks, s_qsn, s_qsh, s_on,
+        D: tl.constexpr, R: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr,
+        D_BLOCKS: tl.constexpr,
         BLOCK_T: tl.constexpr, HAS_KS: tl.constexpr, HAS_LIMIT: tl.constexpr,
         IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
@@ -77,16 +86,17 @@ if triton is not None:
         qmask = (row < n) & (head < heads)
         dd = tl.arange(0, BLOCK_D)
         q_at = q_ptr + row[None, :] * s_qn + head[None, :] * s_qh + dd[:, None]
-        q0 = tl.load(q_at, mask=qmask[None, :] & (dd < d)[:, None], other=0.0)
+        q0 = tl.load(q_at, mask=qmask[None, :] & (dd < D)[:, None], other=0.0)
         q1 = q0  # the second 128-wide block of a 256-wide key (D_BLOCKS == 2)
         if D_BLOCKS == 2:
-            second = qmask[None, :] & (BLOCK_D + dd < d)[:, None]
+            second = qmask[None, :] & (BLOCK_D + dd < D)[:, None]
             q1 = tl.load(q_at + BLOCK_D, mask=second, other=0.0)
         if DOT_F32:
             q0 = q0.to(tl.float32)
             q1 = q1.to(tl.float32)
         # relu(s·x)·w = relu(x)·(s·w) for s > 0: one multiply less per score
         w = tl.load(w_ptr + row * s_wn + head, mask=qmask, other=0.0) * scale
+        qs_at = qs_ptr + row * s_qsn + head * s_qsh  # per-block query scales (two-block fp8)
         rows = pid_r * R + tl.arange(0, R)
         lim = rows  # unused unless HAS_LIMIT
         if HAS_LIMIT:
@@ -98,7 +108,7 @@ if triton is not None:
             kmask = keys < t
             acc = tl.zeros((BLOCK_T, R * HP), dtype=tl.float32)
             for j in tl.static_range(D_BLOCKS):
-                dmask = j * BLOCK_D + dd < d
+                dmask = j * BLOCK_D + dd < D
                 kv = tl.load(
                     k_ptr + keys[:, None] * s_kt + (j * BLOCK_D + dd)[None, :],
                     mask=kmask[:, None] & dmask[None, :], other=0.0,
@@ -110,12 +120,15 @@ if triton is not None:
                     part = tl.dot(kv, qv, input_precision="ieee")
                 else:
                     part = tl.dot(kv, qv)
-                if HAS_KS:  # the key's scale of this 128-wide block
+                if HAS_KS and D_BLOCKS == 2:  # this block's key and query scales
                     ks = tl.load(ks_ptr + keys * s_ks + j, mask=kmask, other=0.0)
-                    part = part * ks[:, None]
+                    qs = tl.load(qs_at + j, mask=qmask, other=0.0)
+                    part = part * ks[:, None] * qs[None, :]
                 acc += part
             acc = tl.maximum(acc, 0.0) * w[None, :]
             s = tl.sum(tl.reshape(acc, (BLOCK_T, R, HP)), axis=2)
+            if HAS_KS and D_BLOCKS == 1:  # one block: the key's scale after the head sum
+                s = s * tl.load(ks_ptr + keys * s_ks, mask=kmask, other=0.0)[:, None]
             if HAS_LIMIT:
                 s = tl.where(keys[:, None] >= lim[None, :], float("-inf"), s)
             omask = kmask[:, None] & (rows[None, :] < n)
@@ -138,14 +151,15 @@ def triton_index_scores(
     keys: torch.Tensor,
     scale: float,
     arith: str = "exact",
-    block_t: int = 128,
+    block_t: int = 0,
     config: dict | None = None,
     limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`indexer.scores.index_scores` (same arguments, float32 ``[n, T]``; keys at or
     past ``limit`` score ``-inf``, in the kernel).
     ``config`` overrides the launch (``tools/bench_index_scores.py --sweep``): ``m`` ((row,
-    head) pairs per program), ``warps``, ``stages``."""
+    head) pairs per program), ``warps``, ``stages``; ``block_t`` keys per tile (0: the
+    arithmetic's default)."""
     n, heads, d = q.shape
     assert triton is not None, "triton is not installed"
     assert scale > 0, f"{scale=}"
@@ -156,26 +170,29 @@ def triton_index_scores(
     if d > 2 * _QUANT_BLOCK or heads > _MAX_HEADS:
         # the kernel holds at most two 128-wide blocks of each query and a [128, 256] tile
         return index_scores(q, weights, keys, scale, arith, limit)
-    ks = None
+    ks = qs = None
+    w = weights.float()
     if arith == "fp8":
-        qv, qs = quantize(rotate_round(q), ue8m0=True)
-        # power-of-two scales: the dequantised queries are exact in bf16
-        q = (qv.float().unflatten(-1, (-1, _QUANT_BLOCK)) * qs.unsqueeze(-1)).flatten(-2)
-        q = q.to(torch.bfloat16)
-        kv8, ks = quantize(rotate_round(keys), ue8m0=False)
-        keys = kv8.to(torch.bfloat16)  # e4m3 values are exact in bf16
+        q, qs = quantize(rotate_round(q), ue8m0=True)  # e4m3 [n, H, d], scales [n, H, d/128]
+        keys, ks = quantize(rotate_round(keys), ue8m0=False)
         ks = ks.contiguous()
+        if d == _QUANT_BLOCK:  # one block: the query's scale multiplies its head weight
+            w, qs = w * qs[..., 0], None
+        else:
+            qs = qs.contiguous()
     elif q.dtype != keys.dtype or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         q, keys = q.float(), keys.float()
     ieee = q.dtype == torch.float32
     q = q if q.stride(-1) == 1 else q.contiguous()
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
-    w = weights.float().contiguous()
+    w = w.contiguous()
     out = torch.empty(n, t, dtype=torch.float32, device=q.device)
     if n == 0 or t == 0:
         return out
-    # tools/bench_index_scores.py --sweep on an H200 (bench/results/index-scores-h200.json)
-    c = {"m": 128, "warps": 4, "stages": 3, **(config or {})}
+    # tools/bench_index_scores.py --sweep on an H200 (bench/results/index-scores-h200.json):
+    # fp8 tiles are half the bytes, so shorter key blocks with a deeper pipeline win there
+    c = {"m": 128, "warps": 4, "stages": 4 if ks is not None else 3, **(config or {})}
+    block_t = block_t or (64 if ks is not None else 128)
     hp = _pow2(heads)
     block_d = _QUANT_BLOCK if ks is not None or d > _QUANT_BLOCK else max(16, _pow2(d))
     r = max(1, c["m"] // hp)  # R rows per program: R·HP (row, head) pairs, the MMA's N
@@ -186,11 +203,11 @@ def triton_index_scores(
     per_split = triton.cdiv(blocks, splits)
     lim = None if limit is None else limit.to(torch.int64).contiguous()
     _scores_kernel[(row_programs, triton.cdiv(blocks, per_split))](
-        q, w, keys, ks if ks is not None else w, lim if lim is not None else w, out,
-        n, t, heads, d, float(scale), per_split,
-        q.stride(0), q.stride(1), w.stride(0), keys.stride(0),
-        ks.stride(0) if ks is not None else 0, out.stride(0),
-        R=r, HP=hp, BLOCK_D=block_d, D_BLOCKS=triton.cdiv(d, block_d), BLOCK_T=block_t,
+        q, w, keys, w if ks is None else ks, w if qs is None else qs, w if lim is None else lim,
+        out, n, t, heads, float(scale), per_split,
+        q.stride(0), q.stride(1), w.stride(0), keys.stride(0), 0 if ks is None else ks.stride(0),
+        0 if qs is None else qs.stride(0), 0 if qs is None else qs.stride(1), out.stride(0),
+        D=d, R=r, HP=hp, BLOCK_D=block_d, D_BLOCKS=triton.cdiv(d, block_d), BLOCK_T=block_t,
         HAS_KS=ks is not None, HAS_LIMIT=lim is not None, IEEE=ieee, DOT_F32=_DOT_F32,
         num_warps=c["warps"] if r * hp >= 128 else 4, num_stages=c["stages"],
     )  # fmt: skip

@@ -22,7 +22,7 @@ from indexer import index_scores, select_topk
 from indexer.triton_scores import triton_index_scores
 from tools.gpu_timing import device_ms
 
-#: dense bf16 tensor-core peak (TFLOP/s), from the vendors' data sheets
+#: dense bf16 tensor-core peak (TFLOP/s), from the vendors' data sheets; fp8 is twice it
 PEAK_BF16 = {"h100": 989.0, "h200": 989.0}
 
 
@@ -49,19 +49,22 @@ def measure(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, k: int, reps: 
     return row
 
 
-def sweep(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, reps: int) -> list[dict]:
-    """Median ms of every launch config in the grid, fastest first."""
+def sweep(
+    q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, reps: int, arith: str = "exact"
+) -> list[dict]:
+    """Median ms of every launch config in the grid in ``arith``, fastest first."""
     flop = 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * keys.shape[0]
     out = []
     for m, warps, stages, bt in itertools.product((128, 256), (4, 8), (3, 4), (64, 128, 256)):
         cfg = {"m": m, "warps": warps, "stages": stages}
-        fn = partial(triton_index_scores, q, w, keys, q.shape[2] ** -0.5, "exact", bt, cfg)
+        fn = partial(triton_index_scores, q, w, keys, q.shape[2] ** -0.5, arith, bt, cfg)
         try:
             ms = timed(fn, reps)
         except Exception as e:  # a config the compiler refuses (shared memory): say which
             out.append({**cfg, "block_t": bt, "error": str(e)[:200]})
             continue
-        out.append({**cfg, "block_t": bt, "ms": round(ms, 3), "tflops": round(flop / ms / 1e9, 1)})
+        tflops = round(flop / ms / 1e9, 1)
+        out.append({**cfg, "block_t": bt, "arith": arith, "ms": round(ms, 3), "tflops": tflops})
     return sorted(out, key=lambda r: r.get("ms", float("inf")))
 
 
@@ -74,6 +77,7 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--sweep", type=int, default=0, help="also time launch configs at N keys")
+    p.add_argument("--sweep-arith", choices=("exact", "fp8"), default="exact")
     p.add_argument("--out")
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -89,7 +93,8 @@ def main() -> None:
         print(json.dumps(rows[-1]), file=sys.stderr)
     configs = []
     if a.sweep:
-        configs = sweep(q, w, torch.randn(a.sweep, a.dim, generator=g, device=dev).bfloat16(), 3)
+        keys = torch.randn(a.sweep, a.dim, generator=g, device=dev).bfloat16()
+        configs = sweep(q, w, keys, 3, a.sweep_arith)
         for c in configs[:8]:
             print(json.dumps(c))
     result = {
@@ -99,13 +104,15 @@ def main() -> None:
         "torch": torch.__version__,
         "shape": {"rows": a.rows, "heads": a.heads, "dim": a.dim, "topk": a.topk},
         "peak_bf16_tflops": PEAK_BF16.get(gpu),
+        "peak_fp8_tflops": 2 * PEAK_BF16[gpu] if gpu in PEAK_BF16 else None,
         "rows": rows,
         "sweep": configs,
     }
-    head = ("keys", "triton ms", "TFLOP/s", "fp8 ms", "torch ms", "top-k ms")
+    head = ("keys", "triton ms", "TFLOP/s", "fp8 ms", "TFLOP/s", "torch ms", "top-k ms")
     print(" ".join(f"{h:>9}" for h in head))
     for r in rows:
         cells = [r["keys"], r["triton_exact_ms"], r["triton_exact_tflops"], r["triton_fp8_ms"]]
+        cells += [r["triton_fp8_tflops"]]
         cells += [r["torch_exact_ms"], r["topk_ms"]]
         print(" ".join(f"{c:>9}" for c in cells))
     out = Path(a.out or f"bench/results/index-scores-{gpu}.json")

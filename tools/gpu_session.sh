@@ -76,7 +76,8 @@ pin-check)
         > "$OUT/pin-gpu-tests.log" 2>&1
     took "gpu pin + kernel tests" $?
     tail -3 "$OUT/pin-gpu-tests.log"
-    timeout 200 python3 -m tools.bench_index_scores --sweep 65536 --out "$OUT/index-scores-$GPU.json" \
+    timeout 200 python3 -m tools.bench_index_scores --sweep 65536 --sweep-arith fp8 \
+        --out "$OUT/index-scores-$GPU.json" \
         > "$OUT/index-scores-$GPU.log" 2>&1
     took "index scores" $?
     grep -v '^{"keys' "$OUT/index-scores-$GPU.log" | tail -14 ;;

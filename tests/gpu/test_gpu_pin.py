@@ -75,4 +75,8 @@ def test_triton_index_scores_match_the_reference(arith: str) -> None:
     masked = torch.isinf(ref)
     assert torch.equal(torch.isinf(got), masked) and int(masked.sum()) == 300 * 299 // 2
     diff = (got - ref).masked_fill(masked, 0.0).abs().max()
-    assert float(diff / ref.masked_fill(masked, 0.0).abs().max()) < 1e-5
+    # exact: bf16 operands, float32 sums (only the order differs). fp8: the e4m3 products are
+    # exact, but Hopper's fp8 MMA keeps ~14 bits while summing a block's 128 of them (SGLang's
+    # kernel does the same); a wrong scale would be off by O(1)
+    err = float(diff / ref.masked_fill(masked, 0.0).abs().max())
+    assert err < {"exact": 1e-5, "fp8": 2e-3}[arith], f"{arith}: {err=}"
