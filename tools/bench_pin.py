@@ -22,7 +22,9 @@ preset's), so 256k tokens run on both sides; with ``--positions 0`` such sizes a
 ``--sglang`` (GPU, sglang installed) then times stock SGLang's prefill of the same token ids on
 the same checkpoint, one server started once after the pins (``tools/pin_sglang.py``), and
 records corpusd tok/s over SGLang's per size. The checkpoint then has index_topk 2048 (SGLang's
-NSA top-k kernels take only that), so its corpusd rows differ from a run without the flag.
+NSA top-k kernels take only that) and index_arith fp8 (SGLang's indexer scores in fp8 whatever
+the checkpoint says; ``--index-arith exact`` keeps bf16 scores), so its corpusd rows differ from
+a run without the flag.
 
     python -m tools.bench_pin                       # CPU default: the tar, then 4k and 16k
     python -m tools.bench_pin --sizes 4096 --no-tar --out /tmp/pin.json
@@ -319,6 +321,11 @@ def main() -> None:
         "--index-topk", type=int, default=0,
         help="the checkpoint's index_topk (default: the preset's; 2048 with --sglang)",
     )  # fmt: skip
+    p.add_argument(
+        "--index-arith", choices=("exact", "fp8"),
+        help="the checkpoint's index_arith (default: the preset's; fp8, SGLang's own indexer "
+        "arithmetic, with --sglang)",
+    )  # fmt: skip
     p.add_argument("--sglang-port", type=int, default=30124)
     p.add_argument("--sglang-reps", type=int, default=0, help="default: 5 to 32k tokens, else 3")
     p.add_argument("--one", help=argparse.SUPPRESS)
@@ -373,13 +380,18 @@ def main() -> None:
             if a.sglang and a.index_topk != SGLANG_TOPK:
                 p.error(f"--sglang needs index_topk {SGLANG_TOPK} (SGLang's NSA top-k kernels)")
             overrides["index_topk"] = a.index_topk
+        arith = a.index_arith or ("fp8" if a.sglang else None)
+        if arith:  # SGLang's NSA indexer always scores in fp8: so, with --sglang, does the pin
+            overrides["index_arith"] = arith
         raised = bench_positions(preset, sizes, a.positions)
         if raised is not None:  # the preset's 163,840 positions stop short of 256k tokens
             overrides["max_position_embeddings"] = raised
             result["max_position_embeddings_raised_to"] = raised
         model_dir = init_tiny(Path(tmp) / "model", preset=preset, **overrides)
         positions = ModelConfig.from_dir(model_dir).max_position_embeddings
-        result["index_topk"] = ModelConfig.from_dir(model_dir).index_topk  # SGLang's with --sglang
+        bench_cfg = ModelConfig.from_dir(model_dir)
+        result["index_topk"] = bench_cfg.index_topk  # SGLang's with --sglang
+        result["index_arith"] = bench_cfg.index_arith
         (Path(tmp) / "ids").mkdir()
         env = {**os.environ, "BENCH_MODEL": str(model_dir), "CORPUSD_HOME": tmp}
         env["BENCH_IDS"] = str(Path(tmp) / "ids")
