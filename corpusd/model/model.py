@@ -111,20 +111,39 @@ def select_rows(
 
     ``index_keys [T, D_I]`` holds every position up to ``positions.max()``. Returns int64
     ``[n, min(index_topk, visible)]`` (ascending, ``-1`` padded), ``visible = positions.max() + 1``.
-    While no row sees more than ``index_topk`` positions they select all of them without scoring.
+    A row that sees at most ``index_topk`` positions selects all of them without scoring; only
+    the other rows are scored (a pin's first chunk: its first ``index_topk`` rows would
+    otherwise each take ``select_topk``'s slow path, having fewer than ``k + 1`` keys).
     ``kernels`` picks the scorer (the torch reference without).
     """
+    k = cfg.index_topk
     limit = positions + 1
     visible = int(limit.max())
-    if visible <= cfg.index_topk:
-        pos = torch.arange(visible, device=positions.device)
-        return torch.where(pos[None, :] < limit[:, None], pos[None, :], -1)
+    pos = torch.arange(min(visible, k), device=positions.device)
+    every = torch.where(pos[None, :] < limit[:, None], pos[None, :], -1)
+    if visible <= k:
+        return every
+    scored = limit > k
+    if bool(scored.all()):
+        return _scored_rows(cfg, proj.index_q, proj.index_w, index_keys[:visible], limit, kernels)
+    rows = scored.nonzero().flatten()
+    every[rows] = _scored_rows(
+        cfg, proj.index_q[rows], proj.index_w[rows], index_keys[:visible], limit[rows], kernels
+    )
+    return every
+
+
+def _scored_rows(
+    cfg: ModelConfig,
+    q: torch.Tensor,
+    w: torch.Tensor,
+    keys: torch.Tensor,
+    limit: torch.Tensor,
+    kernels: Kernels | None,
+) -> torch.Tensor:
     score = index_scores if kernels is None else kernels.scores
-    scores = score(
-        proj.index_q, proj.index_w, index_keys[:visible], cfg.index_head_dim**-0.5,
-        cfg.index_arith, limit=limit,
-    )  # fmt: skip  (causal keys come back -inf: never selected)
-    return select_topk(scores, cfg.index_topk)
+    scores = score(q, w, keys, cfg.index_head_dim**-0.5, cfg.index_arith, limit=limit)
+    return select_topk(scores, cfg.index_topk)  # causal keys came back -inf: never selected
 
 
 @torch.inference_mode()
