@@ -103,7 +103,10 @@ if triton is not None:
             lim = tl.load(lim_ptr + rows, mask=rows < n, other=0)
         first = pid_s * blocks_per_split
         last = tl.minimum(first + blocks_per_split, tl.cdiv(t, BLOCK_T))
-        for blk in range(first, last):
+        live = last  # key blocks that some row of this program may see
+        if HAS_LIMIT:  # blocks wholly past every row's limit are -inf: no MMA for them
+            live = tl.maximum(first, tl.minimum(last, tl.cdiv(tl.max(lim), BLOCK_T)))
+        for blk in range(first, live):
             keys = blk * BLOCK_T + tl.arange(0, BLOCK_T)
             kmask = keys < t
             acc = tl.zeros((BLOCK_T, R * HP), dtype=tl.float32)
@@ -133,6 +136,11 @@ if triton is not None:
                 s = tl.where(keys[:, None] >= lim[None, :], float("-inf"), s)
             omask = kmask[:, None] & (rows[None, :] < n)
             tl.store(out_ptr + rows[None, :] * s_on + keys[:, None], s, mask=omask)
+        for blk in range(live, last):  # (HAS_LIMIT only) the causal triangle's far side
+            keys = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+            omask = (keys < t)[:, None] & (rows[None, :] < n)
+            none = tl.full((BLOCK_T, R), float("-inf"), tl.float32)
+            tl.store(out_ptr + rows[None, :] * s_on + keys[:, None], none, mask=omask)
 
 
 def _sms(device: torch.device) -> int:

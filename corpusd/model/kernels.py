@@ -33,16 +33,20 @@ class Kernels:
     describe: str
 
     def warm_up(self, cfg: ModelConfig, device: str, dtype: torch.dtype) -> None:
-        """One scorer call at a minimal shape, as the prefill calls it (causal limit given):
-        Triton compiles its kernel (or loads it from its disk cache) here, not inside the timed
-        prefill. Attention needs no call of its own: a one-token forward (``corpusd.corpus.pin.
-        warm_up``) attends, and FlashMLA probes its LSE base there, but never scores."""
+        """Scorer calls at small shapes, as the prefill calls it (causal limit given): Triton
+        compiles its kernel (or loads it from its disk cache) here, not inside the timed
+        prefill. Triton specialises the output's row stride (the key count) on divisibility by
+        16, so one call of each kind: with only a 1-key call, a 16k-token GPU pin compiled two
+        variants inside its timed prefill (tools/profile_prefill.py: 0.39 s wall for 57 ms of
+        kernels). Attention needs no call of its own: a one-token forward (``corpusd.corpus.
+        pin.warm_up``) attends, and FlashMLA probes its LSE base there, but never scores."""
         h, d_i = cfg.index_n_heads, cfg.index_head_dim
-        q = torch.zeros(1, h, d_i, dtype=dtype, device=device)
-        keys = torch.zeros(1, d_i, dtype=dtype, device=device)
-        limit = torch.ones(1, dtype=torch.int64, device=device)
-        self.scores(q, torch.zeros(1, h, device=device), keys, d_i**-0.5, cfg.index_arith,
-                    limit=limit)  # fmt: skip
+        for t in (32, 33):
+            q = torch.zeros(2, h, d_i, dtype=dtype, device=device)
+            keys = torch.zeros(t, d_i, dtype=dtype, device=device)
+            limit = torch.full((2,), t, dtype=torch.int64, device=device)
+            self.scores(q, torch.zeros(2, h, device=device), keys, d_i**-0.5, cfg.index_arith,
+                        limit=limit)  # fmt: skip
 
 
 def choose(cfg: ModelConfig, device: str, dtype: torch.dtype, want: str = "auto") -> Kernels:
