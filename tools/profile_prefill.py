@@ -4,7 +4,8 @@
 this records every kernel of an unsynchronised chunked prefill (``corpusd.corpus.pin``'s loop:
 ``forward_tokens`` per chunk) with ``torch.profiler`` and sums device time per kernel name.
 The checkpoint is the ``sglang`` preset as ``bench_pin --sglang`` makes it (index_topk 2048,
-index_arith fp8 unless ``--index-arith exact``); the tokens are random bytes.
+index_arith fp8 unless ``--index-arith exact``); the tokens are random bytes, or with
+``--text`` this Python's standard library source (sorted), as ``bench_pin``'s rows.
 
     python -m tools.profile_prefill --tokens 16384 131072 --out /tmp/prefill-profile.json
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -38,12 +40,23 @@ def run(model: torch.nn.Module, tokens: torch.Tensor, chunk: int, kernels: objec
     return time.perf_counter() - t
 
 
+def stdlib_bytes(n: int) -> bytes:
+    """The first ``n`` bytes of this Python's standard library ``*.py`` files, sorted."""
+    out = bytearray()
+    for f in sorted(Path(os.__file__).parent.glob("*.py")):
+        out += f.read_bytes()
+        if len(out) >= n:
+            break
+    return bytes(out[:n])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[16384])
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--index-arith", choices=("exact", "fp8"), default="fp8")
     p.add_argument("--top", type=int, default=14, help="kernels listed per size")
+    p.add_argument("--text", action="store_true", help="stdlib source bytes, not random ones")
     p.add_argument("--out", default="/tmp/prefill-profile.json")
     a = p.parse_args()
     result: dict = {
@@ -63,6 +76,9 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         for n in a.tokens:
             tokens = torch.randint(2, 256, (n,), generator=g).cuda()
+            if a.text:
+                tokens = torch.tensor(list(stdlib_bytes(n)), dtype=torch.int64).cuda()
+            first = run(model, tokens, a.chunk, kernels)  # the allocator grows here
             plain = run(model, tokens, a.chunk, kernels)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 run(model, tokens, a.chunk, kernels)
@@ -74,12 +90,14 @@ def main() -> None:
             rows.sort(key=lambda r: -r["ms"])
             total = sum(r["ms"] for r in rows)
             result["sizes"][str(n)] = {
+                "first_wall_s": round(first, 4),
                 "wall_s": round(plain, 4),
                 "tok_per_s": round(n / plain),
                 "kernel_ms_total": round(total, 1),
                 "kernels": rows[:40],
             }
-            print(f"{n:,} tokens: {plain:.3f} s wall ({n / plain:,.0f} tok/s), {total:.0f} ms")
+            print(f"{n:,} tokens: {plain:.3f} s wall ({n / plain:,.0f} tok/s; first run "
+                  f"{first:.3f} s), {total:.0f} ms of kernels")  # fmt: skip
             for r in rows[: a.top]:
                 share = 100 * r["ms"] / total
                 print(f"  {r['ms']:9.2f} ms {share:5.1f} % {r['calls']:5d}  {r['kernel']}")
