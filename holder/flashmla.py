@@ -57,7 +57,7 @@ def flashmla_partial_attention(
 
 def _prep(indices: torch.Tensor, n_kv: int, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``flashmla_fp8.Prep`` in one Triton launch (torch's takes four)."""
-    from holder.triton_mla import prep_sparse_indices
+    from corpusd.model.triton_mla import prep_sparse_indices
 
     idx, count = prep_sparse_indices(indices, n_kv, kp)
     return idx, count

@@ -74,7 +74,7 @@ def _triton(
         from holder.triton_mla_fp8 import triton_fp8_partial_attention
 
         return triton_fp8_partial_attention(q, kv, indices, scale, d_v)
-    from holder.triton_mla import triton_partial_attention
+    from corpusd.model.triton_mla import triton_partial_attention
 
     return triton_partial_attention(q, kv, indices, scale, d_v)
 

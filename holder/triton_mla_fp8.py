@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from corpusd.model.fp8_cache import D_NOPE, D_ROPE, N_TILES, ROPE_AT, ROW_BYTES, SCALE_AT, TILE
-from holder.triton_mla import _DOT_F32, _LOG2E, _merge_kernel, _pow2, plan
+from corpusd.model.triton_mla import _DOT_F32, _LOG2E, _merge_kernel, _pow2, plan
 
 
 @triton.jit

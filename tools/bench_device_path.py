@@ -107,6 +107,12 @@ def measure(
             stages[f"kernel_splits_{sp}"] = functools.partial(
                 device.sparse_partial, q, kv, rows, 576**-0.5, 512, base2, sp
             )
+        # the holders' own Triton kernel (flash-decoding: k split over programs, LSE merge)
+        from corpusd.model.triton_mla import triton_partial_attention
+
+        stages["kernel_triton"] = functools.partial(
+            triton_partial_attention, q, kv, rows, 576**-0.5, 512
+        )
     row: dict[str, Any] = {"rows": n}
     row.update({f"{s}_us": 1e3 * graphed_ms(f, a.reps) for s, f in stages.items()})
     # The partial's floor: it reads k latent rows (bf16, or 656-byte fp8 rows) per query row.

@@ -134,7 +134,7 @@ def elbow(points: list[dict[str, Any]], key: str) -> dict[str, int]:
 
 def part_tune(dev: torch.device) -> dict[str, Any]:
     """Triton kernel configurations at two decode shapes, next to FlashMLA (device time)."""
-    from holder.triton_mla import triton_partial_attention
+    from corpusd.model.triton_mla import triton_partial_attention
 
     pool = random_pool(1 << 18, dev, seed=6)
     g = torch.Generator(device=dev).manual_seed(7)

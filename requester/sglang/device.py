@@ -28,6 +28,7 @@ import math
 import torch
 
 from corpusd.model.fp8_cache import FP8
+from requester.sglang import device_triton
 from requester.sglang.resident import Resident
 
 INT64_MIN = torch.iinfo(torch.int64).min
@@ -118,6 +119,23 @@ def fused_topk(
     """
     wc = corpus_scores.shape[1]
     wo = own_scores.shape[1]
+    if device_triton.usable(corpus_scores):  # the same keys and split, in two kernels
+        keys = device_triton.order_keys(corpus_scores, corpus_len, own_scores, own_len)
+        top = keys.topk(min(k, wc + wo), dim=1, sorted=False).values
+        return device_triton.split_columns(top, k, wc)
+    return fused_topk_torch(corpus_scores, corpus_len, own_scores, own_len, k)
+
+
+def fused_topk_torch(
+    corpus_scores: torch.Tensor,
+    corpus_len: torch.Tensor,
+    own_scores: torch.Tensor,
+    own_len: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_topk` in torch ops (the CPU path and the kernels' reference)."""
+    wc = corpus_scores.shape[1]
+    wo = own_scores.shape[1]
     dev = corpus_scores.device
     cvalid = torch.arange(wc, device=dev)[None, :] < corpus_len.to(dev)[:, None]
     ovalid = torch.arange(wo, device=dev)[None, :] < own_len.to(dev)[:, None]
@@ -140,6 +158,19 @@ def corpus_rows(
     ``positions [n, k]`` int64 (``-1`` unused); ``row_base [n]`` the arena page of each row's
     corpus page 0; ``page_holder`` / ``page_frame`` int32 ``[arena pages]``: which mapped holder
     pool holds an arena page, in which frame."""
+    if device_triton.usable(positions):  # one kernel instead of ~10 ops
+        return device_triton.corpus_rows(positions, row_base, page_holder, page_frame, page_size)
+    return corpus_rows_torch(positions, row_base, page_holder, page_frame, page_size)
+
+
+def corpus_rows_torch(
+    positions: torch.Tensor,
+    row_base: torch.Tensor,
+    page_holder: torch.Tensor,
+    page_frame: torch.Tensor,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`corpus_rows` in torch ops (the CPU path and the kernel's reference)."""
     used = positions >= 0
     p = positions.clamp(min=0)
     apage = row_base.to(p.dtype)[:, None] + p // page_size
@@ -245,11 +276,16 @@ def sparse_partial(
         from corpusd.model.partial import partial_attention
 
         return partial_attention(q.float(), kv.float(), rows, scale, d_v)
+    n, h, d = q.shape
+    if splits is None and _few_ctas(n, h, q.device):
+        from corpusd.model.triton_mla import triton_partial_attention
+
+        o, lse = triton_partial_attention(q, kv, rows, scale, d_v)
+        return o.float(), lse
     from sgl_kernel.flash_mla import flash_mla_sparse_fwd
 
     from requester.sglang import lse as lse_mod
 
-    n, h, d = q.shape
     k = rows.shape[1]
     splits = SPLITS if splits is None else splits
     while splits > 1 and (k % splits or (k // splits) % 64):  # FlashMLA: top-k % 64 == 0
@@ -269,6 +305,17 @@ def sparse_partial(
     total = torch.logsumexp(lse, dim=1)  # -inf where every chunk is empty
     w = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total)[:, None])
     return (w[..., None] * o.reshape(n, splits, h, -1)).sum(1), total
+
+
+def _few_ctas(n: int, h: int, device: torch.device) -> bool:
+    """FlashMLA's sparse kernel runs one CTA per (query row, 64 heads), each walking all k rows;
+    below a quarter of the SMs busy, the Triton kernel, which also splits k over programs
+    (flash-decoding), is faster: 35.7 vs 83.4 µs at 8 rows × 64 heads × 2,048, 108 vs 100 at 64
+    rows (H200, ``tools/bench_device_path.py --variants``, kernel_triton vs kernel_splits_1)."""
+    idx = device.index or 0
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n * -(-h // 64) * 4 <= _SM_COUNT[idx]
 
 
 def fp8_partial(

@@ -76,6 +76,20 @@ def merge_local_corpus(
     assert lse_local.shape == lse_corpus.shape == o_local.shape[:2], (
         f"{lse_local.shape=} {lse_corpus.shape=} vs {o_local.shape=}"
     )
+    from requester.sglang import device_triton
+
+    if device_triton.usable(o_local):  # one kernel instead of ~10 ops
+        return device_triton.merge(o_local, lse_local, o_corpus, lse_corpus)
+    return merge_local_corpus_torch(o_local, lse_local, o_corpus, lse_corpus)
+
+
+def merge_local_corpus_torch(
+    o_local: torch.Tensor,
+    lse_local: torch.Tensor,
+    o_corpus: torch.Tensor,
+    lse_corpus: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_local_corpus` in torch ops (the CPU path and the kernel's reference)."""
     a, b = lse_local.float(), lse_corpus.float()
     total = torch.logaddexp(a, b)  # -inf when both are -inf
     ref = torch.where(torch.isinf(total), 0.0, total)

@@ -74,7 +74,10 @@ def test_corpus_scores_are_the_reference_through_sglangs_fp8_kernel() -> None:
             assert rel(got[i, :t], want[i, :t]) < 2e-4, f"row {i}"
 
 
-def test_sparse_partial_is_flashmla_and_matches_the_reference() -> None:
+@pytest.mark.parametrize("splits", [None, 1], ids=["auto-triton", "flashmla"])
+def test_sparse_partial_matches_the_reference(splits: int | None) -> None:
+    """At 6 rows the default is the Triton flash-decoding kernel; ``splits=1`` forces
+    FlashMLA's sparse kernel."""
     g = torch.Generator(device="cuda").manual_seed(SEED)
     n, h, rows, k = 6, 64, 4096, 2048
     q = torch.randn(n, h, 576, generator=g, device="cuda").bfloat16()
@@ -85,7 +88,8 @@ def test_sparse_partial_is_flashmla_and_matches_the_reference() -> None:
     idx[2] = -1
     from requester.sglang.backend import _sparse_lse_base2
 
-    o, lse = device.sparse_partial(q, kv, idx, 576**-0.5, 512, _sparse_lse_base2("cuda"))
+    base2 = _sparse_lse_base2("cuda")
+    o, lse = device.sparse_partial(q, kv, idx, 576**-0.5, 512, base2, splits)
     ro, rl = partial_attention(q.float(), kv.float(), idx.long(), 576**-0.5, 512)
     fin = torch.isfinite(rl)
     assert rel(o, ro) < 1e-2 and rel(lse[fin], rl[fin]) < 1e-3

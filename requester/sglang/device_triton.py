@@ -1,0 +1,193 @@
+"""The device path's small per-layer ops as single Triton kernels (CUDA; the CPU tests run them in
+Triton's interpreter against the torch code they replace).
+
+At decode shapes (8 rows of a few thousand candidates) each torch op of the corpus path costs a
+kernel launch's 2–4 µs inside the graph, and the path had ~30 of them: building the top-k's
+int64 order keys took 29 µs of the top-k's 90, mapping positions to holder frames and the LSE
+merge another ~50 (``tools/bench_device_path.py --variants``). Here each of those steps is one
+kernel; the arithmetic is the torch code's, element for element:
+
+- :func:`order_keys`: ``device.fused_topk``'s concatenation, validity masks and
+  ``device.order_keys`` (score's order bits high, ``2³² − 1 − column`` low, ``INT64_MIN`` for a
+  non-candidate);
+- :func:`split_columns`: the chosen keys back to corpus positions and own positions;
+- :func:`corpus_rows`: ``device.corpus_rows``;
+- :func:`merge`: ``lse.merge_local_corpus``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: device.py keeps its torch ops
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_BLOCK = 1024
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Run these kernels for ``t``'s device: CUDA with Triton, or Triton's interpreter."""
+    return triton is not None and (t.is_cuda or _INTERPRET)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _keys_kernel(
+        cs_ptr, clen_ptr, os_ptr, olen_ptr, key_ptr, wc, wo, s_c, s_o, s_k,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        in_c = col < wc
+        in_o = (col >= wc) & (col < wc + wo)
+        clen = tl.load(clen_ptr + row).to(tl.int64)
+        olen = tl.load(olen_ptr + row).to(tl.int64)
+        sc = tl.load(cs_ptr + row * s_c + col, mask=in_c, other=0.0).to(tl.float32)
+        so = tl.load(os_ptr + row * s_o + (col - wc), mask=in_o, other=0.0).to(tl.float32)
+        s = tl.where(in_c, sc, so) + 0.0  # -0.0 + 0.0 = +0.0
+        valid = (in_c & (col < clen)) | (in_o & (col - wc < olen))
+        bits = s.to(tl.int32, bitcast=True).to(tl.int64)
+        ordered = tl.where(bits >= 0, bits + 2147483648, ~bits)
+        key = (ordered - 2147483648) * 4294967296 + (4294967295 - col.to(tl.int64))
+        bad = (~valid) | (s != s) | (s == float("-inf"))
+        key = tl.where(bad, -9223372036854775808, key)
+        tl.store(key_ptr + row * s_k + col, key, mask=col < wc + wo)
+
+    @triton.jit
+    def _split_kernel(top_ptr, cout_ptr, oout_ptr, width, k, wc, s_t, s_c, s_o,
+                      BLOCK: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        top = tl.load(top_ptr + row * s_t + j, mask=j < width, other=-9223372036854775808)
+        col = tl.where(top != -9223372036854775808, 4294967295 - (top & 4294967295), -1)
+        corpus = tl.where((col >= 0) & (col < wc), col, -1)
+        own = tl.where(col >= wc, col - wc, -1)
+        tl.store(cout_ptr + row * s_c + j, corpus, mask=j < k)
+        tl.store(oout_ptr + row * s_o + j, own.to(tl.int32), mask=j < k)
+
+    @triton.jit
+    def _rows_kernel(
+        pos_ptr, base_ptr, holder_ptr, frame_ptr, hout_ptr, rout_ptr, k, n_pages, page_size,
+        s_p, s_h, s_r, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = j < k
+        p = tl.load(pos_ptr + row * s_p + j, mask=m, other=-1).to(tl.int64)
+        used = p >= 0
+        p = tl.maximum(p, 0)
+        apage = tl.load(base_ptr + row).to(tl.int64) + p // page_size
+        apage = tl.minimum(apage, n_pages - 1)
+        holder = tl.load(holder_ptr + apage, mask=m, other=-1)
+        holder = tl.where(used, holder, -1)
+        frame = tl.load(frame_ptr + apage, mask=m, other=0).to(tl.int64)
+        r = tl.where(used & (holder >= 0), frame * page_size + p % page_size, -1)
+        tl.store(hout_ptr + row * s_h + j, holder.to(tl.int32), mask=m)
+        tl.store(rout_ptr + row * s_r + j, r.to(tl.int32), mask=m)
+
+    @triton.jit
+    def _merge_kernel(
+        oa_ptr, la_ptr, ob_ptr, lb_ptr, out_ptr, lout_ptr, d_v,
+        s_oan, s_oah, s_obn, s_obh, s_on, s_oh, s_ln, s_lbn, s_lon,
+        BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        a = tl.load(la_ptr + row * s_ln + head).to(tl.float32)
+        b = tl.load(lb_ptr + row * s_lbn + head).to(tl.float32)
+        hi = tl.maximum(a, b)
+        lo = tl.minimum(a, b)
+        # logaddexp, -inf when both are -inf (as torch.logaddexp)
+        total = tl.where(hi == float("-inf"), hi, hi + tl.log(1.0 + tl.exp(lo - hi)))
+        ref = tl.where((total == float("inf")) | (total == float("-inf")), 0.0, total)
+        wa = tl.exp(a - ref)
+        wb = tl.exp(b - ref)
+        dv = tl.arange(0, BLOCK_V)
+        vm = dv < d_v
+        oa = tl.load(oa_ptr + row * s_oan + head * s_oah + dv, mask=vm, other=0.0)
+        ob = tl.load(ob_ptr + row * s_obn + head * s_obh + dv, mask=vm, other=0.0)
+        o = wa * oa.to(tl.float32) + wb * ob.to(tl.float32)
+        tl.store(out_ptr + row * s_on + head * s_oh + dv, o.to(out_ptr.dtype.element_ty), mask=vm)
+        tl.store(lout_ptr + row * s_lon + head, total)
+
+
+def order_keys(
+    corpus_scores: torch.Tensor, corpus_len: torch.Tensor, own_scores: torch.Tensor,
+    own_len: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """int64 ``[n, W_c + W_o]``: ``device.order_keys`` of the concatenated rows, with corpus
+    column ``c`` a candidate when ``c < corpus_len`` and own column ``j`` when ``j < own_len``."""
+    n, wc = corpus_scores.shape
+    wo = own_scores.shape[1]
+    cs = corpus_scores if corpus_scores.stride(-1) == 1 else corpus_scores.contiguous()
+    os_ = own_scores if own_scores.stride(-1) == 1 else own_scores.contiguous()
+    keys = torch.empty(n, wc + wo, dtype=torch.int64, device=cs.device)
+    if n and wc + wo:
+        clen = corpus_len.to(cs.device).contiguous()
+        olen = own_len.to(cs.device).contiguous()
+        _keys_kernel[(n, triton.cdiv(wc + wo, _BLOCK))](
+            cs, clen, os_, olen, keys, wc, wo, cs.stride(0), os_.stride(0), keys.stride(0),
+            BLOCK=_BLOCK,
+        )  # fmt: skip
+    return keys
+
+
+def split_columns(top: torch.Tensor, k: int, wc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top [n, width]`` keys (width <= k) → (corpus positions int64 ``[n, k]``, own
+    positions int32 ``[n, k]``), ``-1`` where the other side (or nothing) took the slot."""
+    n, width = top.shape
+    top = top if top.stride(-1) == 1 else top.contiguous()
+    corpus = torch.empty(n, k, dtype=torch.int64, device=top.device)
+    own = torch.empty(n, k, dtype=torch.int32, device=top.device)
+    if n and k:
+        _split_kernel[(n, triton.cdiv(k, _BLOCK))](
+            top, corpus, own, width, k, wc, top.stride(0), corpus.stride(0), own.stride(0),
+            BLOCK=_BLOCK,
+        )  # fmt: skip
+    return corpus, own
+
+
+def corpus_rows(
+    positions: torch.Tensor, row_base: torch.Tensor, page_holder: torch.Tensor,
+    page_frame: torch.Tensor, page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``device.corpus_rows`` in one kernel: (holder slot int32, pool row int32 ``[n, k]``)."""
+    n, k = positions.shape
+    pos = positions if positions.stride(-1) == 1 else positions.contiguous()
+    holder = torch.empty(n, k, dtype=torch.int32, device=pos.device)
+    rows = torch.empty(n, k, dtype=torch.int32, device=pos.device)
+    if n and k:
+        _rows_kernel[(n, triton.cdiv(k, _BLOCK))](
+            pos, row_base.contiguous(), page_holder.contiguous(), page_frame.contiguous(),
+            holder, rows, k, page_holder.shape[0], page_size,
+            pos.stride(0), holder.stride(0), rows.stride(0), BLOCK=_BLOCK,
+        )  # fmt: skip
+    return holder, rows
+
+
+def merge(
+    o_local: torch.Tensor, lse_local: torch.Tensor, o_corpus: torch.Tensor,
+    lse_corpus: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``lse.merge_local_corpus`` in one kernel: O in ``o_local.dtype``, float32 LSE."""
+    n, h, d_v = o_local.shape
+    oa = o_local if o_local.stride(-1) == 1 else o_local.contiguous()
+    ob = o_corpus if o_corpus.stride(-1) == 1 else o_corpus.contiguous()
+    out = torch.empty_like(oa)
+    total = torch.empty(n, h, dtype=torch.float32, device=oa.device)
+    la, lb = lse_local.contiguous(), lse_corpus.contiguous()
+    if n and h:
+        _merge_kernel[(n, h)](
+            oa, la, ob, lb, out, total, d_v,
+            oa.stride(0), oa.stride(1), ob.stride(0), ob.stride(1), out.stride(0), out.stride(1),
+            la.stride(0), lb.stride(0), total.stride(0),
+            BLOCK_V=triton.next_power_of_2(d_v),
+        )  # fmt: skip
+    return out, total
