@@ -13,17 +13,19 @@ its runtime key width and strides, ran at 0.65x (bf16) and 0.3x (fp8) of ``full`
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from tools.gpu_timing import device_ms
 
 MODES = ("full", "mma", "nostore")
 #: (m, block_t, warps, stages): (row, head) pairs per program, keys per tile, launch
@@ -86,20 +88,6 @@ def launch(
     )  # fmt: skip
 
 
-def median_ms(fn: Callable[[], None], reps: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def main() -> None:
     n, heads, t = 1024, 64, 65536
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -115,7 +103,8 @@ def main() -> None:
             row = {"dtype": str(dtype).removeprefix("torch."), "mode": MODES[mode], "tma": tma}
             row.update(ws=ws, m=m, bt=bt, warps=warps, stages=stages)
             try:
-                ms = median_ms(lambda: launch(q, w, keys, out, m, bt, mode, tma, ws, warps, stages))  # noqa: B023
+                fn = functools.partial(launch, q, w, keys, out, m, bt, mode, tma, ws, warps, stages)
+                ms = statistics.median(device_ms(fn, 7, warmup=1))
                 row.update(ms=round(ms, 3), tflops=round(2 * n * heads * 128 * t / ms / 1e9, 1))
             except Exception as e:  # a variant the compiler refuses: say which
                 row["error"] = (str(e).splitlines() or [type(e).__name__])[0][:160]
