@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from corpusd.model.fp8_cache import D_NOPE, D_ROPE, N_TILES, ROPE_AT, ROW_BYTES, SCALE_AT, TILE
-from corpusd.model.triton_mla import _DOT_F32, _LOG2E, _merge_kernel, _pow2, plan
+from corpusd.model.triton_mla import _DOT_F32, _LOG2E, run_split
 
 
 @triton.jit
@@ -141,18 +141,6 @@ def triton_fp8_partial_attention(
     q = q if q.stride(-1) == 1 else q.contiguous()
     indices = indices if indices.stride(-1) == 1 else indices.contiguous()
     scales, rope = kv.view(torch.float32), kv.view(torch.bfloat16)  # [N, 164], [N, 328]
-    k = indices.shape[1]
-    o = torch.empty(n, h, d_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(n, h, dtype=torch.float32, device=q.device)
-    if n == 0 or h == 0:
-        return o, lse
-    if k == 0:
-        return o.zero_(), lse.fill_(float("-inf"))
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    bh, n_split, per = plan(n, h, k, sms, block_h, block_n)
-    if splits is not None:
-        per = triton.cdiv(triton.cdiv(k, splits), block_n) * block_n
-        n_split = triton.cdiv(k, per)
     consts = {
         "D_V": d_v,
         "D_PE": D_ROPE,
@@ -160,35 +148,17 @@ def triton_fp8_partial_attention(
         "N_TILES": N_TILES,
         "SCALE_COL": SCALE_AT // 4,
         "ROPE_COL": ROPE_AT // 2,
-        "BLOCK_H": bh,
-        "BLOCK_N": block_n,
-        "num_warps": num_warps or (4 if bh <= 32 else 8),
-        "num_stages": num_stages,
         "DOT_F32": _DOT_F32,
     }
-    grid = (n, triton.cdiv(h, bh), n_split)
-    views = (kv, scales, rope)
-    strides = (kv.stride(0), scales.stride(0), rope.stride(0))
-    if n_split == 1:
+
+    def launch(grid: tuple[int, ...], per: int, o_: torch.Tensor, lse_: torch.Tensor,
+               out_strides: tuple[int, ...], base2: bool, meta: dict) -> None:  # fmt: skip
         _fp8_partial_kernel[grid](
-            q, *views, indices, o, lse, kv.shape[0], k, per, scale * _LOG2E, h,
-            q.stride(0), q.stride(1), *strides, indices.stride(0),
-            o.stride(0), 0, o.stride(1), lse.stride(0), 0,
-            OUT_BASE2=False, **consts,
+            q, kv, scales, rope, indices, o_, lse_, kv.shape[0], k, per, scale * _LOG2E, h,
+            q.stride(0), q.stride(1), kv.stride(0), scales.stride(0), rope.stride(0),
+            indices.stride(0), *out_strides, OUT_BASE2=base2, **consts, **meta,
         )  # fmt: skip
-        return o, lse
-    o_part = torch.empty(n, n_split, h, d_v, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(n, n_split, h, dtype=torch.float32, device=q.device)
-    _fp8_partial_kernel[grid](
-        q, *views, indices, o_part, lse_part, kv.shape[0], k, per, scale * _LOG2E, h,
-        q.stride(0), q.stride(1), *strides, indices.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-        lse_part.stride(1), OUT_BASE2=True, **consts,
-    )  # fmt: skip
-    _merge_kernel[(n, h)](
-        o_part, lse_part, o, lse, n_split, h,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), o.stride(0), o.stride(1),
-        D_V=d_v, BLOCK_V=_pow2(d_v), BLOCK_S=_pow2(n_split, 2), num_warps=4,
-    )  # fmt: skip
-    return o, lse
+
+    k = indices.shape[1]
+    return run_split(launch, q, k, d_v, block_h, block_n, splits, num_warps, num_stages,
+                     lambda bh: 4 if bh <= 32 else 8)  # fmt: skip

@@ -119,13 +119,13 @@ def select_rows(
     k = cfg.index_topk
     limit = positions + 1
     visible = int(limit.max())
+    scored = limit > k
+    if visible > k and bool(scored.all()):  # past the first index_topk positions: every row
+        return _scored_rows(cfg, proj.index_q, proj.index_w, index_keys[:visible], limit, kernels)
     pos = torch.arange(min(visible, k), device=positions.device)
     every = torch.where(pos[None, :] < limit[:, None], pos[None, :], -1)
     if visible <= k:
         return every
-    scored = limit > k
-    if bool(scored.all()):
-        return _scored_rows(cfg, proj.index_q, proj.index_w, index_keys[:visible], limit, kernels)
     rows = scored.nonzero().flatten()
     every[rows] = _scored_rows(
         cfg, proj.index_q[rows], proj.index_w[rows], index_keys[:visible], limit[rows], kernels

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -178,7 +179,45 @@ def triton_partial_attention(
     q = q if q.stride(-1) == 1 else q.contiguous()
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+    consts = {
+        "D_V": d_v,
+        "D_PE": d - d_v,
+        "BLOCK_V": _pow2(d_v),
+        "BLOCK_PE": _pow2(d - d_v),
+        "DOT_F32": _DOT_F32,
+    }
+
+    def launch(grid: tuple[int, ...], per: int, o_: torch.Tensor, lse_: torch.Tensor,
+               out_strides: tuple[int, ...], base2: bool, meta: dict) -> None:  # fmt: skip
+        _partial_kernel[grid](
+            q, kv, indices, o_, lse_, kv.shape[0], k, per, scale * _LOG2E, h,
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), *out_strides,
+            OUT_BASE2=base2, **consts, **meta,
+        )  # fmt: skip
+
     k = indices.shape[1]
+    return run_split(launch, q, k, d_v, block_h, block_n, splits, num_warps, num_stages,
+                     lambda bh: 4 if bh == 32 else 8)  # fmt: skip
+
+
+def run_split(
+    launch: Callable[..., None],
+    q: torch.Tensor,
+    k: int,
+    d_v: int,
+    block_h: int | None,
+    block_n: int,
+    splits: int | None,
+    num_warps: int | None,
+    num_stages: int,
+    warps_for: Callable[[int], int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch shared by the partial kernels (this one and ``holder/triton_mla_fp8.py``'s):
+    the plan (head block, split of the k indices), O and LSE allocated, the empty cases, then
+    one ``launch(grid, k_per_split, o, lse, (s_on, s_os, s_oh, s_ln, s_ls), base2, meta)``
+    straight into ``[n, h, d_v]`` when k is not split, or into float32 per-split partials in
+    base 2 merged by :func:`_merge_kernel`. ``warps_for(block_h)``: the kernel's tuned warps."""
+    n, h, _ = q.shape
     o = torch.empty(n, h, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(n, h, dtype=torch.float32, device=q.device)
     if n == 0 or h == 0:
@@ -190,34 +229,17 @@ def triton_partial_attention(
     if splits is not None:
         per = triton.cdiv(triton.cdiv(k, splits), block_n) * block_n
         n_split = triton.cdiv(k, per)
-    consts = {
-        "D_V": d_v,
-        "D_PE": d - d_v,
-        "BLOCK_V": _pow2(d_v),
-        "BLOCK_PE": _pow2(d - d_v),
-        "BLOCK_H": bh,
-        "BLOCK_N": block_n,
-        "num_warps": num_warps or (4 if bh == 32 else 8),  # the tuned optimum per block
-        "num_stages": num_stages,
-        "DOT_F32": _DOT_F32,
-    }
+    meta = {"BLOCK_H": bh, "BLOCK_N": block_n, "num_stages": num_stages,
+            "num_warps": num_warps or warps_for(bh)}  # fmt: skip
     grid = (n, triton.cdiv(h, bh), n_split)
     if n_split == 1:
-        _partial_kernel[grid](
-            q, kv, indices, o, lse, kv.shape[0], k, per, scale * _LOG2E, h,
-            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
-            o.stride(0), 0, o.stride(1), lse.stride(0), 0,
-            OUT_BASE2=False, **consts,
-        )  # fmt: skip
+        launch(grid, per, o, lse, (o.stride(0), 0, o.stride(1), lse.stride(0), 0), False, meta)
         return o, lse
     o_part = torch.empty(n, n_split, h, d_v, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(n, n_split, h, dtype=torch.float32, device=q.device)
-    _partial_kernel[grid](
-        q, kv, indices, o_part, lse_part, kv.shape[0], k, per, scale * _LOG2E, h,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-        lse_part.stride(1), OUT_BASE2=True, **consts,
-    )  # fmt: skip
+    part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
+                    lse_part.stride(1))  # fmt: skip
+    launch(grid, per, o_part, lse_part, part_strides, True, meta)
     _merge_kernel[(n, h)](
         o_part, lse_part, o, lse, n_split, h,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from requester.sglang import device_triton
+
 LN2 = math.log(2.0)
 
 
@@ -76,8 +78,6 @@ def merge_local_corpus(
     assert lse_local.shape == lse_corpus.shape == o_local.shape[:2], (
         f"{lse_local.shape=} {lse_corpus.shape=} vs {o_local.shape=}"
     )
-    from requester.sglang import device_triton
-
     if device_triton.usable(o_local):  # one kernel instead of ~10 ops
         return device_triton.merge(o_local, lse_local, o_corpus, lse_corpus)
     return merge_local_corpus_torch(o_local, lse_local, o_corpus, lse_corpus)
