@@ -108,13 +108,15 @@ def plugin_metrics(server: Server) -> list[str]:
 def measure(
     server: Server, mode: str, corpus: str, corpus_tokens: list[int], suffixes: list[list[int]],
     n_tokens: int, vocab: int, teacher: list[list[int]] | None, forced_steps: int,
-    streams: tuple[int, ...] = (8,),
+    streams: tuple[int, ...] = (8,), bursts: int = 1, first_token_reps: int = 4,
 ) -> dict[str, Any]:  # fmt: skip
     """(1) Free-running greedy answers, one request at a time; (2) teacher-forced steps: for
     every position of the reference answers (``teacher``, stock's; this mode's own when None),
     the log-softmax of the next token given the same context, so noise at one step does not
     change the context of the next; (3) the same requests as 8 concurrent streams, timed, with
-    SGLang's KV-pool use sampled; their tokens are (1)'s computed in one batch."""
+    SGLang's KV-pool use sampled; their tokens are (1)'s computed in one batch. With ``bursts``
+    > 1 each stream count is sent that many times in a row: the first burst is the server's first
+    batch of that size (its kernels' first launches at those shapes), the repeats are warm."""
     prompts = [s if is_route(mode) else corpus_tokens + s for s in suffixes]
     greedy = []
     for i, p in enumerate(prompts):
@@ -143,10 +145,17 @@ def measure(
         steps = list(pool.map(forced, range(len(prompts))))
     result["forced"] = steps
     try:  # a refused flush or a failed request costs this probe, not the mode's other numbers
-        result["first_token"] = first_token(server, mode, corpus, prompts, vocab)
+        result["first_token"] = first_token(server, mode, corpus, prompts, vocab, first_token_reps)
     except (RuntimeError, OSError) as e:
         result["first_token"] = {"error": f"{type(e).__name__}: {e}"}
-    by_streams = {s: concurrent(server, mode, corpus, prompts, s, n_tokens, vocab) for s in streams}
+    by_streams = {}
+    for s in streams:
+        first, *again = [
+            concurrent(server, mode, corpus, prompts, s, n_tokens, vocab) for _ in range(bursts)
+        ]
+        if again:
+            first["repeats"] = [{k: v for k, v in r.items() if k != "tokens"} for r in again]
+        by_streams[s] = first
     result["concurrent"] = by_streams[streams[0]]
     result["concurrent_by_streams"] = {str(s): c for s, c in by_streams.items()}
     return result
@@ -248,7 +257,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         teacher = [g["tokens"] for g in runs[r]["stock"]["greedy"]]
                     m = measure(
                         server, mode, r, cd.tokens[r], suffixes, a.tokens, vocab, teacher,
-                        forced_steps=a.forced_steps, streams=a.streams,
+                        forced_steps=a.forced_steps, streams=a.streams, bursts=a.bursts,
+                        first_token_reps=a.first_token_reps,
                     )  # fmt: skip
                     runs[r][mode] = {"server_start_s": start_s, **m}
                     if forced_primitive(mode):
@@ -431,6 +441,15 @@ def main(argv: list[str] | None = None) -> int:
         default=(8,),
         help="concurrent stream counts to time, comma-separated (the first is 'concurrent')",
     )
+    ap.add_argument(
+        "--bursts", type=int, default=2,
+        help="send each stream count this many times in a row (the first burst is the server's "
+        "first batch of that size; the repeats are warm)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--first-token-reps", type=int, default=8,
+        help="idle-server first-token requests, each cold (after /flush_cache) and warm",
+    )  # fmt: skip
     ap.add_argument(
         "--graph-bs",
         type=lambda v: tuple(int(x) for x in v.split(",")),

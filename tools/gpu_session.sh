@@ -45,12 +45,13 @@ fanin)
         grep -E "recovered|per holder, continued" "$OUT/fanin-16core-$spread.log"
     done ;;
 decode)
-    timeout 560 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
-        --tokens 16 --forced-steps 4 --streams 8,64 --graph-bs 8,64 --holder-device cuda:0 \
+    timeout 580 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
+        --tokens 16 --forced-steps 8 --streams 8,64 --graph-bs 8,64 --holder-device cuda:0 \
+        --bursts 2 --first-token-reps 8 \
         --fit-steps 0 --work /tmp/bsg --out "$OUT/sglang-graphs64-$GPU.json" \
         > "$OUT/sglang-graphs64-$GPU.log" 2>&1
     took decode $?
-    cp /tmp/bsg/sglang-route*.log "$OUT/" 2>/dev/null
+    cp /tmp/bsg/sglang-route.log /tmp/bsg/sglang-stock.log "$OUT/" 2>/dev/null
     tail -12 "$OUT/sglang-graphs64-$GPU.log" ;;
 bad-binding)
     timeout 560 python3 -m pytest -x -q -s -m sglang tests/sglang/test_sglang_bad_binding.py \

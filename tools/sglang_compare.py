@@ -281,9 +281,12 @@ def report(out: dict[str, Any]) -> None:
     )
     for r, v in out["regimes"].items():
         for m, by in v.get("concurrent_by_streams", {}).items():
-            for n, c in by.items():
-                print(
-                    f"{r:<7} {m:<6} {n:>7} {c['ttft_p50_ms']:>8.1f} "
-                    f"{c['inter_token_p50_ms']:>10.1f} {c.get('tpot_p50_ms', float('nan')):>11.2f} "
-                    f"{c['kv_pool_peak_tokens']:>6.0f}"
-                )
+            for n, first in by.items():
+                for i, c in enumerate([first, *first.get("repeats", [])]):
+                    label = n if i == 0 else f"{n}#{i + 1}"  # a repeated burst: warm
+                    print(
+                        f"{r:<7} {m:<6} {label:>7} {c['ttft_p50_ms']:>8.1f} "
+                        f"{c['inter_token_p50_ms']:>10.2f} "
+                        f"{c.get('tpot_p50_ms', float('nan')):>11.2f} "
+                        f"{c['kv_pool_peak_tokens']:>6.0f}"
+                    )

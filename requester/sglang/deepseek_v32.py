@@ -16,8 +16,11 @@ skips them when ``seq_len ≤ index_topk``, but with the corpus the row is longe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -270,10 +273,13 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         pp_proxy_tensors: Any = None,
     ) -> Any:
         idle = forward_batch.forward_mode.is_idle()
+        t0 = time.perf_counter()
         if self.corpusd_resident is not None and not idle:
             cb = self._device_batch(forward_batch, positions.shape[0])
         else:
             cb = self._corpus_batch(forward_batch, positions.shape[0], positions.device)
+        if cb is not None and cb.mode == "extend":
+            cb.link.timings.add("bind (extend)", time.perf_counter() - t0)
         forward_batch.corpusd = cb
         for ix, default in zip(self.corpusd_indexers, self._cp_default, strict=True):
             # True only keeps forward_cuda off its "seq_len <= index_topk" shortcut (no logits);
@@ -286,10 +292,35 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         # corpus_len is per token: own tokens sit after their corpus (positions.py).
         shift = cb.corpus_len.to(positions.device)
         shifted = (positions + shift[: positions.shape[0]]).to(positions.dtype)
-        with shifted_positions(forward_batch, shifted):
+        with shifted_positions(forward_batch, shifted), _timed_extend(cb, positions):
             return super().forward(
                 input_ids, shifted, forward_batch, input_embeds, pp_proxy_tensors
             )
+
+
+@contextlib.contextmanager
+def _timed_extend(cb: CorpusBatch, positions: torch.Tensor) -> Iterator[None]:
+    """A bound prefill's forward, timed on the host (kernel launches, and any JIT compile of a
+    shape not seen before) and on the GPU (CUDA events, read at the timings' next flush); one
+    that holds the host over a second is logged at once with its shape. Decode steps (graph
+    replays) are not timed."""
+    if cb.mode != "extend" or not positions.is_cuda or torch.cuda.is_current_stream_capturing():
+        yield
+        return
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    yield
+    end.record()
+    host = time.perf_counter() - t0
+    cb.link.timings.add("forward (extend) host", host)
+    cb.link.timings.add_gpu("forward (extend) gpu", start, end)
+    if host > 1.0:
+        log.warning(
+            "corpusd plugin: a bound prefill of %d tokens (%d requests) held the host %.2f s "
+            "(kernels compiled for a new shape?)",
+            positions.shape[0], sum(b is not None for b in cb.bindings), host,
+        )  # fmt: skip
 
 
 EntryClass = [DeepseekV32ForCausalLM]

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from requester.metrics import RequesterMetrics
 
@@ -88,12 +89,16 @@ def serve(metrics: PluginMetrics, port: int, addr: str = "127.0.0.1") -> bool:
 
 class Timings:
     """Where the plugin's time goes, logged every ``every_s`` seconds as mean ms per call of each
-    stage (the SGLang log is where a user looks; SGLang's own metrics time the whole step)."""
+    stage (the SGLang log is where a user looks; SGLang's own metrics time the whole step).
+
+    A stage is host seconds (:meth:`add`) or GPU time between two CUDA events (:meth:`add_gpu`),
+    read without a sync when the flush comes (the events are long done by then)."""
 
     def __init__(self, every_s: float = 30.0) -> None:
         self.every_s = every_s
         self._since = time.monotonic()
         self._sums: dict[str, list[float]] = {}
+        self._events: list[tuple[str, Any, Any]] = []
 
     def add(self, stage: str, seconds: float) -> None:
         acc = self._sums.setdefault(stage, [0.0, 0.0])
@@ -102,7 +107,20 @@ class Timings:
         if time.monotonic() - self._since >= self.every_s:
             self.flush()
 
+    def add_gpu(self, stage: str, start: Any, end: Any) -> None:
+        """GPU time from ``start`` to ``end`` (recorded ``torch.cuda.Event(enable_timing=True)``
+        pairs), resolved at the next flush."""
+        self._events.append((stage, start, end))
+        if time.monotonic() - self._since >= self.every_s:
+            self.flush()
+
     def flush(self) -> None:
+        events, self._events = self._events, []
+        for stage, start, end in events:
+            end.synchronize()
+            acc = self._sums.setdefault(stage, [0.0, 0.0])
+            acc[0] += start.elapsed_time(end) / 1e3
+            acc[1] += 1
         if self._sums:
             parts = [f"{k} {1e3 * s / n:.2f} ms × {n:.0f}" for k, (s, n) in self._sums.items()]
             log.info("corpusd plugin, per call: %s", ", ".join(parts))

@@ -117,3 +117,33 @@ def test_metrics_port_and_server(caplog: pytest.LogCaptureFixture) -> None:
         with caplog.at_level(logging.WARNING, "corpusd.sglang"):
             assert serve(PluginMetrics(), busy.getsockname()[1]) is False
     assert "cannot serve metrics" in caplog.text
+
+
+def test_timings_resolve_gpu_events_at_flush(caplog: pytest.LogCaptureFixture) -> None:
+    """GPU stages are read from their events only when the log line is written, each pair's
+    elapsed time counted once, host stages beside them."""
+    from requester.sglang.metrics import Timings
+
+    class Event:
+        def __init__(self, ms: float) -> None:
+            self.ms, self.synced = ms, False
+
+        def synchronize(self) -> None:
+            self.synced = True
+
+        def elapsed_time(self, end: Event) -> float:
+            assert end.synced, "elapsed_time before the end event is done"
+            return end.ms - self.ms
+
+    t = Timings(every_s=3600)
+    t.add_gpu("forward (extend) gpu", Event(0.0), Event(4.0))
+    t.add_gpu("forward (extend) gpu", Event(10.0), Event(12.0))
+    t.add("bind (extend)", 0.001)
+    with caplog.at_level(logging.INFO, logger="corpusd.sglang"):
+        t.flush()
+    line = caplog.records[-1].getMessage()
+    assert "forward (extend) gpu 3.00 ms × 2" in line and "bind (extend) 1.00 ms × 1" in line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="corpusd.sglang"):
+        t.flush()  # nothing pending: no line, nothing counted twice
+    assert not caplog.records
