@@ -17,8 +17,11 @@ skips them when ``seq_len ≤ index_topk``, but with the corpus the row is longe
 from __future__ import annotations
 
 import contextlib
+import cProfile
+import io
 import logging
 import os
+import pstats
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -33,6 +36,7 @@ from corpusd.model.checkpoint import fingerprint
 from requester.predicate import Predicate
 from requester.sglang import admission, choose, follow, formats, page_cache
 from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
+from requester.sglang.device import warm_up as warm_scores
 from requester.sglang.link import CorpusLink
 from requester.sglang.metrics import PluginMetrics, metrics_port, serve
 from requester.sglang.pagehash import sglang_key_scales_ue8m0
@@ -40,6 +44,8 @@ from requester.sglang.positions import INDEX_DIM, ROPE_START, ROPE_WIDTH, shifte
 from requester.sglang.resident import Resident
 
 log = logging.getLogger("corpusd.sglang")
+#: Set (any value) to profile each bound prefill's host time and log the profile of a slow one.
+ENV_PROFILE_SLOW = "CORPUSD_SGLANG_PROFILE_SLOW"
 
 # The corpus top-k returns own positions for SGLang to map through its page table, which is the
 # unfused path; the fused kernel would return page-table rows instead. An error raised here would
@@ -170,6 +176,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 res = None
             else:  # the kernels' LSE bases: probed now, never inside a graph capture
                 _sparse_lse_base2(str(dev))
+                warm_scores(res, dev)  # DeepGEMM's prefill-size schedule kernel, compiled now
                 fmt = res.kv_format
                 assert fmt is not None, "holders mapped, but no pool format recorded"
                 if fmt == formats.FP8:
@@ -308,19 +315,31 @@ def _timed_extend(cb: CorpusBatch, positions: torch.Tensor) -> Iterator[None]:
         yield
         return
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    prof = cProfile.Profile() if os.environ.get(ENV_PROFILE_SLOW) else None
     t0 = time.perf_counter()
     start.record()
+    if prof is not None:
+        prof.enable()
     yield
+    if prof is not None:
+        prof.disable()
     end.record()
     host = time.perf_counter() - t0
     cb.link.timings.add("forward (extend) host", host)
-    cb.link.timings.add_gpu("forward (extend) gpu", start, end)
-    if host > 1.0:
-        log.warning(
-            "corpusd plugin: a bound prefill of %d tokens (%d requests) held the host %.2f s "
-            "(kernels compiled for a new shape?)",
-            positions.shape[0], sum(b is not None for b in cb.bindings), host,
-        )  # fmt: skip
+    if host <= 1.0:
+        cb.link.timings.add_gpu("forward (extend) gpu", start, end)
+        return
+    end.synchronize()  # already slow: say how much of it was the GPU's
+    log.warning(
+        "corpusd plugin: a bound prefill of %d tokens (%d requests) held the host %.2f s, "
+        "GPU %.1f ms",
+        positions.shape[0], sum(b is not None for b in cb.bindings), host,
+        start.elapsed_time(end),
+    )  # fmt: skip
+    if prof is not None:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+        log.warning("corpusd plugin: where that prefill's host time went:\n%s", text.getvalue())
 
 
 EntryClass = [DeepseekV32ForCausalLM]

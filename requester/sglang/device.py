@@ -24,6 +24,8 @@ Per layer:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -216,7 +218,7 @@ def empty_lse(n: int, h: int, device: torch.device) -> torch.Tensor:
 # -- the per-layer kernels: SGLang's / FlashMLA's on the GPU, the torch reference elsewhere --------
 
 
-def _deep_gemm() -> object | None:
+def _deep_gemm() -> Any:
     try:
         import deep_gemm  # SGLang's indexer kernels (sgl_kernel's build)
     except ImportError:
@@ -227,6 +229,15 @@ def _deep_gemm() -> object | None:
 _SM_COUNT: dict[int, int] = {}
 
 
+#: Rows per DeepGEMM scoring call outside a CUDA graph (a prefill, or a decode batch no graph was
+#: captured for); the last chunk is padded. DeepGEMM's schedule kernel
+#: (``get_paged_mqa_logits_metadata``) is JIT-compiled per batch size rounded up to 32, about 0.9
+#: s each on an H200, so prefills of ever new sizes stalled the server at each one (a 64-stream
+#: burst: ~2 s per prefill batch, route's first token 4.7 s against stock's 1.1); with one chunk
+#: size there is one compile, done at start (:func:`warm_up`).
+SCORE_ROWS = 512
+
+
 def corpus_scores(
     res: Resident, layer: int, q: torch.Tensor, weights: torch.Tensor, base: torch.Tensor,
     tokens: torch.Tensor,
@@ -234,22 +245,75 @@ def corpus_scores(
     """Index scores ``[n, window]`` (float32) of each row's corpus: SGLang's
     ``fp8_paged_mqa_logits`` over the arena on CUDA, :func:`paged_scores_reference` elsewhere.
     Columns past a row's corpus length hold garbage (``fused_topk`` masks them). ``q``: the
-    indexer's fp8 queries ``[n, H, D]``; ``weights`` ``[n, H]`` or ``[n, H, 1]``."""
+    indexer's fp8 queries ``[n, H, D]``; ``weights`` ``[n, H]`` or ``[n, H, 1]``. Outside a graph
+    capture the rows go in chunks of :data:`SCORE_ROWS`, the last one padded."""
     n = q.shape[0]
     w = weights.reshape(n, -1).float()
     table = res.block_table(base)
+    seqlens = tokens.clamp(min=1).to(torch.int32)  # an unbound row scores one masked key
     dg = _deep_gemm() if q.is_cuda else None
     if dg is None:
         return paged_scores_reference(q, w, res.pages[layer], table, res.page_size)
+
+    def score(
+        q: torch.Tensor, w: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor:
+        return _paged_logits(dg, res, layer, q, w, table, lens)
+
+    if torch.cuda.is_current_stream_capturing():  # a graph's fixed batch: compiled at capture
+        return score(q, w, table, seqlens)
+    return in_row_chunks(score, SCORE_ROWS, (q, w, table, seqlens), (0, 0.0, 0, 1))
+
+
+def in_row_chunks(
+    fn: Callable[..., torch.Tensor], rows: int, args: tuple[torch.Tensor, ...],
+    fill: tuple[float, ...],
+) -> torch.Tensor:  # fmt: skip
+    """``fn(*args)`` for args that share their first dimension ``n``, computed ``rows`` rows at
+    a time with the last chunk padded to ``rows`` (arg ``i`` padded with ``fill[i]``): every call
+    sees exactly ``rows`` rows, whatever ``n``. The chunks' outputs (row ``r`` of the output
+    belongs to input row ``r``) are concatenated back to ``n`` rows."""
+    n = args[0].shape[0]
+    outs = []
+    for s in range(0, n, rows):
+        part = [a[s : s + rows] for a in args]
+        m = part[0].shape[0]
+        if m < rows:
+            part = [
+                torch.cat([a, a.new_full((rows - m, *a.shape[1:]), f).to(a.dtype)])
+                for a, f in zip(part, fill, strict=True)
+            ]
+        outs.append(fn(*part)[:m])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _paged_logits(
+    dg: Any, res: Resident, layer: int, q: torch.Tensor, w: torch.Tensor, table: torch.Tensor,
+    seqlens: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     dev = q.device.index or 0
     if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = int(dg.get_num_sms())  # type: ignore[attr-defined]
-    seqlens = tokens.clamp(min=1).to(torch.int32)  # an unbound row scores one masked key
-    sched = dg.get_paged_mqa_logits_metadata(seqlens, res.page_size, _SM_COUNT[dev])  # type: ignore[attr-defined]
+        _SM_COUNT[dev] = int(dg.get_num_sms())
+    sched = dg.get_paged_mqa_logits_metadata(seqlens, res.page_size, _SM_COUNT[dev])
     kv = res.pages[layer].view(res.arena_pages, res.page_size, 1, -1)
-    return dg.fp8_paged_mqa_logits(  # type: ignore[attr-defined]
+    return dg.fp8_paged_mqa_logits(
         q[:, None], kv, w, seqlens, table, sched, res.window_tokens, clean_logits=False
     )
+
+
+def warm_up(res: Resident, device: torch.device) -> bool:
+    """Compile DeepGEMM's schedule kernel for :data:`SCORE_ROWS` rows now (at the server's start,
+    outside any graph), so the first prefill does not; False when DeepGEMM is not there."""
+    dg = _deep_gemm() if device.type == "cuda" else None
+    if dg is None:
+        return False
+    dev = device.index or 0
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = int(dg.get_num_sms())
+    lens = torch.ones(SCORE_ROWS, dtype=torch.int32, device=device)
+    dg.get_paged_mqa_logits_metadata(lens, res.page_size, _SM_COUNT[dev])
+    torch.cuda.synchronize(device)
+    return True
 
 
 def sparse_partial(

@@ -57,15 +57,19 @@ def _resident(
     return res, corpora
 
 
-def test_corpus_scores_are_the_reference_through_sglangs_fp8_kernel() -> None:
+@pytest.mark.parametrize("n", [8, device.SCORE_ROWS + 37], ids=["one-call", "chunked"])
+def test_corpus_scores_are_the_reference_through_sglangs_fp8_kernel(n: int) -> None:
+    """8 rows: one DeepGEMM call; SCORE_ROWS + 37 rows: two calls of SCORE_ROWS rows each, the
+    second padded (the row count a prefill gives)."""
     res, (a, b) = _resident([3000, 700])
     g = torch.Generator(device="cuda").manual_seed(SEED)
-    n, h = 8, 64
+    h = 64
     q = torch.randn(n, h, 128, generator=g, device="cuda").to(torch.float8_e4m3fn)
     w = torch.rand(n, h, generator=g, device="cuda")
-    base = torch.tensor([a.base_page, b.base_page, 0] * 3, dtype=torch.int32).cuda()[:n]
-    tokens = torch.tensor([a.tokens, b.tokens, 0] * 3, dtype=torch.int32).cuda()[:n]
+    base = torch.tensor([a.base_page, b.base_page, 0] * n, dtype=torch.int32).cuda()[:n]
+    tokens = torch.tensor([a.tokens, b.tokens, 0] * n, dtype=torch.int32).cuda()[:n]
     got = device.corpus_scores(res, 0, q, w, base, tokens)
+    assert got.shape[0] == n
     want = device.paged_scores_reference(q, w, res.pages[0], res.block_table(base), 64)
     for i in range(n):
         t = int(tokens[i])

@@ -238,3 +238,30 @@ def test_the_arena_maps_each_pages_first_replica_never_a_load_replicas_copy() ->
         span = slice(c.base_page, c.base_page + c.n_pages)
         assert res.page_holder[span].tolist() == [res.holder_slot["addr-a"]] * 4
         assert res.page_frame[span].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 11])
+def test_in_row_chunks_calls_with_a_fixed_row_count_and_keeps_each_rows_output(n: int) -> None:
+    """DeepGEMM's scoring outside a graph runs in chunks of one row count (one JIT compile for
+    every prefill size): each call sees exactly ``rows`` rows, the padding gets the fill values,
+    and the output rows are the unchunked call's, in order."""
+    g = torch.Generator().manual_seed(SEED)
+    pages = index_pages(torch.randn(300, 128, generator=g), 64, ue8m0=False)
+    q = torch.randn(n, 8, 128, generator=g).to(torch.float8_e4m3fn)
+    w = torch.rand(n, 8, generator=g)
+    table = torch.randint(0, 5, (n, 5), generator=g, dtype=torch.int32)
+    lens = torch.randint(1, 320, (n,), generator=g, dtype=torch.int32)
+    seen = []
+
+    def score(
+        q: torch.Tensor, w: torch.Tensor, t: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor:
+        seen.append((q.shape[0], w.shape[0], t.shape[0], lens.shape[0]))
+        real = min(4, n - 4 * (len(seen) - 1))
+        assert bool((lens[real:] == 1).all()) and bool((w[real:] == 0).all())
+        return device.paged_scores_reference(q, w, pages, t, 64) + lens[:, None]
+
+    got = device.in_row_chunks(score, 4, (q, w, table, lens), (0, 0.0, 0, 1))
+    want = device.paged_scores_reference(q, w, pages, table, 64) + lens[:, None]
+    assert seen == [(4, 4, 4, 4)] * math.ceil(n / 4)
+    assert got.shape == want.shape and torch.equal(got, want)
