@@ -3,7 +3,8 @@
 # tool's 10-minute call), results and logs under $OUT (at most 8 files come back a call).
 # Run from the repo root on an offline H100/H200 host with .sglang-deps carried:
 #   bash tools/gpu_session.sh fanin          # issue 21: bench_fanin, --spread speed then page (~4 min)
-#   bash tools/gpu_session.sh decode         # issue 17: stock vs graphed route, 8 and 64 streams (~6 min)
+#   bash tools/gpu_session.sh decode         # issue 17: stock vs graphed route, 8 and 64 streams (~4 min)
+#   bash tools/gpu_session.sh decode-engine  # the same over a corpus pinned through SGLang (~5 min)
 #   bash tools/gpu_session.sh bad-binding    # issue 17: the pytest -m sglang bad-input test (~5 min)
 #   bash tools/gpu_session.sh predicate      # issue 17: forced route, forced fetch and auto, host path (~9 min)
 #   bash tools/gpu_session.sh layer          # issue 17: the corpus path per layer, top-k variants (~2 min)
@@ -15,8 +16,8 @@
 #   bash tools/gpu_session.sh fp8            # issue 18: fp8 GPU tests, then bench_sglang on fp8 (~8 min)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | bad-binding | predicate | layer | pin-check | pin | engine-pin | engine-agree | fp8"}
-case "$step" in fanin|decode|bad-binding|predicate|layer|pin-check|pin|engine-pin|engine-agree|fp8) ;;
+step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | layer | pin-check | pin | engine-pin | engine-agree | fp8"}
+case "$step" in fanin|decode|decode-engine|bad-binding|predicate|layer|pin-check|pin|engine-pin|engine-agree|fp8) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
@@ -44,15 +45,18 @@ fanin)
         took "fanin --spread $spread" $?
         grep -E "recovered|per holder, continued" "$OUT/fanin-16core-$spread.log"
     done ;;
-decode)
+decode|decode-engine)  # decode-engine: the corpus pinned through SGLang (its own page bytes)
+    name=sglang-graphs64; engine=()
+    if [ "$step" = decode-engine ]; then name=sglang-graphs64-engine; engine=(--pin-engine); fi
     timeout 580 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
         --tokens 16 --forced-steps 8 --streams 8,64 --graph-bs 8,64 --holder-device cuda:0 \
-        --bursts 2 --first-token-reps 8 \
-        --fit-steps 0 --work /tmp/bsg --out "$OUT/sglang-graphs64-$GPU.json" \
-        > "$OUT/sglang-graphs64-$GPU.log" 2>&1
-    took decode $?
-    cp /tmp/bsg/sglang-route.log /tmp/bsg/sglang-stock.log "$OUT/" 2>/dev/null
-    tail -12 "$OUT/sglang-graphs64-$GPU.log" ;;
+        --bursts 2 --first-token-reps 8 "${engine[@]}" \
+        --fit-steps 0 --work "/tmp/bsg-$step" --out "$OUT/$name-$GPU.json" \
+        > "$OUT/$name-$GPU.log" 2>&1
+    took "$step" $?
+    cp "/tmp/bsg-$step/sglang-route.log" "$OUT/$name-$GPU-route.log" 2>/dev/null
+    cp "/tmp/bsg-$step/sglang-stock.log" "$OUT/$name-$GPU-stock.log" 2>/dev/null
+    tail -12 "$OUT/$name-$GPU.log" ;;
 bad-binding)
     timeout 560 python3 -m pytest -x -q -s -m sglang tests/sglang/test_sglang_bad_binding.py \
         --basetemp=/tmp/bb > "$OUT/bad-binding.log" 2>&1

@@ -176,7 +176,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 res = None
             else:  # the kernels' LSE bases: probed now, never inside a graph capture
                 _sparse_lse_base2(str(dev))
-                warm_scores(res, dev)  # DeepGEMM's prefill-size schedule kernel, compiled now
+                warm_scores(res, dev, mcfg.index_topk)  # a prefill's JIT kernels, compiled now
                 fmt = res.kv_format
                 assert fmt is not None, "holders mapped, but no pool format recorded"
                 if fmt == formats.FP8:

@@ -301,9 +301,12 @@ def _paged_logits(
     )
 
 
-def warm_up(res: Resident, device: torch.device) -> bool:
-    """Compile DeepGEMM's schedule kernel for :data:`SCORE_ROWS` rows now (at the server's start,
-    outside any graph), so the first prefill does not; False when DeepGEMM is not there."""
+def warm_up(res: Resident, device: torch.device, index_topk: int) -> bool:
+    """Compile now (at the server's start, outside any graph) what a prefill would otherwise
+    compile on the scheduler's thread: DeepGEMM's schedule kernel for :data:`SCORE_ROWS` rows,
+    and the fused top-k's Triton kernels for a prefill's own-score widths (Triton specialises
+    an integer argument on divisibility by 16: both cases). The decode kernels are compiled by
+    SGLang's graph capture. False when DeepGEMM is not there (CPU)."""
     dg = _deep_gemm() if device.type == "cuda" else None
     if dg is None:
         return False
@@ -312,6 +315,13 @@ def warm_up(res: Resident, device: torch.device) -> bool:
         _SM_COUNT[dev] = int(dg.get_num_sms())
     lens = torch.ones(SCORE_ROWS, dtype=torch.int32, device=device)
     dg.get_paged_mqa_logits_metadata(lens, res.page_size, _SM_COUNT[dev])
+    # the dtypes of backend.CorpusIndexerMetadata._device_topk's (a pointer's dtype is part of
+    # a Triton kernel's signature): the tables' int32 corpus lengths, SGLang's int64 own ones
+    corpus_len = torch.ones(1, dtype=torch.int32, device=device)
+    own_len = torch.ones(1, dtype=torch.int64, device=device)
+    for width in (64, 65):
+        scores = torch.zeros(1, res.window_tokens, device=device)
+        fused_topk(scores, corpus_len, torch.zeros(1, width, device=device), own_len, index_topk)
     torch.cuda.synchronize(device)
     return True
 

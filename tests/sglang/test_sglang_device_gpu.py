@@ -78,6 +78,44 @@ def test_corpus_scores_are_the_reference_through_sglangs_fp8_kernel(n: int) -> N
             assert rel(got[i, :t], want[i, :t]) < 2e-4, f"row {i}"
 
 
+def _compiled(kernel: object) -> int:
+    """How many variants Triton has compiled of ``kernel`` (its per-device caches)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(c[0]) for c in caches.values())
+    return sum(len(c) for c in kernel.cache.values())  # type: ignore[attr-defined,misc]
+
+
+def test_prefills_of_new_sizes_compile_nothing_after_warm_up() -> None:
+    """The defect: DeepGEMM's schedule kernel is JIT-compiled per row count rounded up to 32
+    (~0.9 s each), and prefills come in every size; every new one stalled SGLang's scheduler
+    (route's first token under a 64-stream burst: 4.7 s). After ``warm_up`` neither it nor the
+    fused top-k's Triton kernels compile for prefills of sizes never seen."""
+    import time
+
+    from requester.sglang import device_triton
+
+    res, (a, _) = _resident([3000, 700])
+    assert device.warm_up(res, torch.device("cuda"), 2048)
+    before = _compiled(device_triton._keys_kernel)
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    for n, width in ((601, 48), (1303, 49), (77, 50)):  # row counts no call has used
+        q = torch.randn(n, 64, 128, generator=g, device="cuda").to(torch.float8_e4m3fn)
+        w = torch.rand(n, 64, generator=g, device="cuda")
+        base = torch.full((n,), a.base_page, dtype=torch.int32, device="cuda")
+        tokens = torch.full((n,), a.tokens, dtype=torch.int32, device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        scores = device.corpus_scores(res, 0, q, w, base, tokens)
+        own = torch.randn(n, width, generator=g, device="cuda")
+        own_len = torch.full((n,), width, dtype=torch.int64, device="cuda")  # as SGLang's
+        device.fused_topk(scores, tokens, own, own_len, 2048)
+        torch.cuda.synchronize()
+        took = time.perf_counter() - t0
+        assert took < 0.3, f"{n} rows took {took:.2f} s: a kernel compiled for the new size"
+    assert _compiled(device_triton._keys_kernel) == before
+
+
 @pytest.mark.parametrize("splits", [None, 1], ids=["auto-triton", "flashmla"])
 def test_sparse_partial_matches_the_reference(splits: int | None) -> None:
     """At 6 rows the default is the Triton flash-decoding kernel; ``splits=1`` forces
