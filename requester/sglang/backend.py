@@ -14,9 +14,11 @@ Per layer of a batch with corpus-bound requests (state in ``forward_batch.corpus
    format (positions within the request); the corpus part is kept for step 3.
 2. ``forward_extend`` / ``forward_decode`` run SGLang's sparse kernel over the own part, keeping
    the LSE SGLang drops (our ``_forward_flashmla_sparse`` / ``_forward_flashmla_kv``).
-3. The corpus part goes to corpusd (``CorpusLink.attend``: per holder group routed to the holder
-   or fetched into the plugin's page cache and attended here, as ``choose.py`` decides); the two
-   partials merge by LSE.
+3. The corpus part goes to corpusd (``CorpusLink.begin`` / ``finish``: per holder group routed
+   to the holder or fetched into the plugin's page cache and attended here, as ``choose.py``
+   decides); the two partials merge by LSE. On the host path the holder calls are sent before
+   step 2 and waited for after it, so SGLang's own partial runs while they are in flight. On the
+   device path (``resident``) the corpus partial reads the holders' pools on this GPU after it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from indexer.select import select_topk
 from requester.sglang import device, topk
 from requester.sglang import lse as lse_mod
 from requester.sglang.binding import Binding
-from requester.sglang.link import CorpusLink
+from requester.sglang.link import CorpusLink, Pending
 from requester.sglang.positions import to_corpusd_layout
 from requester.sglang.resident import Resident
 
@@ -264,43 +266,61 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         self._lse = lse_mod.to_natural(l_rows, base2=False).masked_fill(empty, -math.inf)
         return o.masked_fill(empty.reshape(o.shape[0], 1, -1, 1), 0.0)
 
+    def _begin_corpus(
+        self, q: torch.Tensor, q_rope: torch.Tensor | None, layer: Any, cb: CorpusBatch
+    ) -> tuple[int, list[tuple[torch.Tensor, Pending]]]:
+        """The host path's corpus calls for this layer, sent before SGLang's own partial is
+        computed (issue 17: start the corpus call, compute the own partial, then wait): one
+        link call per corpus, with every row of the batch bound to it (a call per holder).
+        Returns the selection's row count and each call with its rows."""
+        sel = cb.corpus_sel.pop(layer.layer_id, None)
+        assert sel is not None, (
+            f"layer {layer.layer_id}: no corpus selection; the corpusd plugin supports the NSA "
+            f"backends formats.py lists with SGLANG_NSA_FUSE_TOPK=0"
+        )
+        q_all = _q_all(q, q_rope, layer)
+        heads = _head_slice(layer)
+        calls = []
+        try:
+            for b, rows in cb.rows_by_corpus(sel.shape[0], sel.device):
+                qf = to_corpusd_layout(q_all[rows]).bfloat16()  # bf16 on the wire, as SGLang's q
+                full = qf.new_zeros(len(rows), layer.tp_q_head_num * _tp_size(), qf.shape[-1])
+                full[:, heads] = qf  # corpusd takes every head; this rank owns a slice
+                p = cb.link.begin(b, layer.layer_id, full, sel[rows], layer.scaling, cb.base2)
+                calls.append((rows, p))
+        except BaseException:
+            for _, p in calls:
+                cb.link.abandon(p)
+            raise
+        return sel.shape[0], calls
+
     def _with_corpus(
         self,
         o: torch.Tensor,
-        q: torch.Tensor,
-        q_rope: torch.Tensor | None,
         layer: Any,
         cb: CorpusBatch,
+        begun: tuple[int, list[tuple[torch.Tensor, Pending]]],
     ) -> torch.Tensor:
-        if cb.resident is not None:
-            return self._with_corpus_device(o, q, q_rope, layer, cb)
+        """The host path: the corpus calls :meth:`_begin_corpus` sent, waited for and merged
+        with SGLang's own partial by LSE."""
         t0 = time.perf_counter()
-        sel = cb.corpus_sel.pop(layer.layer_id, None)
-        assert sel is not None and self._lse is not None, (
-            f"layer {layer.layer_id}: no corpus selection or local LSE; the corpusd plugin "
-            f"supports the NSA backends formats.py lists with SGLANG_NSA_FUSE_TOPK=0"
-        )
+        assert self._lse is not None, f"layer {layer.layer_id}: no local LSE"
         h = layer.tp_q_head_num
-        q_all = _q_all(q, q_rope, layer)
-        n = sel.shape[0]
-        o_loc = o.reshape(-1, h, layer.v_head_dim)[:n]
-        lse_loc = self._lse[:n]
+        n, calls = begun
+        o_loc, lse_loc = o.reshape(-1, h, layer.v_head_dim)[:n], self._lse[:n]
         o_cor = torch.zeros_like(o_loc, dtype=torch.float32)
         l_cor = torch.full_like(lse_loc, -math.inf)
         heads = _head_slice(layer)
-        # One link call per corpus and layer (a call per holder): every row bound to that corpus.
-        for b, rows in cb.rows_by_corpus(n, sel.device):
-            qf = to_corpusd_layout(q_all[rows]).bfloat16()  # bf16 on the wire, as SGLang's q
-            full = qf.new_zeros(len(rows), layer.tp_q_head_num * _tp_size(), qf.shape[-1])
-            full[:, heads] = qf  # corpusd takes every head; this rank owns a slice
-            t1 = time.perf_counter()
-            # route groups leave over gRPC from the host; fetch groups stay on this GPU
-            o_r, l_r = cb.link.attend(
-                b, layer.layer_id, full, sel[rows], layer.scaling, base2=cb.base2
-            )
-            cb.link.timings.add(f"holders ({cb.mode})", time.perf_counter() - t1)
+        for i, (rows, p) in enumerate(calls):
+            try:
+                o_r, l_r = cb.link.finish(p)
+            except BaseException:
+                for _, rest in calls[i + 1 :]:
+                    cb.link.abandon(rest)
+                raise
             o_cor[rows] = o_r[:, heads].to(o_cor.device)
             l_cor[rows] = l_r[:, heads].to(l_cor.device)
+        cb.link.timings.add(f"holders wait ({cb.mode})", time.perf_counter() - t0)
         merged, _ = lse_mod.merge_local_corpus(o_loc, lse_loc, o_cor, l_cor)
         out = o.clone().reshape(-1, h, layer.v_head_dim)
         out[:n] = merged
@@ -354,8 +374,19 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         batch bound to a corpus."""
         cb = self._corpus(forward_batch)
         self._lse = None
-        o = base(q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope, **kw)
-        return o if cb is None else self._with_corpus(o, q, q_rope, layer, cb)
+        if cb is None:
+            return base(q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope, **kw)
+        if cb.resident is not None:  # the device path: the pools are read in place, here
+            o = base(q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope, **kw)
+            return self._with_corpus_device(o, q, q_rope, layer, cb)
+        begun = self._begin_corpus(q, q_rope, layer, cb)  # in flight during SGLang's partial
+        try:
+            o = base(q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope, **kw)
+        except BaseException:
+            for _, p in begun[1]:
+                cb.link.abandon(p)
+            raise
+        return self._with_corpus(o, layer, cb, begun)
 
     def forward_extend(
         self,

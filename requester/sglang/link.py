@@ -21,11 +21,13 @@ layer of one forward plans on one view.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -197,46 +199,63 @@ class CorpusLink(DeviceLink):
         the holder over gRPC, failed over as corpusd's worker's are) or **fetch** (missing pages
         pulled into the page cache, then :func:`.device.sparse_partial` over cache rows on
         ``q``'s device; ``base2``: that kernel's LSE base). Groups run concurrently; one LSE
-        merge."""
+        merge. :meth:`begin` then :meth:`finish`, with nothing between."""
+        return self.finish(self.begin(b, layer, q, positions, scale, base2))
+
+    def begin(
+        self, b: Binding, layer: int, q: torch.Tensor, positions: torch.Tensor, scale: float,
+        base2: bool = False,
+    ) -> Pending:  # fmt: skip
+        """:meth:`attend`'s first half: the groups decided and every holder call sent. It
+        returns with the calls in flight, so the caller computes its own partial meanwhile
+        (issue 17: start the corpus call, compute SGLang's partial, then wait), and hands the
+        result to :meth:`finish`, or to :meth:`abandon` if it gives up."""
         c = self._run(self._bound(b.corpus_id, layer))
         groups = holder_groups(c.view, positions.to("cpu", torch.int64))
-        h, kv_dim, d_v = q.shape[1], q.shape[2], self.geometry.d_v
+        h, kv_dim = q.shape[1], q.shape[2]
         cache = self._cache(q.device) if self.chooser.force != "route" else None
         before = cache.stats() if cache is not None else {}
         if cache is not None:
-            self.chooser.measure_local(q.device, h, kv_dim, d_v, base2)
+            self.chooser.measure_local(q.device, h, kv_dim, self.geometry.d_v, base2)
         work = [self._decide(c.corpus_id, layer, g, h, kv_dim, cache) for g in groups]
         q_cpu = q.detach().cpu() if any(d.pick == "route" for _, d, _ in work) else None
-        try:
-            results, took = self._serve(c, layer, q, q_cpu, scale, base2, work)
-        except BaseException:  # slots planned for pages that never came must not read as hits
-            for _, _, plan in work:
-                if plan is not None and cache is not None:
-                    cache.drop(layer, c.corpus_id, plan.fill_pages)
-            raise
-        for (g, d, plan), t in zip(work, took, strict=True):
-            if t >= 0:
-                missing = len(plan.fill_pages) if plan is not None else 0
-                self.chooser.record(layer, g, d, t, fetched_pages=missing)
-        if cache is not None:
-            self.metrics.cache_stats(before, cache.stats())
-        return merge_groups(q, d_v, groups, results, torch.float32)
-
-    def _serve(
-        self, c: CorpusBinding, layer: int, q: torch.Tensor, q_cpu: torch.Tensor | None,
-        scale: float, base2: bool, work: list[tuple[GroupWork, Decision, Plan | None]],
-    ) -> tuple[list[Partial], list[float]]:  # fmt: skip
-        """Each group's partial and measured seconds (-1: a failed fetch, routed instead)."""
-        cache = self.cache
         fut = asyncio.run_coroutine_threadsafe(
             self._remote(c, layer, q_cpu, scale, work), self._loop
         )
+        return Pending(c, layer, q, scale, base2, groups, work, cache, before, fut)
+
+    def finish(self, p: Pending) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attend`'s second half: the cached groups computed here, the holder calls
+        waited for, every group's time recorded, one LSE merge."""
+        try:
+            results, took = self._serve(p)
+        except BaseException:
+            self.abandon(p)
+            raise
+        for (g, d, plan), t in zip(p.work, took, strict=True):
+            if t >= 0:
+                missing = len(plan.fill_pages) if plan is not None else 0
+                self.chooser.record(p.layer, g, d, t, fetched_pages=missing)
+        if p.cache is not None:
+            self.metrics.cache_stats(p.before, p.cache.stats())
+        return merge_groups(p.q, self.geometry.d_v, p.groups, results, torch.float32)
+
+    def abandon(self, p: Pending) -> None:
+        """Give up a begun attend: its cache slots planned for pages that never came must not
+        read as hits (the calls in flight run out unread)."""
+        for _, _, plan in p.work:
+            if plan is not None and p.cache is not None:
+                p.cache.drop(p.layer, p.c.corpus_id, plan.fill_pages)
+
+    def _serve(self, p: Pending) -> tuple[list[Partial], list[float]]:
+        """Each group's partial and measured seconds (-1: a failed fetch, routed instead)."""
+        cache, layer, q, scale, base2, work = p.cache, p.layer, p.q, p.scale, p.base2, p.work
         results: list[Partial | None] = [None] * len(work)
         took = [0.0] * len(work)
         for i, (g, _, plan) in enumerate(work):  # cached pages: computed while the RPCs run
             if plan is not None and not plan.fill_pages:
                 results[i], took[i] = self._fetch_partial(layer, q, g, plan, scale, base2)
-        for i, got in enumerate(fut.result(self.timeout)):
+        for i, got in enumerate(p.fut.result(self.timeout)):
             g, _, plan = work[i]
             if got is None:
                 continue
@@ -250,10 +269,10 @@ class CorpusLink(DeviceLink):
                 took[i] = seconds + t
             else:  # the fetch failed: its pages are not cached, the holder call fails over
                 assert plan is not None and cache is not None, kind
-                cache.drop(layer, c.corpus_id, plan.fill_pages)
+                cache.drop(layer, p.c.corpus_id, plan.fill_pages)
                 self.metrics.fallbacks.labels("fetch", "route").inc()
-                again = c.attend(layer, q.detach().cpu()[g.keep], g.canon, scale=scale,
-                                 dtype=torch.float32)  # fmt: skip
+                again = p.c.attend(layer, q.detach().cpu()[g.keep], g.canon, scale=scale,
+                                   dtype=torch.float32)  # fmt: skip
                 results[i], took[i] = self._run(again), -1.0  # -1: not recorded
         assert all(r is not None for r in results), "a group was not served"
         return [r for r in results if r is not None], took
@@ -394,6 +413,22 @@ class CorpusLink(DeviceLink):
     async def _holder_formats(self) -> dict[str, str]:
         async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:
             return {h.info.address: holder_format(h.info.dtype) for h in await c.list_holders()}
+
+
+@dataclass
+class Pending:
+    """An attend :meth:`CorpusLink.begin` started: its plan and its holder calls in flight."""
+
+    c: CorpusBinding
+    layer: int
+    q: torch.Tensor
+    scale: float
+    base2: bool
+    groups: list[GroupWork]
+    work: list[tuple[GroupWork, Decision, Plan | None]]
+    cache: PageCache | None
+    before: dict[str, int]
+    fut: concurrent.futures.Future[list[tuple[str, Any, float] | None]]
 
 
 def pad_cols(rows: torch.Tensor, multiple: int) -> torch.Tensor:

@@ -124,3 +124,33 @@ def load_hicache(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_backend(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """``requester/sglang/backend.py`` under a private name. Without sglang (CPU CI), its sglang
+    imports are stand-ins: an empty ``NativeSparseAttnBackend``, ``NSAIndexerMetadata`` as a
+    frozen dataclass, and tensor parallelism of one (``dp_attention``). What a test calls is the
+    plugin's own code (``_forward`` takes SGLang's attention as an argument)."""
+    import dataclasses
+
+    if importlib.util.find_spec("sglang") is None:
+        nsa = ModuleType("sglang.srt.layers.attention.nsa_backend")
+        nsa.NativeSparseAttnBackend = type("NativeSparseAttnBackend", (), {})  # type: ignore[attr-defined]
+        nsa.NSAIndexerMetadata = dataclasses.dataclass(frozen=True)(  # type: ignore[attr-defined]
+            type("NSAIndexerMetadata", (), {})
+        )
+        dp = ModuleType("sglang.srt.layers.dp_attention")
+        dp.get_attention_tp_size = lambda: 1  # type: ignore[attr-defined]
+        dp.get_attention_tp_rank = lambda: 0  # type: ignore[attr-defined]
+        pkgs = ("sglang", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.attention")
+        for name in pkgs:
+            monkeypatch.setitem(sys.modules, name, ModuleType(name))
+        monkeypatch.setitem(sys.modules, nsa.__name__, nsa)
+        monkeypatch.setitem(sys.modules, dp.__name__, dp)
+    path = Path(__file__).resolve().parents[2] / "requester" / "sglang" / "backend.py"
+    spec = importlib.util.spec_from_file_location("_corpusd_backend_under_test", path)
+    assert spec is not None and spec.loader is not None, path
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses resolve names there
+    spec.loader.exec_module(mod)
+    return mod
