@@ -76,6 +76,11 @@ VARIABLES = {
         "SGLang plugin: append every route/fetch decision with its costs to this JSON-lines file",
         "unset",
     ),
+    "CORPUSD_SGLANG_PROFILE_SLOW": (
+        "SGLang plugin: profile each bound prefill on the host (cProfile) and log the profile of "
+        "one that holds the host over a second (a diagnosis aid; it slows prefills)",
+        "unset",
+    ),
 }
 
 
