@@ -36,14 +36,9 @@ fp8 rows; the JSON records both. Use a fresh ``--work``: its pins keep the forma
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
-import statistics
 import subprocess
 import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -65,7 +60,13 @@ from tools.sglang_compare import (
     report,
     vectors,
 )
-from tools.sglang_probe import binding_probe, concurrent_probe, first_token, first_token_score
+from tools.sglang_probe import (
+    binding_probe,
+    concurrent,
+    concurrent_probe,
+    first_token,
+    first_token_score,
+)
 from tools.sglang_server import (
     SGLANG_ENV,
     Corpusd,
@@ -159,49 +160,6 @@ def measure(
     result["concurrent"] = by_streams[streams[0]]
     result["concurrent_by_streams"] = {str(s): c for s, c in by_streams.items()}
     return result
-
-
-def concurrent(
-    server: Server, mode: str, corpus: str, prompts: list[list[int]], streams: int,
-    n_tokens: int, vocab: int,
-) -> dict[str, Any]:  # fmt: skip
-    """``streams`` concurrent streamed requests (the prompts in turn), timed client-side, with
-    SGLang's KV-pool use sampled; their tokens are the prompts' greedy answers in one batch."""
-    peak = [server.used_tokens()]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak.append(server.used_tokens())
-            time.sleep(0.05)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    chosen = [prompts[i % len(prompts)] for i in range(streams)]
-    with ThreadPoolExecutor(streams) as pool:
-        t0 = time.monotonic()
-        futs = [
-            pool.submit(server.stream, request(p, n_tokens, mode, corpus, 100 + i, vocab, False))
-            for i, p in enumerate(chosen)
-        ]
-        arrivals, batched = zip(*(f.result() for f in futs), strict=True)
-    stop.set()
-    sampler.join()
-    gaps = [b - a for t in arrivals for a, b in itertools.pairwise(t)]
-    ttft = [t[0] - t0 for t in arrivals if t]
-    # time per output token, per request (first token to last over the gaps): robust to tokens
-    # that arrive in bursts, where the median gap is ~0 (stock at 64 streams: 0.1 ms)
-    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in arrivals if len(t) > 1]
-    return {
-        "streams": streams,
-        "tokens_each": n_tokens,
-        "ttft_p50_ms": 1e3 * statistics.median(ttft),
-        "inter_token_p50_ms": 1e3 * statistics.median(gaps),
-        "inter_token_p90_ms": 1e3 * statistics.quantiles(gaps, n=10)[-1],
-        "tpot_p50_ms": 1e3 * statistics.median(tpot) if tpot else float("nan"),
-        "kv_pool_peak_tokens": max(v for v in peak if not math.isnan(v)),
-        "tokens": list(batched[: len(prompts)]),
-    }
 
 
 REGIMES = {

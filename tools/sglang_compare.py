@@ -277,7 +277,7 @@ def report(out: dict[str, Any]) -> None:
             print(f"{r}: first token targets {v['first_token_score']}")
     print(
         f"{'regime':<7} {'mode':<6} {'streams':>7} {'ttft ms':>8} {'itl p50 ms':>10} "
-        f"{'tpot p50 ms':>11} {'kv':>6}"
+        f"{'itl adj ms':>10} {'tpot p50 ms':>11} {'kv':>6}"
     )
     for r, v in out["regimes"].items():
         for m, by in v.get("concurrent_by_streams", {}).items():
@@ -287,6 +287,7 @@ def report(out: dict[str, Any]) -> None:
                     print(
                         f"{r:<7} {m:<6} {label:>7} {c['ttft_p50_ms']:>8.1f} "
                         f"{c['inter_token_p50_ms']:>10.2f} "
+                        f"{c.get('inter_token_burst_adjusted_p50_ms', float('nan')):>10.2f} "
                         f"{c.get('tpot_p50_ms', float('nan')):>11.2f} "
                         f"{c['kv_pool_peak_tokens']:>6.0f}"
                     )

@@ -3,7 +3,10 @@ must fail alone with a clear message, fast, while the server serves every other 
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
+import threading
 import time
 import urllib.error
 from concurrent.futures import ThreadPoolExecutor
@@ -106,3 +109,69 @@ def first_token_score(stock: dict[str, Any], route: dict[str, Any]) -> dict[str,
     cold = route["cold_p50_ms"] / stock["cold_p50_ms"]
     return {"route_over_stock_warm": round(warm, 3), "within_1_5x_warm": warm <= 1.5,
             "route_over_stock_cold": round(cold, 3), "below_stock_cold": cold < 1.0}  # fmt: skip
+
+
+def concurrent(
+    server: Server, mode: str, corpus: str, prompts: list[list[int]], streams: int,
+    n_tokens: int, vocab: int,
+) -> dict[str, Any]:  # fmt: skip
+    """``streams`` concurrent streamed requests (the prompts in turn), timed client-side, with
+    SGLang's KV-pool use sampled; their tokens are the prompts' greedy answers in one batch."""
+    peak = [server.used_tokens()]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak.append(server.used_tokens())
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    chosen = [prompts[i % len(prompts)] for i in range(streams)]
+    with ThreadPoolExecutor(streams) as pool:
+        t0 = time.monotonic()
+        futs = [
+            pool.submit(server.stream, request(p, n_tokens, mode, corpus, 100 + i, vocab, False))
+            for i, p in enumerate(chosen)
+        ]
+        arrivals, batched = zip(*(f.result() for f in futs), strict=True)
+    stop.set()
+    sampler.join()
+    gaps = [b - a for t in arrivals for a, b in itertools.pairwise(t)]
+    adjusted = [g for t in arrivals for g in burst_gaps(t)]
+    ttft = [t[0] - t0 for t in arrivals if t]
+    # time per output token, per request (first token to last over the gaps): robust to tokens
+    # that arrive in bursts, where the median gap is ~0 (stock at 64 streams: 0.1 ms)
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in arrivals if len(t) > 1]
+    return {
+        "streams": streams,
+        "tokens_each": n_tokens,
+        "ttft_p50_ms": 1e3 * statistics.median(ttft),
+        "inter_token_p50_ms": 1e3 * statistics.median(gaps),
+        "inter_token_p90_ms": 1e3 * statistics.quantiles(gaps, n=10)[-1],
+        # each burst's gap shared by its tokens, as SGLang's own inter-token histogram counts
+        "inter_token_burst_adjusted_p50_ms": 1e3 * statistics.median(adjusted),
+        "tpot_p50_ms": 1e3 * statistics.median(tpot) if tpot else float("nan"),
+        "kv_pool_peak_tokens": max(v for v in peak if not math.isnan(v)),
+        "tokens": list(batched[: len(prompts)]),
+    }
+
+
+def burst_gaps(arrivals: list[float], within_s: float = 2e-4) -> list[float]:
+    """One request's inter-token gaps with bursts undone: chunks that reach the client within
+    ``within_s`` of the previous one form a burst (the server wrote them together, or the client
+    read them together), and the gap before a burst of ``k`` tokens counts as ``k`` gaps of
+    ``gap / k``, as SGLang's own inter-token histogram counts a chunk of ``k`` new tokens
+    (``observe_inter_token_latency``). Tokens that come with the first are not gaps. The median
+    of these compares servers whose tokens arrive in bursts of different sizes, where the raw
+    gaps' median is ~0 once most tokens come in bursts."""
+    bursts: list[list[float]] = []  # [first arrival, last arrival, tokens]
+    for t in arrivals:
+        if bursts and t - bursts[-1][1] <= within_s:
+            bursts[-1][1], bursts[-1][2] = t, bursts[-1][2] + 1
+        else:
+            bursts.append([t, t, 1])
+    out: list[float] = []
+    for prev, cur in itertools.pairwise(bursts):
+        out += [(cur[0] - prev[1]) / cur[2]] * int(cur[2])
+    return out

@@ -202,3 +202,19 @@ def test_first_token_is_timed_cold_after_a_flush_then_warm(
     assert not sglang_probe.first_token_score(
         {"cold_p50_ms": 60.0, "warm_p50_ms": 20.0}, {"cold_p50_ms": 70.0}
     )["within_1_5x_warm"]
+
+
+def test_burst_gaps_share_a_bursts_gap_among_its_tokens() -> None:
+    """Tokens every 4 ms, then three in one burst after 12 ms, then one 4 ms later: the burst's
+    12 ms count as three 4 ms gaps; tokens that arrive with the first are no gaps; the raw gaps'
+    median would be 0 for a stream that is all bursts."""
+    from tools import sglang_probe
+
+    ms = 1e-3
+    t = [0.0, 0.0, 4 * ms, 8 * ms, 20 * ms, 20.05 * ms, 20.1 * ms, 24.1 * ms]
+    got = sglang_probe.burst_gaps(t)
+    want = [4 * ms, 4 * ms] + [12 * ms / 3] * 3 + [4 * ms]
+    assert got == pytest.approx(want)
+    assert sglang_probe.burst_gaps([]) == [] and sglang_probe.burst_gaps([1.0]) == []
+    bursty = [i // 4 * 16 * ms + i % 4 * 1e-5 for i in range(16)]  # 4 tokens per 16 ms
+    assert sglang_probe.burst_gaps(bursty) == pytest.approx([(16 * ms - 3e-5) / 4] * 12)
