@@ -248,6 +248,8 @@ def corpus_scores(
     indexer's fp8 queries ``[n, H, D]``; ``weights`` ``[n, H]`` or ``[n, H, 1]``. Outside a graph
     capture the rows go in chunks of :data:`SCORE_ROWS`, the last one padded."""
     n = q.shape[0]
+    if n == 0:
+        return torch.empty(0, res.window_tokens, device=q.device)
     w = weights.reshape(n, -1).float()
     table = res.block_table(base)
     seqlens = tokens.clamp(min=1).to(torch.int32)  # an unbound row scores one masked key
@@ -274,7 +276,7 @@ def in_row_chunks(
     sees exactly ``rows`` rows, whatever ``n``. The chunks' outputs (row ``r`` of the output
     belongs to input row ``r``) are concatenated back to ``n`` rows."""
     n = args[0].shape[0]
-    outs = []
+    out: torch.Tensor | None = None
     for s in range(0, n, rows):
         part = [a[s : s + rows] for a in args]
         m = part[0].shape[0]
@@ -283,8 +285,14 @@ def in_row_chunks(
                 torch.cat([a, a.new_full((rows - m, *a.shape[1:]), f).to(a.dtype)])
                 for a, f in zip(part, fill, strict=True)
             ]
-        outs.append(fn(*part)[:m])
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+        got = fn(*part)[:m]
+        if n <= rows:
+            return got
+        if out is None:  # one output and one chunk's at a time (a prefill's scores are large)
+            out = got.new_empty((n, *got.shape[1:]))
+        out[s : s + m] = got
+    assert out is not None, "no rows"
+    return out
 
 
 def _paged_logits(

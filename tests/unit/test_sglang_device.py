@@ -265,3 +265,11 @@ def test_in_row_chunks_calls_with_a_fixed_row_count_and_keeps_each_rows_output(n
     want = device.paged_scores_reference(q, w, pages, table, 64) + lens[:, None]
     assert seen == [(4, 4, 4, 4)] * math.ceil(n / 4)
     assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_corpus_scores_of_no_rows_is_an_empty_window() -> None:
+    res = _resident()
+    q = torch.zeros(0, 8, 128).to(torch.float8_e4m3fn)
+    empty = torch.zeros(0, dtype=torch.int32)
+    got = device.corpus_scores(res, 0, q, torch.zeros(0, 8), empty, empty)
+    assert got.shape == (0, res.window_tokens)
