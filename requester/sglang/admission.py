@@ -52,7 +52,10 @@ def refusal(rid: str | None, model: _Model | None = None) -> str | None:
             return None
         b = model.corpusd_link.bind(name)
         if model.corpusd_resident is not None:
-            model.corpusd_resident.check(b.corpus_id, b.tokens)
+            # the device path: load it into the arena now (once per corpus), where the forward
+            # would, so what only the load finds (pages on a holder not on this GPU, a full
+            # arena) fails this request instead of raising in the scheduler's forward
+            model.corpusd_link.load_resident(b, model.corpusd_resident)
     except CorpusBindingError as e:
         return f"corpusd: {e}"
     except Exception as e:  # the coordinator unreachable, say: this request fails, not the server

@@ -76,12 +76,17 @@ class DeviceLink:
 
     def load_resident(self, b: Binding, res: Resident) -> ArenaCorpus:
         """Corpus ``b`` in ``res``'s arena (loaded once: its page table and every layer's
-        index keys). Raises CorpusBindingError when it cannot be served from this GPU."""
+        index keys). Raises CorpusBindingError when it cannot be served from this GPU. Called
+        at admission (:mod:`.admission`), on the scheduler's stream, possibly beside a forward
+        on another: the arena's writes are done when it returns."""
         if b.corpus_id in res.corpora:
             return res.corpora[b.corpus_id]
         res.check(b.corpus_id, b.tokens)
         view, keys = self._run(self._resident_inputs(b.corpus_id, res.n_layers))
-        return res.load(view, keys)
+        placed = res.load(view, keys)
+        if res.device.type == "cuda":
+            torch.cuda.synchronize(res.device)
+        return placed
 
     async def _resident_inputs(
         self, corpus_id: str, n_layers: int

@@ -21,8 +21,13 @@ class _Binding:
 
 
 class _Link:
-    def __init__(self, known: dict[str, int], fail: Exception | None = None) -> None:
-        self.known, self.fail = known, fail
+    """``elsewhere``: corpora whose pages sit on a holder not on this GPU (only the load, which
+    reads the page table, finds that)."""
+
+    def __init__(
+        self, known: dict[str, int], fail: Exception | None = None, elsewhere: tuple[str, ...] = ()
+    ) -> None:
+        self.known, self.fail, self.elsewhere = known, fail, elsewhere
 
     def bind(self, name: str) -> _Binding:
         if self.fail is not None:
@@ -30,6 +35,14 @@ class _Link:
         if name not in self.known:
             raise CorpusBindingError(f"corpus {name!r} is not pinned")
         return _Binding(f"id-{name}", self.known[name])
+
+    def load_resident(self, b: _Binding, res: _Resident) -> None:  # as link_device's
+        res.check(b.corpus_id, b.tokens)
+        if b.corpus_id.removeprefix("id-") in self.elsewhere:
+            raise CorpusBindingError(
+                f"corpus {b.corpus_id} has pages on holders ['10.0.0.9:7000'], which are not on "
+                "this GPU"
+            )
 
 
 class _Resident:
@@ -71,7 +84,7 @@ class _Scheduler:
 @pytest.fixture
 def scheduler(monkeypatch: pytest.MonkeyPatch) -> type[_Scheduler]:
     cls = type("Scheduler", (_Scheduler,), {})
-    model = _Model(_Link({"docs": 10, "huge": 1000}), _Resident())
+    model = _Model(_Link({"docs": 10, "huge": 1000, "far": 10}, elsewhere=("far",)), _Resident())
     monkeypatch.setattr(admission, "_MODEL", model)
     assert admission.wrap_scheduler(cls)
     assert not admission.wrap_scheduler(cls)  # once
@@ -123,3 +136,19 @@ def test_unexpected_errors_refuse_the_request_not_the_server() -> None:
     why = admission.refusal("corpusd:docs:1", model)
     assert why is not None and "ConnectionError" in why and "unreachable" in why
     assert admission.refusal("other", model) is None
+
+
+def test_a_corpus_on_holders_off_this_gpu_fails_its_request_at_admission(
+    scheduler: type[_Scheduler],
+) -> None:
+    """The defect: on the device path admission checked only the corpus's length, and a corpus
+    whose pages sit on a holder not on this GPU was refused by the arena's load inside the
+    forward, which raises in SGLang's scheduler and stops the server. Admission now loads the
+    corpus (once), so that request fails alone and the others go on."""
+    s = scheduler()
+    far, docs, again = _Req("corpusd:far:1"), _Req("corpusd:docs:2"), _Req("corpusd:docs:3")
+    for r in (far, docs, again):
+        s._add_request_to_queue(r)
+    assert far.aborted is not None and "not on this GPU" in far.aborted
+    assert docs.aborted is None and again.aborted is None
+    assert admission.batch_corpora([r.rid for r in s.queue], 3) == [None, "docs", "docs"]
