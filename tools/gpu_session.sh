@@ -34,6 +34,18 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | 
 GPU=${GPU:-gpu}
 t0=$(date +%s)
 took() { echo "$1: rc=$2 after $(( $(date +%s) - t0 )) s"; }
+decode_run() {  # name [--pin-engine]: stock vs graphed route, 8 and 64 streams, twice each
+    local name=$1; shift
+    timeout 580 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
+        --tokens 16 --forced-steps 8 --streams 8,64 --graph-bs 8,64 --holder-device cuda:0 \
+        --bursts 2 --first-token-reps 8 "$@" \
+        --fit-steps 0 --work "/tmp/bsg-$step" --out "$OUT/$name-$GPU.json" \
+        > "$OUT/$name-$GPU.log" 2>&1
+    took "$step" $?
+    cp "/tmp/bsg-$step/sglang-route.log" "$OUT/$name-$GPU-route.log" 2>/dev/null
+    cp "/tmp/bsg-$step/sglang-stock.log" "$OUT/$name-$GPU-stock.log" 2>/dev/null
+    tail -12 "$OUT/$name-$GPU.log"
+}
 
 case "$step" in
 fanin)
@@ -45,18 +57,10 @@ fanin)
         took "fanin --spread $spread" $?
         grep -E "recovered|per holder, continued" "$OUT/fanin-16core-$spread.log"
     done ;;
-decode|decode-engine)  # decode-engine: the corpus pinned through SGLang (its own page bytes)
-    name=sglang-graphs64; engine=()
-    if [ "$step" = decode-engine ]; then name=sglang-graphs64-engine; engine=(--pin-engine); fi
-    timeout 580 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
-        --tokens 16 --forced-steps 8 --streams 8,64 --graph-bs 8,64 --holder-device cuda:0 \
-        --bursts 2 --first-token-reps 8 "${engine[@]}" \
-        --fit-steps 0 --work "/tmp/bsg-$step" --out "$OUT/$name-$GPU.json" \
-        > "$OUT/$name-$GPU.log" 2>&1
-    took "$step" $?
-    cp "/tmp/bsg-$step/sglang-route.log" "$OUT/$name-$GPU-route.log" 2>/dev/null
-    cp "/tmp/bsg-$step/sglang-stock.log" "$OUT/$name-$GPU-stock.log" 2>/dev/null
-    tail -12 "$OUT/$name-$GPU.log" ;;
+decode)
+    decode_run sglang-graphs64 ;;
+decode-engine)  # the corpus pinned through SGLang (its own page bytes)
+    decode_run sglang-graphs64-engine --pin-engine ;;
 bad-binding)
     timeout 560 python3 -m pytest -x -q -s -m sglang tests/sglang/test_sglang_bad_binding.py \
         --basetemp=/tmp/bb > "$OUT/bad-binding.log" 2>&1
