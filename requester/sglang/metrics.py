@@ -92,7 +92,8 @@ class Timings:
     stage (the SGLang log is where a user looks; SGLang's own metrics time the whole step).
 
     A stage is host seconds (:meth:`add`) or GPU time between two CUDA events (:meth:`add_gpu`),
-    read without a sync when the flush comes (the events are long done by then)."""
+    read at a flush once its end event is done (``query``); one still running waits for the next
+    flush, so a flush never makes the host wait for the GPU."""
 
     def __init__(self, every_s: float = 30.0) -> None:
         self.every_s = every_s
@@ -117,7 +118,9 @@ class Timings:
     def flush(self) -> None:
         events, self._events = self._events, []
         for stage, start, end in events:
-            end.synchronize()
+            if not end.query():  # still running: the next flush reads it
+                self._events.append((stage, start, end))
+                continue
             acc = self._sums.setdefault(stage, [0.0, 0.0])
             acc[0] += start.elapsed_time(end) / 1e3
             acc[1] += 1

@@ -120,24 +120,30 @@ def test_metrics_port_and_server(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_timings_resolve_gpu_events_at_flush(caplog: pytest.LogCaptureFixture) -> None:
-    """GPU stages are read from their events only when the log line is written, each pair's
-    elapsed time counted once, host stages beside them."""
+    """GPU stages are read from their events only when the log line is written and only once
+    done (a flush never waits for the GPU), each pair's elapsed time counted once, host stages
+    beside them."""
     from requester.sglang.metrics import Timings
 
     class Event:
-        def __init__(self, ms: float) -> None:
-            self.ms, self.synced = ms, False
+        def __init__(self, ms: float, done: bool = True) -> None:
+            self.ms, self.done = ms, done
+
+        def query(self) -> bool:
+            return self.done
 
         def synchronize(self) -> None:
-            self.synced = True
+            raise AssertionError("a flush waited for the GPU")
 
         def elapsed_time(self, end: Event) -> float:
-            assert end.synced, "elapsed_time before the end event is done"
+            assert end.done, "elapsed_time before the end event is done"
             return end.ms - self.ms
 
     t = Timings(every_s=3600)
+    running = Event(30.0, done=False)
     t.add_gpu("forward (extend) gpu", Event(0.0), Event(4.0))
     t.add_gpu("forward (extend) gpu", Event(10.0), Event(12.0))
+    t.add_gpu("forward (extend) gpu", Event(20.0), running)
     t.add("bind (extend)", 0.001)
     with caplog.at_level(logging.INFO, logger="corpusd.sglang"):
         t.flush()
@@ -145,5 +151,9 @@ def test_timings_resolve_gpu_events_at_flush(caplog: pytest.LogCaptureFixture) -
     assert "forward (extend) gpu 3.00 ms × 2" in line and "bind (extend) 1.00 ms × 1" in line
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="corpusd.sglang"):
-        t.flush()  # nothing pending: no line, nothing counted twice
+        t.flush()  # only the running pair is left, still running: no line
     assert not caplog.records
+    running.done = True
+    with caplog.at_level(logging.INFO, logger="corpusd.sglang"):
+        t.flush()  # now it is read, once
+    assert "forward (extend) gpu 10.00 ms × 1" in caplog.records[-1].getMessage()
