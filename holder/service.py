@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -83,6 +84,8 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         # layer-0 rows attended per frame since the last heartbeat (what pages are hot)
         self.heat = torch.zeros(pool.geo.frames, dtype=torch.int64)
         metrics.kernel.labels(kernel.name, cfg.device).set(1)
+        # this process's pools: a requester that mapped an earlier process's must not reuse it
+        self.incarnation = secrets.token_hex(8)
 
     async def _run(self, corpus_id: str, fn: Callable[[], T]) -> tuple[T, float, float]:
         """Run ``fn`` in a flow slot on the executor; returns (result, queued s, compute s).
@@ -306,8 +309,9 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         latent = [cuda_ipc.to_wire(cuda_ipc.share(t)) for t in self.pool.latent]
         log.info("pool shared over CUDA IPC (%d layers) with a requester on %s", len(latent), here)
         return holder_pb2.SharePoolResponse(
-            latent=latent, page_size=geo.page_size, d_v=geo.d_v, holder_id=self.cfg.holder_id
-        )
+            latent=latent, page_size=geo.page_size, d_v=geo.d_v, holder_id=self.cfg.holder_id,
+            incarnation=self.incarnation,
+        )  # fmt: skip
 
     def restore(self) -> int:
         """Reload every assignment of the log into the same frames (at start-up). A corpus that

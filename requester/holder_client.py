@@ -129,9 +129,11 @@ class HolderClient:
     async def info(self) -> holder_pb2.InfoResponse:
         return await self.stub.Info(holder_pb2.InfoRequest())
 
-    async def share_pool(self, device_uuid: str) -> tuple[list[SharedTensor], int, int]:
-        """The holder's per-layer latent pools as CUDA IPC handles, with its page size and value
-        width, for a requester on GPU ``device_uuid``. Raises grpc.aio.AioRpcError
-        (FAILED_PRECONDITION) when the holder is on the CPU or on another GPU."""
+    async def share_pool(self, device_uuid: str) -> tuple[list[SharedTensor], int, int, str]:
+        """The holder's per-layer latent pools as CUDA IPC handles, with its page size, value
+        width and incarnation (a random id of the holder process: another after a restart), for
+        a requester on GPU ``device_uuid``. Raises grpc.aio.AioRpcError (FAILED_PRECONDITION)
+        when the holder is on the CPU or on another GPU."""
         r = await self.stub.SharePool(holder_pb2.SharePoolRequest(device_uuid=device_uuid))
-        return [cuda_ipc.from_wire(t) for t in r.latent], int(r.page_size), int(r.d_v)
+        shared = [cuda_ipc.from_wire(t) for t in r.latent]
+        return shared, int(r.page_size), int(r.d_v), r.incarnation

@@ -206,13 +206,15 @@ class SharedTensor(_message.Message):
     def __init__(self, device_uuid: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., storage_offset: _Optional[int] = ..., handle: _Optional[bytes] = ..., alloc_bytes: _Optional[int] = ..., alloc_offset: _Optional[int] = ..., ref_counter: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event: _Optional[bytes] = ..., event_sync: _Optional[bool] = ...) -> None: ...
 
 class SharePoolResponse(_message.Message):
-    __slots__ = ("latent", "page_size", "d_v", "holder_id")
+    __slots__ = ("latent", "page_size", "d_v", "holder_id", "incarnation")
     LATENT_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     D_V_FIELD_NUMBER: _ClassVar[int]
     HOLDER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     latent: _containers.RepeatedCompositeFieldContainer[SharedTensor]
     page_size: int
     d_v: int
     holder_id: str
-    def __init__(self, latent: _Optional[_Iterable[_Union[SharedTensor, _Mapping]]] = ..., page_size: _Optional[int] = ..., d_v: _Optional[int] = ..., holder_id: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, latent: _Optional[_Iterable[_Union[SharedTensor, _Mapping]]] = ..., page_size: _Optional[int] = ..., d_v: _Optional[int] = ..., holder_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...

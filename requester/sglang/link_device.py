@@ -17,7 +17,7 @@ from corpusd.corpus.store import PageStore
 from corpusd.transport import cuda_ipc
 from requester.corpus_view import CorpusView
 from requester.fanout import CorpusBinding, Fanout
-from requester.sglang.binding import Binding
+from requester.sglang.binding import Binding, CorpusBindingError
 from requester.sglang.pages import engine_index_pages
 from requester.sglang.resident import ArenaCorpus, Resident
 
@@ -55,7 +55,7 @@ class DeviceLink:
             if not h.device.startswith("cuda") or h.address in res.holder_slot:
                 continue
             try:
-                shared, page_size, _ = await self.fanout.client(h.address).share_pool(here)
+                shared, page_size, _, inc = await self.fanout.client(h.address).share_pool(here)
             except grpc.aio.AioRpcError as e:
                 log.info("holder %s not mapped: %s", h.address, e.details())
                 continue
@@ -69,6 +69,7 @@ class DeviceLink:
                     for s in shared]  # fmt: skip
             res.pool_format(h.address, meta)  # a bad shape raises before anything is mapped
             res.add_pool(h.address, [cuda_ipc.open_shared(s) for s in shared])
+            res.incarnation[h.address] = inc
             mapped.append(h.address)
         log.info("corpusd plugin: %d holder pools on this GPU mapped (%s rows): %s",
                  len(mapped), res.kv_format, mapped)  # fmt: skip
@@ -82,16 +83,44 @@ class DeviceLink:
         if b.corpus_id in res.corpora:
             return res.corpora[b.corpus_id]
         res.check(b.corpus_id, b.tokens)
-        view, keys = self._run(self._resident_inputs(b.corpus_id, res.n_layers))
+        view, keys = self._run(self._resident_inputs(b.corpus_id, res.n_layers, res))
         placed = res.load(view, keys)
         if res.device.type == "cuda":
             torch.cuda.synchronize(res.device)
         return placed
 
+    async def _same_pools(self, view: CorpusView, res: Resident) -> None:
+        """Raise CorpusBindingError when a holder the corpus's pages are read from is no longer
+        the process whose pools this server mapped: a holder restarted with the same address and
+        state restores its pages into a new pool, and a corpus pinned after that lives only
+        there, while this server (and its decode graphs) reads the old pool's frames. Corpora
+        loaded before the restart go on reading the old mapping (which outlives its process);
+        one not yet loaded is refused, pinned before the restart or not, since nothing here
+        tells which frames the old pool still holds."""
+        here = cuda_ipc.device_uuid(res.device)
+        for address in sorted({view.holders[r[0][0]] for r in view.replicas}):
+            mapped = res.incarnation.get(address)
+            if mapped is None:
+                continue  # not mapped here: Resident.check says so
+            try:
+                _, _, _, now = await self.fanout.client(address).share_pool(here)
+            except grpc.aio.AioRpcError as e:
+                raise CorpusBindingError(
+                    f"corpus {view.corpus_id}: holder {address} does not answer "
+                    f"({e.code().name}: {e.details()}); its pages cannot be checked"
+                ) from e
+            if now != mapped:
+                raise CorpusBindingError(
+                    f"corpus {view.corpus_id}: holder {address} restarted after this SGLang "
+                    "server mapped its pool, and this server's CUDA graphs read only the old "
+                    "pool; restart the SGLang server to serve corpora pinned since"
+                )
+
     async def _resident_inputs(
-        self, corpus_id: str, n_layers: int
+        self, corpus_id: str, n_layers: int, res: Resident
     ) -> tuple[CorpusView, list[torch.Tensor]]:
         c = await self._corpus(corpus_id)
+        await self._same_pools(c.view, res)
         keys = []
         for layer in range(n_layers):
             pages = engine_index_pages(self.store, corpus_id, layer) if self.store else None

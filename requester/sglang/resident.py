@@ -98,6 +98,7 @@ class Resident:
         self.req_tokens = torch.zeros(req_slots, dtype=torch.int32, device=dev)
         self.pools: list[list[torch.Tensor]] = []  # [holder slot][layer] → [rows, kv_dim]
         self.holder_slot: dict[str, int] = {}  # holder address → slot
+        self.incarnation: dict[str, str] = {}  # holder address → the mapped pools' process
         self.kv_format: str | None = None  # the mapped pools' row format (KV_FORMATS)
         self.corpora: dict[str, ArenaCorpus] = {}
         self._next_page = 0

@@ -285,6 +285,7 @@ def test_holder_pool_over_cuda_ipc_attends_as_the_holder(
         )  # fmt: skip
         assert link.map_holders(res, torch.device("cuda:0")) == [hp.address]
         assert res.kv_format == kv_format
+        assert len(res.incarnation[hp.address]) == 16  # the holder process's id (restarts)
         if kv_format == "fp8_e4m3":
             assert res.pools[0][0].dtype == torch.uint8 and res.pools[0][0].shape[1] == 656
             flashmla_fp8.lse_to_natural("cuda:0")

@@ -194,9 +194,9 @@ def test_map_holders_maps_fp8_pools_and_refuses_mixed_formats(
         def __init__(self, address: str) -> None:
             self.address = address
 
-        async def share_pool(self, uuid: str) -> tuple[list[cuda_ipc.SharedTensor], int, int]:
+        async def share_pool(self, uuid: str) -> tuple[list[cuda_ipc.SharedTensor], int, int, str]:
             page, shape, dtype = pools[self.address]
-            return [_shared(shape, dtype) for _ in range(layers)], page, D_V
+            return [_shared(shape, dtype) for _ in range(layers)], page, D_V, "inc-1"
 
     monkeypatch.setattr(link.fanout, "client", Client)
     try:
@@ -292,3 +292,66 @@ def test_lse_base_says_which_log_a_kernel_returns() -> None:
     assert lse_base(ref / math.log(2.0), ref, "k") == pytest.approx(math.log(2.0))
     with pytest.raises(RuntimeError, match="FlashMLA's lse matches neither natural log nor base"):
         lse_base(ref * 3.0, ref, "FlashMLA's lse")
+
+
+def test_a_corpus_on_a_restarted_holder_is_refused_not_read_from_the_old_pool(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder restarted with the same address and state serves from a new pool, while this
+    server's mapping (and decode graphs) hold the old one: a corpus loaded after the restart
+    would be read from the old pool's frames. The load compares the holder's incarnation with
+    the mapped one and refuses, naming the holder; before the restart the same load succeeds.
+    The arena is left as it was."""
+    cfg = ModelConfig.from_dir(tiny_dir)
+    layers = cfg.num_hidden_layers
+    incarnation = {"h0": "first", "h1": "first"}
+    holder = lambda a: SimpleNamespace(info=SimpleNamespace(address=a, device="cuda:0"))  # noqa: E731
+    monkeypatch.setattr(_Coordinator, "holders", [holder(a) for a in incarnation])
+    monkeypatch.setattr(link_device, "CoordinatorClient", _Coordinator)
+    monkeypatch.setattr(cuda_ipc, "device_uuid", lambda dev: "GPU-0")
+    monkeypatch.setattr(cuda_ipc, "open_shared",
+                        lambda s: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)))  # fmt: skip
+    link = link_mod.CorpusLink("127.0.0.1:1", cfg, "fp", P, table_refresh_s=-1)
+
+    class Client:
+        def __init__(self, address: str) -> None:
+            self.address = address
+
+        async def share_pool(self, uuid: str) -> tuple[list[cuda_ipc.SharedTensor], int, int, str]:
+            shared = [_shared((FRAMES * P, D), "bfloat16") for _ in range(layers)]
+            return shared, P, D_V, incarnation[self.address]
+
+    g = torch.Generator().manual_seed(SEED)
+
+    def view(cid: str, on: int) -> CorpusView:  # 3 pages, each on holder ``on``
+        reps = tuple(((on, f),) for f in (4, 9, 2))
+        return CorpusView(cid, 150, P, ("h0", "h1"), torch.full((3,), on), torch.tensor([4, 9, 2]),
+                          reps)  # fmt: skip
+
+    keys = [torch.randn(150, 128, generator=g) for _ in range(layers)]
+
+    async def corpus(cid: str) -> Any:  # the link's binding: its view and index keys
+        async def index_keys(layer: int) -> torch.Tensor:
+            return keys[layer]
+
+        return SimpleNamespace(view=view(cid, 0 if cid.endswith("on-h0") else 1),
+                               index_keys=index_keys)  # fmt: skip
+
+    monkeypatch.setattr(link.fanout, "client", Client)
+    monkeypatch.setattr(link, "_corpus", corpus)
+    try:
+        res = _resident(layers)
+        assert link.map_holders(res, torch.device("cpu")) == ["h0", "h1"]
+        binding = lambda cid: SimpleNamespace(corpus_id=cid, tokens=150)  # noqa: E731
+        first = link.load_resident(binding("on-h0"), res)  # type: ignore[arg-type]
+        incarnation["h1"] = "second"  # h1 restarts
+        tables = (res.page_holder.clone(), res.page_frame.clone(), res._next_page)
+        with pytest.raises(CorpusBindingError, match=r"holder h1 restarted after this SGLang"):
+            link.load_resident(binding("on-h1"), res)  # type: ignore[arg-type]
+        assert "on-h1" not in res.corpora
+        assert torch.equal(res.page_holder, tables[0]) and res._next_page == tables[2]
+        # h0 did not restart: its corpus stays, and another on it still loads
+        assert link.load_resident(binding("on-h0"), res) is first  # type: ignore[arg-type]
+        link.load_resident(binding("also-on-h0"), res)  # type: ignore[arg-type]
+    finally:
+        link.close()
