@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from corpusd.model.fp8_cache import D_NOPE, D_ROPE, N_TILES, ROPE_AT, ROW_BYTES, SCALE_AT, TILE
-from corpusd.model.triton_mla import _DOT_F32, _LOG2E, run_split
+from corpusd.model.triton_mla import _DOT_F32, _LOG2E, online_block, run_split, store_partial
 
 
 @triton.jit
@@ -85,23 +85,11 @@ def _fp8_partial_kernel(
                        other=0.0)  # fmt: skip
         k_nope = k_nope.to(q_nope.dtype)
         k_pe = k_pe.to(q_pe.dtype)
-        s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))  # [BLOCK_H, BLOCK_N]
-        s = tl.where(valid[None, :], s * scale2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked so far: no NaN
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
-        m = m_new
+        m, l_sum, acc = online_block(q_nope, q_pe, k_nope, k_pe, valid, scale2, m, l_sum, acc)
 
-    empty = l_sum == 0.0
-    out = acc / tl.where(empty, 1.0, l_sum)[:, None]
-    lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l_sum)))
-    lse = lse2 if OUT_BASE2 else lse2 * 0.6931471805599453
     o_addr = o_ptr + row * s_on + split * s_os + heads[:, None] * s_oh + dv[None, :]
-    tl.store(o_addr, out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
-    tl.store(lse_ptr + row * s_ln + split * s_ls + heads, lse, mask=hmask)
+    lse_addr = lse_ptr + row * s_ln + split * s_ls + heads
+    store_partial(acc, m, l_sum, o_addr, lse_addr, hmask[:, None], hmask, OUT_BASE2)
 
 
 def triton_fp8_partial_attention(

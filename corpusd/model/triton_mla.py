@@ -31,6 +31,35 @@ _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def online_block(q_nope, q_pe, k_nope, k_pe, valid, scale2, m, l_sum, acc):
+    """One block of keys into a running base-2 online softmax (both partial kernels): scores
+    ``[BLOCK_H, BLOCK_N]`` scaled by ``scale2`` (log2 e folded in), masked where not ``valid``;
+    returns the new (max, sum, unnormalised output). A row masked so far keeps max -inf and
+    sum 0 without a NaN."""
+    s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))
+    s = tl.where(valid[None, :], s * scale2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
+    return m_new, l_sum, acc
+
+
+@triton.jit
+def store_partial(acc, m, l_sum, o_addr, lse_addr, o_mask, lse_mask, OUT_BASE2: tl.constexpr):
+    """A split's partial: O = acc / sum (0 where no key was valid) and its LSE (-inf there),
+    natural log unless ``OUT_BASE2``."""
+    empty = l_sum == 0.0
+    out = acc / tl.where(empty, 1.0, l_sum)[:, None]
+    lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l_sum)))
+    lse = lse2 if OUT_BASE2 else lse2 * 0.6931471805599453
+    tl.store(o_addr, out.to(o_addr.dtype.element_ty), mask=o_mask)
+    tl.store(lse_addr, lse, mask=lse_mask)
+
+
+@triton.jit
 def _partial_kernel(
     q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr,
     n_kv, k, k_per_split, scale2, h,
@@ -74,23 +103,12 @@ def _partial_kernel(
         if DOT_F32:
             k_nope = k_nope.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
-        s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))  # [BLOCK_H, BLOCK_N]
-        s = tl.where(valid[None, :], s * scale2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked so far: no NaN
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
-        m = m_new
+        m, l_sum, acc = online_block(q_nope, q_pe, k_nope, k_pe, valid, scale2, m, l_sum, acc)
 
-    empty = l_sum == 0.0
-    out = acc / tl.where(empty, 1.0, l_sum)[:, None]
-    lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l_sum)))
-    lse = lse2 if OUT_BASE2 else lse2 * 0.6931471805599453
     o_addr = o_ptr + row * s_on + split * s_os + heads[:, None] * s_oh + dv[None, :]
-    tl.store(o_addr, out.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
-    tl.store(lse_ptr + row * s_ln + split * s_ls + heads, lse, mask=hmask)
+    lse_addr = lse_ptr + row * s_ln + split * s_ls + heads
+    store_partial(acc, m, l_sum, o_addr, lse_addr, hmask[:, None] & vmask[None, :], hmask,
+                  OUT_BASE2)  # fmt: skip
 
 
 @triton.jit
