@@ -30,7 +30,7 @@ import torch
 from corpusd.model import flashmla_fp8
 from corpusd.model import fp8_cache as f8
 from requester.corpus_view import CorpusView
-from requester.sglang import device
+from requester.sglang import device, device_scores
 from requester.sglang.backend import _sparse_lse_base2
 from requester.sglang.lse import merge_local_corpus
 from requester.sglang.resident import ArenaCorpus, Resident
@@ -73,19 +73,19 @@ def measure(
     o_loc = torch.randn(n, h, 512, device=dev).bfloat16()
     l_loc = torch.randn(n, h, device=dev)
     base, tokens = res.rows_of(slots)
-    scores = device.corpus_scores(res, 0, q_fp8, w, base, tokens)
+    scores = device_scores.corpus_scores(res, 0, q_fp8, w, base, tokens)
     corpus, _ = device.fused_topk(scores, tokens, own, own_len, k)
     o_c, l_c = device.corpus_partial(res, 0, q, corpus, base, 576**-0.5, 512, base2)
 
     def step() -> Any:
         b, tk = res.rows_of(slots)
-        sc = device.corpus_scores(res, 0, q_fp8, w, b, tk)
+        sc = device_scores.corpus_scores(res, 0, q_fp8, w, b, tk)
         cp, _ = device.fused_topk(sc, tk, own, own_len, k)
         oc, lc = device.corpus_partial(res, 0, q, cp, b, 576**-0.5, 512, base2)
         return merge_local_corpus(o_loc, l_loc, oc, lc)
 
     stages = {
-        "scores": lambda: device.corpus_scores(res, 0, q_fp8, w, base, tokens),
+        "scores": lambda: device_scores.corpus_scores(res, 0, q_fp8, w, base, tokens),
         "topk": lambda: device.fused_topk(scores, tokens, own, own_len, k),
         "partial": lambda: device.corpus_partial(res, 0, q, corpus, base, 576**-0.5, 512, base2),
         "merge": lambda: merge_local_corpus(o_loc, l_loc, o_c, l_c),

@@ -9,13 +9,13 @@ import time
 
 import torch
 
-from requester.sglang import device
+from requester.sglang import device_scores
 from tests.sglang.test_sglang_device_gpu import _resident
 
 
 def main() -> None:
     res, (a, _) = _resident([3000, 700])
-    dg = device._deep_gemm()
+    dg = device_scores._deep_gemm()
     for n in (601, 1303, 77):
         q = torch.randn(n, 64, 128, device="cuda").to(torch.float8_e4m3fn)
         w = torch.rand(n, 64, device="cuda")
@@ -23,7 +23,7 @@ def main() -> None:
         lens = torch.full((n,), a.tokens, dtype=torch.int32, device="cuda")
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        device._paged_logits(dg, res, 0, q, w, res.block_table(base), lens)
+        device_scores._paged_logits(dg, res, 0, q, w, res.block_table(base), lens)
         torch.cuda.synchronize()
         print(f"unchunked {n} rows: {time.perf_counter() - t0:.3f} s")
 

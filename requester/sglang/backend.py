@@ -35,7 +35,7 @@ from sglang.srt.layers.attention.nsa_backend import NativeSparseAttnBackend, NSA
 from corpusd.model.partial import partial_attention
 from indexer.scores import index_scores
 from indexer.select import select_topk
-from requester.sglang import device, topk
+from requester.sglang import device, device_scores, topk
 from requester.sglang import lse as lse_mod
 from requester.sglang.binding import Binding
 from requester.sglang.link import CorpusLink, Pending
@@ -153,7 +153,7 @@ class CorpusIndexerMetadata(NSAIndexerMetadata):
             cols = ks[:n].to(torch.int64)[:, None] + torch.arange(width, device=logits.device)
             own = logits.gather(1, cols.clamp(max=logits.shape[1] - 1))
         base, tokens = cb.base[:n], cb.tokens[:n]
-        scores = device.corpus_scores(cb.resident, self.layer_id, q_fp8, w, base, tokens)
+        scores = device_scores.corpus_scores(cb.resident, self.layer_id, q_fp8, w, base, tokens)
         corpus, own_sel = device.fused_topk(scores, tokens, own, lengths, topk_)
         cb.corpus_sel[self.layer_id] = corpus
         return own_sel

@@ -36,7 +36,7 @@ from corpusd.model.checkpoint import fingerprint
 from requester.predicate import Predicate
 from requester.sglang import admission, choose, follow, formats, page_cache
 from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
-from requester.sglang.device import warm_up as warm_scores
+from requester.sglang.device_scores import warm_up as warm_scores
 from requester.sglang.link import CorpusLink
 from requester.sglang.metrics import PluginMetrics, metrics_port, serve
 from requester.sglang.pagehash import sglang_key_scales_ue8m0

@@ -18,7 +18,7 @@ from corpusd.coordinator.launch import start_coordinator
 from corpusd.model import ModelConfig, fingerprint, partial_attention
 from corpusd.model import fp8_cache as f8
 from requester.corpus_view import CorpusView
-from requester.sglang import device
+from requester.sglang import device, device_scores
 from requester.sglang.lse import merge_local_corpus
 from requester.sglang.resident import ArenaCorpus, Resident, index_pages
 from tests.support.checks import rel, why_no_sglang_gpu
@@ -57,7 +57,7 @@ def _resident(
     return res, corpora
 
 
-@pytest.mark.parametrize("n", [8, device.SCORE_ROWS + 37], ids=["one-call", "chunked"])
+@pytest.mark.parametrize("n", [8, device_scores.SCORE_ROWS + 37], ids=["one-call", "chunked"])
 def test_corpus_scores_are_the_reference_through_sglangs_fp8_kernel(n: int) -> None:
     """8 rows: one DeepGEMM call; SCORE_ROWS + 37 rows: two calls of SCORE_ROWS rows each, the
     second padded (the row count a prefill gives)."""
@@ -68,9 +68,9 @@ def test_corpus_scores_are_the_reference_through_sglangs_fp8_kernel(n: int) -> N
     w = torch.rand(n, h, generator=g, device="cuda")
     base = torch.tensor([a.base_page, b.base_page, 0] * n, dtype=torch.int32).cuda()[:n]
     tokens = torch.tensor([a.tokens, b.tokens, 0] * n, dtype=torch.int32).cuda()[:n]
-    got = device.corpus_scores(res, 0, q, w, base, tokens)
+    got = device_scores.corpus_scores(res, 0, q, w, base, tokens)
     assert got.shape[0] == n
-    want = device.paged_scores_reference(q, w, res.pages[0], res.block_table(base), 64)
+    want = device_scores.paged_scores_reference(q, w, res.pages[0], res.block_table(base), 64)
     for i in range(n):
         t = int(tokens[i])
         if t:
@@ -96,7 +96,7 @@ def test_prefills_of_new_sizes_compile_nothing_after_warm_up() -> None:
     from requester.sglang import device_triton
 
     res, (a, _) = _resident([3000, 700])
-    assert device.warm_up(res, torch.device("cuda"), 2048)
+    assert device_scores.warm_up(res, torch.device("cuda"), 2048)
     before = _compiled(device_triton._keys_kernel)
     g = torch.Generator(device="cuda").manual_seed(SEED)
     for n, width in ((601, 48), (1303, 49), (77, 50)):  # row counts no call has used
@@ -106,7 +106,7 @@ def test_prefills_of_new_sizes_compile_nothing_after_warm_up() -> None:
         tokens = torch.full((n,), a.tokens, dtype=torch.int32, device="cuda")
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        scores = device.corpus_scores(res, 0, q, w, base, tokens)
+        scores = device_scores.corpus_scores(res, 0, q, w, base, tokens)
         own = torch.randn(n, width, generator=g, device="cuda")
         own_len = torch.full((n,), width, dtype=torch.int64, device="cuda")  # as SGLang's
         device.fused_topk(scores, tokens, own, own_len, 2048)
@@ -183,7 +183,7 @@ def test_fp8_corpus_partial_is_flashmlas_fp8_decode_and_matches_the_reference() 
 def _layer_step(res: Resident, inp: dict[str, torch.Tensor], k: int) -> tuple[torch.Tensor, ...]:
     """One layer's corpus path as the backend runs it in decode."""
     base, tokens = res.rows_of(inp["slots"])
-    scores = device.corpus_scores(res, 0, inp["q_fp8"], inp["w"], base, tokens)
+    scores = device_scores.corpus_scores(res, 0, inp["q_fp8"], inp["w"], base, tokens)
     corpus, own = device.fused_topk(scores, tokens, inp["own"], inp["own_len"], k)
     o_c, l_c = device.corpus_partial(res, 0, inp["q"], corpus, base, 576**-0.5, 512, True)
     o, lse = merge_local_corpus(inp["o_loc"], inp["lse_loc"], o_c, l_c)

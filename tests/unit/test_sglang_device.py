@@ -14,7 +14,7 @@ from indexer import select_topk
 from indexer.fp8 import fp8_view
 from indexer.scores import index_scores
 from requester.corpus_view import CorpusView
-from requester.sglang import device, pagehash, topk
+from requester.sglang import device, device_scores, pagehash, topk
 from requester.sglang.binding import CorpusBindingError
 from requester.sglang.resident import Resident, index_pages
 from tests.support.checks import rel
@@ -116,7 +116,7 @@ def test_index_pages_are_sglang_pages_and_score_as_fp8_view() -> None:
     q = torch.randn(n, h, d, generator=g).to(torch.float8_e4m3fn)
     w = torch.rand(n, h, generator=g)
     table = torch.tensor([[0, 1, 2]] * n, dtype=torch.int32)
-    got = device.paged_scores_reference(q, w, pages, table, p)[:, :t]
+    got = device_scores.paged_scores_reference(q, w, pages, table, p)[:, :t]
     want = index_scores(q.float(), w, fp8_view(keys, False), 1.0)
     assert rel(got, want) < 1e-5
 
@@ -259,10 +259,10 @@ def test_in_row_chunks_calls_with_a_fixed_row_count_and_keeps_each_rows_output(n
         seen.append((q.shape[0], w.shape[0], t.shape[0], lens.shape[0]))
         real = min(4, n - 4 * (len(seen) - 1))
         assert bool((lens[real:] == 1).all()) and bool((w[real:] == 0).all())
-        return device.paged_scores_reference(q, w, pages, t, 64) + lens[:, None]
+        return device_scores.paged_scores_reference(q, w, pages, t, 64) + lens[:, None]
 
-    got = device.in_row_chunks(score, 4, (q, w, table, lens), (0, 0.0, 0, 1))
-    want = device.paged_scores_reference(q, w, pages, table, 64) + lens[:, None]
+    got = device_scores.in_row_chunks(score, 4, (q, w, table, lens), (0, 0.0, 0, 1))
+    want = device_scores.paged_scores_reference(q, w, pages, table, 64) + lens[:, None]
     assert seen == [(4, 4, 4, 4)] * math.ceil(n / 4)
     assert got.shape == want.shape and torch.equal(got, want)
 
@@ -271,5 +271,5 @@ def test_corpus_scores_of_no_rows_is_an_empty_window() -> None:
     res = _resident()
     q = torch.zeros(0, 8, 128).to(torch.float8_e4m3fn)
     empty = torch.zeros(0, dtype=torch.int32)
-    got = device.corpus_scores(res, 0, q, torch.zeros(0, 8), empty, empty)
+    got = device_scores.corpus_scores(res, 0, q, torch.zeros(0, 8), empty, empty)
     assert got.shape == (0, res.window_tokens)
