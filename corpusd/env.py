@@ -77,8 +77,9 @@ VARIABLES = {
         "unset",
     ),
     "CORPUSD_SGLANG_PROFILE_SLOW": (
-        "SGLang plugin: profile each bound prefill on the host (cProfile) and log the profile of "
-        "one that holds the host over a second (a diagnosis aid; it slows prefills)",
+        "SGLang plugin: profile each bound prefill on the host (cProfile), wait for it, and log "
+        "one that takes over this many seconds (1 if not a number) with its GPU time and "
+        "profile (a diagnosis aid; it slows prefills)",
         "unset",
     ),
 }

@@ -6,7 +6,10 @@
 #   bash tools/gpu_session.sh decode         # issue 17: stock vs graphed route, 8 and 64 streams (~4 min)
 #   bash tools/gpu_session.sh decode-engine  # the same over a corpus pinned through SGLang (~5 min)
 #   bash tools/gpu_session.sh bad-binding    # issue 17: the pytest -m sglang bad-input test (~5 min)
-#   bash tools/gpu_session.sh predicate      # issue 17: forced route, forced fetch and auto, host path (~9 min)
+#   bash tools/gpu_session.sh predicate      # issue 17: forced route, forced fetch and auto, host path,
+#                                            #   8 teacher-forced steps a request = 64 (~9 min)
+#   bash tools/gpu_session.sh device-tests   # the GPU kernel, fp8 and device-path tests (~3 min)
+#   bash tools/gpu_session.sh ttft           # issue 17: first token under 64 arrivals, per prefill (~3 min)
 #   bash tools/gpu_session.sh layer          # issue 17: the corpus path per layer, top-k variants (~2 min)
 #   bash tools/gpu_session.sh pin-check      # issue 18: GPU pin + kernel tests, index-score launch sweep (~3 min)
 #   bash tools/gpu_session.sh pin            # issue 18: bench_pin --sglang, corpusd vs SGLang prefill (~6 min)
@@ -16,8 +19,8 @@
 #   bash tools/gpu_session.sh fp8            # issue 18: fp8 GPU tests, then bench_sglang on fp8 (~8 min)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | layer | pin-check | pin | engine-pin | engine-agree | fp8"}
-case "$step" in fanin|decode|decode-engine|bad-binding|predicate|layer|pin-check|pin|engine-pin|engine-agree|fp8) ;;
+step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8"}
+case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
@@ -70,11 +73,26 @@ bad-binding)
     tail -5 "$OUT/bad-binding.log" ;;
 predicate)  # the JSON is saved after every mode, so a cut-short run keeps what it measured
     timeout 570 python3 -m tools.bench_sglang --modes stock,route --primitive route,fetch,auto \
-        --regimes sparse --requests 8 --tokens 16 --forced-steps 4 --streams 8 --graph-bs 8 \
+        --regimes sparse --requests 8 --tokens 16 --forced-steps 8 --streams 8 --graph-bs 8 \
         --holder-device cuda:0 --fit-steps 0 --work /tmp/bsp --out "$OUT/sglang-predicate-$GPU.json" \
         > "$OUT/sglang-predicate-$GPU.log" 2>&1
     took predicate $?
     tail -14 "$OUT/sglang-predicate-$GPU.log" ;;
+device-tests)  # after a change to the kernels or the device path that CPU CI cannot run
+    timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_fp8.py \
+        > "$OUT/gpu-kernel-tests.log" 2>&1
+    took "gpu kernel + fp8 tests" $?
+    tail -2 "$OUT/gpu-kernel-tests.log"
+    timeout 200 python3 -m pytest -q -m sglang tests/sglang/test_sglang_device_gpu.py \
+        > "$OUT/device-path-gpu-tests.log" 2>&1
+    took "device-path tests" $?
+    tail -2 "$OUT/device-path-gpu-tests.log" ;;
+ttft)
+    timeout 400 python3 -m tools.diag_route_ttft --work /tmp/dtt --out "$OUT/route-ttft-$GPU.json" \
+        > "$OUT/route-ttft-$GPU.log" 2>&1
+    took ttft $?
+    cp /tmp/dtt/sglang-route.log "$OUT/route-ttft-$GPU-route.log" 2>/dev/null
+    tail -8 "$OUT/route-ttft-$GPU.log" ;;
 layer)
     timeout 300 python3 -m tools.bench_device_path --variants \
         --out "$OUT/sglang-device-path-$GPU.json" > "$OUT/sglang-device-path-$GPU.log" 2>&1

@@ -38,7 +38,7 @@ from requester.sglang import admission, choose, follow, formats, page_cache
 from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
 from requester.sglang.device_scores import warm_up as warm_scores
 from requester.sglang.link import CorpusLink
-from requester.sglang.metrics import PluginMetrics, metrics_port, serve
+from requester.sglang.metrics import PluginMetrics, metrics_port, serve, slow_prefill_s
 from requester.sglang.pagehash import sglang_key_scales_ue8m0
 from requester.sglang.positions import INDEX_DIM, ROPE_START, ROPE_WIDTH, shifted_positions
 from requester.sglang.resident import Resident
@@ -310,12 +310,15 @@ def _timed_extend(cb: CorpusBatch, positions: torch.Tensor) -> Iterator[None]:
     """A bound prefill's forward, timed on the host (kernel launches, and any JIT compile of a
     shape not seen before) and on the GPU (CUDA events, read at the timings' next flush); one
     that holds the host over a second is logged at once with its shape. Decode steps (graph
-    replays) are not timed."""
+    replays) are not timed. With ``CORPUSD_SGLANG_PROFILE_SLOW`` (a diagnosis aid) each bound
+    prefill is profiled on the host and waited for, and one whose wall time passes the
+    variable's threshold is logged with its GPU time and host profile."""
     if cb.mode != "extend" or not positions.is_cuda or torch.cuda.is_current_stream_capturing():
         yield
         return
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    prof = cProfile.Profile() if os.environ.get(ENV_PROFILE_SLOW) else None
+    slow_s = slow_prefill_s(os.environ.get(ENV_PROFILE_SLOW))
+    prof = cProfile.Profile() if slow_s is not None else None
     t0 = time.perf_counter()
     start.record()
     if prof is not None:
@@ -326,15 +329,18 @@ def _timed_extend(cb: CorpusBatch, positions: torch.Tensor) -> Iterator[None]:
     end.record()
     host = time.perf_counter() - t0
     cb.link.timings.add("forward (extend) host", host)
-    if host <= 1.0:
+    if prof is not None:
+        end.synchronize()
+    wall = time.perf_counter() - t0
+    if wall <= (slow_s or 1.0):
         cb.link.timings.add_gpu("forward (extend) gpu", start, end)
         return
     end.synchronize()  # already slow: say how much of it was the GPU's
     log.warning(
         "corpusd plugin: a bound prefill of %d tokens (%d requests) held the host %.2f s, "
-        "GPU %.1f ms",
+        "GPU %.1f ms, %.1f ms until done",
         positions.shape[0], sum(b is not None for b in cb.bindings), host,
-        start.elapsed_time(end),
+        start.elapsed_time(end), 1e3 * (time.perf_counter() - t0),
     )  # fmt: skip
     if prof is not None:
         text = io.StringIO()

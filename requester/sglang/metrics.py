@@ -87,6 +87,18 @@ def serve(metrics: PluginMetrics, port: int, addr: str = "127.0.0.1") -> bool:
     return _SERVED[port]
 
 
+def slow_prefill_s(value: str | None) -> float | None:
+    """``CORPUSD_SGLANG_PROFILE_SLOW``'s threshold in seconds: unset → None (no profiling), a
+    positive number → that, anything else (``1``, ``yes``) → 1 s."""
+    if not value:
+        return None
+    try:
+        s = float(value)
+    except ValueError:
+        return 1.0
+    return s if s > 0 else 1.0
+
+
 class Timings:
     """Where the plugin's time goes, logged every ``every_s`` seconds as mean ms per call of each
     stage (the SGLang log is where a user looks; SGLang's own metrics time the whole step).

@@ -157,3 +157,14 @@ def test_timings_resolve_gpu_events_at_flush(caplog: pytest.LogCaptureFixture) -
     with caplog.at_level(logging.INFO, logger="corpusd.sglang"):
         t.flush()  # now it is read, once
     assert "forward (extend) gpu 10.00 ms × 1" in caplog.records[-1].getMessage()
+
+
+def test_slow_prefill_threshold_reads_seconds_or_falls_back_to_one() -> None:
+    """``CORPUSD_SGLANG_PROFILE_SLOW``: unset or empty profiles nothing; a positive number is
+    the threshold in seconds; a flag-like value (or a non-positive number) means 1 s."""
+    from requester.sglang.metrics import slow_prefill_s
+
+    assert slow_prefill_s(None) is None and slow_prefill_s("") is None
+    assert slow_prefill_s("0.05") == 0.05 and slow_prefill_s("2") == 2.0
+    assert slow_prefill_s("1") == 1.0 and slow_prefill_s("yes") == 1.0
+    assert slow_prefill_s("0") == 1.0 and slow_prefill_s("-3") == 1.0
