@@ -38,7 +38,13 @@ from requester.sglang import admission, choose, follow, formats, page_cache
 from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
 from requester.sglang.device_scores import warm_up as warm_scores
 from requester.sglang.link import CorpusLink
-from requester.sglang.metrics import PluginMetrics, metrics_port, serve, slow_prefill_s
+from requester.sglang.metrics import (
+    PluginMetrics,
+    log_triton_compiles,
+    metrics_port,
+    serve,
+    slow_prefill_s,
+)
 from requester.sglang.pagehash import sglang_key_scales_ue8m0
 from requester.sglang.positions import INDEX_DIM, ROPE_START, ROPE_WIDTH, shifted_positions
 from requester.sglang.resident import Resident
@@ -115,6 +121,8 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         port = metrics_port()
         if port is not None:
             serve(metrics, port)
+        if slow_prefill_s(os.environ.get(ENV_PROFILE_SLOW)) is not None:
+            log_triton_compiles()  # which kernel a slow prefill compiled, after the warm-up
         self.corpusd_resident = self._device_path(args, mcfg)
         if self.corpusd_resident is not None and force == "fetch":
             raise RuntimeError(

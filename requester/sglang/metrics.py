@@ -99,6 +99,30 @@ def slow_prefill_s(value: str | None) -> float | None:
     return s if s > 0 else 1.0
 
 
+
+def log_triton_compiles() -> bool:
+    """Log every Triton kernel compiled in this process from now on, with its specialisation
+    (module, kernel, argument types and value classes: Triton compiles a kernel again for an
+    integer argument that is 1 or a multiple of 16, and for every new constexpr). A diagnosis
+    aid (``CORPUSD_SGLANG_PROFILE_SLOW``); chains a hook already there. True when installed."""
+    try:
+        from triton import knobs
+    except ImportError:  # Triton before 3.4: no hook to chain
+        return False
+    before = knobs.runtime.jit_cache_hook
+
+    def hook(*args: Any, **kw: Any) -> Any:
+        fn = kw.get("fn")
+        log.warning(
+            "corpusd plugin: Triton compiles %s.%s: %s",
+            getattr(fn, "module", "?"), getattr(fn, "name", "?"), kw.get("repr", ""),
+        )  # fmt: skip
+        return before(*args, **kw) if before else None
+
+    knobs.runtime.jit_cache_hook = hook
+    return True
+
+
 class Timings:
     """Where the plugin's time goes, logged every ``every_s`` seconds as mean ms per call of each
     stage (the SGLang log is where a user looks; SGLang's own metrics time the whole step).

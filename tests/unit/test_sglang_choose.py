@@ -168,3 +168,25 @@ def test_slow_prefill_threshold_reads_seconds_or_falls_back_to_one() -> None:
     assert slow_prefill_s("0.05") == 0.05 and slow_prefill_s("2") == 2.0
     assert slow_prefill_s("1") == 1.0 and slow_prefill_s("yes") == 1.0
     assert slow_prefill_s("0") == 1.0 and slow_prefill_s("-3") == 1.0
+
+
+def test_triton_compile_log_names_the_kernel_and_chains_the_hook_before(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The diagnosis hook logs the compiled kernel's module, name and specialisation, and calls
+    a hook that was there before it with the same arguments (what it returns counts)."""
+    knobs = pytest.importorskip("triton").knobs
+    from requester.sglang.metrics import log_triton_compiles
+
+    seen: list[dict[str, object]] = []
+    saved = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda **kw: seen.append(kw) or True
+    try:
+        assert log_triton_compiles()
+        fn = type("Info", (), {"module": "requester.sglang.device_triton", "name": "_topk"})()
+        with caplog.at_level(logging.WARNING, logger="corpusd.sglang"):
+            got = knobs.runtime.jit_cache_hook(fn=fn, repr="_topk(n: i32 (D))", key=1)
+    finally:
+        knobs.runtime.jit_cache_hook = saved
+    assert got is True and seen and seen[0]["key"] == 1
+    assert "requester.sglang.device_triton._topk: _topk(n: i32 (D))" in caplog.text
