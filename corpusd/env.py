@@ -79,7 +79,7 @@ VARIABLES = {
     "CORPUSD_SGLANG_PROFILE_SLOW": (
         "SGLang plugin: profile each bound prefill on the host (cProfile), wait for it, and log "
         "one that takes over this many seconds (1 if not a number) with its GPU time and "
-        "profile (a diagnosis aid; it slows prefills)",
+        "profile, and log every Triton compile (a diagnosis aid; it slows prefills)",
         "unset",
     ),
 }

@@ -74,10 +74,10 @@ bad-binding)
 predicate)  # the JSON is saved after every mode, so a cut-short run keeps what it measured
     timeout 570 python3 -m tools.bench_sglang --modes stock,route --primitive route,fetch,auto \
         --regimes sparse --requests 8 --tokens 16 --forced-steps 8 --streams 8 --graph-bs 8 \
-        --holder-device cuda:0 --fit-steps 0 --work /tmp/bsp --out "$OUT/sglang-predicate-$GPU.json" \
-        > "$OUT/sglang-predicate-$GPU.log" 2>&1
+        --holder-device cuda:0 --fit-steps 0 --work /tmp/bsp --out "$OUT/sglang-predicate64-$GPU.json" \
+        > "$OUT/sglang-predicate64-$GPU.log" 2>&1
     took predicate $?
-    tail -14 "$OUT/sglang-predicate-$GPU.log" ;;
+    tail -14 "$OUT/sglang-predicate64-$GPU.log" ;;
 device-tests)  # after a change to the kernels or the device path that CPU CI cannot run
     timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_fp8.py \
         > "$OUT/gpu-kernel-tests.log" 2>&1
