@@ -50,6 +50,8 @@ def refusal(rid: str | None, model: _Model | None = None) -> str | None:
         name = corpus_of_rid(rid)
         if name is None or model is None:
             return None
+        # at most once a second: forget corpora unpinned or placed anew since they were bound
+        model.corpusd_link.recheck(model.corpusd_resident)
         b = model.corpusd_link.bind(name)
         if model.corpusd_resident is not None:
             # the device path: load it into the arena now (once per corpus), where the forward

@@ -144,10 +144,11 @@ class CorpusLink(DeviceLink):
     def bind(self, name: str) -> Binding:
         """The binding of corpus ``name`` (cached). Raises CorpusBindingError (unknown, not
         ready, pinned for another model or page size)."""
-        if name not in self._bindings:
+        b = self._bindings.get(name)  # (a recheck on the link's loop may drop it meanwhile)
+        if b is None:
             corpora = self._run(self._list())
-            self._bindings[name] = resolve(name, corpora, self.fingerprint, self.page_size)
-        return self._bindings[name]
+            b = self._bindings[name] = resolve(name, corpora, self.fingerprint, self.page_size)
+        return b
 
     async def _list(self) -> list[PinnedCorpus]:
         async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:

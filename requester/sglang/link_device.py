@@ -5,8 +5,12 @@ prefill, never per layer."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Coroutine
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -17,13 +21,18 @@ from corpusd.corpus.store import PageStore
 from corpusd.transport import cuda_ipc
 from requester.corpus_view import CorpusView
 from requester.fanout import CorpusBinding, Fanout
-from requester.sglang.binding import Binding, CorpusBindingError
+from requester.sglang.binding import Binding, CorpusBindingError, PinnedCorpus, resolve
 from requester.sglang.pages import engine_index_pages
 from requester.sglang.resident import ArenaCorpus, Resident
 
 log = logging.getLogger("corpusd.sglang")
 
 T = TypeVar("T")
+
+#: Admission re-reads the coordinator's corpora at most this often (seconds). An unpinned
+#: corpus's frames go back to its holders' free lists at once and the next pin may take them;
+#: from this long after an unpin no new request is served from them.
+RECHECK_S = 1.0
 
 
 class DeviceLink:
@@ -34,10 +43,96 @@ class DeviceLink:
         timeout: float
         fanout: Fanout
         store: PageStore | None
+        fingerprint: str
+        page_size: int
+        _bindings: dict[str, Binding]
+        corpora: dict[str, CorpusBinding]
+
+        _loop: asyncio.AbstractEventLoop
 
         def _run(self, coro: Coroutine[Any, Any, T]) -> T: ...
 
         async def _corpus(self, corpus_id: str) -> CorpusBinding: ...
+
+        async def _list(self) -> list[PinnedCorpus]: ...
+
+        async def _page_table(self, corpus_id: str) -> CorpusView: ...
+
+    _checked_at = 0.0  # time.monotonic() of the last recheck begun
+    _rechecking: Future[dict[str, str]] | None = None
+
+    def recheck(
+        self, res: Resident | None, every_s: float = RECHECK_S, wait: bool = False
+    ) -> dict[str, str]:
+        """Forget what no longer holds, so the next request bound to it binds and loads afresh
+        (or is refused, naming why): a bound name that no longer means its corpus (unpinned,
+        retired, or a re-pin of changed content under the name), and on the device path a
+        loaded corpus no longer ready or whose pages now sit in other frames (unpinned and
+        pinned again). Without this both were served from frames their holders had freed,
+        which the next pin may fill with another corpus's rows: wrong answers, no error.
+
+        The coordinator is asked at most once per ``every_s`` seconds, on the link's loop, so
+        the caller (admission, on SGLang's scheduler thread) never waits for it: a call applies
+        the answer of the last one that is done (the arena is changed on the caller's thread)
+        and starts the next when due; ``wait``: wait for the one it starts and apply it too.
+        Returns corpus id → why, for those forgotten now. A coordinator that does not answer
+        changes nothing (logged). Requests already running keep the tables their prefill
+        recorded."""
+        stale = self._apply_recheck(res)
+        if self._rechecking is None and time.monotonic() - self._checked_at >= every_s:
+            self._checked_at = time.monotonic()
+            self._rechecking = asyncio.run_coroutine_threadsafe(self._recheck(res), self._loop)
+            if wait:
+                wait_for([self._rechecking], self.timeout)
+                stale.update(self._apply_recheck(res))
+        return stale
+
+    def _apply_recheck(self, res: Resident | None) -> dict[str, str]:
+        fut = self._rechecking
+        if fut is None or not fut.done():
+            return {}
+        self._rechecking = None
+        try:
+            stale = fut.result()
+        except Exception as e:  # keep serving what is bound; the next recheck tries again
+            log.warning("corpusd plugin: could not re-check bound corpora with the coordinator "
+                        "(%s: %s)", type(e).__name__, e)  # fmt: skip
+            return {}
+        for cid, why in stale.items():
+            if res is not None:
+                res.forget(cid)
+            log.warning("corpusd plugin: corpus %s %s: forgotten; a request bound to it binds "
+                        "anew", cid, why)  # fmt: skip
+        return stale
+
+    async def _recheck(self, res: Resident | None) -> dict[str, str]:
+        listed = await self._list()
+        stale: dict[str, str] = {}
+        for name, b in list(self._bindings.items()):
+            try:
+                now: Binding | None = resolve(name, listed, self.fingerprint, self.page_size)
+            except CorpusBindingError:
+                now = None
+            if now is None or now.corpus_id != b.corpus_id:
+                del self._bindings[name]
+                means = "nothing ready" if now is None else now.corpus_id
+                stale.setdefault(b.corpus_id, f"(bound as {name!r}): the name now means {means}")
+        ready = {c.corpus_id for c in listed if c.state == "ready"}
+        loaded = list(res.corpora.values()) if res is not None else []  # one snapshot
+        for c in loaded:
+            if c.corpus_id not in ready:
+                stale.setdefault(c.corpus_id, "is no longer pinned")
+        placed = [c for c in loaded if c.corpus_id in ready]
+        views = await asyncio.gather(*(self._page_table(c.corpus_id) for c in placed))
+        for c, view in zip(placed, views, strict=True):
+            if tuple((view.holders[r[0][0]], int(r[0][1])) for r in view.replicas) != (
+                c.placement
+            ):
+                stale.setdefault(c.corpus_id, "was placed anew (unpinned and pinned again)")
+        if res is not None:  # the device path loads from the cached view: re-read it then
+            for cid in stale:  # (the host path's views follow their tables: follow.py)
+                self.corpora.pop(cid, None)
+        return stale
 
     def map_holders(self, res: Resident, device: torch.device) -> list[str]:
         """Map the pools of every registered holder on ``device`` into ``res`` (CUDA IPC);

@@ -64,6 +64,9 @@ class ArenaCorpus:
     base_page: int
     n_pages: int
     tokens: int
+    #: per page, the (holder address, frame) its rows are read from: what the arena's tables
+    #: hold, kept on the host so a changed placement is found without reading the GPU
+    placement: tuple[tuple[str, int], ...] = ()
 
 
 class Resident:
@@ -208,10 +211,18 @@ class Resident:
         frames = torch.tensor([f for _, f in first], dtype=torch.int32)
         self.page_frame[base : base + n] = frames.to(self.device)
         self._next_page += n
-        c = ArenaCorpus(cid, base, n, view.token_count)
+        placed = tuple((view.holders[h], int(f)) for h, f in first)
+        c = ArenaCorpus(cid, base, n, view.token_count, placed)
         self.corpora[cid] = c
         log.info("corpus %s resident: %d pages at arena page %d", cid, n, base)
         return c
+
+    def forget(self, corpus_id: str) -> bool:
+        """Drop ``corpus_id`` from the loaded corpora (unpinned, or placed anew): the next load
+        places it again from its current page table. Requests already bound keep the tables
+        their prefill recorded; the arena's pages are not reused (it only grows). True when it
+        was loaded."""
+        return self.corpora.pop(corpus_id, None) is not None
 
     def bind(self, req_slots: torch.Tensor, corpora: list[ArenaCorpus | None]) -> None:
         """Record each request slot's corpus (None: unbound) for the steps that follow."""

@@ -28,8 +28,14 @@ class _Link:
         self, known: dict[str, int], fail: Exception | None = None, elsewhere: tuple[str, ...] = ()
     ) -> None:
         self.known, self.fail, self.elsewhere = known, fail, elsewhere
+        self.calls: list[str] = []
+
+    def recheck(self, res: Any) -> dict[str, str]:  # as link_device's: forgets what left
+        self.calls.append("recheck")
+        return {}
 
     def bind(self, name: str) -> _Binding:
+        self.calls.append(f"bind {name}")
         if self.fail is not None:
             raise self.fail
         if name not in self.known:
@@ -152,3 +158,14 @@ def test_a_corpus_on_holders_off_this_gpu_fails_its_request_at_admission(
     assert far.aborted is not None and "not on this GPU" in far.aborted
     assert docs.aborted is None and again.aborted is None
     assert admission.batch_corpora([r.rid for r in s.queue], 3) == [None, "docs", "docs"]
+
+
+def test_admission_rechecks_the_pins_before_it_binds() -> None:
+    """A corpus unpinned since it was bound must not be bound from the link's cache: admission
+    asks the link to recheck (at most once a second, ``link_device.recheck``) before each bind;
+    an unbound request costs no recheck."""
+    link = _Link({"docs": 10})
+    model = _Model(link, _Resident())
+    assert admission.refusal("corpusd:docs:1", model) is None
+    assert admission.refusal("plain", model) is None
+    assert link.calls == ["recheck", "bind docs"]
