@@ -224,8 +224,9 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             bs = int(forward_batch.batch_size)
             names = admission.batch_corpora(getattr(forward_batch, "rids", None), bs)
             link = self.corpusd_link
-            bindings = [link.bind(c) if c else None for c in names]
-            placed = [link.load_resident(b, res) if b else None for b in bindings]
+            # as admission bound and loaded them, whatever a recheck forgot since
+            bindings = [link.bound(c) if c else None for c in names]
+            placed = [link.load_resident(b, res, admitted=True) if b else None for b in bindings]
             res.bind(forward_batch.req_pool_indices[:bs], placed)
             if not any(placed):
                 return None
@@ -259,7 +260,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         names = admission.batch_corpora(getattr(forward_batch, "rids", None), bs)
         if not any(names):
             return None
-        bindings = [self.corpusd_link.bind(c) if c else None for c in names]
+        bindings = [self.corpusd_link.bound(c) if c else None for c in names]
         if forward_batch.forward_mode.is_extend():
             per_req = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
         else:

@@ -123,6 +123,7 @@ class CorpusLink(DeviceLink):
             Predicate(Profile(), "route"), self.metrics, transport="grpc", rpc_timeout_s=timeout
         )
         self._bindings: dict[str, Binding] = {}
+        self._gone: dict[str, Binding] = {}  # bindings a recheck forgot (``bound``)
         self.corpora: dict[str, CorpusBinding] = {}
         self.staged: Staged = {}  # re-read views waiting for a forward's first layer (follow.py)
         self._following: asyncio.Task[None] | None = None
@@ -149,6 +150,14 @@ class CorpusLink(DeviceLink):
             corpora = self._run(self._list())
             b = self._bindings[name] = resolve(name, corpora, self.fingerprint, self.page_size)
         return b
+
+    def bound(self, name: str) -> Binding:
+        """The binding a forward uses for a request admission bound to ``name``: as admission
+        bound it, also when a recheck has since forgotten the name (admission refuses new
+        requests to it; the ones already admitted run on), so the forward asks nothing and
+        raises nothing a recheck caused."""
+        b = self._bindings.get(name) or self._gone.get(name)
+        return b if b is not None else self.bind(name)
 
     async def _list(self) -> list[PinnedCorpus]:
         async with CoordinatorClient(self.coordinator, timeout=self.timeout) as c:

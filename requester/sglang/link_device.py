@@ -46,6 +46,7 @@ class DeviceLink:
         fingerprint: str
         page_size: int
         _bindings: dict[str, Binding]
+        _gone: dict[str, Binding]
         corpora: dict[str, CorpusBinding]
 
         _loop: asyncio.AbstractEventLoop
@@ -114,7 +115,7 @@ class DeviceLink:
             except CorpusBindingError:
                 now = None
             if now is None or now.corpus_id != b.corpus_id:
-                del self._bindings[name]
+                self._gone[name] = self._bindings.pop(name)
                 means = "nothing ready" if now is None else now.corpus_id
                 stale.setdefault(b.corpus_id, f"(bound as {name!r}): the name now means {means}")
         ready = {c.corpus_id for c in listed if c.state == "ready"}
@@ -170,13 +171,24 @@ class DeviceLink:
                  len(mapped), res.kv_format, mapped)  # fmt: skip
         return mapped
 
-    def load_resident(self, b: Binding, res: Resident) -> ArenaCorpus:
+    def load_resident(self, b: Binding, res: Resident, admitted: bool = False) -> ArenaCorpus:
         """Corpus ``b`` in ``res``'s arena (loaded once: its page table and every layer's
         index keys). Raises CorpusBindingError when it cannot be served from this GPU. Called
         at admission (:mod:`.admission`), on the scheduler's stream, possibly beside a forward
-        on another: the arena's writes are done when it returns."""
+        on another: the arena's writes are done when it returns. ``admitted`` (the forward, for
+        a request admission loaded): a corpus a recheck has forgotten since is loaded again
+        (placed anew: its new frames), or, when that fails (unpinned), served as it was loaded,
+        so a recheck never makes the forward raise."""
         if b.corpus_id in res.corpora:
             return res.corpora[b.corpus_id]
+        if admitted and b.corpus_id in res.retired:
+            try:
+                return self.load_resident(b, res)
+            except Exception as e:
+                log.warning("corpusd plugin: corpus %s, forgotten after its requests were "
+                            "admitted, cannot be loaded again (%s: %s); they read it as loaded",
+                            b.corpus_id, type(e).__name__, e)  # fmt: skip
+                return res.retired[b.corpus_id]
         res.check(b.corpus_id, b.tokens)
         view, keys = self._run(self._resident_inputs(b.corpus_id, res.n_layers, res))
         placed = res.load(view, keys)

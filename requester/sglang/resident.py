@@ -104,6 +104,7 @@ class Resident:
         self.incarnation: dict[str, str] = {}  # holder address → the mapped pools' process
         self.kv_format: str | None = None  # the mapped pools' row format (KV_FORMATS)
         self.corpora: dict[str, ArenaCorpus] = {}
+        self.retired: dict[str, ArenaCorpus] = {}  # forgotten: admitted requests may still use
         self._next_page = 0
 
     @property
@@ -214,15 +215,20 @@ class Resident:
         placed = tuple((view.holders[h], int(f)) for h, f in first)
         c = ArenaCorpus(cid, base, n, view.token_count, placed)
         self.corpora[cid] = c
+        self.retired.pop(cid, None)
         log.info("corpus %s resident: %d pages at arena page %d", cid, n, base)
         return c
 
     def forget(self, corpus_id: str) -> bool:
         """Drop ``corpus_id`` from the loaded corpora (unpinned, or placed anew): the next load
         places it again from its current page table. Requests already bound keep the tables
-        their prefill recorded; the arena's pages are not reused (it only grows). True when it
-        was loaded."""
-        return self.corpora.pop(corpus_id, None) is not None
+        their prefill recorded, and one admitted but not yet prefilled is served as it was
+        (``retired``); the arena's pages are not reused (it only grows). True when it was
+        loaded."""
+        c = self.corpora.pop(corpus_id, None)
+        if c is not None:
+            self.retired[corpus_id] = c
+        return c is not None
 
     def bind(self, req_slots: torch.Tensor, corpora: list[ArenaCorpus | None]) -> None:
         """Record each request slot's corpus (None: unbound) for the steps that follow."""

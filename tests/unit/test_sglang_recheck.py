@@ -17,7 +17,7 @@ import torch
 
 from corpusd.model import ModelConfig
 from corpusd.transport import cuda_ipc
-from requester.corpus_view import CorpusView
+from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.sglang import link as link_mod
 from requester.sglang import link_device
 from requester.sglang.binding import CorpusBindingError, PinnedCorpus
@@ -54,8 +54,10 @@ def test_a_corpus_unpinned_or_placed_anew_is_forgotten_and_never_read_from_old_f
     async def list_corpora() -> list[PinnedCorpus]:
         return list(listed)
 
-    async def page_table(cid: str) -> CorpusView:
+    async def page_table(cid: str) -> CorpusView:  # as the coordinator's: ready ones only
         table_reads.append(cid)
+        if not any(c.corpus_id == cid for c in listed):
+            raise CorpusUnavailable(f"corpus {cid} is retired, not ready")
         f = frames[cid]
         return CorpusView(cid, 150, P, ("h0",), torch.zeros(3, dtype=torch.long), torch.tensor(f),
                           tuple(((0, x),) for x in f))  # fmt: skip
@@ -96,7 +98,12 @@ def test_a_corpus_unpinned_or_placed_anew_is_forgotten_and_never_read_from_old_f
         assert "c1" in stale and "nothing ready" in stale["c1"]
         assert "c1" not in res.corpora
         with pytest.raises(CorpusBindingError, match="docs"):
-            link.bind("docs")
+            link.bind("docs")  # admission: the next request is refused
+        # a request admitted before the recheck reaches its prefill: the forward gets what
+        # admission bound and loaded, and raises nothing (a raise stops SGLang's scheduler)
+        b = link.bound("docs")
+        assert b.corpus_id == "c1"
+        assert link.load_resident(b, res, admitted=True) is first
 
         listed.append(PinnedCorpus("c1", "docs", "ready", 150, P, "fp"))  # pinned again,
         frames["c1"] = [7, 1, 5]  # into other frames
@@ -110,7 +117,10 @@ def test_a_corpus_unpinned_or_placed_anew_is_forgotten_and_never_read_from_old_f
         frames["c1"] = [3, 8, 6]
         stale = link.recheck(res, every_s=0, wait=True)
         assert stale == {"c1": "was placed anew (unpinned and pinned again)"}
-        assert link.load_resident(link.bind("docs"), res).placement[0] == ("h0", 3)
+        # an admitted request's forward loads the new frames (the corpus is ready)
+        moved = link.load_resident(link.bound("docs"), res, admitted=True)
+        assert moved.placement[0] == ("h0", 3)
+        assert link.load_resident(link.bind("docs"), res) is moved
     finally:
         link.close()
 
