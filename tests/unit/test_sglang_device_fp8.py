@@ -166,6 +166,33 @@ def _shared(shape: tuple[int, ...], dtype: str) -> cuda_ipc.SharedTensor:
     return cuda_ipc.SharedTensor("GPU-0", shape, dtype, 0, b"", 0, 0, b"", 0, b"", False)
 
 
+def fake_device_link(
+    monkeypatch: pytest.MonkeyPatch, cfg: ModelConfig, incarnation: dict[str, str]
+) -> link_mod.CorpusLink:
+    """A link whose coordinator lists a holder on this GPU per key of ``incarnation`` (address
+    → its process incarnation, read at each SharePool), each sharing bf16 pools of ``FRAMES``
+    pages that CUDA IPC "opens" as CPU zeros."""
+    holder = lambda a: SimpleNamespace(info=SimpleNamespace(address=a, device="cuda:0"))  # noqa: E731
+    monkeypatch.setattr(_Coordinator, "holders", [holder(a) for a in incarnation])
+    monkeypatch.setattr(link_device, "CoordinatorClient", _Coordinator)
+    monkeypatch.setattr(cuda_ipc, "device_uuid", lambda dev: "GPU-0")
+    monkeypatch.setattr(cuda_ipc, "open_shared",
+                        lambda s: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)))  # fmt: skip
+    link = link_mod.CorpusLink("127.0.0.1:1", cfg, "fp", P, table_refresh_s=-1)
+    layers = cfg.num_hidden_layers
+
+    class Client:
+        def __init__(self, address: str) -> None:
+            self.address = address
+
+        async def share_pool(self, uuid: str) -> tuple[list[cuda_ipc.SharedTensor], int, int, str]:
+            shared = [_shared((FRAMES * P, D), "bfloat16") for _ in range(layers)]
+            return shared, P, D_V, incarnation[self.address]
+
+    monkeypatch.setattr(link.fanout, "client", Client)
+    return link
+
+
 def test_map_holders_maps_fp8_pools_and_refuses_mixed_formats(
     tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -305,21 +332,7 @@ def test_a_corpus_on_a_restarted_holder_is_refused_not_read_from_the_old_pool(
     cfg = ModelConfig.from_dir(tiny_dir)
     layers = cfg.num_hidden_layers
     incarnation = {"h0": "first", "h1": "first"}
-    holder = lambda a: SimpleNamespace(info=SimpleNamespace(address=a, device="cuda:0"))  # noqa: E731
-    monkeypatch.setattr(_Coordinator, "holders", [holder(a) for a in incarnation])
-    monkeypatch.setattr(link_device, "CoordinatorClient", _Coordinator)
-    monkeypatch.setattr(cuda_ipc, "device_uuid", lambda dev: "GPU-0")
-    monkeypatch.setattr(cuda_ipc, "open_shared",
-                        lambda s: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)))  # fmt: skip
-    link = link_mod.CorpusLink("127.0.0.1:1", cfg, "fp", P, table_refresh_s=-1)
-
-    class Client:
-        def __init__(self, address: str) -> None:
-            self.address = address
-
-        async def share_pool(self, uuid: str) -> tuple[list[cuda_ipc.SharedTensor], int, int, str]:
-            shared = [_shared((FRAMES * P, D), "bfloat16") for _ in range(layers)]
-            return shared, P, D_V, incarnation[self.address]
+    link = fake_device_link(monkeypatch, cfg, incarnation)
 
     g = torch.Generator().manual_seed(SEED)
 
@@ -337,7 +350,6 @@ def test_a_corpus_on_a_restarted_holder_is_refused_not_read_from_the_old_pool(
         return SimpleNamespace(view=view(cid, 0 if cid.endswith("on-h0") else 1),
                                index_keys=index_keys)  # fmt: skip
 
-    monkeypatch.setattr(link.fanout, "client", Client)
     monkeypatch.setattr(link, "_corpus", corpus)
     try:
         res = _resident(layers)

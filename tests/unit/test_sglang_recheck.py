@@ -16,14 +16,10 @@ import pytest
 import torch
 
 from corpusd.model import ModelConfig
-from corpusd.transport import cuda_ipc
 from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.sglang import link as link_mod
-from requester.sglang import link_device
 from requester.sglang.binding import CorpusBindingError, PinnedCorpus
-from tests.unit.test_sglang_device_fp8 import D_V, FRAMES, SEED, P, _Coordinator, _resident, _shared
-
-D = 576
+from tests.unit.test_sglang_device_fp8 import SEED, P, _resident, fake_device_link
 
 
 def test_a_corpus_unpinned_or_placed_anew_is_forgotten_and_never_read_from_old_frames(
@@ -31,20 +27,7 @@ def test_a_corpus_unpinned_or_placed_anew_is_forgotten_and_never_read_from_old_f
 ) -> None:
     cfg = ModelConfig.from_dir(tiny_dir)
     layers = cfg.num_hidden_layers
-    holder = SimpleNamespace(info=SimpleNamespace(address="h0", device="cuda:0"))
-    monkeypatch.setattr(_Coordinator, "holders", [holder])
-    monkeypatch.setattr(link_device, "CoordinatorClient", _Coordinator)
-    monkeypatch.setattr(cuda_ipc, "device_uuid", lambda dev: "GPU-0")
-    monkeypatch.setattr(cuda_ipc, "open_shared",
-                        lambda s: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)))  # fmt: skip
-    link = link_mod.CorpusLink("127.0.0.1:1", cfg, "fp", P, table_refresh_s=-1)
-
-    class Client:
-        def __init__(self, address: str) -> None:
-            pass
-
-        async def share_pool(self, uuid: str) -> tuple[list[cuda_ipc.SharedTensor], int, int, str]:
-            return [_shared((FRAMES * P, D), "bfloat16") for _ in range(layers)], P, D_V, "one"
+    link = fake_device_link(monkeypatch, cfg, {"h0": "one"})
 
     # what the coordinator says: corpus "docs" (id c1) and where its 3 pages are
     listed = [PinnedCorpus("c1", "docs", "ready", 150, P, "fp")]
@@ -73,7 +56,6 @@ def test_a_corpus_unpinned_or_placed_anew_is_forgotten_and_never_read_from_old_f
             link.corpora[cid] = SimpleNamespace(view=await page_table(cid), index_keys=index_keys)
         return link.corpora[cid]
 
-    monkeypatch.setattr(link.fanout, "client", Client)
     monkeypatch.setattr(link, "_list", list_corpora)
     monkeypatch.setattr(link, "_page_table", page_table)
     monkeypatch.setattr(link, "_corpus", corpus)
