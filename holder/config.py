@@ -128,6 +128,15 @@ class HolderConfig:
         default=5.0,
         metadata={"help": "on SIGTERM, seconds running requests get before the holder stops"},
     )
+    shared_reuse_delay_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "once the pool is shared over CUDA IPC (an SGLang worker on this GPU reads "
+            "it in place), seconds a released frame waits before another corpus fills it, so "
+            "a request running across its corpus's unpin reads its own rows that long (taken "
+            "sooner only when the pool is otherwise full, logged); 0: at once"
+        },
+    )
     coordinator: str = field(
         default="",
         metadata={
@@ -151,6 +160,8 @@ class HolderConfig:
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.shared_reuse_delay_s < 0:
+            raise ValueError(f"shared_reuse_delay_s must be >= 0, got {self.shared_reuse_delay_s}")
         if self.capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {self.capacity_bytes}")
         if self.capacity_tokens < self.page_size:

@@ -9,11 +9,16 @@ can be checked against the corpus it names in one vectorised pass (on the host,
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from corpusd.corpus.manifest import FP8_ROW_BYTES, KV_FORMATS, page_format
+
+log = logging.getLogger("corpusd.holder")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +107,12 @@ class FramePool:
         self.table: dict[int, tuple[str, int]] = {}
         self.corpora: dict[str, HeldCorpus] = {}
         self._free = list(range(geo.frames - 1, -1, -1))  # pop() hands out the lowest frame
+        # Released frames of a pool shared over CUDA IPC wait ``reuse_delay_s`` before another
+        # corpus may fill them (oldest first when the free list runs short): an SGLang worker's
+        # decode graphs read the pool in place, and a request running across an unpin reads its
+        # corpus's frames until it ends. (release time + delay, frame), oldest first.
+        self.reuse_delay_s = 0.0
+        self._cooling: deque[tuple[float, int]] = deque()
         self._next_handle = 0
         self.version = 0  # bumped whenever a frame changes owner or valid rows
         self._masks: dict[tuple[str, str], tuple[int, torch.Tensor]] = {}
@@ -109,11 +120,16 @@ class FramePool:
     # -- queries ---------------------------------------------------------------------------------
     @property
     def free_frames(self) -> int:
-        return len(self._free)
+        """Frames a new page may take, cooling ones included (they are taken last)."""
+        return len(self._free) + len(self._cooling)
 
     @property
     def used_frames(self) -> int:
-        return self.geo.frames - len(self._free)
+        return self.geo.frames - self.free_frames
+
+    @property
+    def cooling_frames(self) -> int:
+        return len(self._cooling)
 
     def held(self, corpus_id: str) -> HeldCorpus | None:
         return self.corpora.get(corpus_id)
@@ -166,16 +182,30 @@ class FramePool:
         return held
 
     def take_frames(self, n: int, wanted: list[int] | None = None) -> list[int]:
-        """Reserve ``n`` free frames (the ``wanted`` ones when given: restart restores frames)."""
+        """Reserve ``n`` free frames (the ``wanted`` ones when given: restart restores frames).
+        Cooling frames (``reuse_delay_s``) are taken only when the free list is short, oldest
+        first, and logged."""
+        self._thaw(time.monotonic())
         if wanted is not None:
+            self._thaw(float("inf"))  # restore at start: nothing can read this pool yet
             missing = [f for f in wanted if f not in self._free]
             if missing:
                 raise PoolFull(f"frames {missing[:4]} are not free")
             for f in wanted:
                 self._free.remove(f)
             return wanted
-        if n > len(self._free):
-            raise PoolFull(f"{n} frames needed, {len(self._free)} free of {self.geo.frames}")
+        if n > self.free_frames:
+            raise PoolFull(f"{n} frames needed, {self.free_frames} free of {self.geo.frames}")
+        short = n - len(self._free)
+        if short > 0:
+            left = self._cooling[short - 1][0] - time.monotonic()
+            log.warning(
+                "pool short of frames: %d released %.1f s or less before their reuse delay ends "
+                "are filled now; an SGLang worker reading this pool in place may still read "
+                "them (a request running across its corpus's unpin)", short, left,
+            )  # fmt: skip
+            self._free.extend(self._cooling.popleft()[1] for _ in range(short))
+            self._free.sort(reverse=True)
         return [self._free.pop() for _ in range(n)]
 
     def return_frames(self, frames: list[int]) -> None:
@@ -184,8 +214,21 @@ class FramePool:
             self.valid[f] = 0
             self.table.pop(f, None)
         self.version += 1
+        if self.reuse_delay_s > 0:
+            until = time.monotonic() + self.reuse_delay_s
+            self._cooling.extend((until, f) for f in frames)
+            return
         self._free.extend(frames)
         self._free.sort(reverse=True)
+
+    def _thaw(self, now: float) -> None:
+        """Cooling frames whose delay has passed by ``now`` become free."""
+        thawed = False
+        while self._cooling and self._cooling[0][0] <= now:
+            self._free.append(self._cooling.popleft()[1])
+            thawed = True
+        if thawed:
+            self._free.sort(reverse=True)
 
     def fill(
         self,
@@ -228,8 +271,8 @@ class FramePool:
 
     def check_integrity(self) -> None:
         """Assert that free list, frame table, owners and corpora agree (run when idle)."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "free list has duplicates"
+        free = set(self._free) | {f for _, f in self._cooling}
+        assert len(free) == len(self._free) + len(self._cooling), "free list has duplicates"
         assert free.isdisjoint(self.table), (
             f"frames both free and used: {sorted(free & set(self.table))[:4]}"
         )

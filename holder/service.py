@@ -307,7 +307,12 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         # fp8 pools go as they are (uint8 [whole 64-row blocks, 656]): the requester's device
         # path runs FlashMLA's fp8 decode over them as this holder does
         latent = [cuda_ipc.to_wire(cuda_ipc.share(t)) for t in self.pool.latent]
-        log.info("pool shared over CUDA IPC (%d layers) with a requester on %s", len(latent), here)
+        # from now on a released frame may still be read in place by a running request
+        self.pool.reuse_delay_s = self.cfg.shared_reuse_delay_s
+        log.info(
+            "pool shared over CUDA IPC (%d layers) with a requester on %s; released frames wait "
+            "%.0f s before reuse", len(latent), here, self.pool.reuse_delay_s,
+        )  # fmt: skip
         return holder_pb2.SharePoolResponse(
             latent=latent, page_size=geo.page_size, d_v=geo.d_v, holder_id=self.cfg.holder_id,
             incarnation=self.incarnation,

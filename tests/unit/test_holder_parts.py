@@ -4,6 +4,7 @@ compute, admission, generated protos."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,41 @@ def test_generated_protos_are_current() -> None:
         timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_shared_pool_keeps_released_frames_out_of_reuse_for_its_delay(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An SGLang worker on the holder's GPU reads a shared pool in place, and a request running
+    across its corpus's unpin goes on reading that corpus's frames. Such a pool's released frames
+    wait ``reuse_delay_s`` before another corpus fills them: new pages take other free frames,
+    and cooling ones only when the pool is otherwise full (oldest first, logged). Capacity as
+    the coordinator counts it does not change; an unshared pool reuses at once, as before."""
+    import holder.pool as pool_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(pool_mod.time, "monotonic", lambda: now[0])
+    plain = _pool(4)
+    a = _fill(plain, "a", [0, 1], 8)
+    plain.release("a")
+    assert sorted(plain.take_frames(2)) == sorted(a.values())  # lowest frames first, at once
+
+    pool = _pool(4)
+    pool.reuse_delay_s = 30.0
+    a = _fill(pool, "a", [0, 1], 8)
+    assert sorted(a.values()) == [0, 1]
+    pool.release("a")
+    assert pool.free_frames == 4 and pool.used_frames == 0 and pool.cooling_frames == 2
+    pool.check_integrity()
+    b = _fill(pool, "b", [0], 4)
+    assert b == {0: 2}  # not a's frames, while another is free
+    now[0] += 10
+    with caplog.at_level(logging.WARNING, logger="corpusd.holder"):
+        c = _fill(pool, "c", [0, 1], 8)  # one free frame left, then a's oldest
+    assert sorted(c.values()) == [0, 3] and "pool short of frames: 1" in caplog.text
+    assert pool.cooling_frames == 1
+    pool.check_integrity()
+    with pytest.raises(PoolFull):
+        pool.take_frames(2)
+    now[0] += 20  # a's delay has passed: its last frame is free again
+    assert pool.take_frames(1) == [1] and pool.cooling_frames == 0
