@@ -39,6 +39,7 @@ from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corp
 from requester.sglang.device_scores import warm_up as warm_scores
 from requester.sglang.link import CorpusLink
 from requester.sglang.metrics import (
+    SLOW_PREFILL_LOG,
     PluginMetrics,
     log_triton_compiles,
     metrics_port,
@@ -346,8 +347,7 @@ def _timed_extend(cb: CorpusBatch, positions: torch.Tensor) -> Iterator[None]:
         return
     end.synchronize()  # already slow: say how much of it was the GPU's
     log.warning(
-        "corpusd plugin: a bound prefill of %d tokens (%d requests) held the host %.2f s, "
-        "GPU %.1f ms, %.1f ms until done",
+        SLOW_PREFILL_LOG,
         positions.shape[0], sum(b is not None for b in cb.bindings), host,
         start.elapsed_time(end), 1e3 * (time.perf_counter() - t0),
     )  # fmt: skip

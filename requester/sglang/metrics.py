@@ -87,6 +87,14 @@ def serve(metrics: PluginMetrics, port: int, addr: str = "127.0.0.1") -> bool:
     return _SERVED[port]
 
 
+#: The line a slow bound prefill logs (tokens, requests, host s, GPU ms, wall ms);
+#: ``tools/diag_route_ttft.py`` parses it.
+SLOW_PREFILL_LOG = (
+    "corpusd plugin: a bound prefill of %d tokens (%d requests) held the host %.2f s, "
+    "GPU %.1f ms, %.1f ms until done"
+)
+
+
 def slow_prefill_s(value: str | None) -> float | None:
     """``CORPUSD_SGLANG_PROFILE_SLOW``'s threshold in seconds: unset → None (no profiling), a
     positive number → that, anything else (``1``, ``yes``) → 1 s."""
