@@ -185,9 +185,9 @@ class FramePool:
         """Reserve ``n`` free frames (the ``wanted`` ones when given: restart restores frames).
         Cooling frames (``reuse_delay_s``) are taken only when the free list is short, oldest
         first, and logged."""
-        self._thaw(time.monotonic())
+        # restore (``wanted``) runs at start, before anything can read this pool
+        self._thaw(float("inf") if wanted is not None else time.monotonic())
         if wanted is not None:
-            self._thaw(float("inf"))  # restore at start: nothing can read this pool yet
             missing = [f for f in wanted if f not in self._free]
             if missing:
                 raise PoolFull(f"frames {missing[:4]} are not free")

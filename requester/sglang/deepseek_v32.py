@@ -51,7 +51,8 @@ from requester.sglang.positions import INDEX_DIM, ROPE_START, ROPE_WIDTH, shifte
 from requester.sglang.resident import Resident
 
 log = logging.getLogger("corpusd.sglang")
-#: Set (any value) to profile each bound prefill's host time and log the profile of a slow one.
+#: A diagnosis aid: profile and wait for each bound prefill, log one slower than this many
+#: seconds (1 if not a number), and log every Triton compile (corpusd/env.py).
 ENV_PROFILE_SLOW = "CORPUSD_SGLANG_PROFILE_SLOW"
 
 # The corpus top-k returns own positions for SGLang to map through its page table, which is the
@@ -122,7 +123,9 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         port = metrics_port()
         if port is not None:
             serve(metrics, port)
-        if slow_prefill_s(os.environ.get(ENV_PROFILE_SLOW)) is not None:
+        # read once: each bound prefill's timing consults it
+        self.corpusd_slow_s = slow_prefill_s(os.environ.get(ENV_PROFILE_SLOW))
+        if self.corpusd_slow_s is not None:
             log_triton_compiles()  # which kernel a slow prefill compiled, after the warm-up
         self.corpusd_resident = self._device_path(args, mcfg)
         if self.corpusd_resident is not None and force == "fetch":
@@ -309,25 +312,27 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         # corpus_len is per token: own tokens sit after their corpus (positions.py).
         shift = cb.corpus_len.to(positions.device)
         shifted = (positions + shift[: positions.shape[0]]).to(positions.dtype)
-        with shifted_positions(forward_batch, shifted), _timed_extend(cb, positions):
+        with (
+            shifted_positions(forward_batch, shifted),
+            _timed_extend(cb, positions, self.corpusd_slow_s),
+        ):
             return super().forward(
                 input_ids, shifted, forward_batch, input_embeds, pp_proxy_tensors
             )
 
 
 @contextlib.contextmanager
-def _timed_extend(cb: CorpusBatch, positions: torch.Tensor) -> Iterator[None]:
+def _timed_extend(cb: CorpusBatch, positions: torch.Tensor, slow_s: float | None) -> Iterator[None]:
     """A bound prefill's forward, timed on the host (kernel launches, and any JIT compile of a
     shape not seen before) and on the GPU (CUDA events, read at the timings' next flush); one
     that holds the host over a second is logged at once with its shape. Decode steps (graph
-    replays) are not timed. With ``CORPUSD_SGLANG_PROFILE_SLOW`` (a diagnosis aid) each bound
-    prefill is profiled on the host and waited for, and one whose wall time passes the
-    variable's threshold is logged with its GPU time and host profile."""
+    replays) are not timed. With ``slow_s`` (``CORPUSD_SGLANG_PROFILE_SLOW``, a diagnosis aid)
+    each bound prefill is profiled on the host and waited for, and one whose wall time passes
+    ``slow_s`` is logged with its GPU time and host profile."""
     if cb.mode != "extend" or not positions.is_cuda or torch.cuda.is_current_stream_capturing():
         yield
         return
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    slow_s = slow_prefill_s(os.environ.get(ENV_PROFILE_SLOW))
     prof = cProfile.Profile() if slow_s is not None else None
     t0 = time.perf_counter()
     start.record()

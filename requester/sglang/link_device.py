@@ -23,7 +23,7 @@ from requester.corpus_view import CorpusView
 from requester.fanout import CorpusBinding, Fanout
 from requester.sglang.binding import Binding, CorpusBindingError, PinnedCorpus, resolve
 from requester.sglang.pages import engine_index_pages
-from requester.sglang.resident import ArenaCorpus, Resident
+from requester.sglang.resident import ArenaCorpus, Resident, placement
 
 log = logging.getLogger("corpusd.sglang")
 
@@ -126,9 +126,7 @@ class DeviceLink:
         placed = [c for c in loaded if c.corpus_id in ready]
         views = await asyncio.gather(*(self._page_table(c.corpus_id) for c in placed))
         for c, view in zip(placed, views, strict=True):
-            if tuple((view.holders[r[0][0]], int(r[0][1])) for r in view.replicas) != (
-                c.placement
-            ):
+            if placement(view) != c.placement:
                 stale.setdefault(c.corpus_id, "was placed anew (unpinned and pinned again)")
         if res is not None:  # the device path loads from the cached view: re-read it then
             for cid in stale:  # (the host path's views follow their tables: follow.py)

@@ -58,6 +58,12 @@ def index_pages(keys: torch.Tensor, page_size: int, ue8m0: bool) -> torch.Tensor
     return torch.cat([qb, sb], dim=1)
 
 
+def placement(view: CorpusView) -> tuple[tuple[str, int], ...]:
+    """Per page of ``view``, the (holder address, frame) the arena reads it from: its first
+    replica, the placement's, never a load replica's copy (NOTES.md, item 4 (c))."""
+    return tuple((view.holders[r[0][0]], int(r[0][1])) for r in view.replicas)
+
+
 @dataclass(frozen=True, slots=True)
 class ArenaCorpus:
     corpus_id: str
@@ -206,13 +212,12 @@ class Resident:
             else:
                 pages = index_pages(k[: view.token_count], self.page_size, self.ue8m0)
             self.pages[layer][base : base + n] = pages.to(self.device)
-        first = [r[0] for r in view.replicas]  # the placement's; never a load replica's copy
-        slots = [self.holder_slot[view.holders[h]] for h, _ in first]
+        placed = placement(view)
+        slots = [self.holder_slot[address] for address, _ in placed]
         self.page_holder[base : base + n] = torch.tensor(slots, dtype=torch.int32).to(self.device)
-        frames = torch.tensor([f for _, f in first], dtype=torch.int32)
+        frames = torch.tensor([f for _, f in placed], dtype=torch.int32)
         self.page_frame[base : base + n] = frames.to(self.device)
         self._next_page += n
-        placed = tuple((view.holders[h], int(f)) for h, f in first)
         c = ArenaCorpus(cid, base, n, view.token_count, placed)
         self.corpora[cid] = c
         self.retired.pop(cid, None)
