@@ -129,12 +129,15 @@ def corpus_source(out: Path, n_bytes: int, first: str) -> Path:
 
 
 def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], holders: int,
-                  device: str, kv_format: str = "plain", engine: str = "") -> Corpusd:  # fmt: skip
+                  device: str, kv_format: str = "plain", engine: str = "",
+                  capacity_tokens: int = 16384, sources: dict[str, Path] | None = None,
+                  ) -> Corpusd:  # fmt: skip
     """A coordinator, ``holders`` holders and an agent; each of ``corpora`` (name → bytes, first
     file) pinned through them, its latent rows in ``kv_format`` (``fp8_e4m3``: FlashMLA's fp8
     rows, held and attended as such). ``engine``: the URL of an SGLang server in capture mode
     (``Server("capture", …)``) whose prefill the pins store instead of corpusd's own (the
-    engine's KV cache dtype then decides the format)."""
+    engine's KV cache dtype then decides the format). ``capacity_tokens``: each holder's frames;
+    ``sources``: a directory to pin per corpus name instead of this repo's text."""
     from corpusd.coordinator.launch import start_coordinator
     from holder.launch import start_holder
     from requester.launch import start_agent
@@ -144,7 +147,8 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
     try:
         coord = start_coordinator(work / "coordinator", store)
         daemons.append(coord)
-        extra = ["--coordinator", coord.address, "--capacity-tokens", "16384", "--device", device]
+        extra = ["--coordinator", coord.address, "--capacity-tokens", str(capacity_tokens)]
+        extra += ["--device", device]
         extra += ["--kv-format", kv_format]
         if device != "cpu":  # bf16 pages (as SGLang's pool), our Triton sparse-MLA kernel;
             # fp8 rows: the kernel auto picks, FlashMLA's fp8 decode on SM90 (stock fp8's kernel)
@@ -155,7 +159,7 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
         daemons.append(start_agent(store, work / "agent", model, "--coordinator", coord.address))
         tokens = {}
         for name, (n_bytes, first) in corpora.items():
-            src = corpus_source(work / "src" / name, n_bytes, first)
+            src = (sources or {}).get(name) or corpus_source(work / "src" / name, n_bytes, first)
             pin = [sys.executable, "-m", "corpusd", "pin", "--corpus", str(src), "--name", name]
             pin += ["--model", str(model), "--store", str(store), "--coordinator", coord.address]
             pin += ["--dtype", "float32" if device == "cpu" else "bfloat16"]  # the holders' dtype
