@@ -416,10 +416,16 @@ def plot(out: dict[str, Any], path: Path) -> None:
     for side in ("stock", "corpusd"):
         xs, ys = [], []
         for p in out["points"]:
-            h = p[side].get("headline", {})
+            h = p.get(side, {}).get("headline", {})
             xs.append(p["fraction"])
             ys.append(h.get("tokens_per_s_saturation") or 0.0)
         ax.plot(xs, ys, marker="o", label=side)
+        for p in out["points"]:  # served, but with more than stock's bytes
+            if p.get(side, {}).get("equal_hbm") is False:
+                h = p[side].get("headline", {})
+                y = h.get("tokens_per_s_saturation") or 0.0
+                ax.annotate("over equal HBM", (p["fraction"], y), textcoords="offset points",
+                            xytext=(-60, -14), fontsize=8)  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_xlabel("corpus / K (per-worker KV budget)")
     ax.set_ylabel("output tokens/s, all workers (saturation)")
@@ -427,6 +433,47 @@ def plot(out: dict[str, Any], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def print_table(out: dict[str, Any]) -> None:
+    """The short table: each point's saturation tokens/s per side and sessions held."""
+    print(
+        f"{'corpus/K':>8} {'K':>7} {'K_route':>7} {'stock tok/s':>11} {'corpusd tok/s':>13} "
+        f"{'ratio':>6} {'held s/c':>9}"
+    )
+    for p in out["points"]:
+        hs = p.get("stock", {}).get("headline", {})  # a side not run has none
+        hc = p.get("corpusd", {}).get("headline", {})
+        ratio = p.get("corpusd_over_stock_saturation")
+        print(
+            f"{p['fraction']:>8g} {p['k_tokens']:>7} {p['k_route_tokens']:>7} "
+            f"{hs.get('tokens_per_s_saturation') or 0:>11.0f} "
+            f"{hc.get('tokens_per_s_saturation') or 0:>13.0f} "
+            f"{ratio if ratio else float('nan'):>6.2f} "
+            f"{hs.get('sessions_held_max', 0):>4.0f}/{hc.get('sessions_held_max', 0):<4.0f}"
+        )
+
+
+def merge(paths: list[str], out_path: str) -> int:
+    """``--merge``: one result (JSON, PNG, table) from runs of the same setup over other
+    fractions, as two device calls split the sweep; the points in fraction order."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    out = {
+        **runs[0],
+        "merged_from": [str(p) for p in paths],
+        "commands": [r["command"] for r in runs],
+    }
+    by_fraction: dict[float, dict[str, Any]] = {}
+    for p in (p for r in runs for p in r["points"]):  # a side that ran beats one that did not
+        have = by_fraction.setdefault(p["fraction"], {})
+        for key, value in p.items():
+            if key not in have or not (isinstance(have[key], dict) and have[key].get("started")):
+                have[key] = value
+    out["points"] = [by_fraction[f] for f in sorted(by_fraction)]
+    Path(out_path).write_text(json.dumps(out, indent=1))
+    plot(out, Path(out_path).with_suffix(".png"))
+    print_table(out)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,7 +495,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mem-fraction", type=float, default=0.25)
     ap.add_argument("--graph-bs", default="8,32,128")
     ap.add_argument("--port", type=int, default=30200)
+    ap.add_argument(
+        "--over-budget",
+        action="store_true",
+        help="where the pinned copy leaves no room at equal HBM, run corpusd with stock's K per "
+        "worker anyway (marked equal_hbm: false): is the corpus served at all",
+    )
+    ap.add_argument("--merge", nargs="+", default=[], help="result JSONs to merge into --out")
     a = ap.parse_args(argv)
+    if a.merge:
+        return merge(a.merge, a.out)
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -481,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         a.device,
         "plain",
         capacity_tokens=cap,
+        pin_device=a.device,
         sources={name: src},
     )
     out: dict[str, Any] = {
@@ -532,13 +589,16 @@ def main(argv: list[str] | None = None) -> int:
                     point["stock"] = run_side(a, "stock", model, cd, k, name, prompts, work)
             if "corpusd" in a.sides:
                 if k_route < 64 + a.tokens:
-                    point["corpusd"] = {
-                        "k_tokens": k_route,
-                        "started": False,
-                        "error": f"the pinned copy ({holder_bytes / 2**20:.0f} "
-                        f"MiB) leaves {k_route} tokens a worker at equal "
-                        "HBM",
-                    }
+                    why = (
+                        f"the pinned copy ({holder_bytes / 2**20:.0f} MiB) leaves {k_route} "
+                        "tokens a worker at equal HBM"
+                    )
+                    if a.over_budget:  # served at all: each worker gets stock's K besides
+                        point["corpusd"] = run_side(a, "route", model, cd, k, name, suffixes, work)
+                        point["corpusd"]["equal_hbm"] = False
+                        point["corpusd"]["why_not_equal"] = why
+                    else:
+                        point["corpusd"] = {"k_tokens": k_route, "started": False, "error": why}
                 else:
                     point["corpusd"] = run_side(
                         a, "route", model, cd, k_route, name, suffixes, work
@@ -555,21 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cd.stop()
     plot(out, Path(a.out).with_suffix(".png"))
-    print(
-        f"{'corpus/K':>8} {'K':>7} {'K_route':>7} {'stock tok/s':>11} {'corpusd tok/s':>13} "
-        f"{'ratio':>6} {'held s/c':>9}"
-    )
-    for p in out["points"]:
-        hs = p.get("stock", {}).get("headline", {})
-        hc = p.get("corpusd", {}).get("headline", {})
-        ratio = p.get("corpusd_over_stock_saturation")
-        print(
-            f"{p['fraction']:>8g} {p['k_tokens']:>7} {p['k_route_tokens']:>7} "
-            f"{hs.get('tokens_per_s_saturation') or 0:>11.0f} "
-            f"{hc.get('tokens_per_s_saturation') or 0:>13.0f} "
-            f"{ratio if ratio else float('nan'):>6.2f} "
-            f"{hs.get('sessions_held_max', 0):>4.0f}/{hc.get('sessions_held_max', 0):<4.0f}"
-        )
+    print_table(out)
     return 0
 
 

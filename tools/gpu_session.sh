@@ -33,6 +33,11 @@ if [ ! -f /tmp/site/.corpusd-installed ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
         .sglang-deps/whl/*.whl && touch /tmp/site/.corpusd-installed
 fi
+# the daemons' gRPC (the image's grpcio is older than corpusd/v1 needs): tools/corpusd_deps.sh
+if [ -d .corpusd-deps/whl ] && [ ! -f /tmp/site/.corpusd-daemon-deps ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site --upgrade \
+        .corpusd-deps/whl/*.whl && touch /tmp/site/.corpusd-daemon-deps
+fi
 export PYTHONPATH=/tmp/site:$PWD
 # outputs are named by the card that ran them (a call for an H100 may get an H200)
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE "h100|h200|a100|b200" | tr A-Z a-z)
@@ -143,8 +148,8 @@ fp8)
     took "fp8 bench" $?
     grep "^holders:" "$OUT/sglang-fp8-$GPU.log"; tail -10 "$OUT/sglang-fp8-$GPU.log" ;;
 share)  # the model and pin stay in /tmp/bsh: the second call on a warm machine reuses the model
-    fr=${SHARE_FRACTIONS:-0.5}
-    timeout 580 python3 -m tools.bench_share --servers 2 --fractions "$fr" --work /tmp/bsh \
+    fr=${SHARE_FRACTIONS:-0.5}; SHARE_ARGS=${SHARE_ARGS:-}
+    timeout 580 python3 -m tools.bench_share --servers 2 --fractions "$fr" --work /tmp/bsh $SHARE_ARGS \
         --out "$OUT/share-$GPU-${fr//,/_}.json" > "$OUT/share-$GPU-${fr//,/_}.log" 2>&1
     took share $?
     cp /tmp/bsh/sglang-route-*-0.log "$OUT/" 2>/dev/null

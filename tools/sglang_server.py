@@ -131,13 +131,15 @@ def corpus_source(out: Path, n_bytes: int, first: str) -> Path:
 def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], holders: int,
                   device: str, kv_format: str = "plain", engine: str = "",
                   capacity_tokens: int = 16384, sources: dict[str, Path] | None = None,
+                  pin_device: str = "",
                   ) -> Corpusd:  # fmt: skip
     """A coordinator, ``holders`` holders and an agent; each of ``corpora`` (name → bytes, first
     file) pinned through them, its latent rows in ``kv_format`` (``fp8_e4m3``: FlashMLA's fp8
     rows, held and attended as such). ``engine``: the URL of an SGLang server in capture mode
     (``Server("capture", …)``) whose prefill the pins store instead of corpusd's own (the
     engine's KV cache dtype then decides the format). ``capacity_tokens``: each holder's frames;
-    ``sources``: a directory to pin per corpus name instead of this repo's text."""
+    ``sources``: a directory to pin per corpus name instead of this repo's text; ``pin_device``:
+    where the pins prefill (``corpusd pin --device``; default its own, the CPU)."""
     from corpusd.coordinator.launch import start_coordinator
     from holder.launch import start_holder
     from requester.launch import start_agent
@@ -166,6 +168,8 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
             pin += ["--kv-format", kv_format]
             if engine:
                 pin += ["--engine", engine]
+            if pin_device:
+                pin += ["--device", pin_device]
             subprocess.run(pin, check=True)
             ps = PageStore(store)
             tokens[name] = ps.read_tokens(ps.resolve(name)).tolist()
