@@ -14,7 +14,7 @@ RESULT = Path(__file__).resolve().parents[2] / "bench/results/fanin-replicas-16c
 
 
 def test_replot_draws_a_saved_run(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (extra 'bench')")
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib: pip install -e '.[test]'")
     src = tmp_path / "run.json"
     shutil.copy(RESULT, src)
     png = replot(src)
