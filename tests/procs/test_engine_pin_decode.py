@@ -50,6 +50,9 @@ def test_an_engine_pin_is_published_and_decodes_as_a_normal_pin(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    # Both pins prefill through corpus.pin.prefill, whose thread count follows the load
+    # average; equal bits need equal counts, so both take this process's (OMP_NUM_THREADS wins).
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     model = init_tiny(tmp_path / "model", preset="sglang", index_topk=2048)
     store, src = tmp_path / "store", _tar(tmp_path / "notes.tar")
     coord = start_coordinator(tmp_path / "coord", store)

@@ -41,7 +41,11 @@ def test_partial_attention_row_chunks_agree(monkeypatch: pytest.MonkeyPatch) -> 
     whole = partial_attention(q, kv, idx, 0.1, 512)
     monkeypatch.setattr(partial, "_GATHER_ELEMS", 2 * 64 * 576)  # two rows per chunk
     chunked = partial_attention(q, kv, idx, 0.1, 512)
-    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    # Not bit for bit: a bmm over 9 rows and one over 2 may block their sums differently (seen
+    # on an AVX-512 Xeon), so each row agrees to fp32 rounding. A chunk that took the wrong rows,
+    # indices or scores would be off by O(1).
+    assert rel(whole[0], chunked[0]) <= 1e-6 and rel(whole[1], chunked[1]) <= 1e-6
+    assert torch.equal(torch.isinf(whole[1]), torch.isinf(chunked[1]))
 
 
 def test_partial_attention_empty_rows_and_padding() -> None:
