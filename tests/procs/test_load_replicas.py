@@ -18,9 +18,9 @@ from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, Page
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
 from corpusd.model import partial_attention
+from corpusd.testing.holders import start_holders, synthetic_corpus
 from holder.launch import HolderProcess
 from tests.procs.test_coordinator_failures import SCALE, held, route, until
-from tests.support.coordinators import start_holders, synthetic_corpus
 
 HOT = {2: 100, 5: 50, 9: 7}  # page → hits
 GRACE_S = 4.0

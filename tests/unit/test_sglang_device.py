@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from corpusd.model import partial_attention
+from corpusd.testing.numeric import rel
 from indexer import select_topk
 from indexer.fp8 import fp8_view
 from indexer.scores import index_scores
@@ -17,7 +18,6 @@ from requester.corpus_view import CorpusView
 from requester.sglang import device, device_scores, pagehash, topk
 from requester.sglang.binding import CorpusBindingError
 from requester.sglang.resident import Resident, index_pages
-from tests.support.checks import rel
 from tests.unit.test_table_refresh import TWO
 
 SEED = 20261124
