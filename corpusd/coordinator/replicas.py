@@ -116,12 +116,6 @@ class Replicator:
             return False
         return all(r.elbow > 0 and r.fanin > r.elbow for r in w)
 
-    def cool(self, holder_id: str, now: float) -> bool:
-        w = self._window(holder_id, now)
-        if not w:
-            return False
-        return all(r.fanin <= self.low * r.elbow for r in w)
-
     def cool_with(self, source: str, target: str, now: float) -> bool:
         """The load a replica splits has fallen: over a window, the source's fan-in plus the
         target's peak stays at or below ``low`` × the source's elbow. Judging the source alone

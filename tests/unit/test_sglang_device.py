@@ -54,26 +54,6 @@ def test_exact_topk_is_select_topk(m: int, k: int) -> None:
     assert keys[0].unique().numel() == 10 and bool((keys[0, :-1] > keys[0, 1:]).all())
 
 
-@pytest.mark.parametrize("m,k", [(300, 64), (50, 64), (2048, 2048), (1, 4), (4096, 2048)])
-def test_threshold_topk_selects_what_exact_topk_selects_in_column_order(m: int, k: int) -> None:
-    """The 64-bit-key-free top-k candidate: the same set as exact_topk (ties to the lowest
-    column, NaN, -inf and invalid never chosen, fewer candidates than k padded), ascending."""
-    g = torch.Generator().manual_seed(SEED + 7 * m)
-    for trial in range(4):
-        s = _tied_scores(g, 9, m) if trial % 2 == 0 else torch.randn(9, m, generator=g)
-        valid = torch.rand(9, m, generator=g) < 0.8
-        valid[0] = False
-        s[1, :3] = -math.inf
-        s[2, 1::7] = math.nan
-        got = device.threshold_topk(s, valid, k)
-        want = _ascending(device.exact_topk(s, valid, k))
-        assert got.shape == (9, k) and got.dtype == torch.int64
-        assert torch.equal(got, want), f"{m=}, {k=}, {trial=}"
-    all_tied = torch.zeros(2, 10)  # every score equal: the k lowest columns
-    ok = torch.ones_like(all_tied, dtype=torch.bool)
-    assert device.threshold_topk(all_tied, ok, 4).tolist() == [[0, 1, 2, 3]] * 2
-
-
 def test_exact_topk_ignores_nan() -> None:
     s = torch.tensor([[1.0, math.nan, 3.0, 2.0]])
     got = device.exact_topk(s, torch.ones_like(s, dtype=torch.bool), 3)
