@@ -30,7 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from corpusd.coordinator.db import HolderRow, StateBackend
+from corpusd.coordinator.db import HolderRow, StateStore
 from corpusd.coordinator.links import HolderCallError
 from corpusd.coordinator.publish import Publisher
 
@@ -217,7 +217,7 @@ class Replicator:
         return done
 
     async def _release_due(
-        self, pub: Publisher, state: StateBackend, by_id: dict[str, HolderRow], now: float
+        self, pub: Publisher, state: StateStore, by_id: dict[str, HolderRow], now: float
     ) -> None:
         """Release the copies whose grace has passed, sparing pages the page table gives their
         target again. Each leaves ``pending`` only once its Release has answered."""
@@ -247,7 +247,7 @@ class Replicator:
     async def _apply(
         self,
         pub: Publisher,
-        state: StateBackend,
+        state: StateStore,
         d: Decision,
         by_id: dict[str, HolderRow],
         now: float,

@@ -2,7 +2,7 @@
 holder's heartbeat, sent by the test) keep one holder past its elbow; the leader copies its
 hottest pages to the other holder, attention over the copy equals attention over the corpus, and
 when the reports fall under half the elbow the copy leaves the page table and, a grace later, the
-holder: a reader still routing by the older table is served meanwhile. Both state backends."""
+holder: a reader still routing by the older table is served meanwhile. Both state stores."""
 
 from __future__ import annotations
 
