@@ -17,7 +17,7 @@ import contextlib
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
@@ -33,9 +33,6 @@ from corpusd.security import SecurityConfig
 from corpusd.up_config import UpConfig
 from holder.config import HolderConfig
 from requester.config import AgentConfig, WorkerConfig
-
-if TYPE_CHECKING:
-    pass
 
 #: Errors a user's input causes (exit 2, one line) beyond ValueError, which covers CorpusError,
 #: ModelConfigError, CheckpointError, PortInUse and every config check. As (module, class):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from corpusd import env
-from corpusd.corpus.manifest import KV_FORMATS
+from corpusd.formats import KV_FORMATS
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from corpusd.corpus.manifest import KV_FORMATS, PAGE_SIZE
+from corpusd.corpus.manifest import PAGE_SIZE
+from corpusd.formats import KV_FORMATS
 
 DTYPES = ("float32", "bfloat16")
 GPU_HOST_THREADS = 2

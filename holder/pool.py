@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from corpusd.corpus.manifest import FP8_ROW_BYTES, KV_FORMATS, page_format
+from corpusd.corpus.manifest import page_format
+from corpusd.formats import FP8_ROW_BYTES, KV_FORMATS
 
 log = logging.getLogger("corpusd.holder")
 

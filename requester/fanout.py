@@ -61,7 +61,7 @@ class Fanout(Connections):
     predicate, the metrics. Create and use it inside one running event loop.
 
     ``transport`` picks how routes reach each holder (``auto`` | ``grpc`` | ``nvshmem``, see
-    :mod:`requester.routes`); ``off`` runs blocking torch work (default: inline); ``trace``,
+    :mod:`requester.routes`); ``offload`` runs blocking torch work (default: inline); ``trace``,
     when a list, receives every decision with its predicted and measured cost."""
 
     def __init__(
@@ -73,11 +73,11 @@ class Fanout(Connections):
         nvshmem_device: int = 0,
         rpc_timeout_s: float = 60.0,
         fetch_cache_bytes: int = 1 << 30,
-        off: Offload = inline,
+        offload: Offload = inline,
         trace: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(transport, nvshmem_device, metrics.transport)
-        self.predicate, self.metrics, self.off, self.trace = predicate, metrics, off, trace
+        self.predicate, self.metrics, self.offload, self.trace = predicate, metrics, offload, trace
         self.rpc_timeout_s, self.fetch_cache_bytes = rpc_timeout_s, fetch_cache_bytes
         self.step = 0  # the caller's step number, for logs and the trace
         self.drift = Drift(
@@ -219,7 +219,13 @@ class CorpusBinding(CorpusIndexer):
         )
 
     async def _group(
-        self, layer: int, q: torch.Tensor, off: torch.Tensor, g: GroupWork, scale: float, tries: int
+        self,
+        layer: int,
+        q: torch.Tensor,
+        offsets: torch.Tensor,
+        g: GroupWork,
+        scale: float,
+        tries: int,
     ) -> Partial:
         predicate = self.engine.predicate
         shape = self._shape(layer, g)
@@ -229,14 +235,14 @@ class CorpusBinding(CorpusIndexer):
         if decision.pick != "local" and self._is_dead(g.address) and self._can_recompute():
             # failed before, and no replica took its pages: not called again, recomputed here
             self.engine.metrics.fallbacks.labels(decision.pick, "local").inc()
-            return await self._execute(layer, q, off, g, "local", scale)
+            return await self._execute(layer, q, offsets, g, "local", scale)
         t0 = time.perf_counter()
         try:
-            result = await self._execute(layer, q, off, g, decision.pick, scale)
+            result = await self._execute(layer, q, offsets, g, decision.pick, scale)
         except (grpc.aio.AioRpcError, StatusError) as e:  # gRPC or NVSHMEM: the same path
             code, _ = failure(e)
             self.engine.metrics.errors.labels(code.name).inc()
-            return await self._recover(layer, q, off, g, scale, decision.pick, e, tries)
+            return await self._recover(layer, q, offsets, g, scale, decision.pick, e, tries)
         took = time.perf_counter() - t0
         self.engine.record(layer, g, decision, took, bool(self.force))
         if decision.pick == "route":
@@ -253,7 +259,7 @@ class CorpusBinding(CorpusIndexer):
         self,
         layer: int,
         q: torch.Tensor,
-        off: torch.Tensor,
+        offsets: torch.Tensor,
         g: GroupWork,
         scale: float,
         pick: str,
@@ -282,11 +288,11 @@ class CorpusBinding(CorpusIndexer):
                     f"corpus {self.corpus_id}: holder {g.address} failed ({code.name}: {detail}) "
                     "and its rows have no other source"
                 )
-            return await self._execute(layer, q, off, g, "local", scale)
-        qg, og = q[g.keep], off[g.keep]
+            return await self._execute(layer, q, offsets, g, "local", scale)
+        qg, offsets_g = q[g.keep], offsets[g.keep]
         groups = holder_groups(self.view, g.canon)
         results = await asyncio.gather(
-            *(self._group(layer, qg, og, h, scale, tries - 1) for h in groups)
+            *(self._group(layer, qg, offsets_g, h, scale, tries - 1) for h in groups)
         )
         return merge_groups(qg, self.geo.d_v, groups, results)
 
@@ -312,15 +318,21 @@ class CorpusBinding(CorpusIndexer):
         return "table"
 
     async def _execute(
-        self, layer: int, q: torch.Tensor, off: torch.Tensor, g: GroupWork, pick: str, scale: float
+        self,
+        layer: int,
+        q: torch.Tensor,
+        offsets: torch.Tensor,
+        g: GroupWork,
+        pick: str,
+        scale: float,
     ) -> Partial:
-        qg, og, geo = q[g.keep], off[g.keep], self.geo
+        qg, offsets_g, geo = q[g.keep], offsets[g.keep], self.geo
         if pick == "route":
             route = await self.engine.route(g.address)
             part = await route.attend_rows(
                 self.corpus_id,
                 layer,
-                geo.canonical(qg, og, geo.d_v),
+                geo.canonical(qg, offsets_g, geo.d_v),
                 g.rows,
                 scale,
                 timeout=self.engine.rpc_timeout_s,
@@ -331,10 +343,12 @@ class CorpusBinding(CorpusIndexer):
             rows_of = await self._fetched(layer, g, uniq)
         else:
             rows_of = await self._local(layer, uniq)
-        assert geo.shift is not None or not bool((og != 0).any()), "offsets need geometry.shift"
+        assert geo.shift is not None or not bool((offsets_g != 0).any()), (
+            "offsets need geometry.shift"
+        )
         shift = geo.shift or _no_shift
-        return await self.engine.off(
-            attend_canonical, qg, g.canon, og, rows_of, uniq, shift, scale, geo.d_v
+        return await self.engine.offload(
+            attend_canonical, qg, g.canon, offsets_g, rows_of, uniq, shift, scale, geo.d_v
         )
 
     async def _fetched(self, layer: int, g: GroupWork, uniq: torch.Tensor) -> torch.Tensor:
@@ -356,7 +370,7 @@ class CorpusBinding(CorpusIndexer):
         async with self.lock:
             if self.local is None:
                 self.local = LocalRows(self.model, self.tokens, kv_format=self.kv_format)
-            done = await self.engine.off(self.local.ensure, int(uniq.max()) + 1)
+            done = await self.engine.offload(self.local.ensure, int(uniq.max()) + 1)
         self.engine.metrics.prefilled.inc(done)
         return self.local.rows(layer, uniq)
 

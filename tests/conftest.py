@@ -185,7 +185,7 @@ def etcd(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
     from corpusd.coordinator.etcd_local import etcd_binary, start_etcd
 
     if etcd_binary() is None:
-        pytest.skip("no etcd binary: apt-get install etcd-server (the etcd state backend's tests)")
+        pytest.skip("no etcd binary: apt-get install etcd-server (the etcd state store's tests)")
     cluster = start_etcd(tmp_path_factory.mktemp("etcd"), 1)
     yield cluster
     cluster.stop()
@@ -202,7 +202,7 @@ def _state_flags(request: pytest.FixtureRequest) -> tuple[str, ...]:
 
 @pytest.fixture(params=["sqlite", "etcd"])
 def state_flags(request: pytest.FixtureRequest) -> tuple[str, ...]:
-    """``corpusd serve`` flags for each state backend: none (SQLite, the default), then
+    """``corpusd serve`` flags for each state store: none (SQLite, the default), then
     ``--state etcd://…/<fresh prefix>`` on the session's etcd (skipped without etcd)."""
     return _state_flags(request)
 

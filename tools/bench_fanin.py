@@ -48,8 +48,8 @@ from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.model import ModelConfig
 from corpusd.model.tiny import init_tiny
+from corpusd.testing.holders import start_holders, synthetic_corpus
 from holder.launch import HolderProcess
-from tests.support.coordinators import start_holders, synthetic_corpus
 from tools import cpu_pin
 from tools.fanin_report import Run, actions, holder_stats, pct, per_second, phase_stats, plot
 from tools.fanin_requester import Requester

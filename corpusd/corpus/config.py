@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from corpusd.corpus.manifest import KV_FORMATS, PAGE_SIZE
+from corpusd.corpus.manifest import PAGE_SIZE
+from corpusd.formats import KERNELS, KV_FORMATS
 
 DTYPES = ("float32", "bfloat16")
-KERNELS = ("auto", "torch")  # corpusd.model.kernels.choose
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 

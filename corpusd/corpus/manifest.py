@@ -9,6 +9,8 @@ from array import array
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from corpusd.formats import FP8_ROW_BYTES, KV_FORMATS
+
 if TYPE_CHECKING:
     import torch
 
@@ -17,10 +19,6 @@ FORMAT = "corpusd-pages-v1"
 #: loads, and an SGLang server binds, only corpora pinned with its own page size.
 PAGE_SIZE = 64
 STATES = ("pinning", "ready", "retired")
-#: how latent rows are stored: "plain" rows of ``kv_dim`` values in the manifest's dtype, or
-#: FlashMLA's 656-byte fp8 rows (``corpusd/model/fp8_cache.py``; index keys stay in the dtype)
-KV_FORMATS = ("plain", "fp8_e4m3")
-FP8_ROW_BYTES = 656  # 512 fp8 values, 4 float32 scales, 64 bf16 rope values
 
 
 def page_format(dtype: str, kv_format: str) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from corpusd.corpus.manifest import FP8_ROW_BYTES, KV_FORMATS
+from corpusd.formats import FP8_ROW_BYTES, KV_FORMATS
 from corpusd.model.config import ModelConfigError
 from corpusd.model.partial import partial_attention
 

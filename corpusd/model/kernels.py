@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from corpusd.corpus.config import KERNELS
+from corpusd.formats import KERNELS
 from corpusd.model import flashmla_bf16
 from corpusd.model.config import ModelConfig
 from corpusd.model.partial import partial_attention

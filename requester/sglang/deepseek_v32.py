@@ -34,7 +34,7 @@ from sglang.srt.server_args import get_global_server_args
 from corpusd.model import ModelConfig, flashmla_fp8
 from corpusd.model.checkpoint import fingerprint
 from requester.predicate import Predicate
-from requester.sglang import admission, choose, follow, formats, page_cache
+from requester.sglang import binding_check, choose, follow, formats, page_cache
 from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
 from requester.sglang.device_scores import warm_up as warm_scores
 from requester.sglang.link import CorpusLink
@@ -136,8 +136,8 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 "add work"
             )
         # an unknown or unservable corpus fails its request at admission, not the forward
-        admission.register(self)
-        admission.install()
+        binding_check.register(self)
+        binding_check.install()
         self.corpusd_indexers = [
             layer.self_attn.indexer
             for layer in self.model.layers
@@ -226,9 +226,9 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         mode = "extend" if forward_batch.forward_mode.is_extend() else "decode"
         if mode == "extend":
             bs = int(forward_batch.batch_size)
-            names = admission.batch_corpora(getattr(forward_batch, "rids", None), bs)
+            names = binding_check.batch_corpora(getattr(forward_batch, "rids", None), bs)
             link = self.corpusd_link
-            # as admission bound and loaded them, whatever a recheck forgot since
+            # as the binding check bound and loaded them, whatever a recheck forgot since
             bindings = [link.bound(c) if c else None for c in names]
             placed = [link.load_resident(b, res, admitted=True) if b else None for b in bindings]
             res.bind(forward_batch.req_pool_indices[:bs], placed)
@@ -261,7 +261,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         self, forward_batch: Any, n_tokens: int, device: torch.device
     ) -> CorpusBatch | None:
         bs = int(forward_batch.batch_size)
-        names = admission.batch_corpora(getattr(forward_batch, "rids", None), bs)
+        names = binding_check.batch_corpora(getattr(forward_batch, "rids", None), bs)
         if not any(names):
             return None
         bindings = [self.corpusd_link.bound(c) if c else None for c in names]

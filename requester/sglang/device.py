@@ -68,33 +68,6 @@ def exact_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tenso
     return col
 
 
-def threshold_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-    """:func:`exact_topk`'s selection (the ``k`` best valid scores, the lowest column among
-    equal ones; ``-1`` padded) in ascending column order, without 64-bit keys: a float32
-    ``topk`` finds each row's ``k``-th best score, everything above it is taken, and the lowest
-    columns among the scores equal to it fill the rest; a prefix sum places the taken columns.
-    A candidate for the per-layer top-k on the device path (tools/bench_device_path.py times
-    both); int64 ``[n, k]``, no host sync."""
-    n, m = scores.shape
-    s = scores.float() + 0.0
-    bad = ~valid | torch.isnan(s) | (s == -math.inf)
-    s = s.masked_fill(bad, -math.inf)
-    width = min(k, m)
-    kth = s.topk(width, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-    above = s > kth
-    need = width - above.sum(dim=1, keepdim=True)
-    tie = (s == kth) & ~bad
-    take = above | (tie & (tie.cumsum(dim=1) <= need))
-    slot = torch.where(take, take.cumsum(dim=1) - 1, width)  # untaken columns: a spare slot
-    col = torch.arange(m, device=s.device, dtype=torch.int64).expand(n, m)
-    out = torch.full((n, width + 1), -1, dtype=torch.int64, device=s.device)
-    out.scatter_(1, slot, torch.where(take, col, -1))
-    out = out[:, :width]
-    if width < k:
-        out = torch.cat([out, out.new_full((n, k - width), -1)], dim=1)
-    return out
-
-
 def fused_topk(
     corpus_scores: torch.Tensor,
     corpus_len: torch.Tensor,

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from corpusd.corpus.manifest import KV_FORMATS
+from corpusd.formats import KV_FORMATS
 from corpusd.model.flashmla_fp8 import check_pool
 from indexer import fp8
 from requester.corpus_view import CorpusView

@@ -25,10 +25,10 @@ from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
 from corpusd.model.tiny import init_tiny
+from corpusd.testing.holders import start_holders
 from requester.client import Client
 from requester.launch import start_agent
 from tests.support.checks import metric
-from tests.support.coordinators import start_holders
 from tests.support.engine_server import CaptureEngine
 from tests.support.sglang_host import load_hicache
 

@@ -17,6 +17,7 @@ import torch
 
 from corpusd.corpus.store import PageStore
 from corpusd.model import ModelConfig, fingerprint, partial_attention
+from corpusd.testing.numeric import rel
 from indexer.fp8 import hadamard
 from requester.predicate import Predicate, Profile
 from requester.sglang.binding import CorpusBindingError
@@ -26,7 +27,6 @@ from requester.sglang.metrics import PluginMetrics
 from requester.sglang.pagehash import index_k_from_page, index_k_page, page_hashes
 from requester.sglang.pages import CorpusPages
 from requester.sglang.positions import to_corpusd_layout
-from tests.support.checks import rel
 from tests.support.sglang_cluster import TOKENS, Cluster, start_cluster
 from tests.support.sglang_host import load_hicache
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from corpusd.model.partial import partial_attention
+from corpusd.testing.numeric import rel
 from requester.sglang import lse as lse_mod
-from tests.support.checks import rel, why_no_sglang_gpu
+from tests.support.checks import why_no_sglang_gpu
 
 pytestmark = [
     pytest.mark.sglang,

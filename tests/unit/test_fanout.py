@@ -16,6 +16,7 @@ import torch
 from corpusd.model import DeepseekV32
 from corpusd.model.partial import partial_attention
 from corpusd.rpc import StatusError
+from corpusd.testing.numeric import rel
 from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.fanout import CorpusBinding, Fanout
 from requester.holder_client import Partial
@@ -23,7 +24,6 @@ from requester.metrics import RequesterMetrics
 from requester.plan import Geometry
 from requester.predicate import Predicate, Profile
 from requester.sources import LocalRows
-from tests.support.checks import rel
 
 P = 4  # tokens per page
 T = 22  # six pages, the last one partial

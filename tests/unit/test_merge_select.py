@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import indexer.select
 from corpusd.model import merge_partials, partial_attention
+from corpusd.testing.numeric import rel
 from indexer import index_scores, select_topk, select_topk_exact
-from tests.support.checks import rel
 
 
 def _inputs(seed: int, n: int = 5, h: int = 8, rows: int = 300, k: int = 64):  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ import torch
 
 from corpusd.model import KVCache, forward_tokens
 from corpusd.model.rope import Rotary
-from tests.support.checks import rel
+from corpusd.testing.numeric import rel
 
 # Context lengths: below index_topk (dense), and several times above it (sparse: selection real).
 SHORT, LONG = 100, 520

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from corpusd.model import partial_attention
+from corpusd.testing.numeric import rel
 from indexer import select_topk
 from indexer.fp8 import fp8_view
 from indexer.scores import index_scores
@@ -17,7 +18,6 @@ from requester.corpus_view import CorpusView
 from requester.sglang import device, device_scores, pagehash, topk
 from requester.sglang.binding import CorpusBindingError
 from requester.sglang.resident import Resident, index_pages
-from tests.support.checks import rel
 from tests.unit.test_table_refresh import TWO
 
 SEED = 20261124
@@ -52,26 +52,6 @@ def test_exact_topk_is_select_topk(m: int, k: int) -> None:
     # really are distinct per column.
     keys = device.order_keys(torch.zeros(2, 10), torch.ones(2, 10, dtype=torch.bool))
     assert keys[0].unique().numel() == 10 and bool((keys[0, :-1] > keys[0, 1:]).all())
-
-
-@pytest.mark.parametrize("m,k", [(300, 64), (50, 64), (2048, 2048), (1, 4), (4096, 2048)])
-def test_threshold_topk_selects_what_exact_topk_selects_in_column_order(m: int, k: int) -> None:
-    """The 64-bit-key-free top-k candidate: the same set as exact_topk (ties to the lowest
-    column, NaN, -inf and invalid never chosen, fewer candidates than k padded), ascending."""
-    g = torch.Generator().manual_seed(SEED + 7 * m)
-    for trial in range(4):
-        s = _tied_scores(g, 9, m) if trial % 2 == 0 else torch.randn(9, m, generator=g)
-        valid = torch.rand(9, m, generator=g) < 0.8
-        valid[0] = False
-        s[1, :3] = -math.inf
-        s[2, 1::7] = math.nan
-        got = device.threshold_topk(s, valid, k)
-        want = _ascending(device.exact_topk(s, valid, k))
-        assert got.shape == (9, k) and got.dtype == torch.int64
-        assert torch.equal(got, want), f"{m=}, {k=}, {trial=}"
-    all_tied = torch.zeros(2, 10)  # every score equal: the k lowest columns
-    ok = torch.ones_like(all_tied, dtype=torch.bool)
-    assert device.threshold_topk(all_tied, ok, 4).tolist() == [[0, 1, 2, 3]] * 2
 
 
 def test_exact_topk_ignores_nan() -> None:

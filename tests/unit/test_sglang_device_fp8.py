@@ -18,13 +18,13 @@ import torch
 from corpusd.model import ModelConfig
 from corpusd.model import fp8_cache as f8
 from corpusd.model.flashmla_fp8 import prep_indices
+from corpusd.testing.numeric import rel
 from corpusd.transport import cuda_ipc
 from requester.corpus_view import CorpusView
 from requester.sglang import device, formats, link_device
 from requester.sglang import link as link_mod
 from requester.sglang.binding import CorpusBindingError
 from requester.sglang.resident import Resident
-from tests.support.checks import rel
 
 SEED = 20261125
 D, D_V, P = 576, 512, 64

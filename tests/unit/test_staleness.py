@@ -93,7 +93,7 @@ def test_the_coordinator_voids_bindings_of_unpinned_or_republished_corpora() -> 
 
     rows: dict[str, SimpleNamespace] = {}
 
-    async def corpus(cid: str) -> SimpleNamespace | None:  # the state backends are async
+    async def corpus(cid: str) -> SimpleNamespace | None:  # the state stores are async
         return rows.get(cid)
 
     fake = SimpleNamespace(bound_since={}, state=SimpleNamespace(corpus=corpus))

@@ -17,13 +17,13 @@ import torch
 
 from corpusd.corpus.store import PageStore
 from corpusd.model import ModelConfig, ModelConfigError, load_model
+from corpusd.testing.hf_checkpoints import Drawn, write_hf_checkpoint, write_hf_config
+from corpusd.testing.holders import pin_sample, start_holder
+from corpusd.testing.numeric import rel
+from corpusd.testing.oracle import Run, decode, greedy
 from holder.launch import HolderProcess
 from requester.config import WorkerConfig
 from requester.holder_client import HolderClient
-from tests.support.checks import rel
-from tests.support.hf_checkpoints import Drawn, write_hf_checkpoint, write_hf_config
-from tests.support.holders import pin_sample, start_holder
-from tests.support.oracle import Run, decode, greedy
 
 CORPUS_TOKENS, NEW_TOKENS, HOLDERS = 256, 6, 2
 SUFFIXES = ["\nQ: line 3?", "\nQ: fox 97?"]

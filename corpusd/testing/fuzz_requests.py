@@ -1,7 +1,7 @@
 """The valid requests the fuzzer starts from: one builder per RPC of Holder, Coordinator and
 Agent (``TARGETS``), filled from a ``Ctx`` that names the corpus, the model's widths, the holders
-and the sessions under test. Mutated by :mod:`tests.support.fuzz_mutate`, sent by
-:mod:`tests.support.fuzzing`."""
+and the sessions under test. Mutated by :mod:`corpusd.testing.fuzz_mutate`, sent by
+:mod:`corpusd.testing.fuzzing`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The mutations drawn around a valid request (:mod:`tests.support.fuzz_requests`): fields set to
+"""The mutations drawn around a valid request (:mod:`corpusd.testing.fuzz_requests`): fields set to
 edge values of their type, tensors given wrong dtypes, shapes or bytes, oversized messages, and
 the serialised bytes truncated, bit-flipped or replaced. ``draw`` makes one ``Case`` to send."""
 
@@ -14,8 +14,7 @@ import torch
 from google.protobuf.descriptor import FieldDescriptor as FD
 from google.protobuf.message import Message
 
-from corpusd.v1 import tensor_pb2
-from tests.support.fuzz_requests import (
+from corpusd.testing.fuzz_requests import (
     TARGETS,
     Ctx,
     Target,
@@ -23,6 +22,7 @@ from tests.support.fuzz_requests import (
     _coordinator_requests,
     _holder_requests,
 )
+from corpusd.v1 import tensor_pb2
 
 # -- mutations ---------------------------------------------------------------------------------
 _U32 = [0, 1, 2, 3, 7, 63, 64, 65, 127, 128, 129, 255, 1023, 4096, 2**16, 2**31 - 1, 2**31]
