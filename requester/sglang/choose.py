@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -39,31 +38,27 @@ log = logging.getLogger("corpusd.sglang")
 ENV_PRIMITIVE = "CORPUSD_SGLANG_PRIMITIVE"
 ENV_PROFILE = "CORPUSD_SGLANG_PROFILE"
 ENV_TRACE = "CORPUSD_SGLANG_TRACE"
-PRIMITIVES = ("auto", "route", "fetch")
+PRIMITIVES = corpusd_env.SGLANG_PRIMITIVES
 
 
-def primitive(env: Mapping[str, str] = os.environ) -> str:
-    """``CORPUSD_SGLANG_PRIMITIVE`` (default auto). Raises ValueError saying what is allowed."""
-    raw = env.get(ENV_PRIMITIVE, "auto").strip().lower() or "auto"
-    if raw == "local":
-        raise ValueError(
-            f"corpusd plugin: {ENV_PRIMITIVE}=local: local is stock SGLang's own prefill of the "
-            "corpus, chosen per request (send the corpus in the prompt, without a corpus "
-            "binding), not per layer inside the plugin; use auto, route or fetch"
-        )
-    if raw not in PRIMITIVES:
-        raise ValueError(f"corpusd plugin: {ENV_PRIMITIVE}={raw!r}: one of {', '.join(PRIMITIVES)}")
-    return raw
+def primitive(environ: Mapping[str, str] | None = None) -> str:
+    """``CORPUSD_SGLANG_PRIMITIVE`` (default auto). Raises ValueError saying what is allowed
+    (``local`` with the reason it is not a per-layer choice)."""
+    value: str = corpusd_env.get(ENV_PRIMITIVE, environ)
+    return value
 
 
-def profile(env: Mapping[str, str] = os.environ) -> Profile:
+def profile(environ: Mapping[str, str] | None = None) -> Profile:
     """The calibration profile: ``CORPUSD_SGLANG_PROFILE``, else ``$CORPUSD_HOME/profile.json``
     when present, else the defaults (logged). Raises ValueError naming a file that is not one."""
-    path = env.get(ENV_PROFILE, "").strip()
-    if path:
-        if not Path(path).is_file():
-            raise ValueError(f"corpusd plugin: {ENV_PROFILE}={path}: no such file")
-        return Profile.load(Path(path))
+    return load_profile(corpusd_env.get(ENV_PROFILE, environ))
+
+
+def load_profile(path: Path | None) -> Profile:
+    """The profile at ``path`` (a file), or with None ``$CORPUSD_HOME/profile.json`` when
+    present, else the defaults (logged). Raises ValueError for a file that is not a profile."""
+    if path is not None:
+        return Profile.load(path)
     default = corpusd_env.home() / "profile.json"
     if default.is_file():
         return Profile.load(default)

@@ -34,31 +34,27 @@ from sglang.srt.server_args import get_global_server_args
 from corpusd.model import ModelConfig, flashmla_fp8
 from corpusd.model.checkpoint import fingerprint
 from requester.predicate import Predicate
-from requester.sglang import binding_check, choose, follow, formats, page_cache
+from requester.sglang import binding_check, choose, formats
 from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
+from requester.sglang.config import PluginConfig
 from requester.sglang.device_scores import warm_up as warm_scores
 from requester.sglang.link import CorpusLink
 from requester.sglang.metrics import (
     SLOW_PREFILL_LOG,
     PluginMetrics,
     log_triton_compiles,
-    metrics_port,
     serve,
-    slow_prefill_s,
 )
 from requester.sglang.pagehash import sglang_key_scales_ue8m0
 from requester.sglang.positions import INDEX_DIM, ROPE_START, ROPE_WIDTH, shifted_positions
 from requester.sglang.resident import Resident
 
 log = logging.getLogger("corpusd.sglang")
-#: A diagnosis aid: profile and wait for each bound prefill, log one slower than this many
-#: seconds (1 if not a number), and log every Triton compile (corpusd/env.py).
-ENV_PROFILE_SLOW = "CORPUSD_SGLANG_PROFILE_SLOW"
 
 # The corpus top-k returns own positions for SGLang to map through its page table, which is the
 # unfused path; the fused kernel would return page-table rows instead. An error raised here would
 # be swallowed (import_model_classes only logs import errors), so a user's explicit "1" is refused
-# in __init__, which is on the model-loading path.
+# in __init__, which is on the model-loading path. (SGLang's variable, not corpusd's.)
 os.environ.setdefault("SGLANG_NSA_FUSE_TOPK", "0")
 ATTENTION_BACKENDS["nsa"] = create_corpus_nsa_backend
 
@@ -106,28 +102,30 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         formats.check_backends(
             self.corpusd_kv_format, args.nsa_prefill_backend, args.nsa_decode_backend
         )
-        # The route/fetch predicate (choose.py): its variables are checked here, at start.
-        force = choose.primitive()
+        # Every CORPUSD_* setting, read and checked once, here at start (config.py).
+        self.corpusd_config = cfg = PluginConfig.from_env()
+        force = cfg.primitive
         metrics = PluginMetrics()
-        trace = os.environ.get(choose.ENV_TRACE, "").strip() or None
+        trace = str(cfg.trace) if cfg.trace is not None else None
         self.corpusd_link = CorpusLink(
-            os.environ.get("CORPUSD_COORDINATOR", ""),
+            cfg.coordinator,
             mcfg,
             fingerprint(args.model_path),
             args.page_size,
-            chooser=choose.Chooser(Predicate(choose.profile(), force), metrics, trace),
-            cache_bytes=page_cache.cache_bytes(),
-            store=os.environ.get("CORPUSD_STORE") or None,
-            table_refresh_s=follow.table_refresh_s(),
+            chooser=choose.Chooser(
+                Predicate(choose.load_profile(cfg.profile), force), metrics, trace
+            ),
+            cache_bytes=cfg.cache_bytes,
+            store=str(cfg.store) if cfg.store is not None else None,
+            table_refresh_s=cfg.table_refresh_s,
         )
-        port = metrics_port()
-        if port is not None:
-            serve(metrics, port)
-        # read once: each bound prefill's timing consults it
-        self.corpusd_slow_s = slow_prefill_s(os.environ.get(ENV_PROFILE_SLOW))
+        if cfg.metrics_port is not None:
+            serve(metrics, cfg.metrics_port)
+        # each bound prefill's timing consults it
+        self.corpusd_slow_s = cfg.slow_prefill_s
         if self.corpusd_slow_s is not None:
             log_triton_compiles()  # which kernel a slow prefill compiled, after the warm-up
-        self.corpusd_resident = self._device_path(args, mcfg)
+        self.corpusd_resident = self._device_path(args, mcfg, cfg)
         if self.corpusd_resident is not None and force == "fetch":
             raise RuntimeError(
                 "corpusd plugin: CORPUSD_SGLANG_PRIMITIVE=fetch is for the host path "
@@ -162,14 +160,12 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             force if self.corpusd_resident is None else "route (device path: pools read in place)",
         )
 
-    def _device_path(self, args: Any, mcfg: ModelConfig) -> Resident | None:
+    def _device_path(self, args: Any, mcfg: ModelConfig, cfg: PluginConfig) -> Resident | None:
         """The device path's tables with this GPU's holders mapped, or None for the host path
         (``CORPUSD_SGLANG_PATH``: ``auto`` takes the device path when a holder shares its pool
         with this GPU). The host path calls holders per layer from the host, which a CUDA graph
         cannot capture, so it needs ``--disable-cuda-graph``."""
-        choice = os.environ.get("CORPUSD_SGLANG_PATH", "auto")
-        if choice not in ("auto", "device", "host"):
-            raise RuntimeError(f"corpusd plugin: CORPUSD_SGLANG_PATH={choice!r}: auto|device|host")
+        choice = cfg.path
         tp = int(getattr(args, "tp_size", 1))
         res = None
         if choice != "host" and tp == 1:
@@ -178,8 +174,8 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 n_layers=mcfg.num_hidden_layers,
                 page_size=args.page_size,
                 index_dim=mcfg.index_head_dim,
-                arena_tokens=int(os.environ.get("CORPUSD_SGLANG_ARENA", "65536")),
-                window_tokens=int(os.environ.get("CORPUSD_SGLANG_WINDOW", "16384")),
+                arena_tokens=cfg.arena_tokens,
+                window_tokens=cfg.window_tokens,
                 device=dev,
                 ue8m0=True,  # set from the indexers below
             )

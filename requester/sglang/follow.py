@@ -13,10 +13,9 @@ item 4, says why).
 from __future__ import annotations
 
 import logging
-import math
-import os
 from collections.abc import Mapping
 
+from corpusd import env
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
 from requester.table_refresh import Follower, TableRefresh
 
@@ -27,23 +26,12 @@ ENV = "CORPUSD_SGLANG_TABLE_REFRESH_S"
 FALLBACK_S = 10.0 / 3
 
 
-def table_refresh_s(env: Mapping[str, str] = os.environ) -> float:
+def table_refresh_s(environ: Mapping[str, str] | None = None) -> float:
     """``CORPUSD_SGLANG_TABLE_REFRESH_S``: seconds between re-reads (> 0); 0 when unset or 0 (the
     coordinator's lease / 3); -1: never. Raises ValueError naming the variable for anything
     else."""
-    raw = env.get(ENV, "").strip()
-    if not raw:
-        return 0.0
-    try:
-        s = float(raw)
-    except ValueError:
-        s = math.nan
-    if not (math.isfinite(s) and (s >= 0 or s == -1)):
-        raise ValueError(
-            f"corpusd plugin: {ENV}={raw!r}: seconds between re-reads of a bound corpus's page "
-            "table, a number > 0; 0 or unset: the coordinator's lease / 3; -1: never"
-        )
-    return s
+    seconds: float = env.get(ENV, environ)
+    return seconds
 
 
 async def lease_third(c: CoordinatorClient) -> float:

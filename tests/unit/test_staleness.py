@@ -79,7 +79,7 @@ def test_a_profile_is_stale_for_another_model_device_or_age(
     monkeypatch.delenv("CORPUSD_CALIBRATE", raising=False)
     assert env.calibrate_mode() == "auto" and env.calibrate_mode("off") == "off"
     monkeypatch.setenv("CORPUSD_CALIBRATE", "never")
-    with pytest.raises(ValueError, match=r"\$CORPUSD_CALIBRATE: 'never'; one of auto, always, off"):
+    with pytest.raises(ValueError, match=r"CORPUSD_CALIBRATE='never': one of auto, always, off"):
         env.calibrate_mode()
 
 
