@@ -49,12 +49,14 @@ from corpusd.tokenizer import ByteTokenizer
 from indexer import ARITHS
 from tools.sglang_compare import PRIMITIVES as PRIMS
 from tools.sglang_compare import (
+    against_floor,
     compare,
     exactness,
     forced_primitive,
     free_running,
     is_route,
     load_trace,
+    noise_floor,
     predicate_score,
     primitive_modes,
     report,
@@ -90,6 +92,10 @@ QUESTIONS = [
 ]
 
 
+#: the pseudo-mode that starts a second stock server for the two-servers floor
+FLOOR_RESTART = "stock#2"
+
+
 def greedy_tag(corpus: str) -> str:
     """How the sequential greedy requests are named: the trace keys one run's groups by it."""
     return f"greedy-{corpus}-"
@@ -110,14 +116,17 @@ def measure(
     server: Server, mode: str, corpus: str, corpus_tokens: list[int], suffixes: list[list[int]],
     n_tokens: int, vocab: int, teacher: list[list[int]] | None, forced_steps: int,
     streams: tuple[int, ...] = (8,), bursts: int = 1, first_token_reps: int = 4,
+    sequential_floor: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """(1) Free-running greedy answers, one request at a time; (2) teacher-forced steps: for
     every position of the reference answers (``teacher``, stock's; this mode's own when None),
     the log-softmax of the next token given the same context, so noise at one step does not
-    change the context of the next; (3) the same requests as 8 concurrent streams, timed, with
-    SGLang's KV-pool use sampled; their tokens are (1)'s computed in one batch. With ``bursts``
-    > 1 each stream count is sent that many times in a row: the first burst is the server's first
-    batch of that size (its kernels' first launches at those shapes), the repeats are warm."""
+    change the context of the next (:func:`teacher_forced`, the requests concurrent; with
+    ``sequential_floor`` again one at a time, ``forced_sequential``); (3) the same requests as 8
+    concurrent streams, timed, with SGLang's KV-pool use sampled; their tokens are (1)'s computed
+    in one batch. With ``bursts`` > 1 each stream count is sent that many times in a row: the
+    first burst is the server's first batch of that size (its kernels' first launches at those
+    shapes), the repeats are warm."""
     prompts = [s if is_route(mode) else corpus_tokens + s for s in suffixes]
     greedy = []
     for i, p in enumerate(prompts):
@@ -135,16 +144,12 @@ def measure(
             for i, s in enumerate(suffixes)
         ]
 
-    def forced(i: int) -> list[list[float]]:
-        out = []
-        for j in range(min(n_tokens, forced_steps)):
-            body = request(prompts[i] + ref[i][:j], 1, mode, corpus, i, vocab, logprobs=True)
-            out.append(vectors(server.post(body)["meta_info"], vocab)[0])
-        return out
-
-    with ThreadPoolExecutor(len(prompts)) as pool:  # one thread per prompt
-        steps = list(pool.map(forced, range(len(prompts))))
-    result["forced"] = steps
+    steps = min(n_tokens, forced_steps)
+    result["forced"] = teacher_forced(server, mode, corpus, prompts, ref, vocab, steps)
+    if sequential_floor:  # the same contexts one request at a time: the batching floor
+        result["forced_sequential"] = teacher_forced(
+            server, mode, corpus, prompts, ref, vocab, steps, concurrent=False
+        )
     try:  # a refused flush or a failed request costs this probe, not the mode's other numbers
         result["first_token"] = first_token(server, mode, corpus, prompts, vocab, first_token_reps)
     except (RuntimeError, OSError) as e:
@@ -160,6 +165,50 @@ def measure(
     result["concurrent"] = by_streams[streams[0]]
     result["concurrent_by_streams"] = {str(s): c for s, c in by_streams.items()}
     return result
+
+
+def teacher_forced(
+    server: Server, mode: str, corpus: str, prompts: list[list[int]], ref: list[list[int]],
+    vocab: int, steps: int, concurrent: bool = True,
+) -> list[list[list[float]]]:  # fmt: skip
+    """``[request][step][vocab]``: the log-softmax of the next token after ``prompts[i] +
+    ref[i][:j]`` for ``j < steps``; each request's steps in order, the requests in one thread each
+    (``concurrent``: SGLang batches them) or one after another (one request in flight)."""
+
+    def forced(i: int) -> list[list[float]]:
+        out = []
+        for j in range(steps):
+            body = request(prompts[i] + ref[i][:j], 1, mode, corpus, i, vocab, logprobs=True)
+            out.append(vectors(server.post(body)["meta_info"], vocab)[0])
+        return out
+
+    if not concurrent:
+        return [forced(i) for i in range(len(prompts))]
+    with ThreadPoolExecutor(len(prompts)) as pool:  # one thread per prompt
+        return list(pool.map(forced, range(len(prompts))))
+
+
+def restart_floor(
+    a: argparse.Namespace, model: Path, cd: Corpusd, runs: dict[str, dict[str, Any]],
+    suffixes: list[list[int]], vocab: int,
+) -> None:  # fmt: skip
+    """A second, freshly started stock server, teacher-forced on stock's answers as the first
+    was: ``runs[r]["stock"]["forced_restart"]`` (the two-servers floor)."""
+    graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
+    log = Path(a.work) / "sglang-stock-2.log"
+    server = Server("stock", model, a.port, cd, log, graph_bs, a.kv_cache_dtype)
+    try:
+        server.wait()
+        for r, by_mode in runs.items():
+            st = by_mode.get("stock")
+            if st is None:
+                continue
+            prompts = [cd.tokens[r] + sfx for sfx in suffixes]
+            ref = [g["tokens"] for g in st["greedy"]]
+            steps = len(st["forced"][0]) if st["forced"] else 0
+            st["forced_restart"] = teacher_forced(server, "stock", r, prompts, ref, vocab, steps)
+    finally:
+        server.stop()
 
 
 REGIMES = {
@@ -201,8 +250,19 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     suffixes = [tok.encode(f"\n\nQ: {q}\nA:") for q in QUESTIONS[: a.requests]]
     runs: dict[str, dict[str, Any]] = {r: {} for r in regimes}
     failed: dict[str, str] = {}
+    floors = [f for f in a.floor.split(",") if f]
     try:
+        if "restart" in floors:
+            modes = [*modes[:1], FLOOR_RESTART, *modes[1:]]
         for mode in modes:
+            if mode == FLOOR_RESTART:  # right after stock: its teacher-forced contexts
+                print("== stock, a second server (noise floor)", flush=True)
+                try:
+                    restart_floor(a, model, cd, runs, suffixes, vocab)
+                except Exception as e:  # the floor is missing from the result, the run goes on
+                    failed[FLOOR_RESTART] = f"{type(e).__name__}: {e}"[:2000]
+                save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
+                continue
             print(f"== {mode}", flush=True)
             log = work / f"sglang-{mode}.log"
             graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
@@ -217,6 +277,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         server, mode, r, cd.tokens[r], suffixes, a.tokens, vocab, teacher,
                         forced_steps=a.forced_steps, streams=a.streams, bursts=a.bursts,
                         first_token_reps=a.first_token_reps,
+                        sequential_floor=mode == "stock" and "sequential" in floors,
                     )  # fmt: skip
                     runs[r][mode] = {"server_start_s": start_s, **m}
                     if forced_primitive(mode):
@@ -341,6 +402,11 @@ def summarize(
                 if "concurrent" in v
             },
         }
+        floors = noise_floor(by_mode["stock"])
+        out["regimes"][r]["noise_floor"] = floors
+        out["regimes"][r]["vs_floor"] = {
+            m: against_floor(c, floors) for m, c in out["regimes"][r]["vs_stock"].items()
+        }
         stock = [g["tokens"] for g in by_mode["stock"]["greedy"]]
         out["regimes"][r]["stock_answers"] = {
             # free-running agreement tests the corpus attention only if the answers differ per
@@ -388,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         help="start only a route server and send it requests it cannot bind (issue 17, item 4)",
     )  # fmt: skip
     ap.add_argument("--regimes", default="dense,sparse")
+    ap.add_argument(
+        "--floor", default="sequential,restart",
+        help="stock-against-stock noise floors to measure (issue 36): sequential (the same "
+        "server's teacher-forced requests one at a time against batched), restart (a second, "
+        "freshly started stock server); '' for none",
+    )  # fmt: skip
     ap.add_argument("--tokens", type=int, default=32, help="generated per request")
     ap.add_argument("--forced-steps", type=int, default=16, help="teacher-forced per request")
     ap.add_argument("--requests", type=int, default=8)
