@@ -83,9 +83,10 @@ VARIABLES = {
         "unset",
     ),
     "CORPUSD_SGLANG_DUMP": (
-        "SGLang, a diagnosis aid (tools/diag_layer_diff.py): write each request's last row per "
-        "forward and layer (indexer selection and scores, attention output, hidden state) to "
-        "this directory; read by the plugin and by the stock dump package "
+        "SGLang, a diagnosis aid (tools/diag_layer_diff.py): write the last row per forward "
+        "and layer (indexer selection and scores, attention output, hidden state) of each "
+        "request whose rid contains 'diag' to this directory; read by the plugin and by the "
+        "stock dump package "
         "(SGLANG_EXTERNAL_MODEL_PACKAGE=requester.sglang.stockdump); slows every forward",
         "unset",
     ),

@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +49,8 @@ from typing import Any
 
 from corpusd.tokenizer import ByteTokenizer
 from indexer import ARITHS
+from requester.sglang import dump
+from tools.layer_compare import selection_vs_stock, tag
 from tools.sglang_compare import PRIMITIVES as PRIMS
 from tools.sglang_compare import (
     against_floor,
@@ -116,7 +120,7 @@ def measure(
     server: Server, mode: str, corpus: str, corpus_tokens: list[int], suffixes: list[list[int]],
     n_tokens: int, vocab: int, teacher: list[list[int]] | None, forced_steps: int,
     streams: tuple[int, ...] = (8,), bursts: int = 1, first_token_reps: int = 4,
-    sequential_floor: bool = False,
+    sequential_floor: bool = False, tagged: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """(1) Free-running greedy answers, one request at a time; (2) teacher-forced steps: for
     every position of the reference answers (``teacher``, stock's; this mode's own when None),
@@ -145,7 +149,9 @@ def measure(
         ]
 
     steps = min(n_tokens, forced_steps)
-    result["forced"] = teacher_forced(server, mode, corpus, prompts, ref, vocab, steps)
+    result["forced"] = teacher_forced(
+        server, mode, corpus, prompts, ref, vocab, steps, tagged=tagged
+    )
     if sequential_floor:  # the same contexts one request at a time: the batching floor
         result["forced_sequential"] = teacher_forced(
             server, mode, corpus, prompts, ref, vocab, steps, concurrent=False
@@ -169,16 +175,21 @@ def measure(
 
 def teacher_forced(
     server: Server, mode: str, corpus: str, prompts: list[list[int]], ref: list[list[int]],
-    vocab: int, steps: int, concurrent: bool = True,
+    vocab: int, steps: int, concurrent: bool = True, tagged: bool = False,
 ) -> list[list[list[float]]]:  # fmt: skip
     """``[request][step][vocab]``: the log-softmax of the next token after ``prompts[i] +
     ref[i][:j]`` for ``j < steps``; each request's steps in order, the requests in one thread each
-    (``concurrent``: SGLang batches them) or one after another (one request in flight)."""
+    (``concurrent``: SGLang batches them) or one after another (one request in flight).
+    ``tagged``: each request's rid carries ``layer_compare.tag(j, i, corpus)``, by which the
+    servers' per-layer dumps (``--dump``) pair stock's rows with route's."""
 
     def forced(i: int) -> list[list[float]]:
         out = []
         for j in range(steps):
-            body = request(prompts[i] + ref[i][:j], 1, mode, corpus, i, vocab, logprobs=True)
+            phase = tag(j, i, corpus) if tagged else ""
+            body = request(prompts[i] + ref[i][:j], 1, mode, corpus, i, vocab, True, phase)
+            if tagged and not is_route(mode):  # route's rid carries the phase already
+                body["rid"] = f"{phase}{time.monotonic_ns()}"
             out.append(vectors(server.post(body)["meta_info"], vocab)[0])
         return out
 
@@ -209,6 +220,35 @@ def restart_floor(
             st["forced_restart"] = teacher_forced(server, "stock", r, prompts, ref, vocab, steps)
     finally:
         server.stop()
+
+
+def dump_dir(a: argparse.Namespace, mode: str) -> Path:
+    return Path(a.work) / f"dump-{mode.replace('@', '-')}"
+
+
+def dump_env(a: argparse.Namespace, mode: str) -> dict[str, str]:
+    """``--dump``: every server records its forwards' last rows per layer (stock through the
+    hooked stock class, ``requester.sglang.stockdump``); nothing otherwise."""
+    if not a.dump or mode == "fetch":
+        return {}
+    d = dump_dir(a, mode)
+    shutil.rmtree(d, ignore_errors=True)
+    env = {dump.ENV_DUMP: str(d)}
+    if mode == "stock":
+        env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "requester.sglang.stockdump"
+    return env
+
+
+def selection(a: argparse.Namespace, modes: list[str], regime: str, k: int) -> dict[str, Any]:
+    """``--dump``: each route mode's top-k against stock's per layer and step on the
+    teacher-forced rows of ``regime`` (``tools/layer_compare.py: selection_vs_stock``), with
+    stock's exact ties at the cut per layer and route's set at them."""
+    stock = dump.load(dump_dir(a, "stock")) if dump_dir(a, "stock").exists() else []
+    out = {}
+    for m in modes:
+        if is_route(m) and dump_dir(a, m).exists():
+            out[m] = selection_vs_stock(stock, dump.load(dump_dir(a, m)), k, regime)
+    return out
 
 
 REGIMES = {
@@ -266,7 +306,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             print(f"== {mode}", flush=True)
             log = work / f"sglang-{mode}.log"
             graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
-            server = Server(mode, model, a.port, cd, log, graph_bs, a.kv_cache_dtype)
+            server = Server(mode, model, a.port, cd, log, graph_bs, a.kv_cache_dtype,
+                            extra_env=dump_env(a, mode))  # fmt: skip
             try:
                 start_s = server.wait()
                 for r in regimes:
@@ -278,6 +319,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         forced_steps=a.forced_steps, streams=a.streams, bursts=a.bursts,
                         first_token_reps=a.first_token_reps,
                         sequential_floor=mode == "stock" and "sequential" in floors,
+                        tagged=a.dump,
                     )  # fmt: skip
                     runs[r][mode] = {"server_start_s": start_s, **m}
                     if forced_primitive(mode):
@@ -402,6 +444,8 @@ def summarize(
                 if "concurrent" in v
             },
         }
+        if getattr(a, "dump", False):
+            out["regimes"][r]["selection_vs_stock"] = selection(a, list(by_mode), r, topk)
         floors = noise_floor(by_mode["stock"])
         out["regimes"][r]["noise_floor"] = floors
         out["regimes"][r]["vs_floor"] = {
@@ -454,6 +498,11 @@ def main(argv: list[str] | None = None) -> int:
         help="start only a route server and send it requests it cannot bind (issue 17, item 4)",
     )  # fmt: skip
     ap.add_argument("--regimes", default="dense,sparse")
+    ap.add_argument(
+        "--dump", action="store_true",
+        help="record the teacher-forced rows per layer in stock and route (CORPUSD_SGLANG_DUMP) "
+        "and report route's top-k against stock's per layer and step, with the ties at the cut",
+    )  # fmt: skip
     ap.add_argument(
         "--floor", default="sequential,restart",
         help="stock-against-stock noise floors to measure (issue 36): sequential (the same "

@@ -29,7 +29,8 @@ import torch
 
 from requester.sglang.topk import ties_at_cut
 
-#: How a teacher-forced request is named in both servers: request ``q``, forced step ``s``.
+#: How a teacher-forced request is named in both servers: request ``q``, forced step ``s`` (with
+#: a group, e.g. the bench's regime: ``diag<group>-s<s>-q<q>-``).
 TAG = re.compile(r"diag-s(\d+)-q(\d+)-")
 COMPONENTS = ("scores", "selection", "attn", "hidden")
 #: default tolerances: relative L2 for attn / hidden (bf16 runs differ by ~1e-2 from summation
@@ -37,21 +38,23 @@ COMPONENTS = ("scores", "selection", "attn", "hidden")
 TOL = {"scores": 1e-2, "attn": 3e-2, "hidden": 3e-2}
 
 
-def tag(step: int, request: int) -> str:
+def tag(step: int, request: int, group: str = "") -> str:
     """The rid fragment both servers' teacher-forced requests carry (:data:`TAG`)."""
-    return f"diag-s{step}-q{request}-"
+    return f"diag{group}-s{step}-q{request}-"
 
 
 def pair(
-    stock: Iterable[dict[str, Any]], route: Iterable[dict[str, Any]]
+    stock: Iterable[dict[str, Any]], route: Iterable[dict[str, Any]], group: str = ""
 ) -> list[tuple[tuple[int, int], dict[str, Any], dict[str, Any]]]:
-    """Records of the same teacher-forced row on both sides, by (step, request) from the rid; the
-    last record of a key wins (a retried request), keys on one side only are left out."""
+    """Records of the same teacher-forced row on both sides, by (step, request) from the rid
+    (:func:`tag` with ``group``); the last record of a key wins (a retried request), keys on one
+    side only are left out."""
+    pattern = TAG if not group else re.compile(rf"diag{re.escape(group)}-s(\d+)-q(\d+)-")
 
     def keyed(recs: Iterable[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
         out = {}
         for r in recs:
-            m = TAG.search(str(r["rid"]))
+            m = pattern.search(str(r["rid"]))
             if m:
                 out[(int(m.group(1)), int(m.group(2)))] = r
         return out
@@ -207,3 +210,31 @@ def report_lines(result: dict[str, Any]) -> list[str]:
                     cells.append(f"{kind} rel {c[kind]['rel_l2']:.3g}")
             lines.append(" ".join(cells))
     return lines
+
+
+def overlap_by_layer_and_step(rows: dict[tuple[int, int], dict[str, Any]]) -> dict[str, Any]:
+    """``{layer: {step: mean top-k overlap over the requests}}`` from :func:`compare_records`
+    results keyed (step, request)."""
+    acc: dict[int, dict[int, list[float]]] = {}
+    for (step, _q), row in rows.items():
+        for li, c in row["layers"].items():
+            if "selection" in c:
+                acc.setdefault(int(li), {}).setdefault(step, []).append(c["selection"]["overlap"])
+    return {
+        str(li): {str(s): statistics.fmean(v) for s, v in sorted(by.items())}
+        for li, by in sorted(acc.items())
+    }
+
+
+def selection_vs_stock(
+    stock: list[dict[str, Any]], route: list[dict[str, Any]], k: int, group: str = ""
+) -> dict[str, Any]:
+    """What the bench reports of a mode's selection against stock's on the teacher-forced rows
+    of ``group``: per layer (:func:`selection_agreement`: overlap, ties at the cut, route equal
+    at the ties) and per layer and step (:func:`overlap_by_layer_and_step`)."""
+    rows = {key: compare_records(a, b, k) for key, a, b in pair(stock, route, group)}
+    return {
+        "rows": len(rows),
+        "per_layer": selection_agreement(list(rows.values())),
+        "per_layer_step": overlap_by_layer_and_step(rows),
+    }

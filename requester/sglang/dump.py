@@ -32,6 +32,9 @@ from typing import Any
 import torch
 
 ENV_DUMP = "CORPUSD_SGLANG_DUMP"
+#: Only requests whose rid contains this are recorded (the tools name their teacher-forced
+#: requests so, ``tools/layer_compare.py: tag``): a server's other traffic writes nothing.
+MARK = "diag"
 
 
 def dump_dir() -> Path | None:
@@ -64,8 +67,13 @@ class Dumper:
     written: int = 0
 
     def begin(self, rids: list[str], rows: list[int], positions: list[int]) -> None:
-        self.rids, self.rows, self.positions = list(rids), list(rows), list(positions)
-        self.layers = [{} for _ in rids]
+        """Open a forward: of its requests (``rids``, their last ``rows`` and logical
+        ``positions``) only those whose rid contains :data:`MARK` are recorded."""
+        keep = [i for i, r in enumerate(rids) if MARK in r]
+        self.rids = [rids[i] for i in keep]
+        self.rows = [rows[i] for i in keep]
+        self.positions = [positions[i] for i in keep]
+        self.layers = [{} for _ in keep]
 
     def _slot(self, req: int, layer: int) -> dict[str, torch.Tensor]:
         return self.layers[req].setdefault(layer, {})

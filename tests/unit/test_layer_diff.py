@@ -13,7 +13,14 @@ import torch
 
 from requester.sglang import dump
 from tools.diag_layer_diff import summarize
-from tools.layer_compare import compare_layer, first_parting, pair, report_lines, tag
+from tools.layer_compare import (
+    compare_layer,
+    first_parting,
+    pair,
+    report_lines,
+    selection_vs_stock,
+    tag,
+)
 
 K = 4
 
@@ -23,15 +30,17 @@ def test_last_rows_and_begin_forward() -> None:
     assert dump.last_rows(None, 2) == [0, 1]
     d = dump.Dumper(Path("/nonexistent"))
     fb = SimpleNamespace(
-        rids=["a", "b"], extend_seq_lens_cpu=[3, 2], positions=torch.tensor([7, 8, 9, 0, 1]),
+        rids=["diag-a", "diag-b"], extend_seq_lens_cpu=[3, 2],
+        positions=torch.tensor([7, 8, 9, 0, 1]),
         forward_mode=SimpleNamespace(is_decode=lambda: False),
     )  # fmt: skip
     dump.begin_forward(d, fb, torch.tensor([100, 100, 100, 50, 50]))
     assert d.rows == [2, 4] and d.positions == [109, 51]
-    dec = SimpleNamespace(rids=["a"], extend_seq_lens_cpu=None, positions=torch.tensor([12]),
+    dec = SimpleNamespace(rids=["other", "diag-a"], extend_seq_lens_cpu=None,
+                          positions=torch.tensor([12, 30]),
                           forward_mode=SimpleNamespace(is_decode=lambda: True))  # fmt: skip
-    dump.begin_forward(d, dec)
-    assert d.rows == [0] and d.positions == [12]
+    dump.begin_forward(d, dec)  # an untagged request is not recorded
+    assert d.rids == ["diag-a"] and d.rows == [1] and d.positions == [30]
 
 
 def _scores(n: int, seed: int) -> torch.Tensor:
@@ -72,7 +81,7 @@ def test_a_tie_at_the_cut_is_found_and_named(tmp_path: Path) -> None:
     route1["attn"], route1["hidden"] = a * 1.5, h * 2
     _write(tmp_path / "stock", f"x{tag(0, 0)}1", {0: _layer(s0, a, h), 1: stock1})
     _write(tmp_path / "route", f"corpusd:c:route-{tag(0, 0)}0-2", {0: _layer(s0, a, h), 1: route1})
-    _write(tmp_path / "route", "unrelated", {0: _layer(s0, a, h)})  # no tag: never paired
+    _write(tmp_path / "route", "diag-unrelated", {0: _layer(s0, a, h)})  # no step tag: unpaired
     stock, route = dump.load(tmp_path / "stock"), dump.load(tmp_path / "route")
     assert len(pair(stock, route)) == 1
     forced = {"stock": [[[-0.1, -2.0]]], "route": [[[-0.3, -1.5]]]}
@@ -108,3 +117,25 @@ def test_a_wide_margin_and_a_component_past_its_tolerance() -> None:
     assert first_parting({0: same}, {"attn": 1e-3}) == {"layer": 0, "component": "attn"}
     noisy = compare_layer(stock, {**stock, "scores": s + 0.5 * s.abs().max()}, K)
     assert first_parting({3: noisy, 5: c}) == {"layer": 3, "component": "scores"}
+
+
+def test_selection_vs_stock_per_layer_and_step(tmp_path: Path) -> None:
+    """Issue 36, item 5: the bench's selection figures from both servers' dumps of one regime's
+    teacher-forced rows (another regime's rows in the same directory are not mixed in)."""
+    s = _scores(10, 5)
+    order = s.sort(descending=True).indices
+    base = _layer(s, torch.ones(4), torch.ones(4))
+    moved = {**base, "sel": torch.cat([order[: K - 1], order[K : K + 1]]).sort().values}
+    for step in range(2):
+        for q in range(2):
+            _write(tmp_path / "stock", tag(step, q, "sparse") + "1", {0: base, 1: base})
+            rl = {0: base, 1: moved if (step, q) == (1, 0) else base}
+            _write(tmp_path / "route", "corpusd:c:route-" + tag(step, q, "sparse") + "0-1", rl)
+    _write(tmp_path / "stock", tag(0, 0, "dense") + "1", {0: moved, 1: moved})  # another regime
+    got = selection_vs_stock(dump.load(tmp_path / "stock"), dump.load(tmp_path / "route"), K,
+                             "sparse")  # fmt: skip
+    assert got["rows"] == 4
+    assert got["per_layer"]["0"]["overlap_min"] == 1.0
+    assert got["per_layer"]["1"]["rows_below_1"] == 1
+    assert got["per_layer"]["1"]["overlap_mean"] == pytest.approx((3 + (K - 1) / K) / 4)
+    assert got["per_layer_step"]["1"] == {"0": 1.0, "1": pytest.approx((1 + (K - 1) / K) / 2)}
