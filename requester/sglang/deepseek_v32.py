@@ -305,19 +305,18 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         if cb is not None and cb.mode == "extend":
             cb.link.timings.add("bind (extend)", time.perf_counter() - t0)
         forward_batch.corpusd = cb
-        dumper = self.corpusd_dumper
-        if dumper is not None and not idle and not torch.cuda.is_current_stream_capturing():
-            offset = None if cb is None else cb.corpus_len if cb.resident is None else cb.tokens
-            dump.begin_forward(dumper, forward_batch, offset)
-            if cb is not None:
-                cb.dump = dumper
-            try:
-                return self._forward(cb, input_ids, positions, forward_batch, input_embeds,
-                                     pp_proxy_tensors)  # fmt: skip
-            finally:
-                dumper.end()
         args = (input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
-        return self._forward(cb, *args)
+        dumper = self.corpusd_dumper  # CORPUSD_SGLANG_DUMP: a diagnosis aid, eager forwards only
+        if dumper is None or idle or torch.cuda.is_current_stream_capturing():
+            return self._forward(cb, *args)
+        # logical positions: own tokens after their corpus, as the selections are recorded
+        dump.begin_forward(dumper, forward_batch, None if cb is None else cb.corpus_len)
+        if cb is not None:
+            cb.dump = dumper
+        try:
+            return self._forward(cb, *args)
+        finally:
+            dumper.end()
 
     def _forward(
         self, cb: CorpusBatch | None, input_ids: torch.Tensor, positions: torch.Tensor,
