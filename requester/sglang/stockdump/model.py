@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 from sglang.srt.layers.attention.nsa_backend import NSAIndexerMetadata
 from sglang.srt.models.deepseek_v2 import DeepseekV32ForCausalLM as _SGLangDeepseekV32
 
@@ -81,8 +82,6 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         self, input_ids: Any, positions: Any, forward_batch: Any, input_embeds: Any = None,
         pp_proxy_tensors: Any = None,
     ) -> Any:  # fmt: skip
-        import torch
-
         live = not forward_batch.forward_mode.is_idle()
         live = live and not torch.cuda.is_current_stream_capturing()
         if live:
