@@ -195,6 +195,12 @@ VARIABLES: tuple[Var, ...] = (
         "one that takes over this many seconds (1 if not a positive number) with its GPU time "
         "and profile, and log every Triton compile (a diagnosis aid; it slows prefills)",
         shown="unset", parse=_slow_seconds),
+    Var("CORPUSD_SGLANG_DUMP", "path",
+        "SGLang, a diagnosis aid (tools/diag_layer_diff.py): write the last row per forward and "
+        "layer (indexer selection and scores, attention output, hidden state) of each request "
+        "whose rid contains 'diag' to this directory; read by the plugin and by the stock dump "
+        "package (SGLANG_EXTERNAL_MODEL_PACKAGE=requester.sglang.stockdump); slows every forward",
+        shown="unset"),
 )  # fmt: skip
 VARS: dict[str, Var] = {v.name: v for v in VARIABLES}
 

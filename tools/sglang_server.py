@@ -182,7 +182,7 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
 
 def start_pinned(
     work: Path, model: Path, corpora: dict[str, tuple[int, str]], holders: int, device: str,
-    kv_cache_dtype: str, engine_port: int = 0,
+    kv_cache_dtype: str, engine_port: int = 0, sources: dict[str, Path] | None = None,
 ) -> Corpusd:  # fmt: skip
     """:func:`start_corpusd` with the pins' format following SGLang's ``kv_cache_dtype``; with
     ``engine_port`` the corpora are pinned through a stock SGLang server in capture mode on that
@@ -191,12 +191,12 @@ def start_pinned(
     verbatim indexer pages when it can read the store)."""
     fmt = pin_format(kv_cache_dtype)
     if not engine_port:
-        return start_corpusd(work, model, corpora, holders, device, fmt)
+        return start_corpusd(work, model, corpora, holders, device, fmt, sources=sources)
     capture = Server("capture", model, engine_port, None, work / "sglang-capture.log", (),
                      kv_cache_dtype)  # fmt: skip
     try:
         capture.wait()
-        cd = start_corpusd(work, model, corpora, holders, device, fmt, capture.url)
+        cd = start_corpusd(work, model, corpora, holders, device, fmt, capture.url, sources)
     finally:
         capture.stop()
     os.environ["CORPUSD_STORE"] = str(cd.store)
@@ -216,15 +216,16 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 600) -> Any:
 class Server:
     """``python -m sglang.launch_server`` in ``mode`` (stock, route, route@<p>, fetch). ``cd`` is
     the corpusd that route and fetch serve from (stock needs none); ``flags`` replaces
-    :func:`sglang_flags` (the model path, port and CUDA-graph flags are still added)."""
+    :func:`sglang_flags` (the model path, port and CUDA-graph flags are still added);
+    ``extra_env`` is added to the server's environment (e.g. ``CORPUSD_SGLANG_DUMP``)."""
 
     def __init__(
         self, mode: str, model: Path, port: int, cd: Corpusd | None, log: Path,
         graph_bs: tuple[int, ...] = (), kv_cache_dtype: str = "auto",
-        flags: list[str] | None = None,
+        flags: list[str] | None = None, extra_env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         assert cd is not None or mode in ("stock", "capture"), f"{mode=} serves from a corpusd"
-        env = {**os.environ, **SGLANG_ENV}
+        env = {**os.environ, **SGLANG_ENV, **(extra_env or {})}
         base = sglang_flags(kv_cache_dtype) if flags is None else flags
         flags = ["--model-path", str(model), "--port", str(port), *base]
         prim = forced_primitive(mode)

@@ -34,7 +34,7 @@ from sglang.srt.server_args import get_global_server_args
 from corpusd.model import ModelConfig, flashmla_fp8
 from corpusd.model.checkpoint import fingerprint
 from requester.predicate import Predicate
-from requester.sglang import binding_check, choose, formats
+from requester.sglang import binding_check, choose, dump, formats
 from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
 from requester.sglang.config import PluginConfig
 from requester.sglang.device_scores import warm_up as warm_scores
@@ -133,6 +133,10 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 "holders' pools in place on this GPU, and a copy into the page cache would only "
                 "add work"
             )
+        out = dump.dump_dir()  # a diagnosis aid (tools/diag_layer_diff.py)
+        self.corpusd_dumper = dump.Dumper(out) if out is not None else None
+        if self.corpusd_dumper is not None:
+            dump.install(self, self.corpusd_dumper)
         # an unknown or unservable corpus fails its request at admission, not the forward
         binding_check.register(self)
         binding_check.install()
@@ -297,6 +301,23 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         if cb is not None and cb.mode == "extend":
             cb.link.timings.add("bind (extend)", time.perf_counter() - t0)
         forward_batch.corpusd = cb
+        args = (input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+        dumper = self.corpusd_dumper  # CORPUSD_SGLANG_DUMP: a diagnosis aid, eager forwards only
+        if dumper is None or idle or torch.cuda.is_current_stream_capturing():
+            return self._forward(cb, *args)
+        # logical positions: own tokens after their corpus, as the selections are recorded
+        dump.begin_forward(dumper, forward_batch, None if cb is None else cb.corpus_len)
+        if cb is not None:
+            cb.dump = dumper
+        try:
+            return self._forward(cb, *args)
+        finally:
+            dumper.end()
+
+    def _forward(
+        self, cb: CorpusBatch | None, input_ids: torch.Tensor, positions: torch.Tensor,
+        forward_batch: Any, input_embeds: Any, pp_proxy_tensors: Any,
+    ) -> Any:  # fmt: skip
         for ix, default in zip(self.corpusd_indexers, self._cp_default, strict=True):
             # True only keeps forward_cuda off its "seq_len <= index_topk" shortcut (no logits);
             # the context-parallel branch still needs nsa_cp_metadata, which stays None.

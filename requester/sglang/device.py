@@ -10,9 +10,10 @@ Per layer:
 
 1. **Select.** The corpus's index scores (:mod:`.device_scores`: SGLang's own fp8 kernel over
    the corpus's pages in SGLang's index-k page format, a torch reference on CPU) and the
-   request's own logits enter one exact top-k (:func:`fused_topk`): score descending, the
-   lowest logical position first among ties (corpus ``0 … T−1``, own token ``j`` at ``T + j``),
-   as :func:`indexer.select.select_topk` over the concatenated row.
+   request's own logits enter one exact top-k (:func:`fused_topk`): score descending in
+   SGLang's order (its float32 bits: ``-0.0`` below ``+0.0``), the lowest logical position first
+   among exact ties (corpus ``0 … T−1``, own token ``j`` at ``T + j``), as
+   :func:`.topk.sglang_topk` over the concatenated row (:mod:`.topk` says why that rule).
 2. **Route.** The corpus positions become frame rows of the holders' pools
    (:func:`corpus_rows`); a holder on this GPU has its pool mapped here by CUDA IPC, so the
    sparse partial runs on the worker's stream over the holder's frames: FlashMLA's bf16 sparse
@@ -30,6 +31,7 @@ import torch
 from corpusd.model.fp8_cache import FP8
 from requester.sglang import device_triton
 from requester.sglang.resident import Resident
+from requester.sglang.topk import sglang_order
 
 INT64_MIN = torch.iinfo(torch.int64).min
 #: Key chunks per query row in the sparse partial (:func:`sparse_partial`).
@@ -42,15 +44,14 @@ def order_keys(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     key per column; ``INT64_MIN`` where ``valid`` is False or the score is NaN or ``-inf``
     (never a candidate, as in :func:`indexer.select.select_topk`).
 
-    The float32 score's bits are mapped to an unsigned order (flip all bits of a negative
-    float, the sign bit of a positive one; -0.0 is made +0.0 first) in the high 32 bits, and
-    ``2³² − 1 − column`` in the low 32 bits, so equal scores order by column. ``scores``:
+    The high 32 bits rank the float32 score as SGLang's NSA top-k does
+    (:func:`.topk.sglang_order`: by its raw bits, so ``-0.0`` ranks below ``+0.0``), the low 32
+    bits are ``2³² − 1 − column``, so equal bits order by column: at an exact tie the lowest
+    column wins, one of the outcomes of SGLang's kernel (:mod:`.topk`'s docstring). ``scores``:
     float ``[n, m]`` with ``m < 2³²``."""
-    s = scores.float() + 0.0  # -0.0 + 0.0 = +0.0: equal scores get equal bits
-    bits = s.view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits >= 0, bits + (1 << 31), ~bits)  # [0, 2³²), monotone in s
+    s = scores.float()
     col = torch.arange(s.shape[1], device=s.device, dtype=torch.int64)
-    key = (ordered - (1 << 31)) * (1 << 32) + (_LOW32 - col)
+    key = (sglang_order(s) - (1 << 31)) * (1 << 32) + (_LOW32 - col)
     return key.masked_fill(~valid | torch.isnan(s) | (s == -math.inf), INT64_MIN)
 
 

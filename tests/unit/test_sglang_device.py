@@ -37,21 +37,43 @@ def _ascending(cols: torch.Tensor) -> torch.Tensor:
     return torch.where(out == big, -1, out)
 
 
+def _sglang_want(s: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """topk.sglang_topk's selection without the non-candidates the device path never takes
+    (invalid, NaN, -inf; stock takes them only when a row has too few others), ascending."""
+    ok = valid & ~torch.isnan(s) & (s != -math.inf)
+    lengths = torch.full((s.shape[0],), s.shape[1])
+    want = topk.sglang_topk(s.masked_fill(~ok, -math.inf), lengths, k)
+    keep = ok.gather(1, want.clamp(min=0)) & (want >= 0)
+    return _ascending(torch.where(keep, want, -1))
+
+
 @pytest.mark.parametrize("m,k", [(300, 64), (50, 64), (2048, 2048), (1, 4)])
-def test_exact_topk_is_select_topk(m: int, k: int) -> None:
+def test_exact_topk_is_sglang_topk(m: int, k: int) -> None:
+    """SGLang's order (its float bits: -0.0 below +0.0), the lowest column among equal bits; and
+    where no -0.0 is in play, exactly corpusd's own select_topk."""
     g = torch.Generator().manual_seed(SEED + m)
     for trial in range(4):
         s = _tied_scores(g, 9, m) if trial % 2 == 0 else torch.randn(9, m, generator=g)
         valid = torch.rand(9, m, generator=g) < 0.8
         valid[0] = False  # a row with no candidate
         s[1, :3] = -math.inf  # -inf scores are never chosen by either
-        got = device.exact_topk(s, valid, k)
-        want = select_topk(s.masked_fill(~valid, -math.inf), k)
-        assert torch.equal(_ascending(got), want), f"{m=}, {k=}, {trial=}"
+        got = _ascending(device.exact_topk(s, valid, k))
+        assert torch.equal(got, _sglang_want(s, valid, k)), f"{m=}, {k=}, {trial=}"
+        plus = s + 0.0  # -0.0 → +0.0: then the two rules agree
+        want = select_topk(plus.masked_fill(~valid, -math.inf), k)
+        assert torch.equal(_ascending(device.exact_topk(plus, valid, k)), want), f"{m=}, {k=}"
     # Without the column in the low bits ties would be broken by topk's order: check the keys
     # really are distinct per column.
     keys = device.order_keys(torch.zeros(2, 10), torch.ones(2, 10, dtype=torch.bool))
     assert keys[0].unique().numel() == 10 and bool((keys[0, :-1] > keys[0, 1:]).all())
+
+
+def test_plus_zero_beats_minus_zero_as_in_sglang() -> None:
+    """A defect of the device path until it ranked raw bits: -0.0 and +0.0 tied there (lowest
+    column won), while SGLang's kernel ranks +0.0 strictly higher."""
+    s = torch.tensor([[-0.0, -0.0, 0.0, -1.0]])
+    got = device.exact_topk(s, torch.ones_like(s, dtype=torch.bool), 1)
+    assert got.tolist() == [[2]]
 
 
 def test_exact_topk_ignores_nan() -> None:
@@ -60,7 +82,7 @@ def test_exact_topk_ignores_nan() -> None:
     assert _ascending(got).tolist() == [[0, 2, 3]]
 
 
-def test_fused_topk_is_select_topk_over_the_logical_row() -> None:
+def test_fused_topk_is_sglang_topk_over_the_logical_row() -> None:
     g = torch.Generator().manual_seed(SEED)
     n, wc, wo, k = 7, 320, 96, 128
     corpus_len = torch.tensor([0, 1, 100, 320, 319, 200, 64])
@@ -74,7 +96,7 @@ def test_fused_topk_is_select_topk_over_the_logical_row() -> None:
     for i in range(n):
         t, o = int(corpus_len[i]), int(own_len[i])
         logical = torch.cat([cs[i, :t], os_[i, :o]])[None]
-        want = select_topk(logical, k) if t + o else torch.full((1, k), -1)
+        want = topk.sglang_topk(logical, torch.tensor([t + o]), k)
         want_c, want_o = topk.split_selection(want, torch.tensor([t]))
         got_c = cpos[i][cpos[i] >= 0].sort().values
         got_o = own[i][own[i] >= 0].sort().values
