@@ -223,17 +223,31 @@ class Resident:
             else:
                 pages = index_pages(k[: view.token_count], self.page_size, self.ue8m0)
             self.pages[layer][base : base + n] = pages.to(self.device)
-        placed = plan.placement
-        slots = [self.holder_slot[address] for address, _ in placed]
-        self.page_holder[base : base + n] = torch.tensor(slots, dtype=torch.int32).to(self.device)
-        frames = torch.tensor([f for _, f in placed], dtype=torch.int32)
-        self.page_frame[base : base + n] = frames.to(self.device)
+        self._place(base, plan)
         self._next_page += n
-        c = ArenaCorpus(cid, base, n, view.token_count, placed)
+        c = ArenaCorpus(cid, base, n, view.token_count, plan.placement)
         self.corpora[cid] = c
         self.retired.pop(cid, None)
         log.info("corpus %s resident: %d pages at arena page %d", cid, n, base)
         return c
+
+    def apply(self, plan: DevicePlan) -> None:
+        """Read loaded corpus ``plan.corpus_id``'s pages where ``plan`` says (a failed-over
+        plan, :meth:`requester.fanout_device.DevicePlan.failover`): its arena rows of holder
+        slot and frame are rewritten in place. Between steps only, never while a graph that
+        reads them replays. The corpus's ``placement`` stays its page table's (what a recheck
+        compares). Raises KeyError for a corpus not loaded."""
+        c = self.corpora[plan.corpus_id]
+        assert plan.n_pages == c.n_pages, f"{plan.n_pages=} vs {c.n_pages=}"
+        self._place(c.base_page, plan)
+
+    def _place(self, base: int, plan: DevicePlan) -> None:
+        """Write ``plan``'s (holder slot, frame) per page into the arena from page ``base``."""
+        placed, n = plan.placement, plan.n_pages
+        slots = [self.holder_slot[address] for address, _ in placed]
+        self.page_holder[base : base + n] = torch.tensor(slots, dtype=torch.int32).to(self.device)
+        frames = torch.tensor([f for _, f in placed], dtype=torch.int32)
+        self.page_frame[base : base + n] = frames.to(self.device)
 
     def forget(self, corpus_id: str) -> bool:
         """Drop ``corpus_id`` from the loaded corpora (unpinned, or placed anew): the next load
