@@ -14,11 +14,12 @@ Per layer of a batch with corpus-bound requests (state in ``forward_batch.corpus
    format (positions within the request); the corpus part is kept for step 3.
 2. ``forward_extend`` / ``forward_decode`` run SGLang's sparse kernel over the own part, keeping
    the LSE SGLang drops (our ``_forward_flashmla_sparse`` / ``_forward_flashmla_kv``).
-3. The corpus part goes to corpusd (``CorpusLink.begin`` / ``finish``: per holder group routed
-   to the holder or fetched into the plugin's page cache and attended here, as ``choose.py``
-   decides); the two partials merge by LSE. On the host path the holder calls are sent before
-   step 2 and waited for after it, so SGLang's own partial runs while they are in flight. On the
-   device path (``resident``) the corpus partial reads the holders' pools on this GPU after it.
+3. The corpus part goes to corpusd (``CorpusLink.begin`` / ``finish``, :mod:`.host_path`: per
+   holder group routed to the holder by corpusd's fan-out engine or fetched into the plugin's
+   page cache and attended here, as ``choose.py`` decides); the two partials merge by LSE. On
+   the host path the holder calls are sent before step 2 and waited for after it, so SGLang's
+   own partial runs while they are in flight. On the device path (``resident``) the corpus
+   partial reads the holders' pools on this GPU after it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from requester.sglang import device, device_scores, topk
 from requester.sglang import lse as lse_mod
 from requester.sglang.binding import Binding
 from requester.sglang.dump import Dumper
-from requester.sglang.link import CorpusLink, Pending
+from requester.sglang.host_path import Pending
+from requester.sglang.link import CorpusLink
 from requester.sglang.positions import to_corpusd_layout
 from requester.sglang.resident import Resident
 

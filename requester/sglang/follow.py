@@ -1,8 +1,8 @@
-"""The link's bound corpora follow their page tables, as corpusd's agent worker's do (issue 21):
-a task on the link's loop re-reads each bound corpus's page table every
-``CORPUSD_SGLANG_TABLE_REFRESH_S`` seconds and stages a changed view, which the link adopts at the
-first layer of a forward (:meth:`.link.CorpusLink.attend`), never inside one. The re-read, its
-cheap unchanged path, failover kept and a coordinator that is down are
+"""The plugin's bound corpora follow their page tables, as corpusd's agent worker's do (issue
+21): a task on the catalog's loop re-reads each bound corpus's page table every
+``CORPUSD_SGLANG_TABLE_REFRESH_S`` seconds and stages a changed view, which the catalog adopts at
+the first layer of a forward (:meth:`.catalog.CorpusCatalog.at_layer`), never inside one. The
+re-read, its cheap unchanged path, failover kept and a coordinator that is down are
 :mod:`requester.table_refresh`'s, reused as they are.
 
 So a load replica the coordinator adds (``corpusd/coordinator/replicas.py``) reaches the holder

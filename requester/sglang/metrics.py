@@ -46,6 +46,10 @@ class PluginMetrics(RequesterMetrics):
             "sglang_page_cache_pages", "SGLang plugin: pages resident in the fetch page cache"
         )
 
+    def decided(self, pick: str, forced: bool, layer: int, holder: str) -> None:
+        super().decided(pick, forced, layer, holder)
+        self.group_decisions.labels(pick, str(layer), holder).inc()
+
     def cache_stats(self, before: Mapping[str, int], after: Mapping[str, int]) -> None:
         """Advance the cache counters by what happened between two ``PageCache.stats()``."""
         self.cache_lookups.labels("hit").inc(after["hits"] - before["hits"])

@@ -281,7 +281,7 @@ def test_holder_pool_over_cuda_ipc_attends_as_the_holder(
             want_o, want_l = link.attend(bound, layer, q.float().cpu(), pos.cpu(), scale)
             assert rel(o.cpu(), want_o) < 2e-2 and rel(lse.cpu(), want_l) < 1e-3, f"{layer=}"
             # The arena's pages are the index keys the holder serves, in SGLang's format.
-            keys = link._run(link._index_keys(cid, layer))
+            keys = link.catalog.run(link.catalog._index_keys(cid, layer))
             assert torch.equal(res.pages[layer][: c.n_pages].cpu(), index_pages(keys, 64, False))
     finally:
         link.close()

@@ -137,7 +137,7 @@ def test_fetch_partial_over_the_page_cache_is_the_reference() -> None:
     the torch reference over the source rows (the CPU tests check the same rows on CPU)."""
     from requester.sglang.backend import _sparse_lse_base2
     from requester.sglang.device import sparse_partial
-    from requester.sglang.link import TOPK_ALIGN, pad_cols
+    from requester.sglang.host_path import TOPK_ALIGN, pad_cols
     from requester.sglang.page_cache import PageCache
 
     g = torch.Generator().manual_seed(1)

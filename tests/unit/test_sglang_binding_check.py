@@ -30,7 +30,7 @@ class _Link:
         self.known, self.fail, self.elsewhere = known, fail, elsewhere
         self.calls: list[str] = []
 
-    def recheck(self, res: Any) -> dict[str, str]:  # as link_device's: forgets what left
+    def recheck(self, res: Any) -> dict[str, str]:  # as the catalog's: forgets what left
         self.calls.append("recheck")
         return {}
 
@@ -42,7 +42,7 @@ class _Link:
             raise CorpusBindingError(f"corpus {name!r} is not pinned")
         return _Binding(f"id-{name}", self.known[name])
 
-    def load_resident(self, b: _Binding, res: _Resident) -> None:  # as link_device's
+    def load_resident(self, b: _Binding, res: _Resident) -> None:  # as the device path's
         res.check(b.corpus_id, b.tokens)
         if b.corpus_id.removeprefix("id-") in self.elsewhere:
             raise CorpusBindingError(
@@ -163,7 +163,7 @@ def test_a_corpus_on_holders_off_this_gpu_fails_its_request_at_admission(
 
 def test_binding_check_rechecks_the_pins_before_it_binds() -> None:
     """A corpus unpinned since it was bound must not be bound from the link's cache: the binding
-    check asks the link to recheck (at most once a second, ``link_device.recheck``) before each
+    check asks the link to recheck (at most once a second, ``CorpusCatalog.recheck``) before each
     bind; an unbound request costs no recheck."""
     link = _Link({"docs": 10})
     model = _Model(link, _Resident())

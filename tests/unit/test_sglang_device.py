@@ -275,3 +275,45 @@ def test_corpus_scores_of_no_rows_is_an_empty_window() -> None:
     empty = torch.zeros(0, dtype=torch.int32)
     got = device_scores.corpus_scores(res, 0, q, torch.zeros(0, 8), empty, empty)
     assert got.shape == (0, res.window_tokens)
+
+
+def test_a_failed_over_plan_moves_the_arenas_reads_to_the_replicas_between_steps() -> None:
+    """A corpus whose pages each sit on both holders of this GPU: the arena first reads each
+    page where the page table placed it; the device plan failed over from holder h0 (applied
+    between steps) reads every page from h1's copy, with the same partial, and h0's rows no
+    longer count (overwritten, the output does not change)."""
+    g = torch.Generator().manual_seed(SEED)
+    res = _resident()
+    d, frames = 576, (3, 7, 1, 5)
+    canon = torch.randn(len(frames) * 64, d, generator=g)
+    pools: dict[str, list[torch.Tensor]] = {}
+    for a, offset in (("h0", 0), ("h1", 10)):  # h1 keeps its copy 10 frames further on
+        pool = torch.zeros(40 * 64, d)
+        for p, f in enumerate(frames):
+            pool[(f + offset) * 64 : (f + offset + 1) * 64] = canon[p * 64 : (p + 1) * 64]
+        pools[a] = [pool, pool.clone()]
+        res.add_pool(a, pools[a])
+    replicas = tuple(((p % 2, f + 10 * (p % 2)), (1 - p % 2, f + 10 * (1 - p % 2)))
+                     for p, f in enumerate(frames))  # fmt: skip
+    first = [r[0] for r in replicas]
+    view = CorpusView("c", len(frames) * 64, 64, ("h0", "h1"),
+                      torch.tensor([h for h, _ in first]), torch.tensor([f for _, f in first]),
+                      replicas)  # fmt: skip
+    c = res.load(view, [torch.randn(view.token_count, 128, generator=g) for _ in range(2)])
+    span = slice(c.base_page, c.base_page + c.n_pages)
+    assert res.page_holder[span].tolist() == [0, 1, 0, 1]
+    n, h, k = 3, 8, 40
+    q = torch.randn(n, h, d, generator=g)
+    pos = torch.stack([torch.randperm(view.token_count, generator=g)[:k] for _ in range(n)])
+    base = torch.full((n,), c.base_page, dtype=torch.int32)
+    scale = d**-0.5
+    want = partial_attention(q, canon, pos, scale, 512)
+    before = device.corpus_partial(res, 1, q, pos, base, scale, 512, base2=False)
+    res.apply(res.plan(view).failover({"h0"}))
+    assert res.page_holder[span].tolist() == [1] * 4
+    assert res.page_frame[span].tolist() == [13, 7 + 10, 11, 5 + 10]
+    assert res.corpora["c"].placement == c.placement  # the page table's, for the recheck
+    pools["h0"][1].normal_(generator=g)  # a failed holder's pool: its rows no longer count
+    after = device.corpus_partial(res, 1, q, pos, base, scale, 512, base2=False)
+    for o, lse in (before, after):
+        assert rel(o, want[0]) < 1e-5 and rel(lse, want[1]) < 1e-6
