@@ -196,7 +196,7 @@ def start_pinned(
                      kv_cache_dtype)  # fmt: skip
     try:
         capture.wait()
-        cd = start_corpusd(work, model, corpora, holders, device, fmt, capture.url, sources)
+        cd = start_corpusd(work, model, corpora, holders, device, fmt, capture.url, sources=sources)
     finally:
         capture.stop()
     os.environ["CORPUSD_STORE"] = str(cd.store)
