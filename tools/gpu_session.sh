@@ -17,12 +17,14 @@
 #                                            #   its strict-xfail control, ~4 min: pytest -k control)
 #   bash tools/gpu_session.sh engine-agree   # issue 18: route on engine-true pages vs stock, fitted (~9 min)
 #   bash tools/gpu_session.sh fp8            # issue 18: fp8 GPU tests, then bench_sglang on fp8 (~8 min)
+#   bash tools/gpu_session.sh diag           # issue 36: layer-by-layer diff and the noise floor, the
+#                                            #   held-out-like 128-head x 4-layer random model (~9 min)
 #   bash tools/gpu_session.sh share          # issue 35: equal-HBM bench, 2 workers + holder on one GPU;
 #                                            #   SHARE_FRACTIONS=0.5 then 0.25,1,2 in two calls (~6-9 min each)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | share"}
-case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|share) ;;
+step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag | share"}
+case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag|share) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
@@ -147,6 +149,28 @@ fp8)
         --out "$OUT/sglang-fp8-$GPU.json" > "$OUT/sglang-fp8-$GPU.log" 2>&1
     took "fp8 bench" $?
     grep "^holders:" "$OUT/sglang-fp8-$GPU.log"; tail -10 "$OUT/sglang-fp8-$GPU.log" ;;
+diag)  # 128 heads, 4 layers, hidden 1024, q LoRA 384, seed 20261127, random weights; stdlib corpus
+    python3 - <<'PY'
+from pathlib import Path
+from corpusd.model.tiny import init_tiny
+from tools.bench_share import stdlib_corpus
+if not Path("/tmp/d36/model/config.json").exists():
+    init_tiny("/tmp/d36/model", seed=20261127, preset="sglang", num_attention_heads=128,
+              num_hidden_layers=4, hidden_size=1024, q_lora_rank=384, index_topk=2048,
+              mlp_layer_types=("dense", "sparse", "sparse", "sparse"), index_arith="fp8")
+stdlib_corpus(Path("/tmp/d36/src"), 3683)
+PY
+    timeout 280 python3 -m tools.diag_layer_diff --model /tmp/d36/model --corpus-dir /tmp/d36/src \
+        --holder-device cuda:0 --requests 4 --steps 4 --pin-engine --work /tmp/d36/diag \
+        --out "$OUT/diag-layer-diff-$GPU.json" > "$OUT/diag-layer-diff-$GPU.log" 2>&1
+    took diag_layer_diff $?
+    tail -15 "$OUT/diag-layer-diff-$GPU.log"
+    timeout 290 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
+        --tokens 16 --forced-steps 8 --holder-device cuda:0 --pin-engine --dump --no-cuda-graph \
+        --fit-steps 0 --work /tmp/d36 --out "$OUT/sglang-floor-128h-$GPU.json" \
+        > "$OUT/sglang-floor-128h-$GPU.log" 2>&1
+    took "bench_sglang floor" $?
+    tail -16 "$OUT/sglang-floor-128h-$GPU.log" ;;
 share)  # the model and pin stay in /tmp/bsh: the second call on a warm machine reuses the model
     fr=${SHARE_FRACTIONS:-0.5}; SHARE_ARGS=${SHARE_ARGS:-}
     timeout 580 python3 -m tools.bench_share --servers 2 --fractions "$fr" --work /tmp/bsh $SHARE_ARGS \
