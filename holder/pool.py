@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from corpusd.corpus.manifest import FP8_ROW_BYTES, KV_FORMATS, page_format
+from corpusd.corpus.manifest import KV_FORMATS, page_format
+from corpusd.kernels.formats import ROW_BYTES
 
 log = logging.getLogger("corpusd.holder")
 
@@ -53,7 +54,7 @@ class Geometry:
     @property
     def latent_width(self) -> int:
         """Elements of a stored latent row: ``kv_dim``, or 656 bytes for fp8 rows."""
-        return FP8_ROW_BYTES if self.fp8 else self.kv_dim
+        return ROW_BYTES if self.fp8 else self.kv_dim
 
     @property
     def latent_dtype(self) -> torch.dtype:

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from corpusd.kernels.reference import PartialOut
 from corpusd.model import DeepseekV32
 from corpusd.rpc import StatusError
 from requester.balance import HolderSpeed
@@ -41,7 +42,7 @@ from requester.binding_index import CorpusIndexer
 from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.drift import Drift
 from requester.metrics import RequesterMetrics
-from requester.plan import Geometry, GroupWork, Partial, failure, holder_groups, merge_groups
+from requester.plan import Geometry, GroupWork, failure, holder_groups, merge_groups
 from requester.predicate import Decision, Group, Predicate
 from requester.routes import Connections
 from requester.sources import LocalRows, PageCache, attend_canonical
@@ -171,7 +172,7 @@ class CorpusBinding(CorpusIndexer):
         offsets: torch.Tensor | None = None,
         scale: float | None = None,
         dtype: torch.dtype | None = None,
-    ) -> Partial:
+    ) -> PartialOut:
         """``(O [n, h, d_v], LSE [n, h])`` of absorbed queries ``q [n, h, kv_dim]`` over
         canonical corpus positions ``canon [n, k]`` (int64, -1 unused), each row's corpus placed
         at ``offsets [n]`` (default 0; ``q`` is rotated back by it for route). Grouped by holder,
@@ -220,7 +221,7 @@ class CorpusBinding(CorpusIndexer):
 
     async def _group(
         self, layer: int, q: torch.Tensor, off: torch.Tensor, g: GroupWork, scale: float, tries: int
-    ) -> Partial:
+    ) -> PartialOut:
         predicate = self.engine.predicate
         shape = self._shape(layer, g)
         decision = (
@@ -259,7 +260,7 @@ class CorpusBinding(CorpusIndexer):
         pick: str,
         e: grpc.aio.AioRpcError | StatusError,
         tries: int,
-    ) -> Partial:
+    ) -> PartialOut:
         """A holder failed: its rows go to replicas, else to a re-read page table, else are
         recomputed here; ``tries`` bounds how often one call's rows may fail over."""
         code, detail = failure(e)
@@ -313,7 +314,7 @@ class CorpusBinding(CorpusIndexer):
 
     async def _execute(
         self, layer: int, q: torch.Tensor, off: torch.Tensor, g: GroupWork, pick: str, scale: float
-    ) -> Partial:
+    ) -> PartialOut:
         qg, og, geo = q[g.keep], off[g.keep], self.geo
         if pick == "route":
             route = await self.engine.route(g.address)

@@ -50,9 +50,9 @@ def holder_main(port_file: Path, device: int, fetch_rows: int) -> None:
     import grpc
 
     from corpusd.corpus.store import PageStore
+    from corpusd.kernels.registry import choose
     from corpusd.v1 import holder_pb2_grpc, transport_pb2_grpc
     from holder.config import HolderConfig
-    from holder.kernels import choose
     from holder.metrics import HolderMetrics
     from holder.nvshmem_endpoint import NvshmemEndpoint
     from holder.pool import FramePool, Geometry
@@ -150,8 +150,9 @@ async def requester_main(
     stop_holder: Callable[[], None],
     checkpoint: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
-    from corpusd.model.partial import merge_partials, partial_attention
-    from holder.kernels import REGISTRY, choose
+    from corpusd.kernels.merge import merge_partials
+    from corpusd.kernels.reference import partial_attention
+    from corpusd.kernels.registry import REGISTRY, choose
     from requester.holder_client import HolderClient
     from requester.nvshmem_client import NvshmemClient, RemoteRowError
     from tools.bench_gpu import part_choice

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from corpusd.corpus.manifest import KV_FORMATS, PAGE_SIZE
 
 DTYPES = ("float32", "bfloat16")
-KERNELS = ("auto", "torch")  # corpusd.model.kernels.choose
+KERNELS = ("auto", "torch")  # corpusd.model.prefill_kernels.choose
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 

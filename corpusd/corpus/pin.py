@@ -24,9 +24,10 @@ from corpusd.corpus.ingest import CorpusError, Ingested, ingest
 from corpusd.corpus.layout import Layout, render
 from corpusd.corpus.manifest import Manifest, corpus_id, page_format
 from corpusd.corpus.store import PageStore
+from corpusd.kernels import fp8_cache as fp8
+from corpusd.kernels.formats import FP8
 from corpusd.model import KVCache, ModelConfig, fingerprint, forward_tokens, load_model
-from corpusd.model import fp8_cache as fp8
-from corpusd.model.kernels import Kernels, choose
+from corpusd.model.prefill_kernels import Kernels, choose
 from corpusd.progress import Progress
 from corpusd.tokenizer import Tokenizer, load_tokenizer
 
@@ -104,7 +105,7 @@ def pin(
         check_device(cfg.device)
     model_dir = Path(cfg.model) if cfg.model else default_model(out)
     model_cfg = ModelConfig.from_dir(model_dir)
-    if cfg.kv_format == fp8.FP8:
+    if cfg.kv_format == FP8:
         fp8.check_layout(model_cfg.kv_lora_rank, model_cfg.qk_rope_head_dim)
     tokenizer, ingested, layout = tokenize(cfg, model_dir, model_cfg)
     fp = fingerprint(model_dir)
@@ -160,7 +161,7 @@ def pin(
         for layer in range(model_cfg.num_hidden_layers):
             n = cache.length
             latent = cache.latent[layer][:n].cpu()
-            if cfg.kv_format == fp8.FP8:
+            if cfg.kv_format == FP8:
                 latent = fp8.quantize(latent)
             w.write_layer(layer, latent, cache.index_keys[layer][:n].cpu(), cfg.page_size)
         manifest = w.write_manifest(manifest)  # with the files' checksums and page digests

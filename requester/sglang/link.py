@@ -36,11 +36,12 @@ import torch
 
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.corpus.store import PageStore
+from corpusd.kernels.reference import PartialOut as Partial
 from corpusd.model import ModelConfig
 from indexer.fp8 import fp8_view
 from requester.corpus_view import CorpusView
 from requester.fanout import CorpusBinding, Fanout
-from requester.plan import Geometry, GroupWork, Partial, failure, holder_groups, merge_groups
+from requester.plan import Geometry, GroupWork, failure, holder_groups, merge_groups
 from requester.predicate import Decision, Predicate, Profile
 from requester.sglang.binding import Binding, PinnedCorpus, resolve
 from requester.sglang.choose import Chooser
@@ -67,7 +68,7 @@ class _Fanout(Fanout):
         pass
 
 
-#: FlashMLA's sparse kernel takes top-k in multiples of 128 on SM90 (holder/flashmla.py)
+#: FlashMLA's sparse kernel takes top-k in multiples of 128 on SM90 (corpusd/kernels/flashmla.py)
 TOPK_ALIGN = 128
 
 

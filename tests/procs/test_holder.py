@@ -15,7 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from corpusd.corpus.store import PageStore
-from corpusd.model import ModelConfig, merge_partials, partial_attention
+from corpusd.kernels.merge import merge_partials
+from corpusd.kernels.reference import partial_attention
+from corpusd.model import ModelConfig
 from corpusd.v1 import holder_pb2, tensor_pb2
 from holder.launch import HolderProcess
 from indexer import index_scores, select_topk

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from corpusd.corpus.store import PageStore
-from corpusd.model import ModelConfig, fingerprint, partial_attention
+from corpusd.kernels.reference import partial_attention
+from corpusd.model import ModelConfig, fingerprint
 from indexer.fp8 import hadamard
 from requester.predicate import Predicate, Profile
 from requester.sglang.binding import CorpusBindingError

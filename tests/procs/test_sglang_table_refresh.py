@@ -20,7 +20,8 @@ import torch
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
-from corpusd.model import ModelConfig, fingerprint, partial_attention
+from corpusd.kernels.reference import partial_attention
+from corpusd.model import ModelConfig, fingerprint
 from requester.predicate import Predicate, Profile
 from requester.sglang.choose import Chooser
 from requester.sglang.follow import lease_third

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from corpusd.model.partial import partial_attention
+from corpusd.kernels.reference import partial_attention
 
 D, D_V = 576, 512
 O_REL, LSE_ABS = 1e-2, 1e-2  # bf16 operands, float32 accumulation (METHOD.md: 1e-3 … 1e-2)

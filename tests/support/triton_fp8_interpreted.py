@@ -14,8 +14,8 @@ import os
 import torch
 
 import tests.support.triton_patch  # noqa: F401  (before any kernel module)
-from corpusd.model import fp8_cache as f8
-from holder.triton_mla_fp8 import triton_fp8_partial_attention
+from corpusd.kernels import fp8_cache as f8
+from corpusd.kernels.triton_fp8 import triton_fp8_partial_attention
 from tests.support.mla_checks import rel
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"

@@ -13,8 +13,8 @@ import grpc
 import pytest
 import torch
 
+from corpusd.kernels.reference import partial_attention
 from corpusd.model import DeepseekV32
-from corpusd.model.partial import partial_attention
 from corpusd.rpc import StatusError
 from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.fanout import CorpusBinding, Fanout

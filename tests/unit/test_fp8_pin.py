@@ -15,8 +15,8 @@ import torch
 from corpusd.cli import main as cli_main
 from corpusd.corpus.manifest import Manifest
 from corpusd.corpus.store import PageStore
+from corpusd.kernels import fp8_cache as f8
 from corpusd.model import KVCache, forward_tokens
-from corpusd.model import fp8_cache as f8
 from corpusd.model.tiny import init_tiny
 
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import indexer.select
-from corpusd.model import merge_partials, partial_attention
+from corpusd.kernels.merge import merge_partials
+from corpusd.kernels.reference import partial_attention
 from indexer import index_scores, select_topk, select_topk_exact
 from tests.support.checks import rel
 
@@ -35,13 +36,15 @@ def test_partial_attention_equals_dense_softmax() -> None:
 
 
 def test_partial_attention_row_chunks_agree(monkeypatch: pytest.MonkeyPatch) -> None:
-    import corpusd.model.partial as partial
+    import corpusd.kernels.reference as partial
 
     q, kv, idx = _inputs(2, n=9)
     whole = partial_attention(q, kv, idx, 0.1, 512)
     monkeypatch.setattr(partial, "_GATHER_ELEMS", 2 * 64 * 576)  # two rows per chunk
     chunked = partial_attention(q, kv, idx, 0.1, 512)
-    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    # Not bit for bit: a batched matmul of 2 rows and one of 9 need not sum in the same order on
+    # every CPU (issue 34 saw them differ on an AVX-512 Xeon). Float32 rounding apart, equal.
+    assert rel(chunked[0], whole[0]) <= 1e-6 and rel(chunked[1], whole[1]) <= 1e-6
 
 
 def test_partial_attention_empty_rows_and_padding() -> None:

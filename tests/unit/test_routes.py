@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from corpusd.model.partial import partial_attention
+from corpusd.kernels.reference import partial_attention
 from corpusd.rpc import StatusError
 from corpusd.transport import nvshmem_ring as nr
 from corpusd.v1 import transport_pb2
