@@ -10,7 +10,7 @@ query rows over latent pool rows, the rule that chooses one, and what they share
 - ``triton_common`` / ``triton_mla`` / ``triton_fp8``: our Triton kernels over plain and fp8
   rows, sharing their prologue;
 - ``registry``: the kernels by name and the one capability-based choice (``choose``,
-  ``prefer_triton``), reported in logs and ``/metrics``; ``device``: what a device can run.
+  ``prefer_triton``), reported in logs and ``/metrics``; ``capability``: what a device can run.
 
 Used by the holder (its pool), the model and the GPU pin's prefill (``corpusd.model``), and the
 SGLang plugin (``requester/sglang``). This ``__init__`` imports nothing, so that importing the

@@ -30,7 +30,7 @@ from functools import cache
 
 import torch
 
-from corpusd.kernels.device import sm_major
+from corpusd.kernels.capability import sm_major
 from corpusd.kernels.formats import D_QK, D_V, FP8_BLOCK, ROW_BYTES, TOPK_ALIGN
 from corpusd.kernels.merge import merge_stacked
 from corpusd.kernels.reference import PartialOut, partial_attention

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from corpusd.kernels import flashmla
-from corpusd.kernels.device import triton_usable
+from corpusd.kernels.capability import triton_usable
 from corpusd.kernels.formats import FP8, PLAIN
 from corpusd.kernels.fp8_cache import fp8_partial_attention
 from corpusd.kernels.reference import PartialOut, partial_attention
