@@ -4,7 +4,8 @@ The CPU fp32 pin of the same corpus is the reference: every layer's latent rows 
 of the GPU pin are compared with a relative tolerance that bf16 weights and activations allow,
 and the corpus id differs only through the cache dtype. Both prefill kernel sets run: ``auto``
 (Triton index scores + FlashMLA or Triton per call on SM90) and the torch references. The
-Triton scorer is also held to ``index_scores`` at the SGLang preset's shape. GPU only (``-m gpu``); skips elsewhere.
+Triton scorer is also held to ``index_scores`` at the SGLang preset's shape. GPU only
+(``-m gpu``); skips elsewhere.
 """
 
 from __future__ import annotations

@@ -311,7 +311,7 @@ def test_the_bench_runs_fp8_with_flags_the_plugin_accepts() -> None:
 
 
 def test_lse_base_says_which_log_a_kernel_returns() -> None:
-    """The LSE-base probe both FlashMLA wrappers share (corpusd/model/flashmla_fp8.lse_base)."""
+    """The LSE-base probe both FlashMLA wrappers share (corpusd/kernels/flashmla.py, lse_base)."""
     from corpusd.kernels.flashmla import lse_base
 
     ref = torch.tensor([[2.0, 3.5], [0.25, -1.0]])
