@@ -17,7 +17,7 @@ import contextlib
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
@@ -33,9 +33,6 @@ from corpusd.security import SecurityConfig
 from corpusd.up_config import UpConfig
 from holder.config import HolderConfig
 from requester.config import AgentConfig, WorkerConfig
-
-if TYPE_CHECKING:
-    pass
 
 #: Errors a user's input causes (exit 2, one line) beyond ValueError, which covers CorpusError,
 #: ModelConfigError, CheckpointError, PortInUse and every config check. As (module, class):
@@ -60,10 +57,7 @@ def user_error(e: BaseException) -> bool:
 def cmd_serve(a: argparse.Namespace) -> int:
     from corpusd.coordinator.server import run
 
-    values = {f.name: getattr(a, f.name) for f in fields(CoordinatorConfig)}
-    values["state_dir"] = values["state_dir"] or str(env.home() / "coordinator")
-    values["store"] = values["store"] or str(env.default_store_dir())
-    run(CoordinatorConfig(**values))
+    run(CoordinatorConfig.from_flags(a))
     return 0
 
 
@@ -76,16 +70,13 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def cmd_agent(a: argparse.Namespace) -> int:
+    from corpusd.corpus.pin import default_model
     from requester.config import AgentConfig, WorkerConfig
     from requester.server import run
 
-    values = {f.name: getattr(a, f.name) for f in fields(AgentConfig)}
-    values["state_dir"] = values["state_dir"] or str(env.home() / "agent")
-    values["store"] = values["store"] or str(env.default_store_dir())
-    values["coordinator"] = env.coordinator(values["coordinator"]) if not a.holders else ""
-    from corpusd.corpus.pin import default_model
-
-    cfg = AgentConfig(**values)
+    cfg = AgentConfig.from_flags(
+        a, coordinator=env.coordinator(a.coordinator) if not a.holders else ""
+    )
     wcfg = WorkerConfig(**{f.name: getattr(a, f.name) for f in fields(WorkerConfig)})
     if not (cfg.coordinator or cfg.holders):
         raise ValueError(f"{env.NO_COORDINATOR}; or give an agent --holders")
@@ -194,13 +185,14 @@ def cmd_model_init(a: argparse.Namespace) -> int:
 def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
     """One ``--flag`` per field of a config dataclass, typed and defaulted from the class; a
     field's ``metadata`` may add ``help``, ``choices`` and ``const`` (the flag then takes its
-    value optionally: ``--detach`` alone means ``--detach 1``)."""
+    value optionally: ``--detach`` alone means ``--detach 1``). ``{state_home}`` in a help text
+    is the class's ``STATE_HOME`` (a daemon's state directory under $CORPUSD_HOME)."""
     for f in fields(cls):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = {"int": int, "float": float}.get(str(f.type), str)
-        text = f.metadata.get("help", "")
+        text = f.metadata.get("help", "").replace("{state_home}", getattr(cls, "STATE_HOME", ""))
         extra: dict[str, Any] = {}
         if "choices" in f.metadata:
             extra["choices"] = f.metadata["choices"]
@@ -218,10 +210,7 @@ def cmd_holder(a: argparse.Namespace) -> int:
     from corpusd.corpus.pin import default_model
     from holder.server import run
 
-    values = {f.name: getattr(a, f.name) for f in fields(HolderConfig)}
-    values["state_dir"] = values["state_dir"] or str(env.home() / "holders" / "default")
-    values["store"] = values["store"] or str(env.default_store_dir())
-    cfg = HolderConfig(**values)
+    cfg = HolderConfig.from_flags(a)
     model_dir = Path(cfg.model) if cfg.model else default_model(sys.stderr)
     run(cfg, model_dir)
     return 0

@@ -1,8 +1,10 @@
-"""Start a corpusd daemon as a subprocess and wait until it serves (tests, tools, ``up``), and
-what every daemon does to start serving (``listen``, ``write_endpoint``).
+"""Start a corpusd daemon of a role as a subprocess and wait until it serves (:func:`start`:
+tests, tools, ``up``), and what every daemon does to start serving (``listen``,
+``write_endpoint``).
 
-Every daemon (``corpusd holder``, ``corpusd serve``) writes ``endpoint.json`` (address and
-metrics port) in its state directory once it listens; its log goes to ``<role>.log`` beside it.
+Every daemon (``corpusd serve``, ``corpusd holder``, ``corpusd agent``) writes ``endpoint.json``
+(address and ports) in its state directory once it listens; its log goes to ``<role>.log``
+beside it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,48 @@ class Daemon:
         """SIGKILL: a crash, as far as its state is concerned."""
         self.proc.kill()
         self.proc.wait(30)
+
+    @property
+    def http_port(self) -> int:
+        """An agent's OpenAI-compatible API port (``--http-port``); -1: not served."""
+        return int(json.loads((self.state_dir / "endpoint.json").read_text()).get("http_port", -1))
+
+
+@dataclass(frozen=True, slots=True)
+class Role:
+    """How a daemon of a role is started: its ``corpusd`` subcommand and how long it may take
+    to serve (a holder or an agent loads a model)."""
+
+    command: str
+    timeout_s: float
+
+
+ROLES = {
+    "coordinator": Role("serve", 60.0),
+    "holder": Role("holder", 120.0),
+    "agent": Role("agent", 120.0),
+}
+
+
+def start(
+    role: str,
+    state_dir: Path,
+    *args: str,
+    store: Path | None = None,
+    model: Path | None = None,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+) -> Daemon:
+    """Run the daemon of ``role`` (a key of :data:`ROLES`) with ``--state-dir state_dir``,
+    ``--store``/``--model`` when given, then ``args``; returns once it serves (its log:
+    ``state_dir/<role>.log``). ``env`` replaces this process's environment (e.g.
+    ``CUDA_VISIBLE_DEVICES``). Raises KeyError for an unknown role, RuntimeError (with the
+    log's tail) if it exits or does not serve within ``timeout`` (default: the role's)."""
+    r = ROLES[role]
+    flags = [*(["--store", str(store)] if store is not None else [])]
+    flags += ["--model", str(model)] if model is not None else []
+    wait = r.timeout_s if timeout is None else timeout
+    return Daemon(*spawn(role, r.command, [*flags, *args], state_dir, wait, env))
 
 
 def spawn(

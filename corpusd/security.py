@@ -12,7 +12,6 @@ them anywhere else.
 from __future__ import annotations
 
 import ipaddress
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +109,14 @@ def identity_from(ca: str, cert: str, key: str, token: str, insecure: bool = Fal
     )
 
 
+def _env_text(name: str) -> str:
+    """One of the TLS/token variables as text ("" when unset), through :mod:`corpusd.env`."""
+    from corpusd import env
+
+    value = env.get(name)
+    return "" if value is None else str(value)
+
+
 _configured: Identity | None = None
 _server: SecurityConfig | None = None
 
@@ -119,15 +126,15 @@ def configure(cfg: SecurityConfig) -> None:
     command's flags, each defaulting to its env var. Raises ValueError (see
     :func:`identity_from`)."""
     global _configured, _server
-    e = os.environ.get
+    e = _env_text
     if not cfg.insecure:
         cfg = SecurityConfig(
-            tls_cert=cfg.tls_cert or e(ENV_CERT, ""),
-            tls_key=cfg.tls_key or e(ENV_KEY, ""),
-            tls_ca=cfg.tls_ca or e(ENV_CA, ""),
+            tls_cert=cfg.tls_cert or e(ENV_CERT),
+            tls_key=cfg.tls_key or e(ENV_KEY),
+            tls_ca=cfg.tls_ca or e(ENV_CA),
             auth_tokens=cfg.auth_tokens,
         )
-    token = e(ENV_TOKEN, "")
+    token = e(ENV_TOKEN)
     if cfg.insecure:
         _configured = Identity(insecure=True)
     elif cfg.tls_ca or cfg.tls_cert or token:
@@ -153,9 +160,9 @@ def client_identity(address: str) -> Identity:
     ``up``'s, else plaintext."""
     if _configured is not None:
         return _configured
-    e = os.environ.get
+    e = _env_text
     if any(e(v) for v in (ENV_CA, ENV_CERT, ENV_KEY, ENV_TOKEN)):
-        return identity_from(e(ENV_CA, ""), e(ENV_CERT, ""), e(ENV_KEY, ""), e(ENV_TOKEN, ""))
+        return identity_from(e(ENV_CA), e(ENV_CERT), e(ENV_KEY), e(ENV_TOKEN))
     if _loopback(address):
         from corpusd import env
 

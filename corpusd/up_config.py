@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from corpusd import env
-from corpusd.corpus.manifest import KV_FORMATS
+from corpusd.daemon_config import positive
+from corpusd.formats import KV_FORMATS
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,17 +85,12 @@ class UpConfig:
             if port in seen:
                 raise ValueError(f"port {port} is given twice ({seen[port]} and {flag})")
             seen[port] = flag
-        if self.capacity_tokens <= 0 or not self.timeout_s > 0:
-            raise ValueError("capacity_tokens and timeout_s must be > 0")
+        positive(self, "capacity_tokens", "timeout_s", "calibration_max_age_days")
         if self.kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
         if self.detach not in (0, 1) or self.insecure not in (0, 1):
             raise ValueError(
                 f"detach and insecure must be 0 or 1, got {self.detach}, {self.insecure}"
-            )
-        if not self.calibration_max_age_days > 0:
-            raise ValueError(
-                f"calibration_max_age_days must be > 0: {self.calibration_max_age_days}"
             )
 
     def ports(self) -> dict[str, list[int]]:

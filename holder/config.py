@@ -4,25 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from corpusd.corpus.manifest import KV_FORMATS, PAGE_SIZE
+from corpusd.corpus.manifest import PAGE_SIZE
+from corpusd.daemon_config import DaemonConfig, non_negative, positive
+from corpusd.formats import KV_FORMATS
 
 DTYPES = ("float32", "bfloat16")
 GPU_HOST_THREADS = 2
 
 
 @dataclass(frozen=True, slots=True)
-class HolderConfig:
-    store: str = field(
-        default="",
-        metadata={"help": "page store the corpora were pinned into (default: $CORPUSD_STORE)"},
-    )
-    state_dir: str = field(
-        default="",
-        metadata={
-            "help": "assignments.json (reloaded on restart) and endpoint.json (default: "
-            "$CORPUSD_HOME/holders/default)"
-        },
-    )
+class HolderConfig(DaemonConfig):
+    """A holder; its state directory keeps assignments.json (reloaded on restart)."""
+
+    ROLE = "holder"
+    STATE_HOME = "holders/default"
+
     model: str | None = field(
         default=None,
         metadata={
@@ -33,18 +29,6 @@ class HolderConfig:
     device: str = field(
         default="cpu",
         metadata={"help": "cpu, or cuda:N (FlashMLA / Triton kernels)"},
-    )
-    host: str = field(
-        default="127.0.0.1",
-        metadata={"help": "address to listen on"},
-    )
-    port: int = field(
-        default=0,
-        metadata={"help": "0: pick a free port (written to endpoint.json)"},
-    )
-    metrics_port: int = field(
-        default=0,
-        metadata={"help": "Prometheus /metrics port; 0: pick a free one; -1: none"},
     )
     holder_id: str = field(
         default="",
@@ -124,10 +108,6 @@ class HolderConfig:
         default=0,
         metadata={"help": "torch intra-op threads per flow; 0: torch's default (CPU), 2 (GPU)"},
     )
-    drain_s: float = field(
-        default=5.0,
-        metadata={"help": "on SIGTERM, seconds running requests get before the holder stops"},
-    )
     shared_reuse_delay_s: float = field(
         default=60.0,
         metadata={
@@ -146,24 +126,19 @@ class HolderConfig:
     )
 
     def __post_init__(self) -> None:
-        if not self.store or not self.state_dir:
-            raise ValueError("a holder needs a page store and a state directory")
+        DaemonConfig.__post_init__(self)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for key in (
+        positive(
+            self,
             "capacity_tokens",
             "page_size",
             "max_flows",
             "staging_streams",
             "max_rows",
             "max_k",
-        ):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
-        if self.shared_reuse_delay_s < 0:
-            raise ValueError(f"shared_reuse_delay_s must be >= 0, got {self.shared_reuse_delay_s}")
-        if self.capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {self.capacity_bytes}")
+        )
+        non_negative(self, "shared_reuse_delay_s", "capacity_bytes")
         if self.capacity_tokens < self.page_size:
             raise ValueError(f"capacity_tokens {self.capacity_tokens} is less than one page")
         if self.nvshmem_peers < 0 or min(self.nvshmem_rows, self.nvshmem_topk) <= 0:

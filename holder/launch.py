@@ -1,14 +1,13 @@
-"""Start a ``corpusd holder`` subprocess and wait until it serves (tests, tools, ``up``)."""
+"""``start_holder``: :func:`corpusd.daemon.start` for the holder role, under the name tests,
+tools and ``up`` use."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from corpusd.daemon import Daemon, spawn
+from corpusd.daemon import Daemon, start
 
-
-class HolderProcess(Daemon):
-    """A running ``corpusd holder``."""
+HolderProcess = Daemon
 
 
 def start_holder(
@@ -18,9 +17,9 @@ def start_holder(
     *extra: str,
     timeout: float = 120,
     env: dict[str, str] | None = None,
-) -> HolderProcess:
-    """Run ``corpusd holder`` with its log in ``state_dir/holder.log``; returns once it serves.
-    ``env`` replaces this process's environment (e.g. ``CUDA_VISIBLE_DEVICES``). Raises
-    RuntimeError (with the log's tail) if it exits or times out."""
-    args = ["--store", str(store), "--model", str(model_dir), *extra]
-    return HolderProcess(*spawn("holder", "holder", args, state_dir, timeout, env))
+) -> Daemon:
+    """``corpusd holder`` in ``state_dir`` serving ``store`` with ``model_dir``'s geometry; see
+    :func:`start`."""
+    return start(
+        "holder", state_dir, *extra, store=store, model=model_dir, timeout=timeout, env=env
+    )

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from corpusd.corpus.manifest import KV_FORMATS, page_format
-from corpusd.kernels.formats import ROW_BYTES
+from corpusd.corpus.manifest import page_format
+from corpusd.kernels.formats import KV_FORMATS, ROW_BYTES
 
 log = logging.getLogger("corpusd.holder")
 

@@ -28,7 +28,7 @@ class Engine(Protocol):
     imported: fanout.py imports this module)."""
 
     metrics: RequesterMetrics
-    off: Callable[..., Awaitable[Any]]
+    offload: Callable[..., Awaitable[Any]]
 
     def client(self, address: str) -> HolderClient: ...
 
@@ -133,7 +133,7 @@ class CorpusIndexer:
         if self.keys:
             keys = await self.index_keys(layer)
             scale = g.index_dim**-0.5
-            return await self.engine.off(
+            return await self.engine.offload(
                 lambda: select_topk(index_scores(iq, iw, keys, scale, g.index_arith), g.index_topk)
             )
         limit = torch.full((len(iq),), self.view.token_count, dtype=torch.int64)

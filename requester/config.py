@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from corpusd import env
+from corpusd.daemon_config import DaemonConfig, non_negative, positive
 from corpusd.transport import TRANSPORTS
 from requester.predicate import PRIMITIVES
 
@@ -54,8 +55,8 @@ class WorkerConfig:
             raise ValueError(f"indexer must be one of {INDEXER_MODES}, got {self.indexer!r}")
         if self.primitive not in ("auto", *PRIMITIVES):
             raise ValueError(f"primitive must be auto or one of {PRIMITIVES}")
-        if self.fetch_cache_bytes < 0 or not self.rpc_timeout_s > 0:
-            raise ValueError("fetch_cache_bytes must be >= 0 and rpc_timeout_s > 0")
+        non_negative(self, "fetch_cache_bytes")
+        positive(self, "rpc_timeout_s")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.transport == "nvshmem" and not _nvshmem_available():
@@ -63,20 +64,13 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class AgentConfig:
-    store: str = field(
-        default="",
-        metadata={
-            "help": "page store (corpus tokens for local recompute; default: $CORPUSD_STORE)"
-        },
-    )
-    state_dir: str = field(
-        default="", metadata={"help": "endpoint.json and the log (default: $CORPUSD_HOME/agent)"}
-    )
+class AgentConfig(DaemonConfig):
+    """``corpusd agent``; the page store gives corpus tokens for local recompute."""
+
+    ROLE = "agent"
+    STATE_HOME = "agent"
+
     model: str = field(default="", metadata={"help": "model directory (default: the tiny model)"})
-    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
-    port: int = field(default=0, metadata={"help": "0: pick a free port (see endpoint.json)"})
-    metrics_port: int = field(default=0, metadata={"help": "0: pick a free port; -1: none"})
     http_port: int = field(
         default=-1,
         metadata={"help": "OpenAI-compatible HTTP API (/v1/...) port; 0: pick a free one, -1: off"},
@@ -113,14 +107,11 @@ class AgentConfig:
         },
     )
     threads: int = field(default=0, metadata={"help": "torch intra-op threads; 0: torch's"})
-    drain_s: float = field(
-        default=5.0, metadata={"help": "on SIGTERM, seconds running requests get to finish"}
-    )
 
     def __post_init__(self) -> None:
-        if not self.store or not self.state_dir:
-            raise ValueError("an agent needs a page store and a state directory")
-        for key in (
+        DaemonConfig.__post_init__(self)
+        positive(
+            self,
             "max_prompt_tokens",
             "max_new_tokens",
             "default_max_tokens",
@@ -128,13 +119,10 @@ class AgentConfig:
             "kv_capacity_tokens",
             "max_batch",
             "max_attend_rows",
-        ):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+            "report_s",
+        )
         if self.http_port < -1 or self.http_port > 65535:
             raise ValueError(f"http_port must be in -1..65535, got {self.http_port}")
-        if not self.report_s > 0:
-            raise ValueError(f"report_s must be > 0, got {self.report_s}")
         if not (self.table_refresh_s >= 0 or self.table_refresh_s == -1):
             raise ValueError(
                 f"table_refresh_s must be > 0, 0 (lease / 3) or -1 (never), got "

@@ -12,6 +12,14 @@ select → group by holder → route / fetch / local → concurrent fan-out → 
   :meth:`~CorpusBinding.holder_topk` are the two indexer modes' corpus side
   (:mod:`requester.binding_index`).
 
+Its steps are public so the SGLang plugin's host path (:mod:`requester.sglang.host_path`), which
+sends a layer's holder calls before SGLang's own partial and waits after it, runs on them instead
+of a copy: :meth:`~CorpusBinding.plan` (group by holder), :meth:`Fanout.decide` (the predicate,
+a forced primitive that cannot serve falling back, counted), :meth:`~CorpusBinding.serve` (one
+group's route / fetch / local, failed over, recorded), :meth:`~CorpusBinding.pull` (a fetch's
+pages) and :meth:`Fanout.record` (metrics, drift, trace). The device half, the plan a graph
+captured on the GPU executes, is :mod:`requester.fanout_device`.
+
 Failover, in one place (:meth:`CorpusBinding._recover`): a failed holder call marks the holder
 dead and re-serves its rows from replicas on the others; when some page has no live replica the
 binding re-reads its page table (``refresh``, where the binder gave one: the coordinator may have
@@ -27,9 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import torch
@@ -42,7 +52,7 @@ from requester.binding_index import CorpusIndexer
 from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.drift import Drift
 from requester.metrics import RequesterMetrics
-from requester.plan import Geometry, GroupWork, failure, holder_groups, merge_groups
+from requester.plan import Geometry, GroupWork, failure, group_shape, holder_groups, merge_groups
 from requester.predicate import Decision, Group, Predicate
 from requester.routes import Connections
 from requester.sources import LocalRows, PageCache, attend_canonical
@@ -50,6 +60,20 @@ from requester.sources import LocalRows, PageCache, attend_canonical
 log = logging.getLogger("corpusd.requester")
 T = TypeVar("T")
 Offload = Callable[..., Awaitable[Any]]  # (fn, *args) → awaitable of fn(*args), off the loop
+
+
+def counted(d: Decision, metrics: RequesterMetrics) -> Decision:
+    """``d``, with its fallback (a forced primitive that could not serve the group, which
+    ``d.pick`` stands in for) counted in ``metrics``."""
+    if d.fallback is not None:
+        metrics.fallbacks.labels(d.fallback, d.pick).inc()
+    return d
+
+
+class Trace(Protocol):
+    """Where recorded decisions go, one dict each (a list keeps them)."""
+
+    def append(self, entry: dict[str, Any], /) -> None: ...
 
 
 async def inline(fn: Callable[..., T], *args: Any) -> T:
@@ -62,8 +86,9 @@ class Fanout(Connections):
     predicate, the metrics. Create and use it inside one running event loop.
 
     ``transport`` picks how routes reach each holder (``auto`` | ``grpc`` | ``nvshmem``, see
-    :mod:`requester.routes`); ``off`` runs blocking torch work (default: inline); ``trace``,
-    when a list, receives every decision with its predicted and measured cost."""
+    :mod:`requester.routes`); ``offload`` runs blocking torch work (default: inline); ``trace``,
+    when given (a list, or anything with ``append``), receives every decision with its predicted
+    and measured cost (:meth:`record`)."""
 
     def __init__(
         self,
@@ -74,11 +99,11 @@ class Fanout(Connections):
         nvshmem_device: int = 0,
         rpc_timeout_s: float = 60.0,
         fetch_cache_bytes: int = 1 << 30,
-        off: Offload = inline,
-        trace: list[dict[str, Any]] | None = None,
+        offload: Offload = inline,
+        trace: Trace | None = None,
     ) -> None:
         super().__init__(transport, nvshmem_device, metrics.transport)
-        self.predicate, self.metrics, self.off, self.trace = predicate, metrics, off, trace
+        self.predicate, self.metrics, self.offload, self.trace = predicate, metrics, offload, trace
         self.rpc_timeout_s, self.fetch_cache_bytes = rpc_timeout_s, fetch_cache_bytes
         self.step = 0  # the caller's step number, for logs and the trace
         self.drift = Drift(
@@ -107,18 +132,29 @@ class Fanout(Connections):
             self, view, geometry, model=model, tokens=tokens, refresh=refresh, kv_format=kv_format
         )
 
+    def decide(self, shape: Group) -> Decision:
+        """The predicate's pick for a group of ``shape``; a forced primitive that cannot serve
+        it (:meth:`Predicate.decide`'s ``fallback``) is counted as a fallback."""
+        return counted(self.predicate.decide(shape), self.metrics)
+
+    def failed(self, e: grpc.aio.AioRpcError | StatusError) -> tuple[grpc.StatusCode, str]:
+        """Count a failed holder call (by status) and return its status and message."""
+        code, detail = failure(e)
+        self.metrics.errors.labels(code.name).inc()
+        return code, detail
+
     def record(
-        self, layer: int, g: GroupWork, d: Decision, measured_s: float, forced: bool
+        self, layer: int, g: GroupWork, d: Decision, measured_s: float, forced: bool, **extra: Any
     ) -> None:
-        """Export one group's decision with its predicted and measured cost (metrics, the debug
-        log, and the trace when kept), so a user can see when the predicate was wrong."""
+        """Export one group's decision with its predicted and measured cost (metrics, drift, the
+        debug log, and the trace when kept, with ``extra`` fields), so a user can see when the
+        predicate was wrong. ``forced``: the pick was not the predicate's own choice."""
         e, m = self, self.metrics
         predicted_s = d.predicted_us[d.pick] / 1e6
-        forced = forced or e.predicate.force != "auto"
-        m.decisions.labels(d.pick, "yes" if forced else "no").inc()
+        m.decided(d.pick, forced, layer, g.address)
         m.predicted.labels(d.pick).observe(predicted_s)
         m.measured.labels(d.pick).observe(measured_s)
-        if predicted_s > 0:
+        if predicted_s > 0 and math.isfinite(predicted_s):
             m.misprediction.labels(d.pick).set(measured_s / predicted_s)
         e.drift.observe(d.pick, measured_s, predicted_s)
         log.debug(
@@ -128,10 +164,26 @@ class Fanout(Connections):
         )  # fmt: skip
         if e.trace is not None:
             e.trace.append({
-                "step": e.step, "layer": layer, "holder": g.holder, "rows": len(g.keep),
-                "k": int(g.canon.shape[1]), "pick": d.pick, "predicted_us": d.predicted_us,
-                "measured_us": measured_s * 1e6,
+                "step": e.step, "layer": layer, "holder": g.address, "rows": len(g.keep),
+                "k": int(g.canon.shape[1]), "pick": d.pick,
+                "predicted_us": {k: v for k, v in d.predicted_us.items() if math.isfinite(v)},
+                "measured_us": measured_s * 1e6, **extra,
             })  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCall:
+    """One layer call's queries: ``q [n, h, kv_dim]`` at ``layer``, row ``i``'s corpus placed
+    at ``offsets[i]`` (int64; ``q`` is rotated back by it for route), scores scaled by ``scale``."""
+
+    layer: int
+    q: torch.Tensor
+    offsets: torch.Tensor
+    scale: float
+
+    def rows(self, keep: torch.Tensor) -> LayerCall:
+        """The call over its rows ``keep`` only."""
+        return LayerCall(self.layer, self.q[keep], self.offsets[keep], self.scale)
 
 
 class CorpusBinding(CorpusIndexer):
@@ -182,13 +234,17 @@ class CorpusBinding(CorpusIndexer):
         if offsets is None:
             offsets = torch.zeros(len(q), dtype=torch.int64)
         scale = self.geo.softmax_scale if scale is None else scale
-        groups = holder_groups(self.view, canon)
-        self.engine.metrics.fanout.observe(len(groups))
-        results = await asyncio.gather(
-            *(self._group(layer, q, offsets, g, scale, len(self.view.holders)) for g in groups)
-        )
+        call, groups = LayerCall(layer, q, offsets, scale), self.plan(canon)
+        results = await asyncio.gather(*(self._group(call, g) for g in groups))
         self.rebalance()
         return merge_groups(q, self.geo.d_v, groups, results, dtype)
+
+    def plan(self, canon: torch.Tensor) -> list[GroupWork]:
+        """The rows of canonical positions ``canon [n, k]`` (int64, -1 unused) grouped by the
+        holder of each position's page under the current view (the fan-out counted)."""
+        groups = holder_groups(self.view, canon)
+        self.engine.metrics.fanout.observe(len(groups))
+        return groups
 
     def rebalance(self) -> None:
         """Re-spread replicated pages by the holders' measured speeds (balance.py), when due."""
@@ -202,46 +258,50 @@ class CorpusBinding(CorpusIndexer):
                 self.engine.metrics.replica_weight.labels(address).set(x)
 
     def _shape(self, layer: int, g: GroupWork) -> Group:
-        valid = g.canon >= 0
         p, geo = self.view.page_size, self.geo
-        pages = (g.canon[valid] // p).unique().tolist()
+        pages = (g.canon[g.canon >= 0] // p).unique().tolist()
         computed = self.local.computed if self.local is not None else 0
-        return Group(
-            n=len(g.keep),
-            k=g.canon.shape[1],
-            h=geo.heads,
-            rows=int(valid.sum()),
+        return group_shape(
+            g, geo.heads, geo.kv_dim, geo.d_v,
             missing_pages=len(self.pages.missing(layer, pages)),
             page_bytes=p * geo.kv_dim * geo.dtype.itemsize,
             missing_tokens=max(0, int(g.canon.max()) + 1 - computed),
             local_ok=self._can_recompute(),
-            kv_dim=geo.kv_dim,
-            d_v=geo.d_v,
-        )
+        )  # fmt: skip
 
-    async def _group(
-        self, layer: int, q: torch.Tensor, off: torch.Tensor, g: GroupWork, scale: float, tries: int
-    ) -> PartialOut:
-        predicate = self.engine.predicate
-        shape = self._shape(layer, g)
-        decision = (
-            Decision(self.force, predicate.costs(shape)) if self.force else predicate.decide(shape)
-        )
+    async def _group(self, call: LayerCall, g: GroupWork, tries: int | None = None) -> PartialOut:
+        engine, shape = self.engine, self._shape(call.layer, g)
+        if self.force:  # the monolithic baseline
+            decision = Decision(self.force, engine.predicate.costs(shape))
+        else:
+            decision = engine.decide(shape)
+        forced = bool(self.force) or engine.predicate.force != "auto"
+        return await self.serve(call, g, decision, forced, tries)
+
+    async def serve(
+        self, call: LayerCall, g: GroupWork, decision: Decision, forced: bool,
+        tries: int | None = None,
+    ) -> PartialOut:  # fmt: skip
+        """Group ``g``'s partial of ``call`` (``(O [len(g.keep), h, d_v]`` in the holder's or
+        the queries' dtype, ``LSE)``) by ``decision.pick``, recorded with its measured cost
+        (``forced``: not the predicate's own pick). A failed holder call fails over
+        (:meth:`_recover`, at most ``tries`` times, default once per holder); raises
+        CorpusUnavailable as :meth:`attend`."""
+        tries = len(self.view.holders) if tries is None else tries
         if decision.pick != "local" and self._is_dead(g.address) and self._can_recompute():
             # failed before, and no replica took its pages: not called again, recomputed here
             self.engine.metrics.fallbacks.labels(decision.pick, "local").inc()
-            return await self._execute(layer, q, off, g, "local", scale)
+            return await self._execute(call, g, "local")
         t0 = time.perf_counter()
         try:
-            result = await self._execute(layer, q, off, g, decision.pick, scale)
+            result = await self._execute(call, g, decision.pick)
         except (grpc.aio.AioRpcError, StatusError) as e:  # gRPC or NVSHMEM: the same path
-            code, _ = failure(e)
-            self.engine.metrics.errors.labels(code.name).inc()
-            return await self._recover(layer, q, off, g, scale, decision.pick, e, tries)
+            self.engine.failed(e)
+            return await self._recover(call, g, decision.pick, e, tries)
         took = time.perf_counter() - t0
-        self.engine.record(layer, g, decision, took, bool(self.force))
+        self.engine.record(call.layer, g, decision, took, forced)
         if decision.pick == "route":
-            self.speed.observe(g.address, shape.rows, took)
+            self.speed.observe(g.address, int((g.canon >= 0).sum()), took)
         return result
 
     def _is_dead(self, address: str) -> bool:
@@ -251,16 +311,9 @@ class CorpusBinding(CorpusIndexer):
         return self.tokens is not None and self.model is not None
 
     async def _recover(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        off: torch.Tensor,
-        g: GroupWork,
-        scale: float,
-        pick: str,
-        e: grpc.aio.AioRpcError | StatusError,
+        self, call: LayerCall, g: GroupWork, pick: str, e: grpc.aio.AioRpcError | StatusError,
         tries: int,
-    ) -> PartialOut:
+    ) -> PartialOut:  # fmt: skip
         """A holder failed: its rows go to replicas, else to a re-read page table, else are
         recomputed here; ``tries`` bounds how often one call's rows may fail over."""
         code, detail = failure(e)
@@ -283,13 +336,11 @@ class CorpusBinding(CorpusIndexer):
                     f"corpus {self.corpus_id}: holder {g.address} failed ({code.name}: {detail}) "
                     "and its rows have no other source"
                 )
-            return await self._execute(layer, q, off, g, "local", scale)
-        qg, og = q[g.keep], off[g.keep]
-        groups = holder_groups(self.view, g.canon)
-        results = await asyncio.gather(
-            *(self._group(layer, qg, og, h, scale, tries - 1) for h in groups)
-        )
-        return merge_groups(qg, self.geo.d_v, groups, results)
+            return await self._execute(call, g, "local")
+        sub = call.rows(g.keep)
+        groups = holder_groups(self.view, g.canon)  # a re-plan of a planned call's group
+        results = await asyncio.gather(*(self._group(sub, h, tries - 1) for h in groups))
+        return merge_groups(sub.q, self.geo.d_v, groups, results)
 
     async def _fail_over(self) -> str:
         """Re-bind to live replicas ("replica"), or to the page table as re-read ("table"), or
@@ -312,10 +363,9 @@ class CorpusBinding(CorpusIndexer):
         self.view, self.dead = view, set()
         return "table"
 
-    async def _execute(
-        self, layer: int, q: torch.Tensor, off: torch.Tensor, g: GroupWork, pick: str, scale: float
-    ) -> PartialOut:
-        qg, og, geo = q[g.keep], off[g.keep], self.geo
+    async def _execute(self, call: LayerCall, g: GroupWork, pick: str) -> PartialOut:
+        layer, scale, geo = call.layer, call.scale, self.geo
+        qg, og = call.q[g.keep], call.offsets[g.keep]
         if pick == "route":
             route = await self.engine.route(g.address)
             part = await route.attend_rows(
@@ -334,18 +384,24 @@ class CorpusBinding(CorpusIndexer):
             rows_of = await self._local(layer, uniq)
         assert geo.shift is not None or not bool((og != 0).any()), "offsets need geometry.shift"
         shift = geo.shift or _no_shift
-        return await self.engine.off(
+        return await self.engine.offload(
             attend_canonical, qg, g.canon, og, rows_of, uniq, shift, scale, geo.d_v
         )
+
+    async def pull(self, layer: int, address: str, pages: list[int]) -> torch.Tensor:
+        """``latent [len(pages), P, row width]`` of corpus ``pages`` at ``layer``, as holder
+        ``address`` keeps them (its dtype and row format); the bytes are counted. Raises the
+        holder call's error."""
+        lat, _ = await self.engine.client(address).fetch(self.corpus_id, pages, layers=[layer])
+        self.engine.metrics.fetched_bytes.inc(lat[0].nbytes)
+        return lat[0]
 
     async def _fetched(self, layer: int, g: GroupWork, uniq: torch.Tensor) -> torch.Tensor:
         pages = (uniq // self.view.page_size).unique().tolist()
         missing = self.pages.missing(layer, pages)
         if missing:
-            client = self.engine.client(g.address)
-            lat, _ = await client.fetch(self.corpus_id, missing, layers=[layer])
-            self.pages.put(layer, missing, lat[0].to(self.geo.dtype))
-            self.engine.metrics.fetched_bytes.inc(lat[0].nbytes)
+            lat = await self.pull(layer, g.address, missing)
+            self.pages.put(layer, missing, lat.to(self.geo.dtype))
         return self.pages.rows(layer, uniq)
 
     async def _local(self, layer: int, uniq: torch.Tensor) -> torch.Tensor:
@@ -357,7 +413,7 @@ class CorpusBinding(CorpusIndexer):
         async with self.lock:
             if self.local is None:
                 self.local = LocalRows(self.model, self.tokens, kv_format=self.kv_format)
-            done = await self.engine.off(self.local.ensure, int(uniq.max()) + 1)
+            done = await self.engine.offload(self.local.ensure, int(uniq.max()) + 1)
         self.engine.metrics.prefilled.inc(done)
         return self.local.rows(layer, uniq)
 

@@ -1,20 +1,13 @@
-"""Start a ``corpusd agent`` subprocess and wait until it serves (tests, tools, ``up``)."""
+"""``start_agent``: :func:`corpusd.daemon.start` for the agent role, under the name tests,
+tools and ``up`` use."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from corpusd.daemon import Daemon, spawn
+from corpusd.daemon import Daemon, start
 
-
-class AgentProcess(Daemon):
-    """A running ``corpusd agent``."""
-
-    @property
-    def http_port(self) -> int:
-        """Its OpenAI-compatible API's port (``--http-port``); -1: not served."""
-        return int(json.loads((self.state_dir / "endpoint.json").read_text())["http_port"])
+AgentProcess = Daemon
 
 
 def start_agent(
@@ -24,9 +17,6 @@ def start_agent(
     *extra: str,
     timeout: float = 120,
     env: dict[str, str] | None = None,
-) -> AgentProcess:
-    """Run ``corpusd agent`` with its log in ``state_dir/agent.log``; returns once it serves.
-    ``env`` replaces this process's environment. Raises RuntimeError (with the log's tail) if
-    it exits or times out."""
-    args = ["--store", str(store), "--model", str(model_dir), *extra]
-    return AgentProcess(*spawn("agent", "agent", args, state_dir, timeout, env))
+) -> Daemon:
+    """``corpusd agent`` in ``state_dir`` over ``store`` with ``model_dir``; see :func:`start`."""
+    return start("agent", state_dir, *extra, store=store, model=model_dir, timeout=timeout, env=env)

@@ -95,3 +95,8 @@ class RequesterMetrics(Metrics):
         self.requests = self.counter(
             "requests", "agent API calls by method and status", ["method", "code"]
         )
+
+    def decided(self, pick: str, forced: bool, layer: int, holder: str) -> None:
+        """Count one holder group's decision (``forced``: not the predicate's own pick); the
+        layer and holder are for a subclass that breaks decisions down by them."""
+        self.decisions.labels(pick, "yes" if forced else "no").inc()

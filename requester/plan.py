@@ -19,6 +19,7 @@ from corpusd.model import DeepseekV32, ModelConfig
 from corpusd.model.rope import shift_band
 from corpusd.rpc import StatusError
 from requester.corpus_view import CorpusView
+from requester.predicate import Group
 
 Shift = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # Rotary.shift
 
@@ -82,6 +83,29 @@ class GroupWork:
     keep: torch.Tensor
     rows: torch.Tensor
     canon: torch.Tensor
+
+
+def group_shape(
+    g: GroupWork,
+    heads: int,
+    kv_dim: int,
+    d_v: int,
+    *,
+    missing_pages: int,
+    page_bytes: int,
+    missing_tokens: int = 0,
+    local_ok: bool = False,
+    fetch_ok: bool = True,
+) -> Group:
+    """What the predicate weighs of group ``g`` (:class:`requester.predicate.Group`): its rows
+    and selections, ``heads`` query heads, and what fetch (``missing_pages`` of ``page_bytes``
+    each, ``fetch_ok``: they fit where fetched pages are kept) or local (``missing_tokens`` to
+    re-prefill, ``local_ok``: possible at all) would still have to bring in."""
+    return Group(
+        n=len(g.keep), k=int(g.canon.shape[1]), h=heads, rows=int((g.canon >= 0).sum()),
+        missing_pages=missing_pages, page_bytes=page_bytes, missing_tokens=missing_tokens,
+        local_ok=local_ok, kv_dim=kv_dim, d_v=d_v, fetch_ok=fetch_ok,
+    )  # fmt: skip
 
 
 def compact(mask: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

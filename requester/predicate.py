@@ -13,6 +13,7 @@ Every term is a constant measured by ``corpusd calibrate``; evaluating it is ari
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -98,12 +99,17 @@ class Group:
     local_ok: bool
     kv_dim: int = 576
     d_v: int = 512
+    fetch_ok: bool = True  # the pages fit where fetched pages are kept
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """``pick`` and every primitive's predicted µs (inf: cannot serve the group). ``fallback``:
+    the forced primitive that could not serve the group, when ``pick`` stands in for it."""
+
     pick: str
     predicted_us: dict[str, float]
+    fallback: str | None = None
 
 
 class Predicate:
@@ -137,10 +143,19 @@ class Predicate:
         local = p.prefill_us_per_token * g.missing_tokens + local_attend + merge
         out = {"route": route, "fetch": fetch, "local": local}
         if not g.local_ok:
-            out["local"] = float("inf")
+            out["local"] = math.inf
+        if not g.fetch_ok:
+            out["fetch"] = math.inf
         return out
 
     def decide(self, g: Group) -> Decision:
+        """The cheapest primitive, or the forced one; a forced primitive that cannot serve the
+        group (``local`` without tokens, ``fetch`` whose pages do not fit) gives way to the
+        cheapest that can, named in ``fallback``."""
         costs = self.costs(g)
-        pick = self.force if self.force != "auto" else min(PRIMITIVES, key=lambda k: costs[k])
-        return Decision(pick, costs)
+        cheapest = min(PRIMITIVES, key=lambda k: costs[k])
+        if self.force == "auto":
+            return Decision(cheapest, costs)
+        if math.isinf(costs[self.force]) and math.isfinite(costs[cheapest]):
+            return Decision(cheapest, costs, fallback=self.force)
+        return Decision(self.force, costs)

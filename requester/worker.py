@@ -72,7 +72,7 @@ class Worker:
             nvshmem_device=c.nvshmem_device,
             rpc_timeout_s=c.rpc_timeout_s,
             fetch_cache_bytes=c.fetch_cache_bytes,
-            off=self._off,
+            offload=self._offload,
             trace=self.trace if c.trace else None,
         )
         self.corpora: dict[str, CorpusBinding] = {}
@@ -82,7 +82,7 @@ class Worker:
         self.steps = 0
         self._stepping = 0  # forward passes in flight: a view is never swapped inside one
 
-    async def _off(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking torch work on the executor so holder calls progress meanwhile."""
 
         def run() -> T:
@@ -311,15 +311,15 @@ class Worker:
     async def _attend_corpus(
         self, b: CorpusBinding, layer: int, proj: Projections, rows: StepRows, ridx: torch.Tensor
     ) -> torch.Tensor:
-        q, off = proj.q[ridx], rows.offset[ridx]
+        q, offset = proj.q[ridx], rows.offset[ridx]
         t = b.view.token_count
         sel = await self._select(b, layer, proj, rows, ridx)  # [m, k] logical
-        in_corpus = (sel >= off[:, None]) & (sel < off[:, None] + t)
-        canon = torch.where(in_corpus, sel - off[:, None], -1)
+        in_corpus = (sel >= offset[:, None]) & (sel < offset[:, None] + t)
+        canon = torch.where(in_corpus, sel - offset[:, None], -1)
         private = torch.where((sel >= 0) & ~in_corpus, sel, -1)
         mine, theirs = await asyncio.gather(
-            self._off(rows.private_partial, q, ridx, private, layer, self.mcfg),
-            b.attend(layer, q, canon, off),
+            self._offload(rows.private_partial, q, ridx, private, layer, self.mcfg),
+            b.attend(layer, q, canon, offset),
         )
         merged, _ = merge_partials([mine, theirs])
         return merged
@@ -355,8 +355,8 @@ class Worker:
         """Exact top-k (logical positions ``[m, index_topk]``) over corpus + private rows."""
         c = self.mcfg
         k, scale = c.index_topk, c.index_head_dim**-0.5
-        off, pos, sess = rows.offset[ridx], rows.pos[ridx], rows.sess[ridx]
-        iq_c = self.geometry.canonical(proj.index_q[ridx], off, 0)
+        offset, pos, sess = rows.offset[ridx], rows.pos[ridx], rows.sess[ridx]
+        iq_c = self.geometry.canonical(proj.index_q[ridx], offset, 0)
         iw = proj.index_w[ridx]
         members = [(i, sess == i) for i in sess.unique().tolist()]
         out = torch.full((len(ridx), k), -1, dtype=torch.int64)
@@ -371,10 +371,10 @@ class Worker:
                     out[m] = select_replica(ps, corpus[m], rows.sessions[i].offset, pos[m], k)
                 return out
 
-            return await self._off(replica)
+            return await self._offload(replica)
 
-        limit = (pos - off + 1).clamp(0, b.view.token_count)
-        privs = self._off(
+        limit = (pos - offset + 1).clamp(0, b.view.token_count)
+        privs = self._offload(
             lambda: [rows.private_scores(layer, proj, ridx[m], i, c) for i, m in members]
         )
         parts, private_scores = await asyncio.gather(b.holder_topk(layer, iq_c, iw, limit), privs)

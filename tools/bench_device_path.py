@@ -99,8 +99,6 @@ def measure(
         stages["topk_int64_unsorted"] = lambda: keys.topk(k, dim=1, sorted=False)
         stages["topk_int64_sort"] = lambda: keys.sort(dim=1, descending=True)
         stages["topk_f32_unsorted"] = lambda: cat.topk(k, dim=1, sorted=False)
-        # the same selection as topk_keys_only + topk_int64_unsorted, without 64-bit keys
-        stages["topk_threshold"] = lambda: device.threshold_topk(cat, ok, k)
         _, rows = device.corpus_rows(corpus, base, res.page_holder, res.page_frame, res.page_size)
         kv = res.pools[0][0]
         for sp in (1, 2, 4, 8, 16):

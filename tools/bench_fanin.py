@@ -48,11 +48,12 @@ from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.model import ModelConfig
 from corpusd.model.tiny import init_tiny
+from corpusd.testing.holders import start_holders, synthetic_corpus
 from holder.launch import HolderProcess
-from tests.support.coordinators import start_holders, synthetic_corpus
 from tools import cpu_pin
 from tools.fanin_report import Run, actions, holder_stats, pct, per_second, phase_stats, plot
 from tools.fanin_requester import Requester
+from tools.summarize_results import summarize
 
 REPLICAS = "corpusd_coordinator_load_replicas_total"
 
@@ -420,8 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if png is not None and not plot(rows, run, out["replica_actions"], meta["hot_holder"], png,
                                     title):  # fmt: skip
-        print("no plot: matplotlib is not installed (the JSON has every number)")
+        print("no plot: matplotlib is not installed (python -m tools.fanin_report draws it later)")
         png = None
+    summarize(Path(a.out))  # the timeline moves to <out>.gz; the JSON keeps its summary
     print(f"\n{'phase':>22} {'from s':>7} {'done':>5} {'refused':>7} {'p50 ms':>8} {'p99 ms':>8}")
     for name, s in stats.items():
         if "from_s" in s:

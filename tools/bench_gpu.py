@@ -352,32 +352,6 @@ def plot_fanin(result: dict[str, Any], path: Path) -> None:
     print(f"wrote {path}")
 
 
-def part_choice(dev: torch.device, pool_tokens: int = 1 << 18) -> dict[str, Any]:
-    """Both GPU kernels at few rows (1…64) and 16/64/128 heads, k 2048: device µs per call, the
-    one ``corpusd.kernels.registry.prefer_triton`` picks, and its regret (picked / faster). A
-    check of the rule (derived from the ``single`` bench) on this run's GPU, where h = 128
-    below 38 rows was never measured before."""
-    from corpusd.kernels.registry import REGISTRY, prefer_triton
-
-    pool = random_pool(pool_tokens, dev, seed=3)
-    g = torch.Generator(device=dev).manual_seed(4)
-    points = []
-    for h in (16, 64, 128):
-        for rows in (1, 2, 4, 8, 16, 32, 64):
-            q, idx = random_request(g, rows, h, K, pool_tokens, dev)
-            t = {
-                name: med(graph_us(partial(REGISTRY[name].fn, q, pool, idx, D**-0.5, D_V)))
-                for name in ("flashmla", "triton")
-            }
-            pick = "triton" if prefer_triton(rows, h) else "flashmla"
-            points.append({"rows": rows, "heads": h, **t, "picked": pick,
-                           "regret": t[pick] / min(t.values())})  # fmt: skip
-    worst = max(points, key=lambda p: p["regret"])
-    print(f"kernel choice: worst regret {worst['regret']:.2f} at {worst['rows']} rows × "
-          f"{worst['heads']} heads", flush=True)  # fmt: skip
-    return {"k": K, "pool_tokens": pool_tokens, "points": points}
-
-
 # -- main ------------------------------------------------------------------------------------------
 
 

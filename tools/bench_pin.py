@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from corpusd.corpus.config import KERNELS
+from corpusd.formats import KERNELS
 from corpusd.model import ModelConfig
 from tools.pin_profile import profile
 

@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -47,14 +49,18 @@ from typing import Any
 
 from corpusd.tokenizer import ByteTokenizer
 from indexer import ARITHS
+from requester.sglang import dump
+from tools.layer_compare import selection_vs_stock, tag
 from tools.sglang_compare import PRIMITIVES as PRIMS
 from tools.sglang_compare import (
+    against_floor,
     compare,
     exactness,
     forced_primitive,
     free_running,
     is_route,
     load_trace,
+    noise_floor,
     predicate_score,
     primitive_modes,
     report,
@@ -90,6 +96,10 @@ QUESTIONS = [
 ]
 
 
+#: the pseudo-mode that starts a second stock server for the two-servers floor
+FLOOR_RESTART = "stock#2"
+
+
 def greedy_tag(corpus: str) -> str:
     """How the sequential greedy requests are named: the trace keys one run's groups by it."""
     return f"greedy-{corpus}-"
@@ -110,14 +120,17 @@ def measure(
     server: Server, mode: str, corpus: str, corpus_tokens: list[int], suffixes: list[list[int]],
     n_tokens: int, vocab: int, teacher: list[list[int]] | None, forced_steps: int,
     streams: tuple[int, ...] = (8,), bursts: int = 1, first_token_reps: int = 4,
+    sequential_floor: bool = False, tagged: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """(1) Free-running greedy answers, one request at a time; (2) teacher-forced steps: for
     every position of the reference answers (``teacher``, stock's; this mode's own when None),
     the log-softmax of the next token given the same context, so noise at one step does not
-    change the context of the next; (3) the same requests as 8 concurrent streams, timed, with
-    SGLang's KV-pool use sampled; their tokens are (1)'s computed in one batch. With ``bursts``
-    > 1 each stream count is sent that many times in a row: the first burst is the server's first
-    batch of that size (its kernels' first launches at those shapes), the repeats are warm."""
+    change the context of the next (:func:`teacher_forced`, the requests concurrent; with
+    ``sequential_floor`` again one at a time, ``forced_sequential``); (3) the same requests as 8
+    concurrent streams, timed, with SGLang's KV-pool use sampled; their tokens are (1)'s computed
+    in one batch. With ``bursts`` > 1 each stream count is sent that many times in a row: the
+    first burst is the server's first batch of that size (its kernels' first launches at those
+    shapes), the repeats are warm."""
     prompts = [s if is_route(mode) else corpus_tokens + s for s in suffixes]
     greedy = []
     for i, p in enumerate(prompts):
@@ -135,16 +148,14 @@ def measure(
             for i, s in enumerate(suffixes)
         ]
 
-    def forced(i: int) -> list[list[float]]:
-        out = []
-        for j in range(min(n_tokens, forced_steps)):
-            body = request(prompts[i] + ref[i][:j], 1, mode, corpus, i, vocab, logprobs=True)
-            out.append(vectors(server.post(body)["meta_info"], vocab)[0])
-        return out
-
-    with ThreadPoolExecutor(len(prompts)) as pool:  # one thread per prompt
-        steps = list(pool.map(forced, range(len(prompts))))
-    result["forced"] = steps
+    steps = min(n_tokens, forced_steps)
+    result["forced"] = teacher_forced(
+        server, mode, corpus, prompts, ref, vocab, steps, tagged=tagged
+    )
+    if sequential_floor:  # the same contexts one request at a time: the batching floor
+        result["forced_sequential"] = teacher_forced(
+            server, mode, corpus, prompts, ref, vocab, steps, concurrent=False
+        )
     try:  # a refused flush or a failed request costs this probe, not the mode's other numbers
         result["first_token"] = first_token(server, mode, corpus, prompts, vocab, first_token_reps)
     except (RuntimeError, OSError) as e:
@@ -160,6 +171,84 @@ def measure(
     result["concurrent"] = by_streams[streams[0]]
     result["concurrent_by_streams"] = {str(s): c for s, c in by_streams.items()}
     return result
+
+
+def teacher_forced(
+    server: Server, mode: str, corpus: str, prompts: list[list[int]], ref: list[list[int]],
+    vocab: int, steps: int, concurrent: bool = True, tagged: bool = False,
+) -> list[list[list[float]]]:  # fmt: skip
+    """``[request][step][vocab]``: the log-softmax of the next token after ``prompts[i] +
+    ref[i][:j]`` for ``j < steps``; each request's steps in order, the requests in one thread each
+    (``concurrent``: SGLang batches them) or one after another (one request in flight).
+    ``tagged``: each request's rid carries ``layer_compare.tag(j, i, corpus)``, by which the
+    servers' per-layer dumps (``--dump``) pair stock's rows with route's."""
+
+    def forced(i: int) -> list[list[float]]:
+        out = []
+        for j in range(steps):
+            phase = tag(j, i, corpus) if tagged else ""
+            body = request(prompts[i] + ref[i][:j], 1, mode, corpus, i, vocab, True, phase)
+            if tagged and not is_route(mode):  # route's rid carries the phase already
+                body["rid"] = f"{phase}{time.monotonic_ns()}"
+            out.append(vectors(server.post(body)["meta_info"], vocab)[0])
+        return out
+
+    if not concurrent:
+        return [forced(i) for i in range(len(prompts))]
+    with ThreadPoolExecutor(len(prompts)) as pool:  # one thread per prompt
+        return list(pool.map(forced, range(len(prompts))))
+
+
+def restart_floor(
+    a: argparse.Namespace, model: Path, cd: Corpusd, runs: dict[str, dict[str, Any]],
+    suffixes: list[list[int]], vocab: int,
+) -> None:  # fmt: skip
+    """A second, freshly started stock server, teacher-forced on stock's answers as the first
+    was: ``runs[r]["stock"]["forced_restart"]`` (the two-servers floor)."""
+    graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
+    log = Path(a.work) / "sglang-stock-2.log"
+    server = Server("stock", model, a.port, cd, log, graph_bs, a.kv_cache_dtype)
+    try:
+        server.wait()
+        for r, by_mode in runs.items():
+            st = by_mode.get("stock")
+            if st is None:
+                continue
+            prompts = [cd.tokens[r] + sfx for sfx in suffixes]
+            ref = [g["tokens"] for g in st["greedy"]]
+            steps = len(st["forced"][0]) if st["forced"] else 0
+            st["forced_restart"] = teacher_forced(server, "stock", r, prompts, ref, vocab, steps)
+    finally:
+        server.stop()
+
+
+def dump_dir(a: argparse.Namespace, mode: str) -> Path:
+    return Path(a.work) / f"dump-{mode.replace('@', '-')}"
+
+
+def dump_env(a: argparse.Namespace, mode: str) -> dict[str, str]:
+    """``--dump``: every server records its forwards' last rows per layer (stock through the
+    hooked stock class, ``requester.sglang.stockdump``); nothing otherwise."""
+    if not a.dump or mode == "fetch":
+        return {}
+    d = dump_dir(a, mode)
+    shutil.rmtree(d, ignore_errors=True)
+    env = {dump.ENV_DUMP: str(d)}
+    if mode == "stock":
+        env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "requester.sglang.stockdump"
+    return env
+
+
+def selection(a: argparse.Namespace, modes: list[str], regime: str, k: int) -> dict[str, Any]:
+    """``--dump``: each route mode's top-k against stock's per layer and step on the
+    teacher-forced rows of ``regime`` (``tools/layer_compare.py: selection_vs_stock``), with
+    stock's exact ties at the cut per layer and route's set at them."""
+    stock = dump.load(dump_dir(a, "stock")) if dump_dir(a, "stock").exists() else []
+    out = {}
+    for m in modes:
+        if is_route(m) and dump_dir(a, m).exists():
+            out[m] = selection_vs_stock(stock, dump.load(dump_dir(a, m)), k, regime)
+    return out
 
 
 REGIMES = {
@@ -201,12 +290,24 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     suffixes = [tok.encode(f"\n\nQ: {q}\nA:") for q in QUESTIONS[: a.requests]]
     runs: dict[str, dict[str, Any]] = {r: {} for r in regimes}
     failed: dict[str, str] = {}
+    floors = [f for f in a.floor.split(",") if f]
     try:
+        if "restart" in floors:
+            modes = [*modes[:1], FLOOR_RESTART, *modes[1:]]
         for mode in modes:
+            if mode == FLOOR_RESTART:  # right after stock: its teacher-forced contexts
+                print("== stock, a second server (noise floor)", flush=True)
+                try:
+                    restart_floor(a, model, cd, runs, suffixes, vocab)
+                except Exception as e:  # the floor is missing from the result, the run goes on
+                    failed[FLOOR_RESTART] = f"{type(e).__name__}: {e}"[:2000]
+                save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
+                continue
             print(f"== {mode}", flush=True)
             log = work / f"sglang-{mode}.log"
             graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
-            server = Server(mode, model, a.port, cd, log, graph_bs, a.kv_cache_dtype)
+            server = Server(mode, model, a.port, cd, log, graph_bs, a.kv_cache_dtype,
+                            extra_env=dump_env(a, mode))  # fmt: skip
             try:
                 start_s = server.wait()
                 for r in regimes:
@@ -217,6 +318,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         server, mode, r, cd.tokens[r], suffixes, a.tokens, vocab, teacher,
                         forced_steps=a.forced_steps, streams=a.streams, bursts=a.bursts,
                         first_token_reps=a.first_token_reps,
+                        sequential_floor=mode == "stock" and "sequential" in floors,
+                        tagged=a.dump,
                     )  # fmt: skip
                     runs[r][mode] = {"server_start_s": start_s, **m}
                     if forced_primitive(mode):
@@ -341,6 +444,13 @@ def summarize(
                 if "concurrent" in v
             },
         }
+        if getattr(a, "dump", False):
+            out["regimes"][r]["selection_vs_stock"] = selection(a, list(by_mode), r, topk)
+        floors = noise_floor(by_mode["stock"])
+        out["regimes"][r]["noise_floor"] = floors
+        out["regimes"][r]["vs_floor"] = {
+            m: against_floor(c, floors) for m, c in out["regimes"][r]["vs_stock"].items()
+        }
         stock = [g["tokens"] for g in by_mode["stock"]["greedy"]]
         out["regimes"][r]["stock_answers"] = {
             # free-running agreement tests the corpus attention only if the answers differ per
@@ -388,6 +498,17 @@ def main(argv: list[str] | None = None) -> int:
         help="start only a route server and send it requests it cannot bind (issue 17, item 4)",
     )  # fmt: skip
     ap.add_argument("--regimes", default="dense,sparse")
+    ap.add_argument(
+        "--dump", action="store_true",
+        help="record the teacher-forced rows per layer in stock and route (CORPUSD_SGLANG_DUMP) "
+        "and report route's top-k against stock's per layer and step, with the ties at the cut",
+    )  # fmt: skip
+    ap.add_argument(
+        "--floor", default="sequential,restart",
+        help="stock-against-stock noise floors to measure (issue 36): sequential (the same "
+        "server's teacher-forced requests one at a time against batched), restart (a second, "
+        "freshly started stock server); '' for none",
+    )  # fmt: skip
     ap.add_argument("--tokens", type=int, default=32, help="generated per request")
     ap.add_argument("--forced-steps", type=int, default=16, help="teacher-forced per request")
     ap.add_argument("--requests", type=int, default=8)

@@ -1,8 +1,8 @@
-"""Publish and lookup latency of the coordinator's two state backends, on this machine.
+"""Publish and lookup latency of the coordinator's two state stores, on this machine.
 
 SQLite (the embedded default: one WAL file, synchronous=FULL) against etcd on loopback — one
 member, and a 3-member cluster (each commit is a raft round to a quorum, each fsynced). The
-backends are driven in-process through their interface (``corpusd.coordinator.db``), as the
+stores are driven in-process through their interface (``corpusd.coordinator.db``), as the
 coordinator drives them, so the figures are the state's own cost without gRPC in front:
 
 - publish: ``put_corpus`` (the ``pinning`` row) + ``commit_pin`` (the page table and the
@@ -30,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
-from corpusd.coordinator.db import CorpusRow, HolderRow, StateBackend, open_state
+from corpusd.coordinator.db import CorpusRow, HolderRow, StateStore, open_state
 from corpusd.coordinator.etcd_local import etcd_binary, start_etcd
 from corpusd.coordinator.etcd_state import EtcdState
 
@@ -65,7 +65,7 @@ async def lead(state: EtcdState) -> None:
 
 
 async def publish(
-    state: StateBackend,
+    state: StateStore,
     take: Callable[[Iterator[str]], str],
     ids: Iterator[str],
     pages: int,
@@ -79,9 +79,7 @@ async def publish(
     await state.commit_pin(cid, table, 8)
 
 
-async def measure(
-    state: StateBackend, pages_list: list[int], rounds: int
-) -> list[dict[str, object]]:
+async def measure(state: StateStore, pages_list: list[int], rounds: int) -> list[dict[str, object]]:
     holders = [f"h{i}" for i in range(8)]
     for h in holders:
         await state.register(
@@ -102,7 +100,7 @@ async def measure(
     return rows
 
 
-async def run_backend(
+async def run_store(
     url: str, state_dir: Path, pages: list[int], rounds: int
 ) -> list[dict[str, object]]:
     state = open_state(url, state_dir, node="bench")
@@ -123,7 +121,7 @@ def main() -> int:
     results: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        results["sqlite"] = asyncio.run(run_backend("sqlite", root / "sqlite", a.pages, a.rounds))
+        results["sqlite"] = asyncio.run(run_store("sqlite", root / "sqlite", a.pages, a.rounds))
         if etcd_binary() is None:
             print("no etcd binary: etcd rows skipped (apt-get install etcd-server)")
         else:
@@ -131,15 +129,15 @@ def main() -> int:
                 cluster = start_etcd(root / f"etcd{members}", members)
                 try:
                     results[f"etcd-{members}"] = asyncio.run(
-                        run_backend(cluster.url("bench"), root, a.pages, a.rounds)
+                        run_store(cluster.url("bench"), root, a.pages, a.rounds)
                     )
                 finally:
                     cluster.stop()
-    print(f"{'backend':<8} {'pages':>6} {'publish p50':>12} {'p99':>8} {'lookup p50':>11} "
+    print(f"{'store':<8} {'pages':>6} {'publish p50':>12} {'p99':>8} {'lookup p50':>11} "
           f"{'p99':>8} {'heartbeat p50':>14}  (ms)")  # fmt: skip
-    for backend, rows in results.items():
+    for store, rows in results.items():
         for r in rows:  # type: ignore[attr-defined]
-            print(f"{backend:<8} {r['pages']:>6} {r['publish']['p50_ms']:>12.2f} "
+            print(f"{store:<8} {r['pages']:>6} {r['publish']['p50_ms']:>12.2f} "
                   f"{r['publish']['p99_ms']:>8.2f} {r['lookup']['p50_ms']:>11.2f} "
                   f"{r['lookup']['p99_ms']:>8.2f} {r['heartbeat']['p50_ms']:>14.2f}")  # fmt: skip
     etcd_version = ""
@@ -154,7 +152,7 @@ def main() -> int:
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                     "etcd": etcd_version, "load_average": os.getloadavg(),
                     "note": "shared 2-core machine (load average at the end), loopback, disk"},
-        "what": "in-process StateBackend calls; publish = put_corpus(pinning) + commit_pin "
+        "what": "in-process StateStore calls; publish = put_corpus(pinning) + commit_pin "
                 "(P pages x 2 replicas); lookup = page_table; heartbeat = lease renewal + load",
         "results": results,
     }  # fmt: skip

@@ -6,7 +6,7 @@ transformers' ``generate``; a config corpusd cannot serve must be refused at loa
     python -m tools.config_sweep               # seeds 0..99
     python -m tools.config_sweep --n 40 --first 100
 Prints one line per config and writes bench/results/config-sweep-cpu.json (each seed, its
-config overrides over tests/support/hf_checkpoints.BASE, and its result: ok, refused with the
+config overrides over corpusd/testing/hf_checkpoints.BASE, and its result: ok, refused with the
 message, mismatch with details, or error). Needs the test extras (transformers is the oracle).
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from tests.support.config_runs import CORPUS_TOKENS, HOLDERS, NEW_TOKENS, SUFFIXES, run_config
-from tests.support.hf_checkpoints import BASE, draw_config
+from corpusd.testing.config_runs import CORPUS_TOKENS, HOLDERS, NEW_TOKENS, SUFFIXES, run_config
+from corpusd.testing.hf_checkpoints import BASE, draw_config
 
 OUT = Path("bench/results/config-sweep-cpu.json")
 

@@ -5,16 +5,18 @@ at row counts this process has not used before, each paying a JIT compile of its
     python -m tools.diag_deepgemm_jit
 """
 
+from __future__ import annotations
+
 import time
 
 import torch
 
+from corpusd.testing.resident import random_resident
 from requester.sglang import device_scores
-from tests.sglang.test_sglang_device_gpu import _resident
 
 
 def main() -> None:
-    res, (a, _) = _resident([3000, 700])
+    res, (a, _) = random_resident([3000, 700])
     dg = device_scores._deep_gemm()
     for n in (601, 1303, 77):
         q = torch.randn(n, 64, 128, device="cuda").to(torch.float8_e4m3fn)

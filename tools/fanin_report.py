@@ -5,13 +5,14 @@ it the JSON and the table are still written)."""
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tools.summarize_results import load_full
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -198,8 +199,9 @@ def plot(
 
 def replot(result: Path, path: Path | None = None) -> Path | None:
     """The plot of a saved bench_fanin JSON (a run made with ``--plot none``, e.g. on a host
-    without matplotlib), next to it unless ``path``; None without matplotlib."""
-    out = json.loads(result.read_text())
+    without matplotlib), next to it unless ``path``; None without matplotlib. A summarised
+    result (tools/summarize_results.py) is drawn from the samples gzip'd beside it."""
+    out = load_full(result)
     run = Run(t0=0.0, samples=out["samples"])
     run.phases = [(name, s["from_s"]) for name, s in out["phases"].items() if "from_s" in s]
     png = path or result.with_suffix(".png")

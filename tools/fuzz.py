@@ -1,5 +1,5 @@
 """Fuzz every gRPC service of corpusd: a coordinator, two holders and an agent worker on
-loopback get ``--n`` requests drawn around valid ones (tests/support/fuzzing.py: wrong shapes
+loopback get ``--n`` requests drawn around valid ones (corpusd/testing/fuzzing.py: wrong shapes
 and dtypes, NaN/inf, out-of-range and huge values, empty and oversized fields, unknown ids,
 random bytes in tensors, truncated or garbled messages), ``--concurrency`` at a time.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from corpusd.model.tiny import init_tiny
-from tests.support.fuzzing import FuzzCluster, Fuzzer, decode, fuzz_cluster
+from corpusd.testing.fuzzing import FuzzCluster, Fuzzer, decode, fuzz_cluster
 
 OUT = Path("bench/results/fuzz-cpu.json")
 PROMPT = list(b"\nQ: what is on line 12?")

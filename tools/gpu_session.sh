@@ -17,10 +17,12 @@
 #                                            #   its strict-xfail control, ~4 min: pytest -k control)
 #   bash tools/gpu_session.sh engine-agree   # issue 18: route on engine-true pages vs stock, fitted (~9 min)
 #   bash tools/gpu_session.sh fp8            # issue 18: fp8 GPU tests, then bench_sglang on fp8 (~8 min)
+#   bash tools/gpu_session.sh share          # issue 35: equal-HBM bench, 2 workers + holder on one GPU;
+#                                            #   SHARE_FRACTIONS=0.5 then 0.25,1,2 in two calls (~6-9 min each)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8"}
-case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8) ;;
+step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | share"}
+case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|share) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
@@ -30,6 +32,11 @@ export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAS
 if [ ! -f /tmp/site/.corpusd-installed ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
         .sglang-deps/whl/*.whl && touch /tmp/site/.corpusd-installed
+fi
+# the daemons' gRPC (the image's grpcio is older than corpusd/v1 needs): tools/corpusd_deps.sh
+if [ -d .corpusd-deps/whl ] && [ ! -f /tmp/site/.corpusd-daemon-deps ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site --upgrade \
+        .corpusd-deps/whl/*.whl && touch /tmp/site/.corpusd-daemon-deps
 fi
 export PYTHONPATH=/tmp/site:$PWD
 # outputs are named by the card that ran them (a call for an H100 may get an H200)
@@ -140,4 +147,11 @@ fp8)
         --out "$OUT/sglang-fp8-$GPU.json" > "$OUT/sglang-fp8-$GPU.log" 2>&1
     took "fp8 bench" $?
     grep "^holders:" "$OUT/sglang-fp8-$GPU.log"; tail -10 "$OUT/sglang-fp8-$GPU.log" ;;
+share)  # the model and pin stay in /tmp/bsh: the second call on a warm machine reuses the model
+    fr=${SHARE_FRACTIONS:-0.5}; SHARE_ARGS=${SHARE_ARGS:-}
+    timeout 580 python3 -m tools.bench_share --servers 2 --fractions "$fr" --work /tmp/bsh $SHARE_ARGS \
+        --out "$OUT/share-$GPU-${fr//,/_}.json" > "$OUT/share-$GPU-${fr//,/_}.log" 2>&1
+    took share $?
+    cp /tmp/bsh/sglang-route-*-0.log "$OUT/" 2>/dev/null
+    tail -12 "$OUT/share-$GPU-${fr//,/_}.log" ;;
 esac

@@ -106,15 +106,15 @@ def divergences(
     return {"near_tie_nats": NEAR_TIE_NATS, "all_near_ties": near, "rows": rows}
 
 
-def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
-    """Free-running greedy agreement position by position; teacher-forced argmax agreement and
-    log-softmax differences (entries above −30 in both) at every step and at the first."""
-    free = free_running([g["tokens"] for g in ref["greedy"]], [g["tokens"] for g in got["greedy"]])
+def forced_compare(ref: list[list[list[float]]], got: list[list[list[float]]]) -> dict[str, Any]:
+    """Two teacher-forced runs on the same contexts (``[request][step][vocab]`` log-softmax):
+    argmax agreement, and |Δ log-prob| over entries above −30 in both, at every step and at the
+    first; ``ref``'s top-2 margin wherever the argmax differs."""
     agree = steps = 0
     diffs: list[float] = []
     first: list[float] = []
     margins = []
-    for ra, rb in zip(ref["forced"], got["forced"], strict=True):
+    for ra, rb in zip(ref, got, strict=True):
         for j, (va, vb) in enumerate(zip(ra, rb, strict=True)):
             steps += 1
             if argmax(va) == argmax(vb):
@@ -127,14 +127,8 @@ def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
             if j == 0:
                 first += d
     return {
-        **free,
-        "divergences": divergences(
-            free["first_divergence"],
-            [len(g["tokens"]) for g in ref["greedy"]],
-            ref["forced"],
-            got["forced"],
-        ),
         "forced_agree": agree / steps,
+        "forced_agree_steps": agree,
         "forced_steps": steps,
         "ref_top2_margin_where_forced_differs": margins,
         "logprob_max_abs_diff": max(diffs),
@@ -142,6 +136,87 @@ def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
         "first_step_logprob_max_abs_diff": max(first),
         "first_step_logprob_mean_abs_diff": statistics.fmean(first),
     }
+
+
+def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    """Free-running greedy agreement position by position; teacher-forced argmax agreement and
+    log-softmax differences (:func:`forced_compare`)."""
+    free = free_running([g["tokens"] for g in ref["greedy"]], [g["tokens"] for g in got["greedy"]])
+    return {
+        **free,
+        "divergences": divergences(
+            free["first_divergence"],
+            [len(g["tokens"]) for g in ref["greedy"]],
+            ref["forced"],
+            got["forced"],
+        ),
+        **forced_compare(ref["forced"], got["forced"]),
+    }
+
+
+# -- stock against stock: the floor route's figures are read against (issue 36) -----------------
+#: the issue's bars: route's max and mean |Δ log-prob| within this factor of the floor's ...
+FLOOR_FACTOR = 1.5
+#: ... and its teacher-forced argmax agreement no lower than the floor's minus one step in this
+FLOOR_AGREE_SLACK = 64
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """a / b; 1.0 when both are 0, None (no finite ratio) when only b is."""
+    if b > 0:
+        return a / b
+    return 1.0 if a == 0 else None
+
+
+def noise_floor(stock: dict[str, Any]) -> dict[str, Any]:
+    """Stock against itself on the same teacher-forced contexts: ``batched_vs_sequential`` (the
+    same server, the bench's concurrent forced requests against the same ones one at a time) and
+    ``two_servers`` (against a freshly started second stock server), each
+    :func:`forced_compare`; a floor whose run is missing is left out."""
+    out = {}
+    if stock.get("forced_sequential"):
+        out["batched_vs_sequential"] = forced_compare(stock["forced"], stock["forced_sequential"])
+    if stock.get("forced_restart"):
+        out["two_servers"] = forced_compare(stock["forced"], stock["forced_restart"])
+    return out
+
+
+def against_floor(got: dict[str, Any], floors: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A mode's teacher-forced figures against stock (``got``: :func:`compare`'s) beside each
+    floor and as ratios to it, and the issue's bars against the noisiest floor (the larger max
+    and mean |Δ log-prob|, the lower agreement of the floors): max and mean within
+    :data:`FLOOR_FACTOR` × the floor's, agreement ≥ the floor's minus ``steps /``
+    :data:`FLOOR_AGREE_SLACK` (at least one step)."""
+    keys = ("forced_agree", "logprob_max_abs_diff", "logprob_mean_abs_diff",
+            "first_step_logprob_max_abs_diff")  # fmt: skip
+    per = {}
+    for name, f in floors.items():
+        per[name] = {
+            **{f"floor_{k}": f[k] for k in keys},
+            "max_over_floor": _ratio(got["logprob_max_abs_diff"], f["logprob_max_abs_diff"]),
+            "mean_over_floor": _ratio(got["logprob_mean_abs_diff"], f["logprob_mean_abs_diff"]),
+            "agree_steps_minus_floor": got["forced_agree_steps"] - f["forced_agree_steps"],
+        }
+    out: dict[str, Any] = {"mode": {k: got[k] for k in keys}, "floors": per}
+    if not floors:
+        return out
+    fmax = max(f["logprob_max_abs_diff"] for f in floors.values())
+    fmean = max(f["logprob_mean_abs_diff"] for f in floors.values())
+    fagree = min(f["forced_agree_steps"] for f in floors.values())
+    slack = max(1, got["forced_steps"] // FLOOR_AGREE_SLACK)
+    out["noisiest_floor"] = {
+        "logprob_max_abs_diff": fmax, "logprob_mean_abs_diff": fmean,
+        "forced_agree_steps": fagree,
+        "max_over_floor": _ratio(got["logprob_max_abs_diff"], fmax),
+        "mean_over_floor": _ratio(got["logprob_mean_abs_diff"], fmean),
+    }  # fmt: skip
+    r_max, r_mean = (out["noisiest_floor"][k] for k in ("max_over_floor", "mean_over_floor"))
+    out["within_floor"] = {
+        "logprob": r_max is not None and r_mean is not None
+        and r_max <= FLOOR_FACTOR and r_mean <= FLOOR_FACTOR,
+        "forced_agree": got["forced_agree_steps"] >= fagree - slack,
+    }  # fmt: skip
+    return out
 
 
 # -- the plugin's predicate against forced runs ------------------------------------------------
@@ -249,6 +324,19 @@ def report(out: dict[str, Any]) -> None:
                 at = [(x["step"], x["stock_top2_margin"]) for x in dv["rows"]]
                 print(f"{r:<7} {name:<11} first divergences (step, stock top-2 margin): {at}; "
                       f"all under {dv['near_tie_nats']} nats: {dv['all_near_ties']}")  # fmt: skip
+    for r, v in out["regimes"].items():
+        for name, f in v.get("noise_floor", {}).items():
+            print(f"{r:<7} {'stock ' + name:<27} forced {f['forced_agree_steps']}/"
+                  f"{f['forced_steps']}, |Δ log-prob| max {f['logprob_max_abs_diff']:.4f} "
+                  f"mean {f['logprob_mean_abs_diff']:.5f}")  # fmt: skip
+        for m, c in v.get("vs_floor", {}).items():
+            if "noisiest_floor" not in c:
+                continue
+            nf, ok = c["noisiest_floor"], c["within_floor"]
+            print(f"{r:<7} {m + '/stock over floor':<27} max ×{nf['max_over_floor']}, mean "
+                  f"×{nf['mean_over_floor']} (bar {FLOOR_FACTOR}: "
+                  f"{'ok' if ok['logprob'] else 'FAILS'}), forced agreement "
+                  f"{'ok' if ok['forced_agree'] else 'BELOW'} the floor's")  # fmt: skip
     for r, v in out["regimes"].items():
         if "primitive_exactness" in v:
             e = v["primitive_exactness"]

@@ -129,12 +129,17 @@ def corpus_source(out: Path, n_bytes: int, first: str) -> Path:
 
 
 def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], holders: int,
-                  device: str, kv_format: str = "plain", engine: str = "") -> Corpusd:  # fmt: skip
+                  device: str, kv_format: str = "plain", engine: str = "",
+                  capacity_tokens: int = 16384, sources: dict[str, Path] | None = None,
+                  pin_device: str = "",
+                  ) -> Corpusd:  # fmt: skip
     """A coordinator, ``holders`` holders and an agent; each of ``corpora`` (name → bytes, first
     file) pinned through them, its latent rows in ``kv_format`` (``fp8_e4m3``: FlashMLA's fp8
     rows, held and attended as such). ``engine``: the URL of an SGLang server in capture mode
     (``Server("capture", …)``) whose prefill the pins store instead of corpusd's own (the
-    engine's KV cache dtype then decides the format)."""
+    engine's KV cache dtype then decides the format). ``capacity_tokens``: each holder's frames;
+    ``sources``: a directory to pin per corpus name instead of this repo's text; ``pin_device``:
+    where the pins prefill (``corpusd pin --device``; default its own, the CPU)."""
     from corpusd.coordinator.launch import start_coordinator
     from holder.launch import start_holder
     from requester.launch import start_agent
@@ -144,7 +149,8 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
     try:
         coord = start_coordinator(work / "coordinator", store)
         daemons.append(coord)
-        extra = ["--coordinator", coord.address, "--capacity-tokens", "16384", "--device", device]
+        extra = ["--coordinator", coord.address, "--capacity-tokens", str(capacity_tokens)]
+        extra += ["--device", device]
         extra += ["--kv-format", kv_format]
         if device != "cpu":  # bf16 pages (as SGLang's pool), our Triton sparse-MLA kernel;
             # fp8 rows: the kernel auto picks, FlashMLA's fp8 decode on SM90 (stock fp8's kernel)
@@ -155,13 +161,15 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
         daemons.append(start_agent(store, work / "agent", model, "--coordinator", coord.address))
         tokens = {}
         for name, (n_bytes, first) in corpora.items():
-            src = corpus_source(work / "src" / name, n_bytes, first)
+            src = (sources or {}).get(name) or corpus_source(work / "src" / name, n_bytes, first)
             pin = [sys.executable, "-m", "corpusd", "pin", "--corpus", str(src), "--name", name]
             pin += ["--model", str(model), "--store", str(store), "--coordinator", coord.address]
             pin += ["--dtype", "float32" if device == "cpu" else "bfloat16"]  # the holders' dtype
             pin += ["--kv-format", kv_format]
             if engine:
                 pin += ["--engine", engine]
+            if pin_device:
+                pin += ["--device", pin_device]
             subprocess.run(pin, check=True)
             ps = PageStore(store)
             tokens[name] = ps.read_tokens(ps.resolve(name)).tolist()
@@ -174,7 +182,7 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
 
 def start_pinned(
     work: Path, model: Path, corpora: dict[str, tuple[int, str]], holders: int, device: str,
-    kv_cache_dtype: str, engine_port: int = 0,
+    kv_cache_dtype: str, engine_port: int = 0, sources: dict[str, Path] | None = None,
 ) -> Corpusd:  # fmt: skip
     """:func:`start_corpusd` with the pins' format following SGLang's ``kv_cache_dtype``; with
     ``engine_port`` the corpora are pinned through a stock SGLang server in capture mode on that
@@ -183,12 +191,12 @@ def start_pinned(
     verbatim indexer pages when it can read the store)."""
     fmt = pin_format(kv_cache_dtype)
     if not engine_port:
-        return start_corpusd(work, model, corpora, holders, device, fmt)
+        return start_corpusd(work, model, corpora, holders, device, fmt, sources=sources)
     capture = Server("capture", model, engine_port, None, work / "sglang-capture.log", (),
                      kv_cache_dtype)  # fmt: skip
     try:
         capture.wait()
-        cd = start_corpusd(work, model, corpora, holders, device, fmt, capture.url)
+        cd = start_corpusd(work, model, corpora, holders, device, fmt, capture.url, sources=sources)
     finally:
         capture.stop()
     os.environ["CORPUSD_STORE"] = str(cd.store)
@@ -208,15 +216,16 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 600) -> Any:
 class Server:
     """``python -m sglang.launch_server`` in ``mode`` (stock, route, route@<p>, fetch). ``cd`` is
     the corpusd that route and fetch serve from (stock needs none); ``flags`` replaces
-    :func:`sglang_flags` (the model path, port and CUDA-graph flags are still added)."""
+    :func:`sglang_flags` (the model path, port and CUDA-graph flags are still added);
+    ``extra_env`` is added to the server's environment (e.g. ``CORPUSD_SGLANG_DUMP``)."""
 
     def __init__(
         self, mode: str, model: Path, port: int, cd: Corpusd | None, log: Path,
         graph_bs: tuple[int, ...] = (), kv_cache_dtype: str = "auto",
-        flags: list[str] | None = None,
+        flags: list[str] | None = None, extra_env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         assert cd is not None or mode in ("stock", "capture"), f"{mode=} serves from a corpusd"
-        env = {**os.environ, **SGLANG_ENV}
+        env = {**os.environ, **SGLANG_ENV, **(extra_env or {})}
         base = sglang_flags(kv_cache_dtype) if flags is None else flags
         flags = ["--model-path", str(model), "--port", str(port), *base]
         prim = forced_primitive(mode)

@@ -6,17 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from corpusd import env
+from corpusd.daemon_config import DaemonConfig, non_negative, positive
 
 
 @dataclass(frozen=True, slots=True)
-class CoordinatorConfig:
-    store: str = field(
-        default="", metadata={"help": "page store holders read from (default: $CORPUSD_STORE)"}
-    )
-    state_dir: str = field(
-        default="",
-        metadata={"help": "state.db and endpoint.json (default: $CORPUSD_HOME/coordinator)"},
-    )
+class CoordinatorConfig(DaemonConfig):
+    ROLE = "coordinator"
+    STATE_HOME = "coordinator"
+
     state: str = field(
         default="sqlite",
         metadata={
@@ -25,9 +22,6 @@ class CoordinatorConfig:
             "one leads)"
         },
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
-    port: int = field(default=0, metadata={"help": "0: pick a free port (see endpoint.json)"})
-    metrics_port: int = field(default=0, metadata={"help": "0: pick a free port; -1: none"})
     profile: str = field(
         default="",
         metadata={
@@ -67,9 +61,6 @@ class CoordinatorConfig:
     retry_s: float = field(
         default=2.0, metadata={"help": "how often queued pins are retried (also on every unpin)"}
     )
-    drain_s: float = field(
-        default=5.0, metadata={"help": "on SIGTERM, seconds running requests get to finish"}
-    )
 
     @property
     def grace_s(self) -> float:
@@ -77,11 +68,8 @@ class CoordinatorConfig:
         return 2 * self.lease_s / 3 if self.release_grace_s == -1 else self.release_grace_s
 
     def __post_init__(self) -> None:
-        if not self.store or not self.state_dir:
-            raise ValueError("a coordinator needs a page store and a state directory")
-        for key in ("lease_s", "rpc_timeout_s", "retry_s"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        DaemonConfig.__post_init__(self)
+        positive(self, "lease_s", "rpc_timeout_s", "retry_s")
         if not (self.state in ("", "sqlite") or self.state.startswith(("sqlite://", "etcd://"))):
             raise ValueError(
                 f"state must be sqlite, sqlite:///path or etcd://host:port[,…]/prefix, got "
@@ -91,16 +79,11 @@ class CoordinatorConfig:
             from corpusd.coordinator.etcd_state import parse_etcd_url
 
             parse_etcd_url(self.state)  # raises ValueError naming what is wrong
-        if self.replica_window_s < 0:
-            raise ValueError(f"replica_window_s must be >= 0, got {self.replica_window_s}")
+        non_negative(self, "replica_window_s", "leader_lease_s", "max_queue")
         if self.release_grace_s < 0 and self.release_grace_s != -1:
             raise ValueError(
                 f"release_grace_s must be >= 0 or -1 (2 x lease/3), got {self.release_grace_s}"
             )
-        if self.leader_lease_s < 0:
-            raise ValueError(f"leader_lease_s must be >= 0, got {self.leader_lease_s}")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +106,7 @@ class PublishConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        if self.wait_s < 0:
-            raise ValueError(f"wait_s must be >= 0, got {self.wait_s}")
+        non_negative(self, "wait_s")
 
 
 @dataclass(frozen=True, slots=True)

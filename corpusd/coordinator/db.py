@@ -1,26 +1,26 @@
-"""The coordinator's durable state: ``open_state(url)`` picks the backend by the ``--state`` URL,
+"""The coordinator's durable state: ``open_state(url)`` picks the store by the ``--state`` URL,
 ``sqlite`` (one file in the state directory, the embedded default; ``sqlite:///path/state.db``
 names another file) or ``etcd://h1:2379,h2:2379/prefix`` (several coordinators share it; see
-``etcd_state``). The rows and the interface are in ``backend``, re-exported here.
+``etcd_state``). The rows and the interface are in ``state_store``, re-exported here.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from corpusd.coordinator.backend import (
+from corpusd.coordinator.state_store import (
     CorpusRow,
     HolderRow,
     NotLeader,
-    StateBackend,
+    StateStore,
     Table,
 )
 
-__all__ = ["CorpusRow", "HolderRow", "NotLeader", "StateBackend", "Table", "open_state"]
+__all__ = ["CorpusRow", "HolderRow", "NotLeader", "StateStore", "Table", "open_state"]
 
 
-def open_state(url: str, state_dir: str | Path, node: str = "") -> StateBackend:
-    """The backend ``url`` names: "" or ``sqlite`` (``state_dir/state.db``), ``sqlite:///path``,
+def open_state(url: str, state_dir: str | Path, node: str = "") -> StateStore:
+    """The store ``url`` names: "" or ``sqlite`` (``state_dir/state.db``), ``sqlite:///path``,
     or ``etcd://host:port[,host:port…]/prefix`` (``node``: this coordinator's address, what the
     election records). Raises ValueError for any other URL."""
     if url in ("", "sqlite"):

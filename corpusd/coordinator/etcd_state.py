@@ -1,4 +1,4 @@
-"""The state backend on etcd (``--state etcd://h1:2379,h2:2379,h3:2379/prefix``).
+"""The state store on etcd (``--state etcd://h1:2379,h2:2379,h3:2379/prefix``).
 
 Keys under ``/prefix/``, values JSON:
 
@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 import aetcd
 
-from corpusd.coordinator.backend import CorpusRow, HolderRow, NotLeader, StateBackend, Table
+from corpusd.coordinator.state_store import CorpusRow, HolderRow, NotLeader, StateStore, Table
 
 #: etcd refuses shorter leases (3 election ticks of 1 s / 2 … rounded up to whole seconds)
 MIN_TTL_S = 2
@@ -92,7 +92,7 @@ def connect(endpoints: list[tuple[str, int]], timeout_s: float = 5.0) -> aetcd.C
 _HOLDER_KEYS = [f.name for f in fields(HolderRow) if f.name != "leased"]
 
 
-class EtcdState(StateBackend):
+class EtcdState(StateStore):
     def __init__(self, endpoints: list[tuple[str, int]], prefix: str, node: str) -> None:
         self.client = connect(endpoints)
         self.tx = self.client.transactions

@@ -1,14 +1,13 @@
-"""Start a ``corpusd serve`` subprocess and wait until it serves (tests, tools, ``up``)."""
+"""``start_coordinator``: :func:`corpusd.daemon.start` for the coordinator role, under the name
+tests, tools and ``up`` use."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from corpusd.daemon import Daemon, spawn
+from corpusd.daemon import Daemon, start
 
-
-class CoordinatorProcess(Daemon):
-    """A running ``corpusd serve``."""
+CoordinatorProcess = Daemon
 
 
 def start_coordinator(
@@ -17,9 +16,6 @@ def start_coordinator(
     *extra: str,
     timeout: float = 60,
     env: dict[str, str] | None = None,
-) -> CoordinatorProcess:
-    """Run ``corpusd serve`` with its log in ``state_dir/coordinator.log``; returns once it
-    serves. ``env`` replaces this process's environment. Raises RuntimeError (with the log's
-    tail) if it exits or times out."""
-    args = ["--store", str(store), *extra]
-    return CoordinatorProcess(*spawn("coordinator", "serve", args, state_dir, timeout, env))
+) -> Daemon:
+    """``corpusd serve`` in ``state_dir`` on page store ``store``; see :func:`start`."""
+    return start("coordinator", state_dir, *extra, store=store, timeout=timeout, env=env)

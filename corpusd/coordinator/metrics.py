@@ -1,7 +1,7 @@
 """The coordinator's Prometheus metrics: counters it bumps, and gauges read from its state.
 
 The gauges (holders live/expired, per-holder capacity/use/fan-in, corpora by state, queue depth,
-whether it leads) are computed at scrape time by reading the state backend on the coordinator's
+whether it leads) are computed at scrape time by reading the state store on the coordinator's
 event loop (the scrape runs on the metrics server's thread and waits for it), so they can never
 disagree with what the coordinator answers.
 """

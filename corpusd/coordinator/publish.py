@@ -18,7 +18,7 @@ from dataclasses import replace
 import grpc
 
 from corpusd.coordinator.buckets import CpBuckets
-from corpusd.coordinator.db import CorpusRow, HolderRow, StateBackend
+from corpusd.coordinator.db import CorpusRow, HolderRow, StateStore
 from corpusd.coordinator.links import HolderCallError, Links
 from corpusd.coordinator.metrics import CoordinatorMetrics
 from corpusd.coordinator.placement import HolderLoad, NoFit, Placement, place
@@ -40,7 +40,7 @@ def _fits(h: HolderRow, m: Manifest) -> bool:
 class Publisher:
     def __init__(
         self,
-        state: StateBackend,
+        state: StateStore,
         links: Links,
         buckets: CpBuckets,
         metrics: CoordinatorMetrics,

@@ -30,7 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from corpusd.coordinator.db import HolderRow, StateBackend
+from corpusd.coordinator.db import HolderRow, StateStore
 from corpusd.coordinator.links import HolderCallError
 from corpusd.coordinator.publish import Publisher
 
@@ -115,12 +115,6 @@ class Replicator:
         if not w:  # reports do not span a window yet, or none came in the last one
             return False
         return all(r.elbow > 0 and r.fanin > r.elbow for r in w)
-
-    def cool(self, holder_id: str, now: float) -> bool:
-        w = self._window(holder_id, now)
-        if not w:
-            return False
-        return all(r.fanin <= self.low * r.elbow for r in w)
 
     def cool_with(self, source: str, target: str, now: float) -> bool:
         """The load a replica splits has fallen: over a window, the source's fan-in plus the
@@ -223,7 +217,7 @@ class Replicator:
         return done
 
     async def _release_due(
-        self, pub: Publisher, state: StateBackend, by_id: dict[str, HolderRow], now: float
+        self, pub: Publisher, state: StateStore, by_id: dict[str, HolderRow], now: float
     ) -> None:
         """Release the copies whose grace has passed, sparing pages the page table gives their
         target again. Each leaves ``pending`` only once its Release has answered."""
@@ -253,7 +247,7 @@ class Replicator:
     async def _apply(
         self,
         pub: Publisher,
-        state: StateBackend,
+        state: StateStore,
         d: Decision,
         by_id: dict[str, HolderRow],
         now: float,

@@ -1,4 +1,4 @@
-"""The embedded state backend: one SQLite file (WAL) in the coordinator's state directory.
+"""The embedded state store: one SQLite file (WAL) in the coordinator's state directory.
 
 Each write is one SQLite transaction; the calls are local and short, so they run on the event
 loop. Holder liveness is our own lease clock (``last_heartbeat`` + ``lease_s``).
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import astuple
 from pathlib import Path
 
-from corpusd.coordinator.backend import CorpusRow, HolderRow, StateBackend, Table
+from corpusd.coordinator.state_store import CorpusRow, HolderRow, StateStore, Table
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS holders (
@@ -36,7 +36,7 @@ CREATE INDEX IF NOT EXISTS pages_by_holder ON pages (holder_id, corpus_id);
 """
 
 
-class SqliteState(StateBackend):
+class SqliteState(StateStore):
     """One SQLite file; all methods run on the caller's thread (the coordinator's event loop)."""
 
     def __init__(self, path: str | Path) -> None:

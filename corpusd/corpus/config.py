@@ -6,10 +6,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from corpusd.corpus.manifest import KV_FORMATS, PAGE_SIZE
+from corpusd.corpus.manifest import PAGE_SIZE
+from corpusd.daemon_config import positive
+from corpusd.formats import KERNELS, KV_FORMATS
 
 DTYPES = ("float32", "bfloat16")
-KERNELS = ("auto", "torch")  # corpusd.model.prefill_kernels.choose
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -79,9 +80,7 @@ class PinConfig:
         return self.chunk or (256 if self.device == "cpu" else 8192)
 
     def __post_init__(self) -> None:
-        for key in ("page_size", "max_tokens", "max_file_bytes"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        positive(self, "page_size", "max_tokens", "max_file_bytes", "engine_timeout")
         if self.chunk < 0:
             raise ValueError(f"chunk must be > 0 (or 0: the device's default), got {self.chunk}")
         if self.dtype not in DTYPES:
@@ -90,7 +89,5 @@ class PinConfig:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
-        if self.engine_timeout <= 0:
-            raise ValueError(f"engine_timeout must be > 0, got {self.engine_timeout}")
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")

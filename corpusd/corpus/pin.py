@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -96,9 +97,9 @@ def pin(
     cfg: PinConfig, stream: TextIO | None = None, admit: Callable[[int], None] | None = None
 ) -> PinResult:
     """Pin ``cfg.corpus``. Raises CorpusError (bad source), ModelConfigError/CheckpointError (bad
-    model, or one whose latent row does not fit ``cfg.kv_format``) before anything is written;
-    StoreError on a store problem. ``admit(n_pages)`` is called once the tokens are counted,
-    before the prefill: whatever it raises stops the pin with nothing written."""
+    model), ValueError (a latent row that does not fit ``cfg.kv_format``) before anything is
+    written; StoreError on a store problem. ``admit(n_pages)`` is called once the tokens are
+    counted, before the prefill: whatever it raises stops the pin with nothing written."""
     out = stream if stream is not None else sys.stderr
     t0 = time.perf_counter()
     if cfg.device != "cpu":
@@ -213,7 +214,8 @@ def cpu_threads() -> int:
     load average, read before we start), at least 1. On a busy machine one thread beats all
     cores: each op ends in a barrier that waits for whichever of our threads was descheduled
     (measured on the shared 2-core machine at load ~11: 154 tok/s on 1 thread, 62 on 2).
-    ``OMP_NUM_THREADS`` set by the user wins."""
+    ``OMP_NUM_THREADS`` set by the user wins (the count torch already has). Its bits depend on
+    the count: see :func:`torch_threads`."""
     cores = os.cpu_count() or 1
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
@@ -248,11 +250,10 @@ def prefill(
     param = next(model.parameters())
     tokens = torch.tensor(layout.tokens, device=param.device)
     cache = KVCache(model.cfg, len(tokens), param.dtype, device=str(param.device))  # type: ignore[arg-type]
-    before = torch.get_num_threads()
-    if param.device.type == "cpu":
-        torch.set_num_threads(cpu_threads())
-        stream.write(f"on {torch.get_num_threads()} of {os.cpu_count()} CPU threads\n")
-    try:
+    on_cpu = param.device.type == "cpu"
+    with torch_threads(cpu_threads() if on_cpu else None) as threads:
+        if on_cpu:
+            stream.write(f"on {threads} of {os.cpu_count()} CPU threads\n")
         bar = Progress("prefill", len(tokens), stream=stream)
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
@@ -261,9 +262,22 @@ def prefill(
                 torch.cuda.synchronize(param.device)
             bar.update(len(piece))
         bar.close()
+    return cache
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[int]:
+    """Run the block on ``n`` torch CPU threads (the current count when None); yields the count
+    in force and restores the one before on exit, whatever happens. A CPU prefill's bits depend
+    on it (torch splits its reductions by thread count), so a pin equals a forward bit for bit
+    only at the same count: the pin prints its count for that reason."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-    return cache
 
 
 __all__ = ["DTYPES", "CorpusError", "PinConfig", "PinResult", "pin", "prefill"]

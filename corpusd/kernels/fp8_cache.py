@@ -42,16 +42,16 @@ from corpusd.kernels.reference import PartialOut, partial_attention
 
 
 def check_layout(kv_lora_rank: int, qk_rope_head_dim: int) -> None:
-    """Raise ModelConfigError (a ValueError), naming the field, unless a model's latent row fits
-    the fp8 layout (kv_lora_rank 512, qk_rope_head_dim 64)."""
-    from corpusd.model.config import ModelConfigError  # the model's error, raised at its edge
-
+    """Raise ValueError, naming the field, unless a model's latent row fits the fp8 layout
+    (kv_lora_rank 512, qk_rope_head_dim 64). A plain ValueError: the kernel package imports
+    nothing of ``corpusd.model`` (which imports it), and the CLI answers any ValueError as bad
+    input."""
     for name, got, want in (
         ("kv_lora_rank", kv_lora_rank, D_NOPE),
         ("qk_rope_head_dim", qk_rope_head_dim, D_ROPE),
     ):
         if got != want:
-            raise ModelConfigError(
+            raise ValueError(
                 f"the fp8_e4m3 page format needs {name} {want} (FlashMLA's 656-byte row), "
                 f"this model has {name} {got}; pin it with --kv-format plain"
             )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from corpusd.corpus.config import KERNELS
+from corpusd.formats import KERNELS
 from corpusd.kernels import registry
 from corpusd.kernels.reference import partial_attention
 from corpusd.model.config import ModelConfig

@@ -14,11 +14,12 @@ Per layer of a batch with corpus-bound requests (state in ``forward_batch.corpus
    format (positions within the request); the corpus part is kept for step 3.
 2. ``forward_extend`` / ``forward_decode`` run SGLang's sparse kernel over the own part, keeping
    the LSE SGLang drops (our ``_forward_flashmla_sparse`` / ``_forward_flashmla_kv``).
-3. The corpus part goes to corpusd (``CorpusLink.begin`` / ``finish``: per holder group routed
-   to the holder or fetched into the plugin's page cache and attended here, as ``choose.py``
-   decides); the two partials merge by LSE. On the host path the holder calls are sent before
-   step 2 and waited for after it, so SGLang's own partial runs while they are in flight. On the
-   device path (``resident``) the corpus partial reads the holders' pools on this GPU after it.
+3. The corpus part goes to corpusd (``CorpusLink.begin`` / ``finish``, :mod:`.host_path`: per
+   holder group routed to the holder by corpusd's fan-out engine or fetched into the plugin's
+   page cache and attended here, as ``choose.py`` decides); the two partials merge by LSE. On
+   the host path the holder calls are sent before step 2 and waited for after it, so SGLang's
+   own partial runs while they are in flight. On the device path (``resident``) the corpus
+   partial reads the holders' pools on this GPU after it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from indexer.select import select_topk
 from requester.sglang import device, device_scores, topk
 from requester.sglang import lse as lse_mod
 from requester.sglang.binding import Binding
-from requester.sglang.link import CorpusLink, Pending
+from requester.sglang.dump import Dumper
+from requester.sglang.host_path import Pending
+from requester.sglang.link import CorpusLink
 from requester.sglang.positions import to_corpusd_layout
 from requester.sglang.resident import Resident
 
@@ -61,6 +64,7 @@ class CorpusBatch:
     corpus_sel: dict[int, torch.Tensor] = field(default_factory=dict)  # layer → [N, k]
     _rows: dict[tuple[int, str], list[tuple[Binding, torch.Tensor]]] = field(default_factory=dict)
     base2: bool = False  # the sparse kernel's LSE base on this device (fetch's local partial)
+    dump: Dumper | None = None  # CORPUSD_SGLANG_DUMP: the forward's per-layer records (dump.py)
 
     def rows_by_corpus(self, n: int, device: torch.device) -> list[tuple[Binding, torch.Tensor]]:
         """Each corpus of the batch with its token rows among the first ``n`` (int64 on
@@ -119,12 +123,21 @@ class CorpusIndexerMetadata(NSAIndexerMetadata):
         t = cb.corpus_len[:n].to(logits.device)
         cpos = torch.full((n, topk_), -1, dtype=torch.int64, device=logits.device)
         cscore = torch.full((n, topk_), -math.inf, device=logits.device)
+        corpus_rows: dict[int, torch.Tensor] = {}  # a dumped row's corpus scores
         for b, rows in cb.rows_by_corpus(n, logits.device):  # one scoring per corpus
             keys = cb.link.index_keys(b, self.layer_id, logits.device, cb.ue8m0)
             s = index_scores(q_fp8[rows].float(), w[rows].float().reshape(len(rows), -1), keys, 1.0)
             p = select_topk(s, topk_)
             cpos[rows], cscore[rows] = p, s.gather(1, p.clamp(min=0)).masked_fill(p < 0, -math.inf)
+            if cb.dump is not None:
+                corpus_rows |= {int(r): s[i] for i, r in enumerate(rows.tolist())}
         logical = topk.combined_topk(own_pos, own_s, cpos, cscore, t, topk_)
+        if cb.dump is not None:
+            for r in cb.dump.rows:
+                if r < n:
+                    c = corpus_rows.get(r, own_scores.new_zeros(0))
+                    row = torch.cat([c.float(), own_scores[r, : int(lengths[r])].float()])
+                    cb.dump.selection(self.layer_id, r, logical[r], row)
         corpus_part, own_part = topk.split_selection(logical, t)
         cb.corpus_sel[self.layer_id] = corpus_part
         own = own_part.to(torch.int32)
@@ -155,6 +168,14 @@ class CorpusIndexerMetadata(NSAIndexerMetadata):
         scores = device_scores.corpus_scores(cb.resident, self.layer_id, q_fp8, w, base, tokens)
         corpus, own_sel = device.fused_topk(scores, tokens, own, lengths, topk_)
         cb.corpus_sel[self.layer_id] = corpus
+        if cb.dump is not None and not torch.cuda.is_current_stream_capturing():
+            for r in cb.dump.rows:
+                if r < n:
+                    t, o = int(tokens[r]), int(lengths[r])
+                    mine = torch.where(own_sel[r] >= 0, own_sel[r].long() + t, -1)
+                    logical = torch.cat([corpus[r], mine])
+                    row = torch.cat([scores[r, :t].float(), own[r, :o].float()])
+                    cb.dump.selection(self.layer_id, r, logical, row)
         return own_sel
 
 

@@ -11,16 +11,17 @@ chosen per request (send the corpus in the prompt, unbound) before SGLang schedu
 layer inside a forward: the plugin never picks it, and ``CORPUSD_SGLANG_PRIMITIVE=local`` is
 refused with that reason.
 
-Each decision is recorded with its predicted and measured cost (metrics, the drift windows of
-:mod:`requester.drift`, and a JSON-lines trace when ``CORPUSD_SGLANG_TRACE`` names a file).
+The arithmetic and the fallback of a forced primitive that cannot serve a group are the
+engine's (:meth:`requester.predicate.Predicate.decide`); each decision is recorded by the engine
+(:meth:`requester.fanout.Fanout.record`: metrics, the drift windows of :mod:`requester.drift`),
+into a JSON-lines trace when ``CORPUSD_SGLANG_TRACE`` names a file (:class:`StepTrace`: each
+entry with the forward step it was made in).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -30,40 +31,36 @@ from typing import Any, TextIO
 import torch
 
 from corpusd import env as corpusd_env
-from requester.drift import Drift
-from requester.plan import GroupWork
-from requester.predicate import Decision, Group, Predicate, Profile
+from requester.fanout import counted
+from requester.plan import GroupWork, group_shape
+from requester.predicate import Decision, Predicate, Profile
 from requester.sglang.metrics import PluginMetrics
 
 log = logging.getLogger("corpusd.sglang")
 ENV_PRIMITIVE = "CORPUSD_SGLANG_PRIMITIVE"
 ENV_PROFILE = "CORPUSD_SGLANG_PROFILE"
 ENV_TRACE = "CORPUSD_SGLANG_TRACE"
-PRIMITIVES = ("auto", "route", "fetch")
+PRIMITIVES = corpusd_env.SGLANG_PRIMITIVES
 
 
-def primitive(env: Mapping[str, str] = os.environ) -> str:
-    """``CORPUSD_SGLANG_PRIMITIVE`` (default auto). Raises ValueError saying what is allowed."""
-    raw = env.get(ENV_PRIMITIVE, "auto").strip().lower() or "auto"
-    if raw == "local":
-        raise ValueError(
-            f"corpusd plugin: {ENV_PRIMITIVE}=local: local is stock SGLang's own prefill of the "
-            "corpus, chosen per request (send the corpus in the prompt, without a corpus "
-            "binding), not per layer inside the plugin; use auto, route or fetch"
-        )
-    if raw not in PRIMITIVES:
-        raise ValueError(f"corpusd plugin: {ENV_PRIMITIVE}={raw!r}: one of {', '.join(PRIMITIVES)}")
-    return raw
+def primitive(environ: Mapping[str, str] | None = None) -> str:
+    """``CORPUSD_SGLANG_PRIMITIVE`` (default auto). Raises ValueError saying what is allowed
+    (``local`` with the reason it is not a per-layer choice)."""
+    value: str = corpusd_env.get(ENV_PRIMITIVE, environ)
+    return value
 
 
-def profile(env: Mapping[str, str] = os.environ) -> Profile:
+def profile(environ: Mapping[str, str] | None = None) -> Profile:
     """The calibration profile: ``CORPUSD_SGLANG_PROFILE``, else ``$CORPUSD_HOME/profile.json``
     when present, else the defaults (logged). Raises ValueError naming a file that is not one."""
-    path = env.get(ENV_PROFILE, "").strip()
-    if path:
-        if not Path(path).is_file():
-            raise ValueError(f"corpusd plugin: {ENV_PROFILE}={path}: no such file")
-        return Profile.load(Path(path))
+    return load_profile(corpusd_env.get(ENV_PROFILE, environ))
+
+
+def load_profile(path: Path | None) -> Profile:
+    """The profile at ``path`` (a file), or with None ``$CORPUSD_HOME/profile.json`` when
+    present, else the defaults (logged). Raises ValueError for a file that is not a profile."""
+    if path is not None:
+        return Profile.load(path)
     default = corpusd_env.home() / "profile.json"
     if default.is_file():
         return Profile.load(default)
@@ -102,7 +99,9 @@ def local_terms(
 
 
 class Chooser:
-    """Decides and records per group. ``force``: auto | route | fetch."""
+    """The plugin's predicate: decides route or fetch per group from the plugin's facts, and
+    knows the forward step its decisions belong to. ``force``: auto | route | fetch; ``trace``:
+    a JSON-lines file its decisions are appended to (:attr:`trace`)."""
 
     def __init__(
         self,
@@ -112,12 +111,7 @@ class Chooser:
     ) -> None:
         assert predicate.force in PRIMITIVES, predicate.force
         self.predicate, self.metrics = predicate, metrics
-        self.drift = Drift(
-            profile=predicate.profile.source,
-            on_window=lambda p, r: metrics.ratio_median.labels(p).set(r),
-            on_drift=lambda p, r: metrics.drift.labels(p).inc(),
-        )
-        self._trace: TextIO | None = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
+        self.trace = StepTrace(trace, self) if trace else None
         self.step, self.mode = 0, ""
         self.rids: tuple[str, ...] = ()
         self._local_measured = False
@@ -150,49 +144,37 @@ class Chooser:
         self, g: GroupWork, heads: int, kv_dim: int, d_v: int, missing_pages: int,
         page_bytes: int, fits: bool,
     ) -> Decision:  # fmt: skip
-        """Route or fetch for group ``g``; fetch is out (cost inf) when its pages do not fit the
-        page cache (``fits``), and a forced fetch that cannot fit routes (counted as a
-        fallback)."""
-        shape = Group(
-            n=len(g.keep), k=int(g.canon.shape[1]), h=heads, rows=int((g.canon >= 0).sum()),
-            missing_pages=missing_pages, page_bytes=page_bytes, missing_tokens=0,
-            local_ok=False, kv_dim=kv_dim, d_v=d_v,
+        """Route or fetch for group ``g`` (the plugin never re-prefills: local is out); fetch
+        is out when its pages do not fit the page cache (``fits``), and a forced fetch that
+        cannot fit routes (counted as a fallback)."""
+        shape = group_shape(
+            g, heads, kv_dim, d_v, missing_pages=missing_pages, page_bytes=page_bytes,
+            fetch_ok=fits,
         )  # fmt: skip
-        costs = self.predicate.costs(shape)
-        if not fits:
-            costs["fetch"] = math.inf
-        if self.force == "auto":
-            pick = min(("route", "fetch"), key=lambda k: costs[k])
-        elif self.force == "fetch" and not fits:
-            pick = "route"
-            self.metrics.fallbacks.labels("fetch", "route").inc()
-        else:
-            pick = self.force
-        return Decision(pick, costs)
+        return counted(self.predicate.decide(shape), self.metrics)
 
-    def record(
-        self, layer: int, g: GroupWork, d: Decision, measured_s: float, **extra: Any
-    ) -> None:
-        """One group's decision, its predicted and measured cost: metrics, drift, trace."""
-        m = self.metrics
-        predicted_s = d.predicted_us[d.pick] / 1e6
-        m.decisions.labels(d.pick, "no" if self.force == "auto" else "yes").inc()
-        m.group_decisions.labels(d.pick, str(layer), g.address).inc()
-        m.predicted.labels(d.pick).observe(predicted_s)
-        m.measured.labels(d.pick).observe(measured_s)
-        if predicted_s > 0 and math.isfinite(predicted_s):
-            m.misprediction.labels(d.pick).set(measured_s / predicted_s)
-        self.drift.observe(d.pick, measured_s, predicted_s)
-        if self._trace is not None:
-            finite = {k: v for k, v in d.predicted_us.items() if math.isfinite(v)}
-            entry = {
-                "step": self.step, "mode": self.mode, "rids": list(self.rids), "layer": layer,
-                "holder": g.address, "rows": len(g.keep), "k": int(g.canon.shape[1]),
-                "pick": d.pick, "force": self.force, "predicted_us": finite,
-                "measured_us": measured_s * 1e6, **extra,
-            }  # fmt: skip
-            self._trace.write(json.dumps(entry) + "\n")
+    @property
+    def forced(self) -> bool:
+        """Whether a pick is forced rather than the cost model's (for the decision metrics)."""
+        return self.force != "auto"
 
     def close(self) -> None:
-        if self._trace is not None:
-            self._trace.close()
+        if self.trace is not None:
+            self.trace.close()
+
+
+class StepTrace:
+    """A JSON-lines file of the engine's decisions (:meth:`requester.fanout.Fanout.record`'s
+    trace), each entry with the plugin's step, mode, requests and forced primitive."""
+
+    def __init__(self, path: str, chooser: Chooser) -> None:
+        self.chooser = chooser
+        self._file: TextIO = open(path, "a", buffering=1)  # noqa: SIM115
+
+    def append(self, entry: dict[str, Any], /) -> None:
+        c = self.chooser
+        entry |= {"step": c.step, "mode": c.mode, "rids": list(c.rids), "force": c.force}
+        self._file.write(json.dumps(entry) + "\n")
+
+    def close(self) -> None:
+        self._file.close()

@@ -37,31 +37,27 @@ from corpusd.kernels.formats import D_QK, D_V
 from corpusd.model import ModelConfig
 from corpusd.model.checkpoint import fingerprint
 from requester.predicate import Predicate
-from requester.sglang import admission, choose, follow, formats, page_cache
+from requester.sglang import binding_check, choose, dump, formats
 from requester.sglang.backend import CorpusBatch, create_corpus_nsa_backend
+from requester.sglang.config import PluginConfig
 from requester.sglang.device_scores import warm_up as warm_scores
 from requester.sglang.link import CorpusLink
 from requester.sglang.metrics import (
     SLOW_PREFILL_LOG,
     PluginMetrics,
     log_triton_compiles,
-    metrics_port,
     serve,
-    slow_prefill_s,
 )
 from requester.sglang.pagehash import sglang_key_scales_ue8m0
 from requester.sglang.positions import INDEX_DIM, ROPE_START, ROPE_WIDTH, shifted_positions
 from requester.sglang.resident import Resident
 
 log = logging.getLogger("corpusd.sglang")
-#: A diagnosis aid: profile and wait for each bound prefill, log one slower than this many
-#: seconds (1 if not a number), and log every Triton compile (corpusd/env.py).
-ENV_PROFILE_SLOW = "CORPUSD_SGLANG_PROFILE_SLOW"
 
 # The corpus top-k returns own positions for SGLang to map through its page table, which is the
 # unfused path; the fused kernel would return page-table rows instead. An error raised here would
 # be swallowed (import_model_classes only logs import errors), so a user's explicit "1" is refused
-# in __init__, which is on the model-loading path.
+# in __init__, which is on the model-loading path. (SGLang's variable, not corpusd's.)
 os.environ.setdefault("SGLANG_NSA_FUSE_TOPK", "0")
 ATTENTION_BACKENDS["nsa"] = create_corpus_nsa_backend
 
@@ -109,28 +105,30 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         formats.check_backends(
             self.corpusd_kv_format, args.nsa_prefill_backend, args.nsa_decode_backend
         )
-        # The route/fetch predicate (choose.py): its variables are checked here, at start.
-        force = choose.primitive()
+        # Every CORPUSD_* setting, read and checked once, here at start (config.py).
+        self.corpusd_config = cfg = PluginConfig.from_env()
+        force = cfg.primitive
         metrics = PluginMetrics()
-        trace = os.environ.get(choose.ENV_TRACE, "").strip() or None
+        trace = str(cfg.trace) if cfg.trace is not None else None
         self.corpusd_link = CorpusLink(
-            os.environ.get("CORPUSD_COORDINATOR", ""),
+            cfg.coordinator,
             mcfg,
             fingerprint(args.model_path),
             args.page_size,
-            chooser=choose.Chooser(Predicate(choose.profile(), force), metrics, trace),
-            cache_bytes=page_cache.cache_bytes(),
-            store=os.environ.get("CORPUSD_STORE") or None,
-            table_refresh_s=follow.table_refresh_s(),
+            chooser=choose.Chooser(
+                Predicate(choose.load_profile(cfg.profile), force), metrics, trace
+            ),
+            cache_bytes=cfg.cache_bytes,
+            store=str(cfg.store) if cfg.store is not None else None,
+            table_refresh_s=cfg.table_refresh_s,
         )
-        port = metrics_port()
-        if port is not None:
-            serve(metrics, port)
-        # read once: each bound prefill's timing consults it
-        self.corpusd_slow_s = slow_prefill_s(os.environ.get(ENV_PROFILE_SLOW))
+        if cfg.metrics_port is not None:
+            serve(metrics, cfg.metrics_port)
+        # each bound prefill's timing consults it
+        self.corpusd_slow_s = cfg.slow_prefill_s
         if self.corpusd_slow_s is not None:
             log_triton_compiles()  # which kernel a slow prefill compiled, after the warm-up
-        self.corpusd_resident = self._device_path(args, mcfg)
+        self.corpusd_resident = self._device_path(args, mcfg, cfg)
         if self.corpusd_resident is not None and force == "fetch":
             raise RuntimeError(
                 "corpusd plugin: CORPUSD_SGLANG_PRIMITIVE=fetch is for the host path "
@@ -138,9 +136,13 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 "holders' pools in place on this GPU, and a copy into the page cache would only "
                 "add work"
             )
+        out = dump.dump_dir()  # a diagnosis aid (tools/diag_layer_diff.py)
+        self.corpusd_dumper = dump.Dumper(out) if out is not None else None
+        if self.corpusd_dumper is not None:
+            dump.install(self, self.corpusd_dumper)
         # an unknown or unservable corpus fails its request at admission, not the forward
-        admission.register(self)
-        admission.install()
+        binding_check.register(self)
+        binding_check.install()
         self.corpusd_indexers = [
             layer.self_attn.indexer
             for layer in self.model.layers
@@ -165,14 +167,12 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             force if self.corpusd_resident is None else "route (device path: pools read in place)",
         )
 
-    def _device_path(self, args: Any, mcfg: ModelConfig) -> Resident | None:
+    def _device_path(self, args: Any, mcfg: ModelConfig, cfg: PluginConfig) -> Resident | None:
         """The device path's tables with this GPU's holders mapped, or None for the host path
         (``CORPUSD_SGLANG_PATH``: ``auto`` takes the device path when a holder shares its pool
         with this GPU). The host path calls holders per layer from the host, which a CUDA graph
         cannot capture, so it needs ``--disable-cuda-graph``."""
-        choice = os.environ.get("CORPUSD_SGLANG_PATH", "auto")
-        if choice not in ("auto", "device", "host"):
-            raise RuntimeError(f"corpusd plugin: CORPUSD_SGLANG_PATH={choice!r}: auto|device|host")
+        choice = cfg.path
         tp = int(getattr(args, "tp_size", 1))
         res = None
         if choice != "host" and tp == 1:
@@ -181,8 +181,8 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 n_layers=mcfg.num_hidden_layers,
                 page_size=args.page_size,
                 index_dim=mcfg.index_head_dim,
-                arena_tokens=int(os.environ.get("CORPUSD_SGLANG_ARENA", "65536")),
-                window_tokens=int(os.environ.get("CORPUSD_SGLANG_WINDOW", "16384")),
+                arena_tokens=cfg.arena_tokens,
+                window_tokens=cfg.window_tokens,
                 device=dev,
                 ue8m0=True,  # set from the indexers below
             )
@@ -234,9 +234,9 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         mode = "extend" if forward_batch.forward_mode.is_extend() else "decode"
         if mode == "extend":
             bs = int(forward_batch.batch_size)
-            names = admission.batch_corpora(getattr(forward_batch, "rids", None), bs)
+            names = binding_check.batch_corpora(getattr(forward_batch, "rids", None), bs)
             link = self.corpusd_link
-            # as admission bound and loaded them, whatever a recheck forgot since
+            # as the binding check bound and loaded them, whatever a recheck forgot since
             bindings = [link.bound(c) if c else None for c in names]
             placed = [link.load_resident(b, res, admitted=True) if b else None for b in bindings]
             res.bind(forward_batch.req_pool_indices[:bs], placed)
@@ -269,7 +269,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         self, forward_batch: Any, n_tokens: int, device: torch.device
     ) -> CorpusBatch | None:
         bs = int(forward_batch.batch_size)
-        names = admission.batch_corpora(getattr(forward_batch, "rids", None), bs)
+        names = binding_check.batch_corpora(getattr(forward_batch, "rids", None), bs)
         if not any(names):
             return None
         bindings = [self.corpusd_link.bound(c) if c else None for c in names]
@@ -309,6 +309,23 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         if cb is not None and cb.mode == "extend":
             cb.link.timings.add("bind (extend)", time.perf_counter() - t0)
         forward_batch.corpusd = cb
+        args = (input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+        dumper = self.corpusd_dumper  # CORPUSD_SGLANG_DUMP: a diagnosis aid, eager forwards only
+        if dumper is None or idle or torch.cuda.is_current_stream_capturing():
+            return self._forward(cb, *args)
+        # logical positions: own tokens after their corpus, as the selections are recorded
+        dump.begin_forward(dumper, forward_batch, None if cb is None else cb.corpus_len)
+        if cb is not None:
+            cb.dump = dumper
+        try:
+            return self._forward(cb, *args)
+        finally:
+            dumper.end()
+
+    def _forward(
+        self, cb: CorpusBatch | None, input_ids: torch.Tensor, positions: torch.Tensor,
+        forward_batch: Any, input_embeds: Any, pp_proxy_tensors: Any,
+    ) -> Any:  # fmt: skip
         for ix, default in zip(self.corpusd_indexers, self._cp_default, strict=True):
             # True only keeps forward_cuda off its "seq_len <= index_topk" shortcut (no logits);
             # the context-parallel branch still needs nsa_cp_metadata, which stays None.

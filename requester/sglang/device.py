@@ -10,9 +10,10 @@ Per layer:
 
 1. **Select.** The corpus's index scores (:mod:`.device_scores`: SGLang's own fp8 kernel over
    the corpus's pages in SGLang's index-k page format, a torch reference on CPU) and the
-   request's own logits enter one exact top-k (:func:`fused_topk`): score descending, the
-   lowest logical position first among ties (corpus ``0 … T−1``, own token ``j`` at ``T + j``),
-   as :func:`indexer.select.select_topk` over the concatenated row.
+   request's own logits enter one exact top-k (:func:`fused_topk`): score descending in
+   SGLang's order (its float32 bits: ``-0.0`` below ``+0.0``), the lowest logical position first
+   among exact ties (corpus ``0 … T−1``, own token ``j`` at ``T + j``), as
+   :func:`.topk.sglang_topk` over the concatenated row (:mod:`.topk` says why that rule).
 2. **Route.** The corpus positions become frame rows of the holders' pools
    (:func:`corpus_rows`); a holder on this GPU has its pool mapped here by CUDA IPC, so the
    sparse partial runs on the worker's stream over the holder's frames: FlashMLA's bf16 sparse
@@ -32,6 +33,7 @@ from corpusd.kernels.formats import FP8
 from corpusd.kernels.registry import prefer_triton
 from requester.sglang import device_triton
 from requester.sglang.resident import Resident
+from requester.sglang.topk import sglang_order
 
 INT64_MIN = torch.iinfo(torch.int64).min
 #: Key chunks per query row in the sparse partial (:func:`sparse_partial`).
@@ -44,15 +46,14 @@ def order_keys(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     key per column; ``INT64_MIN`` where ``valid`` is False or the score is NaN or ``-inf``
     (never a candidate, as in :func:`indexer.select.select_topk`).
 
-    The float32 score's bits are mapped to an unsigned order (flip all bits of a negative
-    float, the sign bit of a positive one; -0.0 is made +0.0 first) in the high 32 bits, and
-    ``2³² − 1 − column`` in the low 32 bits, so equal scores order by column. ``scores``:
+    The high 32 bits rank the float32 score as SGLang's NSA top-k does
+    (:func:`.topk.sglang_order`: by its raw bits, so ``-0.0`` ranks below ``+0.0``), the low 32
+    bits are ``2³² − 1 − column``, so equal bits order by column: at an exact tie the lowest
+    column wins, one of the outcomes of SGLang's kernel (:mod:`.topk`'s docstring). ``scores``:
     float ``[n, m]`` with ``m < 2³²``."""
-    s = scores.float() + 0.0  # -0.0 + 0.0 = +0.0: equal scores get equal bits
-    bits = s.view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits >= 0, bits + (1 << 31), ~bits)  # [0, 2³²), monotone in s
+    s = scores.float()
     col = torch.arange(s.shape[1], device=s.device, dtype=torch.int64)
-    key = (ordered - (1 << 31)) * (1 << 32) + (_LOW32 - col)
+    key = (sglang_order(s) - (1 << 31)) * (1 << 32) + (_LOW32 - col)
     return key.masked_fill(~valid | torch.isnan(s) | (s == -math.inf), INT64_MIN)
 
 
@@ -68,33 +69,6 @@ def exact_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tenso
     if width < k:
         col = torch.cat([col, col.new_full((n, k - width), -1)], dim=1)
     return col
-
-
-def threshold_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-    """:func:`exact_topk`'s selection (the ``k`` best valid scores, the lowest column among
-    equal ones; ``-1`` padded) in ascending column order, without 64-bit keys: a float32
-    ``topk`` finds each row's ``k``-th best score, everything above it is taken, and the lowest
-    columns among the scores equal to it fill the rest; a prefix sum places the taken columns.
-    A candidate for the per-layer top-k on the device path (tools/bench_device_path.py times
-    both); int64 ``[n, k]``, no host sync."""
-    n, m = scores.shape
-    s = scores.float() + 0.0
-    bad = ~valid | torch.isnan(s) | (s == -math.inf)
-    s = s.masked_fill(bad, -math.inf)
-    width = min(k, m)
-    kth = s.topk(width, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-    above = s > kth
-    need = width - above.sum(dim=1, keepdim=True)
-    tie = (s == kth) & ~bad
-    take = above | (tie & (tie.cumsum(dim=1) <= need))
-    slot = torch.where(take, take.cumsum(dim=1) - 1, width)  # untaken columns: a spare slot
-    col = torch.arange(m, device=s.device, dtype=torch.int64).expand(n, m)
-    out = torch.full((n, width + 1), -1, dtype=torch.int64, device=s.device)
-    out.scatter_(1, slot, torch.where(take, col, -1))
-    out = out[:, :width]
-    if width < k:
-        out = torch.cat([out, out.new_full((n, k - width), -1)], dim=1)
-    return out
 
 
 def fused_topk(

@@ -52,7 +52,7 @@ if triton is not None:
         olen = tl.load(olen_ptr + row).to(tl.int64)
         sc = tl.load(cs_ptr + row * s_c + col, mask=in_c, other=0.0).to(tl.float32)
         so = tl.load(os_ptr + row * s_o + (col - wc), mask=in_o, other=0.0).to(tl.float32)
-        s = tl.where(in_c, sc, so) + 0.0  # -0.0 + 0.0 = +0.0
+        s = tl.where(in_c, sc, so)  # raw bits: -0.0 ranks below +0.0, as SGLang's top-k
         valid = (in_c & (col < clen)) | (in_o & (col - wc < olen))
         bits = s.to(tl.int32, bitcast=True).to(tl.int64)
         ordered = tl.where(bits >= 0, bits + 2147483648, ~bits)

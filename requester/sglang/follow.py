@@ -1,8 +1,8 @@
-"""The link's bound corpora follow their page tables, as corpusd's agent worker's do (issue 21):
-a task on the link's loop re-reads each bound corpus's page table every
-``CORPUSD_SGLANG_TABLE_REFRESH_S`` seconds and stages a changed view, which the link adopts at the
-first layer of a forward (:meth:`.link.CorpusLink.attend`), never inside one. The re-read, its
-cheap unchanged path, failover kept and a coordinator that is down are
+"""The plugin's bound corpora follow their page tables, as corpusd's agent worker's do (issue
+21): a task on the catalog's loop re-reads each bound corpus's page table every
+``CORPUSD_SGLANG_TABLE_REFRESH_S`` seconds and stages a changed view, which the catalog adopts at
+the first layer of a forward (:meth:`.catalog.CorpusCatalog.at_layer`), never inside one. The
+re-read, its cheap unchanged path, failover kept and a coordinator that is down are
 :mod:`requester.table_refresh`'s, reused as they are.
 
 So a load replica the coordinator adds (``corpusd/coordinator/replicas.py``) reaches the holder
@@ -13,10 +13,9 @@ item 4, says why).
 from __future__ import annotations
 
 import logging
-import math
-import os
 from collections.abc import Mapping
 
+from corpusd import env
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
 from requester.table_refresh import Follower, TableRefresh
 
@@ -27,23 +26,12 @@ ENV = "CORPUSD_SGLANG_TABLE_REFRESH_S"
 FALLBACK_S = 10.0 / 3
 
 
-def table_refresh_s(env: Mapping[str, str] = os.environ) -> float:
+def table_refresh_s(environ: Mapping[str, str] | None = None) -> float:
     """``CORPUSD_SGLANG_TABLE_REFRESH_S``: seconds between re-reads (> 0); 0 when unset or 0 (the
     coordinator's lease / 3); -1: never. Raises ValueError naming the variable for anything
     else."""
-    raw = env.get(ENV, "").strip()
-    if not raw:
-        return 0.0
-    try:
-        s = float(raw)
-    except ValueError:
-        s = math.nan
-    if not (math.isfinite(s) and (s >= 0 or s == -1)):
-        raise ValueError(
-            f"corpusd plugin: {ENV}={raw!r}: seconds between re-reads of a bound corpus's page "
-            "table, a number > 0; 0 or unset: the coordinator's lease / 3; -1: never"
-        )
-    return s
+    seconds: float = env.get(ENV, environ)
+    return seconds
 
 
 async def lease_third(c: CoordinatorClient) -> float:

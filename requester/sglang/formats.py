@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from corpusd.corpus.manifest import KV_FORMATS
+from corpusd.formats import KV_FORMATS
 
 log = logging.getLogger("corpusd.sglang")
 

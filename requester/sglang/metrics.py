@@ -16,15 +16,16 @@ serves).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from corpusd import env
 from requester.metrics import RequesterMetrics
 
 log = logging.getLogger("corpusd.sglang")
 ENV_PORT = "CORPUSD_SGLANG_METRICS_PORT"
+ENV_PROFILE_SLOW = "CORPUSD_SGLANG_PROFILE_SLOW"
 
 
 class PluginMetrics(RequesterMetrics):
@@ -45,6 +46,10 @@ class PluginMetrics(RequesterMetrics):
             "sglang_page_cache_pages", "SGLang plugin: pages resident in the fetch page cache"
         )
 
+    def decided(self, pick: str, forced: bool, layer: int, holder: str) -> None:
+        super().decided(pick, forced, layer, holder)
+        self.group_decisions.labels(pick, str(layer), holder).inc()
+
     def cache_stats(self, before: Mapping[str, int], after: Mapping[str, int]) -> None:
         """Advance the cache counters by what happened between two ``PageCache.stats()``."""
         self.cache_lookups.labels("hit").inc(after["hits"] - before["hits"])
@@ -53,15 +58,11 @@ class PluginMetrics(RequesterMetrics):
         self.cache_pages.set(after["resident"])
 
 
-def metrics_port(env: Mapping[str, str] = os.environ) -> int | None:
+def metrics_port(environ: Mapping[str, str] | None = None) -> int | None:
     """``CORPUSD_SGLANG_METRICS_PORT``: None when unset or empty. Raises ValueError naming the
     variable for anything but a port number."""
-    raw = env.get(ENV_PORT, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or not 0 < int(raw) < 65536:
-        raise ValueError(f"corpusd plugin: {ENV_PORT}={raw!r}: a TCP port, 1-65535")
-    return int(raw)
+    port: int | None = env.get(ENV_PORT, environ)
+    return port
 
 
 _SERVED: dict[int, bool] = {}
@@ -96,15 +97,10 @@ SLOW_PREFILL_LOG = (
 
 
 def slow_prefill_s(value: str | None) -> float | None:
-    """``CORPUSD_SGLANG_PROFILE_SLOW``'s threshold in seconds: unset → None (no profiling), a
-    positive number → that, anything else (``1``, ``yes``) → 1 s."""
-    if not value:
-        return None
-    try:
-        s = float(value)
-    except ValueError:
-        return 1.0
-    return s if s > 0 else 1.0
+    """``CORPUSD_SGLANG_PROFILE_SLOW``'s threshold in seconds from its text: unset → None (no
+    profiling), a positive number → that, anything else (``1``, ``yes``) → 1 s."""
+    seconds: float | None = env.VARS[ENV_PROFILE_SLOW].value(value)
+    return seconds
 
 
 

@@ -15,35 +15,26 @@ corpus at the same layer) may not evict them. ``new_step`` releases the pins.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from corpusd import env
+
 Key = tuple[str, int]  # (corpus id, page number)
 ENV_MB = "CORPUSD_SGLANG_PAGE_CACHE_MB"
-DEFAULT_MB = 256
 
 
 class PageCacheFull(RuntimeError):
     """The pages one call needs do not fit beside the pages pinned by this step."""
 
 
-def cache_bytes(env: Mapping[str, str] = os.environ) -> int:
+def cache_bytes(environ: Mapping[str, str] | None = None) -> int:
     """``CORPUSD_SGLANG_PAGE_CACHE_MB`` in bytes (default 256 MB; 0 turns fetch off). Raises
     ValueError naming the variable for anything but a non-negative integer."""
-    raw = env.get(ENV_MB, str(DEFAULT_MB)).strip()
-    try:
-        mb = int(raw)
-    except ValueError:
-        mb = -1
-    if mb < 0:
-        raise ValueError(
-            f"corpusd plugin: {ENV_MB}={raw!r}: the fetch page cache's size in MB, a whole "
-            f"number >= 0 (0: no cache, fetch off; default {DEFAULT_MB})"
-        )
+    mb: int = env.get(ENV_MB, environ)
     return mb << 20
 
 

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from corpusd.corpus.manifest import KV_FORMATS
 from corpusd.kernels.flashmla import check_pool
+from corpusd.kernels.formats import KV_FORMATS
 from indexer import fp8
 from requester.corpus_view import CorpusView
+from requester.fanout_device import DevicePlan, NoDeviceTransport, plan_device
 from requester.sglang.binding import CorpusBindingError
 
 log = logging.getLogger("corpusd.sglang")
@@ -186,23 +187,33 @@ class Resident:
                     "larger and restart the server)"
                 )
         if view is not None:
+            self.plan(view)
+
+    def plan(self, view: CorpusView) -> DevicePlan:
+        """``view``'s device plan (:mod:`requester.fanout_device`) over the holders mapped here,
+        each reached by CUDA IPC. Raises CorpusBindingError when a page's first replica is on a
+        holder not mapped here."""
+        try:
+            return plan_device(view, dict.fromkeys(self.holder_slot, "cuda_ipc"))
+        except NoDeviceTransport:
             missing = sorted({view.holders[r[0][0]] for r in view.replicas} - set(self.holder_slot))
-            if missing:
-                raise CorpusBindingError(
-                    f"corpus {corpus_id} has pages on holders {missing}, which are not on this "
-                    f"GPU (or started after this server); with CUDA graphs on the plugin serves "
-                    f"corpora from holders on its own GPU"
-                )
+            raise CorpusBindingError(
+                f"corpus {view.corpus_id} has pages on holders {missing}, which are not on this "
+                f"GPU (or started after this server); with CUDA graphs on the plugin serves "
+                f"corpora from holders on its own GPU"
+            ) from None
 
     def load(self, view: CorpusView, keys: list[torch.Tensor]) -> ArenaCorpus:
         """Place ``view``'s corpus in the arena: its index keys as pages (per layer float keys
         ``[T, D]``, or an engine pin's pages as SGLang computed them, uint8 ``[n_pages, P·(D +
         4)]``, placed as they are), each page's first replica as (holder slot, frame), whichever
-        replica ``view`` chose. Idempotent; raises CorpusBindingError."""
+        replica ``view`` chose (its device plan, :meth:`plan`). Idempotent; raises
+        CorpusBindingError."""
         cid = view.corpus_id
         if cid in self.corpora:
             return self.corpora[cid]
-        self.check(cid, view.token_count, view)
+        self.check(cid, view.token_count)
+        plan = self.plan(view)
         assert len(keys) == self.n_layers, f"{len(keys)=} vs {self.n_layers=}"
         n, base = view.n_pages, self._next_page
         for layer, k in enumerate(keys):
@@ -212,17 +223,31 @@ class Resident:
             else:
                 pages = index_pages(k[: view.token_count], self.page_size, self.ue8m0)
             self.pages[layer][base : base + n] = pages.to(self.device)
-        placed = placement(view)
-        slots = [self.holder_slot[address] for address, _ in placed]
-        self.page_holder[base : base + n] = torch.tensor(slots, dtype=torch.int32).to(self.device)
-        frames = torch.tensor([f for _, f in placed], dtype=torch.int32)
-        self.page_frame[base : base + n] = frames.to(self.device)
+        self._place(base, plan)
         self._next_page += n
-        c = ArenaCorpus(cid, base, n, view.token_count, placed)
+        c = ArenaCorpus(cid, base, n, view.token_count, plan.placement)
         self.corpora[cid] = c
         self.retired.pop(cid, None)
         log.info("corpus %s resident: %d pages at arena page %d", cid, n, base)
         return c
+
+    def apply(self, plan: DevicePlan) -> None:
+        """Read loaded corpus ``plan.corpus_id``'s pages where ``plan`` says (a failed-over
+        plan, :meth:`requester.fanout_device.DevicePlan.failover`): its arena rows of holder
+        slot and frame are rewritten in place. Between steps only, never while a graph that
+        reads them replays. The corpus's ``placement`` stays its page table's (what a recheck
+        compares). Raises KeyError for a corpus not loaded."""
+        c = self.corpora[plan.corpus_id]
+        assert plan.n_pages == c.n_pages, f"{plan.n_pages=} vs {c.n_pages=}"
+        self._place(c.base_page, plan)
+
+    def _place(self, base: int, plan: DevicePlan) -> None:
+        """Write ``plan``'s (holder slot, frame) per page into the arena from page ``base``."""
+        placed, n = plan.placement, plan.n_pages
+        slots = [self.holder_slot[address] for address, _ in placed]
+        self.page_holder[base : base + n] = torch.tensor(slots, dtype=torch.int32).to(self.device)
+        frames = torch.tensor([f for _, f in placed], dtype=torch.int32)
+        self.page_frame[base : base + n] = frames.to(self.device)
 
     def forget(self, corpus_id: str) -> bool:
         """Drop ``corpus_id`` from the loaded corpora (unpinned, or placed anew): the next load

@@ -18,7 +18,7 @@ import torch
 
 from corpusd.corpus.pin import PinConfig, pin
 from corpusd.corpus.store import PageStore
-from tests.support.checks import rel
+from corpusd.testing.numeric import rel
 
 pytestmark = [
     pytest.mark.gpu,

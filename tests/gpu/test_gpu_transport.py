@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from corpusd.testing.holders import pin_sample, start_holder
 from corpusd.transport import Peer, choose
 from corpusd.transport import nvshmem_ring as nr
 from requester.holder_client import HolderClient
-from tests.support.holders import pin_sample, start_holder
 
 ROOT = Path(__file__).resolve().parents[2]
 

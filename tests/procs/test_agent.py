@@ -28,6 +28,9 @@ from corpusd.corpus.store import PageStore
 from corpusd.kernels.reference import partial_attention
 from corpusd.model import ModelConfig
 from corpusd.model.tiny import TOKENIZER_JSON
+from corpusd.testing.holders import pin_sample, start_holders
+from corpusd.testing.numeric import rel
+from corpusd.testing.oracle import greedy
 from corpusd.tokenizer import HFTokenizer
 from holder.launch import HolderProcess
 from indexer import index_scores
@@ -35,10 +38,7 @@ from indexer.select import select_topk
 from requester.ask import PROMPT, ask, printable
 from requester.client import AgentError, Client
 from requester.launch import AgentProcess, start_agent
-from tests.support.checks import metric, rel
-from tests.support.coordinators import start_holders
-from tests.support.holders import pin_sample
-from tests.support.oracle import greedy
+from tests.support.checks import metric
 
 CORPUS_TOKENS, NEW = 700, 24
 SUFFIXES = [f"\nQ{i}: what is on line {i * 41}?" for i in range(3)]

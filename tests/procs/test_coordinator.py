@@ -17,11 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from corpusd.cli import main as cli_main
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
+from corpusd.testing.holders import pin_sample, start_holders, synthetic_corpus
 from corpusd.v1 import coordinator_pb2 as pb
 from holder.launch import HolderProcess
 from requester.holder_client import HolderClient
-from tests.support.coordinators import start_holders, synthetic_corpus
-from tests.support.holders import pin_sample
 
 S = grpc.StatusCode
 

@@ -18,10 +18,9 @@ from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
 from corpusd.corpus.store import PageStore
 from corpusd.kernels.merge import merge_partials
 from corpusd.kernels.reference import partial_attention
+from corpusd.testing.holders import start_holder, start_holders, synthetic_corpus
 from holder.launch import HolderProcess
 from requester.holder_client import HolderClient
-from tests.support.coordinators import start_holders, synthetic_corpus
-from tests.support.holders import start_holder
 
 S = grpc.StatusCode
 SCALE = 0.05

@@ -20,12 +20,11 @@ from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
 from corpusd.coordinator.etcd_local import etcd_binary, start_etcd
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
 from corpusd.corpus.store import PageStore
+from corpusd.testing.holders import pin_sample, start_holders, synthetic_corpus
+from corpusd.testing.oracle import greedy
 from requester.client import Client
 from requester.launch import start_agent
 from tests.procs.test_coordinator_failures import held, until
-from tests.support.coordinators import start_holders, synthetic_corpus
-from tests.support.holders import pin_sample
-from tests.support.oracle import greedy
 
 pytestmark = pytest.mark.skipif(
     etcd_binary() is None, reason="no etcd binary: apt-get install etcd-server"

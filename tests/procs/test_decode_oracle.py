@@ -20,15 +20,15 @@ from corpusd.corpus.store import PageStore
 from corpusd.model import KVCache, forward_tokens
 from corpusd.model.rope import shift_band
 from corpusd.rpc import StatusError
+from corpusd.testing.holders import pin_sample, start_holder
+from corpusd.testing.numeric import rel
+from corpusd.testing.oracle import decode, greedy
 from corpusd.transport import nvshmem_ring
 from holder.launch import HolderProcess
 from requester.config import WorkerConfig
 from requester.holder_client import HolderClient
 from requester.sampling import SamplingParams
 from requester.worker import Worker
-from tests.support.checks import rel
-from tests.support.holders import pin_sample, start_holder
-from tests.support.oracle import decode, greedy
 
 AGENTS, NEW_TOKENS, CORPUS_TOKENS = 8, 16, 700
 SMALL_POOL = ("--capacity-tokens", "4096")

@@ -25,10 +25,10 @@ from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
 from corpusd.model.tiny import init_tiny
+from corpusd.testing.holders import start_holders
 from requester.client import Client
 from requester.launch import start_agent
 from tests.support.checks import metric
-from tests.support.coordinators import start_holders
 from tests.support.engine_server import CaptureEngine
 from tests.support.sglang_host import load_hicache
 
@@ -50,6 +50,9 @@ def test_an_engine_pin_is_published_and_decodes_as_a_normal_pin(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    # Both pins prefill through corpus.pin.prefill, whose thread count follows the load
+    # average; equal bits need equal counts, so both take this process's (OMP_NUM_THREADS wins).
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     model = init_tiny(tmp_path / "model", preset="sglang", index_topk=2048)
     store, src = tmp_path / "store", _tar(tmp_path / "notes.tar")
     coord = start_coordinator(tmp_path / "coord", store)

@@ -15,13 +15,13 @@ from typing import Any, TypeVar
 import pytest
 
 from corpusd.corpus.store import PageStore
+from corpusd.testing.holders import pin_sample, start_holder
+from corpusd.testing.oracle import greedy
 from holder.launch import HolderProcess
 from requester.config import WorkerConfig
 from requester.holder_client import HolderClient, Partial
 from requester.sampling import SamplingParams
 from requester.worker import Worker
-from tests.support.holders import pin_sample, start_holder
-from tests.support.oracle import greedy
 
 T = TypeVar("T")
 SUFFIXES = ["\nQ0: line 0?", "\nQ1: line 37?"]

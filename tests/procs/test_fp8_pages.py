@@ -25,13 +25,13 @@ from corpusd.corpus.manifest import corpus_id
 from corpusd.corpus.store import PageStore
 from corpusd.kernels import fp8_cache as f8
 from corpusd.model import KVCache, ModelConfig, forward_tokens
+from corpusd.testing.holders import pin_sample, start_holder
+from corpusd.testing.numeric import rel
 from holder.launch import HolderProcess
 from requester.config import WorkerConfig
 from requester.holder_client import HolderClient
 from requester.sampling import SamplingParams
 from requester.worker import Worker
-from tests.support.checks import rel
-from tests.support.holders import pin_sample, start_holder
 
 AGENTS, NEW_TOKENS, CORPUS_TOKENS = 4, 8, 700
 SUFFIXES = [f"\nQ{i}: line {i * 41}?" for i in range(AGENTS)]

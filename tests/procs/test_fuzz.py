@@ -1,4 +1,4 @@
-"""The fuzz suite, CI-sized: 1,500 requests drawn around valid ones (tests/support/fuzzing.py)
+"""The fuzz suite, CI-sized: 1,500 requests drawn around valid ones (corpusd/testing/fuzzing.py)
 to every RPC of a real coordinator, two holders and an agent worker. Every answer is a precise
 status (never INTERNAL or UNKNOWN, no hang), every daemon stays up and SERVING, and a normal
 session afterwards still decodes transformers' tokens. ``python -m tools.fuzz`` runs 10,000+."""
@@ -12,8 +12,8 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from corpusd.corpus.store import PageStore
-from tests.support.fuzzing import TARGETS, Fuzzer, decode, fuzz_cluster
-from tests.support.oracle import greedy
+from corpusd.testing.fuzzing import TARGETS, Fuzzer, decode, fuzz_cluster
+from corpusd.testing.oracle import greedy
 
 N, SEED = 1500, 20
 PROMPT = "\nQ: what is on line 12?"

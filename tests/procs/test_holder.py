@@ -18,12 +18,12 @@ from corpusd.corpus.store import PageStore
 from corpusd.kernels.merge import merge_partials
 from corpusd.kernels.reference import partial_attention
 from corpusd.model import ModelConfig
+from corpusd.testing.holders import pin_sample, start_holder
+from corpusd.testing.numeric import rel
 from corpusd.v1 import holder_pb2, tensor_pb2
 from holder.launch import HolderProcess
 from indexer import index_scores, select_topk
 from requester.holder_client import HolderClient
-from tests.support.checks import rel
-from tests.support.holders import pin_sample, start_holder
 
 SCALE = 0.05
 

@@ -17,9 +17,9 @@ from corpusd.cli import main as cli_main
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
 from corpusd.corpus.store import PageStore
+from corpusd.testing.holders import start_holders, synthetic_corpus
 from holder.launch import HolderProcess
 from requester.holder_client import HolderClient
-from tests.support.coordinators import start_holders, synthetic_corpus
 
 
 @dataclass

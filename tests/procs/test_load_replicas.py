@@ -2,7 +2,7 @@
 holder's heartbeat, sent by the test) keep one holder past its elbow; the leader copies its
 hottest pages to the other holder, attention over the copy equals attention over the corpus, and
 when the reports fall under half the elbow the copy leaves the page table and, a grace later, the
-holder: a reader still routing by the older table is served meanwhile. Both state backends."""
+holder: a reader still routing by the older table is served meanwhile. Both state stores."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, Page
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
 from corpusd.kernels.reference import partial_attention
+from corpusd.testing.holders import start_holders, synthetic_corpus
 from holder.launch import HolderProcess
 from tests.procs.test_coordinator_failures import SCALE, held, route, until
-from tests.support.coordinators import start_holders, synthetic_corpus
 
 HOT = {2: 100, 5: 50, 9: 7}  # page → hits
 GRACE_S = 4.0

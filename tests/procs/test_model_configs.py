@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.config_runs import run_config
-from tests.support.hf_checkpoints import HEADS, draw_config
+from corpusd.testing.config_runs import run_config
+from corpusd.testing.hf_checkpoints import HEADS, draw_config
 
 pytest.importorskip(
     "transformers", reason="transformers is the test oracle: pip install -e '.[test]'"

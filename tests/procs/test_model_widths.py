@@ -21,13 +21,13 @@ import torch
 
 from corpusd.corpus.store import PageStore
 from corpusd.model import DeepseekV32, load_model
+from corpusd.testing.hf_checkpoints import write_hf_checkpoint
+from corpusd.testing.holders import pin_sample, start_holder
+from corpusd.testing.numeric import rel
+from corpusd.testing.oracle import Run, decode, greedy
 from holder.launch import HolderProcess
 from requester.config import WorkerConfig
 from tests.procs.test_decode_oracle import place
-from tests.support.checks import rel
-from tests.support.hf_checkpoints import write_hf_checkpoint
-from tests.support.holders import pin_sample, start_holder
-from tests.support.oracle import Run, decode, greedy
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is the test oracle: pip install -e '.[test]'"

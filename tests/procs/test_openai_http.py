@@ -26,13 +26,13 @@ from corpusd.cli import main as cli_main
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
 from corpusd.model import ModelConfig
+from corpusd.testing.holders import start_holders, synthetic_corpus
 from corpusd.tokenizer import load_tokenizer
 from holder.launch import HolderProcess
 from requester.client import AgentError, Client
 from requester.launch import AgentProcess, start_agent
 from requester.openai_api import chat_text
 from tests.support.checks import metric
-from tests.support.coordinators import start_holders, synthetic_corpus
 
 openai = pytest.importorskip("openai", reason="the OpenAI client is a test dependency: .[test]")
 

@@ -16,11 +16,10 @@ from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
 from corpusd.kernels.reference import partial_attention
+from corpusd.testing.holders import start_holder, synthetic_corpus
+from corpusd.testing.numeric import rel
 from requester.holder_client import HolderClient
-from tests.support.checks import rel
-from tests.support.coordinators import synthetic_corpus
 from tests.support.corrupt import flip_page
-from tests.support.holders import start_holder
 
 S = grpc.StatusCode
 SCALE = 0.05

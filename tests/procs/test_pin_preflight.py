@@ -16,7 +16,7 @@ from corpusd.cli import main as cli_main
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
 from corpusd.model.tiny import init_tiny
-from tests.support.coordinators import start_holders
+from corpusd.testing.holders import start_holders
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import torch
 from corpusd.corpus.store import PageStore
 from corpusd.kernels.reference import partial_attention
 from corpusd.model import ModelConfig, fingerprint
+from corpusd.testing.numeric import rel
 from indexer.fp8 import hadamard
 from requester.predicate import Predicate, Profile
 from requester.sglang.binding import CorpusBindingError
@@ -27,7 +28,6 @@ from requester.sglang.metrics import PluginMetrics
 from requester.sglang.pagehash import index_k_from_page, index_k_page, page_hashes
 from requester.sglang.pages import CorpusPages
 from requester.sglang.positions import to_corpusd_layout
-from tests.support.checks import rel
 from tests.support.sglang_cluster import TOKENS, Cluster, start_cluster
 from tests.support.sglang_host import load_hicache
 
@@ -294,8 +294,8 @@ def test_auto_decides_per_group_and_fetch_falls_back_to_route_when_it_cannot(
         got_broken = broken.attend(b, 0, q, pos, cfg.softmax_scale)
         assert _counter(broken, "fallbacks", "fetch", "route") == 1
         # pages 1-3 were planned, never filled: not cached (a later hit would read NaN)
-        assert broken.cache is not None
-        assert broken.cache.missing(0, cluster.corpus_id, [0, 1, 2, 3]) == 3
+        assert broken.host.cache is not None
+        assert broken.host.cache.missing(0, cluster.corpus_id, [0, 1, 2, 3]) == 3
     finally:
         for link in (route, auto, small, broken):
             link.close()
@@ -322,7 +322,7 @@ def test_fetched_pages_the_cache_cannot_hold_route_instead(
         async def made_on_the_links_loop() -> Any:
             return link.fanout.client(cluster.holders[0].address)
 
-        client = link._run(made_on_the_links_loop())
+        client = link.catalog.run(made_on_the_links_loop())
 
         async def fp8_pages(corpus_id: str, pages: list[int], **kw: object) -> tuple:
             return [torch.zeros(len(pages), 64, 656, dtype=torch.uint8)], []
@@ -330,7 +330,7 @@ def test_fetched_pages_the_cache_cannot_hold_route_instead(
         client.fetch = fp8_pages
         got = link.attend(b, 1, q, pos, cfg.softmax_scale)
         assert _counter(link, "fallbacks", "fetch", "route") == 1
-        assert link.cache is not None and link.cache.stats()["resident"] == 0
+        assert link.host.cache is not None and link.host.cache.stats()["resident"] == 0
     finally:
         route.close()
         link.close()

@@ -45,7 +45,7 @@ def test_begin_returns_with_the_holder_calls_in_flight_and_finish_is_attend(
     pos = torch.randint(-1, TOKENS, (3, 40), generator=g)
     link = CorpusLink(cluster.coord.address, cfg, fingerprint(tiny_dir), 64)
     gate = threading.Event()
-    remote = link._remote
+    remote = link.host._remote
 
     async def gated(*a: Any, **kw: Any) -> Any:
         await asyncio.get_running_loop().run_in_executor(None, gate.wait)
@@ -54,7 +54,7 @@ def test_begin_returns_with_the_holder_calls_in_flight_and_finish_is_attend(
     try:
         b = link.bind(cluster.corpus_id)
         want = link.attend(b, 1, q, pos, cfg.softmax_scale)
-        link._remote = gated  # type: ignore[method-assign]
+        link.host._remote = gated  # type: ignore[method-assign]
         p = link.begin(b, 1, q, pos, cfg.softmax_scale)
         assert not p.fut.done(), "begin waited for the holders"
         gate.set()  # the caller's own partial would run before this
@@ -84,7 +84,7 @@ def test_the_host_path_sends_the_corpus_call_before_sglangs_partial_and_merges_a
                             head_dim=cfg.kv_dim, scaling=cfg.softmax_scale)  # fmt: skip
     link = CorpusLink(cluster.coord.address, cfg, fingerprint(tiny_dir), 64)
     sent, gate = threading.Event(), threading.Event()
-    remote = link._remote
+    remote = link.host._remote
 
     async def gated(*a: Any, **kw: Any) -> Any:
         sent.set()
@@ -100,7 +100,7 @@ def test_the_host_path_sends_the_corpus_call_before_sglangs_partial_and_merges_a
     try:
         b = link.bind(cluster.corpus_id)
         o_cor, l_cor = link.attend(b, 1, to_corpusd_layout(q).bfloat16(), pos, cfg.softmax_scale)
-        link._remote = gated  # type: ignore[method-assign]
+        link.host._remote = gated  # type: ignore[method-assign]
         tok = torch.zeros(n, dtype=torch.int64)
         cb = backend.CorpusBatch(link, [b], tok, torch.full((n,), TOKENS), False, "decode")
         cb.corpus_sel[1] = pos

@@ -22,13 +22,14 @@ from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
 from corpusd.kernels.reference import partial_attention
 from corpusd.model import ModelConfig, fingerprint
+from corpusd.testing.holders import start_holders, synthetic_corpus
+from corpusd.testing.numeric import rel
 from requester.predicate import Predicate, Profile
 from requester.sglang.choose import Chooser
 from requester.sglang.follow import lease_third
 from requester.sglang.link import CorpusLink
 from requester.sglang.metrics import PluginMetrics
-from tests.support.checks import metric, rel
-from tests.support.coordinators import start_holders, synthetic_corpus
+from tests.support.checks import metric
 
 TOKENS, PAGES = 600, 10
 HOT = {2: 100, 5: 50, 9: 7}  # page → hits: pages 5 and 9 are served by the copy (p % 2 == 1)

@@ -14,12 +14,11 @@ from pathlib import Path
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
+from corpusd.testing.holders import pin_sample, start_holders
+from corpusd.testing.oracle import greedy
 from requester.client import Client
 from requester.launch import start_agent
 from tests.support.checks import metric
-from tests.support.coordinators import start_holders
-from tests.support.holders import pin_sample
-from tests.support.oracle import greedy
 
 NEW = 128
 SUFFIX = "\nQ: what is on line 41?"

@@ -14,11 +14,10 @@ import pytest
 
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
+from corpusd.testing.holders import pin_sample, start_holders
 from holder.launch import HolderProcess
 from requester.client import Client
 from requester.launch import AgentProcess, start_agent
-from tests.support.coordinators import start_holders
-from tests.support.holders import pin_sample
 
 QUESTIONS = ["\nQ: where?", "\nQ: how many lines?", "\nQ: who?"]
 NEW = 12

@@ -18,51 +18,25 @@ from corpusd.coordinator.launch import start_coordinator
 from corpusd.kernels import fp8_cache as f8
 from corpusd.kernels.reference import partial_attention
 from corpusd.model import ModelConfig, fingerprint
-from requester.corpus_view import CorpusView
+from corpusd.testing.holders import pin_sample, start_holder
+from corpusd.testing.numeric import rel
+from corpusd.testing.resident import SEED, random_resident
 from requester.sglang import device, device_scores
 from requester.sglang.lse import merge_local_corpus
 from requester.sglang.resident import ArenaCorpus, Resident, index_pages
-from tests.support.checks import rel, why_no_sglang_gpu
-from tests.support.holders import pin_sample, start_holder
+from tests.support.checks import why_no_sglang_gpu
 
 pytestmark = [
     pytest.mark.sglang,
     pytest.mark.skipif(bool(why_no_sglang_gpu()), reason=why_no_sglang_gpu()),
 ]
-SEED = 20261124
-
-
-def _resident(
-    tokens: list[int], pools: int = 2, window: int = 4096, fp8: bool = False
-) -> tuple[Resident, list]:
-    """A resident with ``pools`` in-process pools (bf16 rows, or ``fp8``: FlashMLA's fp8 rows
-    quantized from random bf16 rows) and one loaded corpus per entry of ``tokens``; returns it
-    and the corpora."""
-    g = torch.Generator().manual_seed(SEED)
-    res = Resident(
-        n_layers=1, page_size=64, index_dim=128, arena_tokens=4 * window, window_tokens=window,
-        device="cuda", ue8m0=False, req_slots=128,
-    )  # fmt: skip
-    for i in range(pools):
-        rows = torch.randn(64 * 200, 576, generator=g).bfloat16()
-        res.add_pool(f"h{i}", [(f8.quantize(rows) if fp8 else rows).cuda()])
-    corpora = []
-    for j, t in enumerate(tokens):
-        n_pages = math.ceil(t / 64)
-        holders = tuple(f"h{i}" for i in range(pools))
-        ph = torch.randint(0, pools, (n_pages,), generator=g)
-        pf = torch.randperm(200, generator=g)[:n_pages]
-        reps = tuple(((int(h), int(f)),) for h, f in zip(ph, pf, strict=True))
-        view = CorpusView(f"c{j}", t, 64, holders, ph, pf, reps)
-        corpora.append(res.load(view, [torch.randn(t, 128, generator=g)]))
-    return res, corpora
 
 
 @pytest.mark.parametrize("n", [8, device_scores.SCORE_ROWS + 37], ids=["one-call", "chunked"])
 def test_corpus_scores_are_the_reference_through_sglangs_fp8_kernel(n: int) -> None:
     """8 rows: one DeepGEMM call; SCORE_ROWS + 37 rows: two calls of SCORE_ROWS rows each, the
     second padded (the row count a prefill gives)."""
-    res, (a, b) = _resident([3000, 700])
+    res, (a, b) = random_resident([3000, 700])
     g = torch.Generator(device="cuda").manual_seed(SEED)
     h = 64
     q = torch.randn(n, h, 128, generator=g, device="cuda").to(torch.float8_e4m3fn)
@@ -96,7 +70,7 @@ def test_prefills_of_new_sizes_compile_nothing_after_warm_up() -> None:
 
     from requester.sglang import device_triton
 
-    res, (a, _) = _resident([3000, 700])
+    res, (a, _) = random_resident([3000, 700])
     assert device_scores.warm_up(res, torch.device("cuda"), 2048)
     before = _compiled(device_triton._keys_kernel)
     g = torch.Generator(device="cuda").manual_seed(SEED)
@@ -152,7 +126,7 @@ def test_fp8_corpus_partial_is_flashmlas_fp8_decode_and_matches_the_reference() 
     in position order; O within 1e-2 relative, LSE within 1e-2, empty rows exact."""
     from corpusd.kernels import flashmla
 
-    res, (a, b) = _resident([3000, 700], pools=3, fp8=True)
+    res, (a, b) = random_resident([3000, 700], pools=3, fp8=True)
     assert res.kv_format == "fp8_e4m3" and res.pools[0][0].dtype == torch.uint8
     assert flashmla.lse_to_natural("cuda:0", fp8=True) in (1.0, math.log(2.0))
     g = torch.Generator(device="cuda").manual_seed(SEED)
@@ -200,7 +174,7 @@ def test_layer_step_in_a_cuda_graph_follows_the_tables_and_times_it(n: int, fp8:
     from corpusd.kernels.flashmla import sparse_lse_base2
 
     assert sparse_lse_base2("cuda")  # the build these tests run on: base-2 LSE
-    res, (a, b) = _resident([3656, 1000], pools=1, fp8=fp8)
+    res, (a, b) = random_resident([3656, 1000], pools=1, fp8=fp8)
     if fp8:  # as the entry model does at start: the fp8 kernel's LSE base, never in a capture
         from corpusd.kernels import flashmla
 
@@ -308,7 +282,7 @@ def test_holder_pool_over_cuda_ipc_attends_as_the_holder(
             want_o, want_l = link.attend(bound, layer, q.float().cpu(), pos.cpu(), scale)
             assert rel(o.cpu(), want_o) < 2e-2 and rel(lse.cpu(), want_l) < 1e-3, f"{layer=}"
             # The arena's pages are the index keys the holder serves, in SGLang's format.
-            keys = link._run(link._index_keys(cid, layer))
+            keys = link.catalog.run(link.catalog._index_keys(cid, layer))
             assert torch.equal(res.pages[layer][: c.n_pages].cpu(), index_pages(keys, 64, False))
     finally:
         link.close()

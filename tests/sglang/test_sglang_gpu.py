@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from corpusd.kernels.reference import partial_attention
+from corpusd.testing.numeric import rel
 from requester.sglang import lse as lse_mod
-from tests.support.checks import rel, why_no_sglang_gpu
+from tests.support.checks import why_no_sglang_gpu
 
 pytestmark = [
     pytest.mark.sglang,
@@ -135,8 +136,9 @@ def test_fetch_partial_over_the_page_cache_is_the_reference() -> None:
     cache, FlashMLA's sparse kernel over the plan's rows (padded to whole top-k blocks), against
     the torch reference over the source rows (the CPU tests check the same rows on CPU)."""
     from corpusd.kernels.flashmla import sparse_lse_base2
+    from corpusd.kernels.formats import TOPK_ALIGN
     from requester.sglang.device import sparse_partial
-    from requester.sglang.link import TOPK_ALIGN, pad_cols
+    from requester.sglang.host_path import pad_cols
     from requester.sglang.page_cache import PageCache
 
     g = torch.Generator().manual_seed(1)

@@ -1,4 +1,5 @@
-"""Comparison helpers and skip reasons shared by every tier."""
+"""Skip reasons and metric reads shared by every tier (the comparison ``rel`` is
+``corpusd.testing.numeric``'s)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,6 @@ import re
 import urllib.request
 
 import torch
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative error ||a − b|| / ||b|| in float64."""
-    a64, b64 = a.double(), b.double()
-    return float((a64 - b64).norm() / b64.norm())
 
 
 def why_no_sglang_gpu() -> str:

@@ -6,14 +6,10 @@ from __future__ import annotations
 import torch
 
 from corpusd.kernels.reference import partial_attention
+from corpusd.testing.numeric import rel
 
 D, D_V = 576, 512
 O_REL, LSE_ABS = 1e-2, 1e-2  # bf16 operands, float32 accumulation (METHOD.md: 1e-3 … 1e-2)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a64, b64 = a.double(), b.double()
-    return float((a64 - b64).norm() / b64.norm())
 
 
 def inputs(

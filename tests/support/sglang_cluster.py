@@ -13,9 +13,9 @@ import pytest
 
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
+from corpusd.testing.holders import start_holders, synthetic_corpus
 from holder.launch import HolderProcess
 from requester.launch import AgentProcess, start_agent
-from tests.support.coordinators import start_holders, synthetic_corpus
 
 TOKENS = 200  # three whole pages and a partial one
 

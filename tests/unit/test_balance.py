@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from corpusd.kernels.reference import partial_attention
+from corpusd.testing.numeric import rel
 from requester.balance import HolderSpeed
 from requester.corpus_view import CorpusView
 from requester.fanout import CorpusBinding
 from requester.holder_client import Partial
-from tests.support.checks import rel
 from tests.unit.test_fanout import GEO, FakeRoute, engine, inputs, placed
 
 

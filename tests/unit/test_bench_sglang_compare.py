@@ -11,10 +11,13 @@ import pytest
 
 from tools.bench_sglang import greedy_tag, request
 from tools.sglang_compare import (
+    against_floor,
     compare,
     exactness,
+    forced_compare,
     free_running,
     load_trace,
+    noise_floor,
     predicate_score,
     primitive_modes,
     report,
@@ -218,3 +221,55 @@ def test_burst_gaps_share_a_bursts_gap_among_its_tokens() -> None:
     assert sglang_probe.burst_gaps([]) == [] and sglang_probe.burst_gaps([1.0]) == []
     bursty = [i // 4 * 16 * ms + i % 4 * 1e-5 for i in range(16)]  # 4 tokens per 16 ms
     assert sglang_probe.burst_gaps(bursty) == pytest.approx([(16 * ms - 3e-5) / 4] * 12)
+
+
+def test_noise_floor_and_route_against_it() -> None:
+    """Issue 36, item 1: stock against itself (batched vs one at a time; a second server) on the
+    same teacher-forced contexts, and route beside that floor and as a ratio to it."""
+    s0 = [[[-0.1, -2.5, -9.0], [-3.0, -0.06, -4.0]]] * 2  # 2 requests × 2 steps
+    seq = [[[-0.1, -2.6, -9.0], [-3.0, -0.06, -4.0]]] * 2  # max 0.1 (step 1 of each)
+    two = [[[-0.1, -2.5, -9.0], [-3.2, -0.06, -4.0]], [[-0.1, -2.5, -9.0], [-3.0, -0.06, -4.0]]]
+    stock = {**_run(s0), "forced_sequential": seq, "forced_restart": two}
+    floors = noise_floor(stock)
+    assert set(floors) == {"batched_vs_sequential", "two_servers"}
+    b, t = floors["batched_vs_sequential"], floors["two_servers"]
+    assert b["forced_agree_steps"] == 4 and b["logprob_max_abs_diff"] == pytest.approx(0.1)
+    assert b["logprob_mean_abs_diff"] == pytest.approx(0.2 / 12)  # 12 entries above -30
+    assert t["logprob_max_abs_diff"] == pytest.approx(0.2)
+    assert noise_floor(_run(s0)) == {}  # no floor run: none reported
+    # route: one step flipped, max 2.5 (12.5 × the noisiest floor's 0.2)
+    r = [[[-0.1, -2.5, -9.0], [-3.0, -0.06, -4.0]], [[-2.6, -0.1, -9.0], [-3.0, -0.06, -4.25]]]
+    c = compare(_run(s0) | {"greedy": [{"tokens": [1, 2]}] * 2},
+                _run(r) | {"greedy": [{"tokens": [1, 2]}] * 2})  # fmt: skip
+    v = against_floor(c, floors)
+    assert v["floors"]["two_servers"]["max_over_floor"] == pytest.approx(2.5 / 0.2)
+    assert v["floors"]["batched_vs_sequential"]["agree_steps_minus_floor"] == -1
+    nf = v["noisiest_floor"]
+    assert nf["logprob_max_abs_diff"] == pytest.approx(0.2)
+    assert nf["max_over_floor"] == pytest.approx(2.5 / 0.2)
+    assert not v["within_floor"]["logprob"]  # 12.5 × is past 1.5 ×
+    assert v["within_floor"]["forced_agree"]  # 3/4 ≥ 4/4 minus one step (the least slack)
+    calm = compare(_run(s0), _run(two[:1] + s0[:1]))  # route equal to one floor
+    w = against_floor(calm, floors)
+    assert w["within_floor"] == {"logprob": True, "forced_agree": True}
+    assert against_floor(calm, {})["floors"] == {} and "within_floor" not in against_floor(calm, {})
+    exact = compare(_run(s0), _run(s0))
+    zero = {"z": forced_compare(s0, s0)}
+    assert against_floor(exact, zero)["noisiest_floor"]["max_over_floor"] == 1.0  # 0 / 0
+    assert against_floor(c, zero)["noisiest_floor"]["max_over_floor"] is None  # x / 0
+
+
+def test_report_prints_the_floor_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    s0 = [[[-0.1, -2.5, -9.0], [-3.0, -0.06, -4.0]]]
+    seq = [[[-0.1, -2.6, -9.0], [-3.0, -0.06, -4.0]]]
+    floors = noise_floor({**_run(s0), "forced_sequential": seq})
+    c = compare(_run(s0), _run(seq))
+    out = {"regimes": {"sparse": {
+        "vs_stock": {"route": c}, "batched_vs_sequential": {},
+        "noise_floor": floors, "vs_floor": {"route": against_floor(c, floors)},
+        "stock_answers": {"distinct": 1, "corpus_dependent": 0, "text": ["a"]},
+    }}}  # fmt: skip
+    report(out)
+    text = capsys.readouterr().out
+    assert "stock batched_vs_sequential forced 2/2, |Δ log-prob| max 0.1000" in text
+    assert "route/stock over floor" in text and "max ×1.0, mean ×1.0 (bar 1.5: ok)" in text

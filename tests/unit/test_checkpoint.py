@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from corpusd.model import CheckpointError, KVCache, ModelConfigError, forward_tokens, load_model
 from corpusd.model.checkpoint import checkpoint_tensors, dequantize_fp8, fingerprint
-from tests.support.checks import rel
+from corpusd.testing.numeric import rel
 
 
 def _logits(model, toks: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]

@@ -11,7 +11,7 @@ import pytest
 from corpusd.coordinator.client import CorpusStatus
 from corpusd.coordinator.status import age, as_json, render_corpora
 from corpusd.corpus.store import PageStore, StoreError
-from tests.support.coordinators import synthetic_corpus
+from corpusd.testing.holders import synthetic_corpus
 
 
 def test_delete_removes_one_corpus_whole_and_refuses_anything_else(

@@ -193,6 +193,9 @@ def test_engine_pages_are_a_normal_pins_and_are_served_back_as_the_engine_held_t
     capsys: pytest.CaptureFixture[str],
     kv_dtype: str,
 ) -> None:
+    # Both pins prefill through corpus.pin.prefill, whose thread count follows the load
+    # average; equal bits need equal counts, so both take this process's (OMP_NUM_THREADS wins).
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     src = _tar(tmp_path / "r.tar", 3 * P + 5)  # + header and BOS: a partial last page
     eng = CaptureEngine(load_hicache(monkeypatch), tmp_path / "spool", model, kv_dtype)
     try:

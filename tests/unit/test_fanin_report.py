@@ -9,16 +9,19 @@ from pathlib import Path
 import pytest
 
 from tools.fanin_report import replot
+from tools.summarize_results import load_full
 
 RESULT = Path(__file__).resolve().parents[2] / "bench/results/fanin-replicas-16core-speed-run1.json"
 
 
 def test_replot_draws_a_saved_run(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (extra 'bench')")
-    src = tmp_path / "run.json"
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib: pip install -e '.[test]'")
+    src = tmp_path / RESULT.name
     shutil.copy(RESULT, src)
+    if RESULT.with_name(RESULT.name + ".gz").exists():  # a summary: its samples are beside it
+        shutil.copy(RESULT.with_name(RESULT.name + ".gz"), tmp_path)
     png = replot(src)
-    assert png == tmp_path / "run.png"
+    assert png == src.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
@@ -36,6 +39,6 @@ def test_replot_without_matplotlib_writes_nothing(
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     src = tmp_path / "run.json"
-    src.write_text(json.dumps(json.loads(RESULT.read_text())))
+    src.write_text(json.dumps(load_full(RESULT)))
     assert replot(src) is None
     assert not (tmp_path / "run.png").exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -16,14 +17,14 @@ import torch
 from corpusd.kernels.reference import partial_attention
 from corpusd.model import DeepseekV32
 from corpusd.rpc import StatusError
+from corpusd.testing.numeric import rel
 from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.fanout import CorpusBinding, Fanout
 from requester.holder_client import Partial
 from requester.metrics import RequesterMetrics
 from requester.plan import Geometry
-from requester.predicate import Predicate, Profile
+from requester.predicate import Group, Predicate, Profile
 from requester.sources import LocalRows
-from tests.support.checks import rel
 
 P = 4  # tokens per page
 T = 22  # six pages, the last one partial
@@ -321,3 +322,20 @@ def test_distributed_top_k_leaves_out_a_dead_holder_whose_pages_have_replicas() 
         run(b.holder_topk(0, iq, iw, limit))
     with pytest.raises(CorpusUnavailable, match="have no replica outside the failed holders"):
         run(CorpusBinding(engine(routes), view, GEO).index_keys(0))
+
+
+def test_a_forced_primitive_that_cannot_serve_a_group_falls_back_counted() -> None:
+    """The one decision rule of the host and plugin paths: a forced fetch whose pages do not
+    fit, or a forced local without tokens, gives way to the cheapest primitive that can serve
+    the group, and the engine counts the fallback; auto never picks what cannot serve."""
+    shape = Group(n=2, k=8, h=2, rows=16, missing_pages=2, page_bytes=192, missing_tokens=0,
+                  local_ok=False, kv_dim=12, d_v=8, fetch_ok=False)  # fmt: skip
+    for force in ("fetch", "local"):
+        engine = Fanout(Predicate(Profile(), force), RequesterMetrics(), transport="grpc")
+        d = engine.decide(shape)
+        assert (d.pick, d.fallback) == ("route", force), force
+        assert engine.metrics.fallbacks.labels(force, "route")._value.get() == 1
+    auto = Predicate(Profile(prefill_us_per_token=0.0, alpha_us=1e9), "auto").decide(shape)
+    assert auto.pick == "route" and auto.fallback is None  # fetch and local: cost inf
+    fits = Predicate(Profile(), "fetch").decide(replace(shape, fetch_ok=True))
+    assert (fits.pick, fits.fallback) == ("fetch", None)  # forced and possible: obeyed

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from corpusd.model import KVCache, forward_tokens, load_model
 from corpusd.model.checkpoint import read_state_dict
+from corpusd.testing.numeric import rel
 from indexer import index_scores
-from tests.support.checks import rel
 from tools.fit_tiny import (
     FitConfig,
     fit,

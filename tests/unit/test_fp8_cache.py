@@ -10,7 +10,7 @@ import torch
 
 from corpusd.kernels import fp8_cache as f8
 from corpusd.kernels.reference import partial_attention
-from tests.support.checks import rel
+from corpusd.testing.numeric import rel
 
 
 def _seed() -> torch.Generator:

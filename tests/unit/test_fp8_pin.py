@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
 import tarfile
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import torch
 
 from corpusd.cli import main as cli_main
 from corpusd.corpus.manifest import Manifest
+from corpusd.corpus.pin import torch_threads
 from corpusd.corpus.store import PageStore
 from corpusd.kernels import fp8_cache as f8
 from corpusd.model import KVCache, forward_tokens
@@ -29,22 +32,34 @@ def _tar(path: Path) -> Path:
     return path
 
 
+@pytest.mark.parametrize("load", ["idle", "busy"])
 def test_fp8_pin_stores_the_quantized_prefill(
-    tmp_path: Path, tiny_dir: Path, tiny_model, capsys
+    tmp_path: Path, tiny_dir: Path, tiny_model, capsys, monkeypatch, load: str
 ) -> None:  # type: ignore[no-untyped-def]
+    """Bit for bit at the pin's thread count. The pin picks its count by the load average (a
+    busy machine, as in a full test run, gets 1 thread); a forward at another count rounds its
+    reductions differently, which is how this test once failed only in the full suite."""
+    busy = (os.cpu_count() or 1) - 1 if load == "busy" else 0
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(busy),) * 3)
     src, store_dir = _tar(tmp_path / "repo.tar"), tmp_path / "store"
     base = ["pin", "--corpus", str(src), "--model", str(tiny_dir), "--store", str(store_dir)]
-    # one prefill chunk: the same arithmetic as the monolithic forward below, bit for bit
+    before = torch.get_num_threads()
+    # one prefill chunk: the same arithmetic as the monolithic forward below
     assert cli_main([*base, "--kv-format", "fp8_e4m3", "--chunk", "4096"]) == 0
-    out = capsys.readouterr().out
+    assert torch.get_num_threads() == before, "the pin left its thread count behind"
+    out, err = capsys.readouterr()
     assert "float32+fp8_e4m3" in out and "as fp8 rows" in out, out
+    threads = int(re.search(r"on (\d+) of \d+ CPU threads", err)[1])  # type: ignore[index]
+    assert threads == (1 if load == "busy" else os.cpu_count()), err
     store = PageStore(store_dir)
     (cid,) = store.ids()
     m = store.manifest(cid)
     assert m.kv_format == "fp8_e4m3" and m.dtype == "float32"
     tokens = store.read_tokens(cid).long()
     cache = KVCache(tiny_model.cfg, m.token_count, torch.float32)
-    forward_tokens(tiny_model, tokens, cache, want_logits=False)
+    with torch_threads(threads):
+        forward_tokens(tiny_model, tokens, cache, want_logits=False)
     for layer in range(m.n_layers):
         lat, keys = store.read_pages(cid, layer, list(range(m.n_pages)))
         lat = lat.reshape(-1, 656)

@@ -14,7 +14,7 @@ import torch
 
 from corpusd.kernels import flashmla, formats
 from corpusd.kernels.merge import merge_partials, merge_stacked
-from tests.support.checks import rel
+from corpusd.testing.numeric import rel
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("corpusd", "holder", "requester", "indexer")

@@ -1,10 +1,17 @@
-"""The import layering of the four packages, read from source with ``ast`` (nothing is imported).
+"""The import layering of the whole tree, read from source with ``ast`` (nothing is imported).
 
 The rule (DESIGN.md, "Processes and packages"): ``indexer`` ← ``corpusd`` (the library) ←
-``holder``, ``requester`` ← ``corpusd.cli`` / ``corpusd.up`` / ``corpusd.__main__`` (the only
-modules that may import the daemons). ``holder`` and ``requester`` are siblings and never import
-each other; ``indexer`` imports nothing first-party but itself. And no import cycle at all, between
-any two modules.
+``holder``, ``requester`` ← ``corpusd.cli`` / ``corpusd.up`` / ``corpusd.__main__`` and
+``corpusd.testing`` (the only modules that may import the daemons; ``corpusd.testing`` starts
+them for tests and tools) ← ``tools`` ← ``tests``. ``holder`` and ``requester`` are siblings and
+never import each other; ``indexer`` imports nothing first-party but itself. A tool never imports
+``tests`` (what both need lives in ``corpusd.testing``); a test imports a tool only to test it.
+
+And no import cycle at all: none between two modules, and none between the sub-packages of one
+package (``corpusd.model`` → ``corpusd.corpus`` → ``corpusd.model`` is one even when no single
+module is on a cycle): inside each package, every module counts as the child of that package it
+sits in, and a cycle between children of which one is a sub-package is reported with the imports
+that make it (a cycle of plain modules is already reported as a module cycle).
 
 What counts as an import: every ``import``/``from … import`` statement anywhere in a file —
 at module level, inside functions (lazy imports), under ``TYPE_CHECKING``, in ``try`` — and
@@ -21,8 +28,7 @@ relative ones (``from . import x``, ``from .a import y``). How one resolves to a
 - The parent packages Python imports implicitly are no edges; a module importing itself is none.
 - Third-party modules and ``corpusd/v1`` (generated) are skipped.
 
-``tools/`` and ``tests/`` are outside the rule. Run on another checkout:
-``python tests/unit/test_layering.py ROOT``.
+Run on another checkout: ``python tests/unit/test_layering.py ROOT``.
 """
 
 from __future__ import annotations
@@ -34,9 +40,9 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-PACKAGES = ("corpusd", "holder", "requester", "indexer")
+PACKAGES = ("corpusd", "holder", "requester", "indexer", "tools", "tests")
 SKIP = ("corpusd/v1/",)
-TOP = frozenset({"corpusd.cli", "corpusd.up", "corpusd.__main__"})
+TOP = frozenset({"corpusd.cli", "corpusd.up", "corpusd.__main__", "corpusd.testing"})
 #: layer → the layers it may import
 ALLOWED = {
     "indexer": {"indexer"},
@@ -44,11 +50,14 @@ ALLOWED = {
     "holder": {"indexer", "library", "holder"},
     "requester": {"indexer", "library", "requester"},
     "top": {"indexer", "library", "holder", "requester", "top"},
+    "tools": {"indexer", "library", "holder", "requester", "top", "tools"},
+    "tests": {"indexer", "library", "holder", "requester", "top", "tools", "tests"},
 }
 
 
 def layer(module: str) -> str:
-    if module in TOP:
+    """``module``'s layer: a key of ``ALLOWED`` (a module under one of ``TOP`` is top too)."""
+    if any(module == t or module.startswith(f"{t}.") for t in TOP):
         return "top"
     root = module.split(".")[0]
     return "library" if root == "corpusd" else root
@@ -132,37 +141,71 @@ class ImportGraph:
         return f"{self.path[a]}:{self.edges[a][b]}"
 
     def cycles(self) -> list[list[str]]:
-        """Shortest cycles (first module repeated last) until every module on one is on one
-        reported: a knot of several cycles shows each, not just the first found."""
+        """Module cycles (first module repeated last); see :func:`_cycles`."""
+        return _cycles(self.edges)
+
+    def package_cycles(self) -> list[tuple[str, list[str], list[tuple[str, str]]]]:
+        """Cycles between the children of one package, at least one of them a sub-package:
+        (package, children with the first repeated last, per step the first module import that
+        makes it, as (importing module, imported module))."""
         out = []
-        for scc in _sccs(self.edges):
-            covered: set[str] = set()
-            for start in sorted(scc) if len(scc) > 1 else []:
-                if start not in covered:
-                    cycle = self._shortest_cycle(start, scc)
-                    covered.update(cycle)
-                    out.append(cycle)
+        for pkg in sorted(self.packages):
+            edges: dict[str, dict[str, tuple[str, str]]] = {}
+            for m in sorted(self.edges):
+                if m.startswith(f"{pkg}."):
+                    a = _child(pkg, m)
+                    for dep in sorted(self.edges[m]):
+                        b = _child(pkg, dep) if dep.startswith(f"{pkg}.") else a
+                        if b != a:
+                            edges.setdefault(a, {}).setdefault(b, (m, dep))
+                            edges.setdefault(b, {})
+            for cyc in _cycles(edges):
+                if any(c in self.packages for c in cyc):
+                    out.append((pkg, cyc, [edges[a][b] for a, b in itertools.pairwise(cyc)]))
         return out
 
-    def _shortest_cycle(self, start: str, scc: set[str]) -> list[str]:
-        """Breadth first from ``start`` back to it, within its strongly connected ``scc``."""
-        prev: dict[str, str] = {}
-        todo = deque([start])
-        while todo:
-            m = todo.popleft()
-            if start in self.edges[m]:
-                path = [m]
-                while path[-1] != start:
-                    path.append(prev[path[-1]])
-                return [*reversed(path), start]
-            for n in sorted(self.edges[m]):
-                if n in scc and n not in prev and n != start:
-                    prev[n] = m
-                    todo.append(n)
-        raise AssertionError(f"{start} is in a strongly connected component but on no cycle")
+
+def _child(package: str, module: str) -> str:
+    """The child of ``package`` that ``module`` (inside it) sits in: ``corpusd``,
+    ``corpusd.model.config`` → ``corpusd.model``."""
+    return ".".join(module.split(".")[: package.count(".") + 2])
 
 
-def _sccs(edges: Mapping[str, Mapping[str, int]]) -> list[set[str]]:
+def _cycles(edges: Mapping[str, Mapping[str, object]]) -> list[list[str]]:
+    """Shortest cycles (first node repeated last) until every node on one is on one reported: a
+    knot of several cycles shows each, not just the first found."""
+    out = []
+    for scc in _sccs(edges):
+        covered: set[str] = set()
+        for start in sorted(scc) if len(scc) > 1 else []:
+            if start not in covered:
+                cycle = _shortest_cycle(edges, start, scc)
+                covered.update(cycle)
+                out.append(cycle)
+    return out
+
+
+def _shortest_cycle(
+    edges: Mapping[str, Mapping[str, object]], start: str, scc: set[str]
+) -> list[str]:
+    """Breadth first from ``start`` back to it, within its strongly connected ``scc``."""
+    prev: dict[str, str] = {}
+    todo = deque([start])
+    while todo:
+        m = todo.popleft()
+        if start in edges[m]:
+            path = [m]
+            while path[-1] != start:
+                path.append(prev[path[-1]])
+            return [*reversed(path), start]
+        for n in sorted(edges[m]):
+            if n in scc and n not in prev and n != start:
+                prev[n] = m
+                todo.append(n)
+    raise AssertionError(f"{start} is in a strongly connected component but on no cycle")
+
+
+def _sccs(edges: Mapping[str, Mapping[str, object]]) -> list[set[str]]:
     """Tarjan's strongly connected components, iteratively (no recursion limit to mind)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -210,6 +253,9 @@ def layering_problems(sources: Mapping[str, str]) -> list[str]:
     for cyc in g.cycles():
         steps = ", ".join(g.where(a, b) for a, b in itertools.pairwise(cyc))
         problems.append(f"import cycle: {' → '.join(cyc)}  ({steps})")
+    for pkg, cyc, via in g.package_cycles():
+        steps = ", ".join(f"{g.where(a, b)} imports {b}" for a, b in via)
+        problems.append(f"sub-package cycle in {pkg}: {' → '.join(cyc)}  ({steps})")
     for m in sorted(g.edges):
         for dep in sorted(g.edges[m]):
             if layer(dep) not in ALLOWED[layer(m)]:
@@ -220,9 +266,30 @@ def layering_problems(sources: Mapping[str, str]) -> list[str]:
     return problems
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
 def test_layering_of_this_tree() -> None:
-    problems = layering_problems(read_sources(Path(__file__).resolve().parents[2]))
+    """Over corpusd, holder, requester, indexer, tools and tests: no import cycle between modules
+    or sub-packages, and every import in its layer."""
+    sources = read_sources(ROOT)
+    assert {"tools/fuzz.py", "tests/conftest.py", "corpusd/testing/holders.py"} <= set(sources)
+    problems = layering_problems(sources)
     assert not problems, "\n".join(problems)
+
+
+def test_planted_cycle_in_tools_of_this_tree_is_reported() -> None:
+    """This tree, with two tools that import each other (one lazily) planted in it: exactly that
+    cycle is reported, so the clean verdict above is not blindness to tools/."""
+    sources = {
+        **read_sources(ROOT),
+        "tools/planted_a.py": "from tools import planted_b\n",
+        "tools/planted_b.py": "def main():\n    import tools.planted_a\n",
+    }
+    assert layering_problems(sources) == [
+        "import cycle: tools.planted_a → tools.planted_b → tools.planted_a  "
+        "(tools/planted_a.py:1, tools/planted_b.py:2)"
+    ]
 
 
 def _tree(files: dict[str, str]) -> dict[str, str]:
@@ -264,6 +331,50 @@ def test_planted_upward_and_sideways_imports_are_reported() -> None:
         "indexer.x",  # → corpusd.env
     ], problems
     assert "corpusd/env.py:2: corpusd.env (library) imports corpusd.up (top)" in problems[0]
+
+
+def test_planted_cycle_between_sub_packages_is_reported() -> None:
+    """corpusd.model and corpusd.corpus importing each other through different modules: no
+    module is on a cycle, the two sub-packages are (the shape issue 34 found)."""
+    sources = _tree(
+        {
+            "corpusd/model/__init__.py": "",
+            "corpusd/model/rows.py": "from corpusd.corpus.names import KV\nX = KV\n",
+            "corpusd/corpus/__init__.py": "",
+            "corpusd/corpus/names.py": "KV = 1\n",
+            "corpusd/corpus/pin.py": "from corpusd.model.rows import X\n",
+        }
+    )
+    assert layering_problems(sources) == [
+        "sub-package cycle in corpusd: corpusd.corpus → corpusd.model → corpusd.corpus  "
+        "(corpusd/corpus/pin.py:1 imports corpusd.model.rows, "
+        "corpusd/model/rows.py:1 imports corpusd.corpus.names)"
+    ]
+    sources["corpusd/model/rows.py"] = "X = 1\n"  # the name moved below both: clean
+    assert layering_problems(sources) == []
+
+
+def test_tools_tests_and_the_testing_helpers_keep_their_layers() -> None:
+    """A tool importing tests, and the library importing corpusd.testing, are reported; a test
+    importing a tool, and corpusd.testing starting a holder, are not."""
+    sources = _tree(
+        {
+            "tools/fuzz.py": "from tests.support import fuzzing\n",
+            "tools/bench.py": "from corpusd.testing.holders import start_holder\n",
+            "tests/support/__init__.py": "",
+            "tests/support/fuzzing.py": "",
+            "tests/unit/__init__.py": "",
+            "tests/unit/test_bench.py": "import tools.bench\nfrom corpusd.testing import holders\n",
+            "corpusd/testing/__init__.py": "",
+            "corpusd/testing/holders.py": "from holder.launch import start_holder\n",
+            "corpusd/env.py": "def f():\n    from corpusd.testing.holders import start_holder\n",
+            "holder/launch.py": "",
+        }
+    )
+    assert [p.split(": ", 1)[1].split(", which")[0] for p in layering_problems(sources)] == [
+        "corpusd.env (library) imports corpusd.testing.holders (top)",
+        "tools.fuzz (tools) imports tests.support.fuzzing (tests)",
+    ]
 
 
 def test_package_facade_is_not_a_cycle_but_a_name_it_defines_is() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from corpusd.model import ModelConfig, ModelConfigError
-from tests.support.hf_checkpoints import BASE
+from corpusd.testing.hf_checkpoints import BASE
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers writes the configs: pip install -e '.[test]'"

@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 from corpusd.kernels.reference import partial_attention
 from corpusd.model.rope import Rotary, rotate_half_layout, shift_band
 from corpusd.model.tiny import TINY
+from corpusd.testing.numeric import rel
 from indexer import merge_topk, select_topk
 from indexer.modes import select_distributed, select_replica
 from requester.plan import compact
 from requester.predicate import Group, Predicate, Profile
 from requester.sampling import SamplingParams, sample
 from requester.sources import PageCache, attend_canonical
-from tests.support.checks import rel
 
 
 def _scores(n: int, t: int, levels: int, seed: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 
 from corpusd.kernels.reference import partial_attention
 from corpusd.rpc import StatusError
+from corpusd.testing.numeric import rel
 from corpusd.transport import nvshmem_ring as nr
 from corpusd.v1 import transport_pb2
 from requester import routes
@@ -107,7 +108,10 @@ def test_nvshmem_route_splits_rows_over_slots_and_answers_like_attend() -> None:
     assert [r for r, _, _ in fake.opened] == [4, 4, 2], "one slot holds 4 rows of 8 heads × 16"
     ref_o, ref_lse = partial_attention(q.bfloat16(), fake.pool, rows, SCALE, D_V)
     assert part.o.dtype == q.dtype and part.lse.dtype == torch.float32  # Attend's dtypes
-    assert torch.equal(part.o, ref_o.to(q.dtype)) and torch.equal(part.lse, ref_lse)
+    # The fake attends slot by slot (4, 4, 2 rows) and the reference all 10 rows at once: bmms
+    # of different shapes may sum in another order: LSE to fp32 rounding, O (bf16 here) to
+    # within one bf16 step.
+    assert rel(part.o, ref_o.to(q.dtype)) <= 4e-3 and rel(part.lse, ref_lse) <= 1e-6
     assert plain.calls == 0 and not route.broken
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from requester.fanout import Fanout
 from requester.plan import GroupWork
 from requester.predicate import Predicate, Profile
 from requester.sglang import choose
-from requester.sglang.link import pad_cols
+from requester.sglang.host_path import pad_cols
 from requester.sglang.metrics import ENV_PORT, PluginMetrics, metrics_port, serve
 
 
@@ -63,16 +64,19 @@ def test_decide_takes_the_cheaper_by_the_cost_model_and_obeys_force() -> None:
 
 
 def test_record_exports_the_decision_and_feeds_drift(tmp_path: Path) -> None:
+    """The plugin's decisions are recorded by the engine's one recorder (Fanout.record): the
+    plugin's metrics (per layer and holder too) and its trace, with the step they were made in."""
     m = PluginMetrics()
     trace = tmp_path / "t.jsonl"
     c = choose.Chooser(Predicate(Profile(), "auto"), m, str(trace))
-    c.drift.window = 2
+    engine = Fanout(Predicate(Profile(), "route"), m, transport="grpc", trace=c.trace)
+    engine.drift.window = 2
     g = _group()
     c.new_step(("corpusd:a:1",), "decode")
     d = c.decide(g, 64, 576, 512, 0, 1, fits=True)
     predicted = d.predicted_us[d.pick] / 1e6
     for _ in range(2):
-        c.record(3, g, d, 4 * predicted, fetched_pages=0)
+        engine.record(3, g, d, 4 * predicted, c.forced, fetched_pages=0)
     c.close()
     assert m.decisions.labels(d.pick, "no")._value.get() == 2
     assert m.group_decisions.labels(d.pick, "3", "h0:1")._value.get() == 2
@@ -83,6 +87,8 @@ def test_record_exports_the_decision_and_feeds_drift(tmp_path: Path) -> None:
     assert len(lines) == 2 and lines[0]["rids"] == ["corpusd:a:1"] and lines[0]["layer"] == 3
     assert lines[0]["rows"] == 4 and lines[0]["k"] == 256
     assert "local" not in lines[0]["predicted_us"]  # inf: never a choice, not in the JSON
+    assert lines[0]["step"] == 1 and lines[0]["mode"] == "decode" and lines[0]["force"] == "auto"
+    assert lines[0]["holder"] == "h0:1" and lines[0]["fetched_pages"] == 0
 
 
 def test_local_terms_fit_the_sparse_partial_on_this_device() -> None:

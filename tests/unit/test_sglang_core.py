@@ -11,11 +11,11 @@ from corpusd.kernels.merge import merge_partials
 from corpusd.kernels.reference import partial_attention
 from corpusd.model.rope import Rotary, apply_interleaved
 from corpusd.model.tiny import TINY
+from corpusd.testing.numeric import rel
 from indexer import select_topk
 from indexer.fp8 import hadamard
 from requester.sglang import binding, lse, pagehash, positions, topk
 from requester.sglang.binding import CorpusBindingError, PinnedCorpus
-from tests.support.checks import rel
 
 SCALE = 576**-0.5
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from corpusd.kernels.reference import partial_attention
+from corpusd.testing.numeric import rel
 from indexer import select_topk
 from indexer.fp8 import fp8_view
 from indexer.scores import index_scores
@@ -17,7 +18,6 @@ from requester.corpus_view import CorpusView
 from requester.sglang import device, device_scores, pagehash, topk
 from requester.sglang.binding import CorpusBindingError
 from requester.sglang.resident import Resident, index_pages
-from tests.support.checks import rel
 from tests.unit.test_table_refresh import TWO
 
 SEED = 20261124
@@ -37,41 +37,43 @@ def _ascending(cols: torch.Tensor) -> torch.Tensor:
     return torch.where(out == big, -1, out)
 
 
+def _sglang_want(s: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """topk.sglang_topk's selection without the non-candidates the device path never takes
+    (invalid, NaN, -inf; stock takes them only when a row has too few others), ascending."""
+    ok = valid & ~torch.isnan(s) & (s != -math.inf)
+    lengths = torch.full((s.shape[0],), s.shape[1])
+    want = topk.sglang_topk(s.masked_fill(~ok, -math.inf), lengths, k)
+    keep = ok.gather(1, want.clamp(min=0)) & (want >= 0)
+    return _ascending(torch.where(keep, want, -1))
+
+
 @pytest.mark.parametrize("m,k", [(300, 64), (50, 64), (2048, 2048), (1, 4)])
-def test_exact_topk_is_select_topk(m: int, k: int) -> None:
+def test_exact_topk_is_sglang_topk(m: int, k: int) -> None:
+    """SGLang's order (its float bits: -0.0 below +0.0), the lowest column among equal bits; and
+    where no -0.0 is in play, exactly corpusd's own select_topk."""
     g = torch.Generator().manual_seed(SEED + m)
     for trial in range(4):
         s = _tied_scores(g, 9, m) if trial % 2 == 0 else torch.randn(9, m, generator=g)
         valid = torch.rand(9, m, generator=g) < 0.8
         valid[0] = False  # a row with no candidate
         s[1, :3] = -math.inf  # -inf scores are never chosen by either
-        got = device.exact_topk(s, valid, k)
-        want = select_topk(s.masked_fill(~valid, -math.inf), k)
-        assert torch.equal(_ascending(got), want), f"{m=}, {k=}, {trial=}"
+        got = _ascending(device.exact_topk(s, valid, k))
+        assert torch.equal(got, _sglang_want(s, valid, k)), f"{m=}, {k=}, {trial=}"
+        plus = s + 0.0  # -0.0 → +0.0: then the two rules agree
+        want = select_topk(plus.masked_fill(~valid, -math.inf), k)
+        assert torch.equal(_ascending(device.exact_topk(plus, valid, k)), want), f"{m=}, {k=}"
     # Without the column in the low bits ties would be broken by topk's order: check the keys
     # really are distinct per column.
     keys = device.order_keys(torch.zeros(2, 10), torch.ones(2, 10, dtype=torch.bool))
     assert keys[0].unique().numel() == 10 and bool((keys[0, :-1] > keys[0, 1:]).all())
 
 
-@pytest.mark.parametrize("m,k", [(300, 64), (50, 64), (2048, 2048), (1, 4), (4096, 2048)])
-def test_threshold_topk_selects_what_exact_topk_selects_in_column_order(m: int, k: int) -> None:
-    """The 64-bit-key-free top-k candidate: the same set as exact_topk (ties to the lowest
-    column, NaN, -inf and invalid never chosen, fewer candidates than k padded), ascending."""
-    g = torch.Generator().manual_seed(SEED + 7 * m)
-    for trial in range(4):
-        s = _tied_scores(g, 9, m) if trial % 2 == 0 else torch.randn(9, m, generator=g)
-        valid = torch.rand(9, m, generator=g) < 0.8
-        valid[0] = False
-        s[1, :3] = -math.inf
-        s[2, 1::7] = math.nan
-        got = device.threshold_topk(s, valid, k)
-        want = _ascending(device.exact_topk(s, valid, k))
-        assert got.shape == (9, k) and got.dtype == torch.int64
-        assert torch.equal(got, want), f"{m=}, {k=}, {trial=}"
-    all_tied = torch.zeros(2, 10)  # every score equal: the k lowest columns
-    ok = torch.ones_like(all_tied, dtype=torch.bool)
-    assert device.threshold_topk(all_tied, ok, 4).tolist() == [[0, 1, 2, 3]] * 2
+def test_plus_zero_beats_minus_zero_as_in_sglang() -> None:
+    """A defect of the device path until it ranked raw bits: -0.0 and +0.0 tied there (lowest
+    column won), while SGLang's kernel ranks +0.0 strictly higher."""
+    s = torch.tensor([[-0.0, -0.0, 0.0, -1.0]])
+    got = device.exact_topk(s, torch.ones_like(s, dtype=torch.bool), 1)
+    assert got.tolist() == [[2]]
 
 
 def test_exact_topk_ignores_nan() -> None:
@@ -80,7 +82,7 @@ def test_exact_topk_ignores_nan() -> None:
     assert _ascending(got).tolist() == [[0, 2, 3]]
 
 
-def test_fused_topk_is_select_topk_over_the_logical_row() -> None:
+def test_fused_topk_is_sglang_topk_over_the_logical_row() -> None:
     g = torch.Generator().manual_seed(SEED)
     n, wc, wo, k = 7, 320, 96, 128
     corpus_len = torch.tensor([0, 1, 100, 320, 319, 200, 64])
@@ -94,7 +96,7 @@ def test_fused_topk_is_select_topk_over_the_logical_row() -> None:
     for i in range(n):
         t, o = int(corpus_len[i]), int(own_len[i])
         logical = torch.cat([cs[i, :t], os_[i, :o]])[None]
-        want = select_topk(logical, k) if t + o else torch.full((1, k), -1)
+        want = topk.sglang_topk(logical, torch.tensor([t + o]), k)
         want_c, want_o = topk.split_selection(want, torch.tensor([t]))
         got_c = cpos[i][cpos[i] >= 0].sort().values
         got_o = own[i][own[i] >= 0].sort().values
@@ -273,3 +275,45 @@ def test_corpus_scores_of_no_rows_is_an_empty_window() -> None:
     empty = torch.zeros(0, dtype=torch.int32)
     got = device_scores.corpus_scores(res, 0, q, torch.zeros(0, 8), empty, empty)
     assert got.shape == (0, res.window_tokens)
+
+
+def test_a_failed_over_plan_moves_the_arenas_reads_to_the_replicas_between_steps() -> None:
+    """A corpus whose pages each sit on both holders of this GPU: the arena first reads each
+    page where the page table placed it; the device plan failed over from holder h0 (applied
+    between steps) reads every page from h1's copy, with the same partial, and h0's rows no
+    longer count (overwritten, the output does not change)."""
+    g = torch.Generator().manual_seed(SEED)
+    res = _resident()
+    d, frames = 576, (3, 7, 1, 5)
+    canon = torch.randn(len(frames) * 64, d, generator=g)
+    pools: dict[str, list[torch.Tensor]] = {}
+    for a, offset in (("h0", 0), ("h1", 10)):  # h1 keeps its copy 10 frames further on
+        pool = torch.zeros(40 * 64, d)
+        for p, f in enumerate(frames):
+            pool[(f + offset) * 64 : (f + offset + 1) * 64] = canon[p * 64 : (p + 1) * 64]
+        pools[a] = [pool, pool.clone()]
+        res.add_pool(a, pools[a])
+    replicas = tuple(((p % 2, f + 10 * (p % 2)), (1 - p % 2, f + 10 * (1 - p % 2)))
+                     for p, f in enumerate(frames))  # fmt: skip
+    first = [r[0] for r in replicas]
+    view = CorpusView("c", len(frames) * 64, 64, ("h0", "h1"),
+                      torch.tensor([h for h, _ in first]), torch.tensor([f for _, f in first]),
+                      replicas)  # fmt: skip
+    c = res.load(view, [torch.randn(view.token_count, 128, generator=g) for _ in range(2)])
+    span = slice(c.base_page, c.base_page + c.n_pages)
+    assert res.page_holder[span].tolist() == [0, 1, 0, 1]
+    n, h, k = 3, 8, 40
+    q = torch.randn(n, h, d, generator=g)
+    pos = torch.stack([torch.randperm(view.token_count, generator=g)[:k] for _ in range(n)])
+    base = torch.full((n,), c.base_page, dtype=torch.int32)
+    scale = d**-0.5
+    want = partial_attention(q, canon, pos, scale, 512)
+    before = device.corpus_partial(res, 1, q, pos, base, scale, 512, base2=False)
+    res.apply(res.plan(view).failover({"h0"}))
+    assert res.page_holder[span].tolist() == [1] * 4
+    assert res.page_frame[span].tolist() == [13, 7 + 10, 11, 5 + 10]
+    assert res.corpora["c"].placement == c.placement  # the page table's, for the recheck
+    pools["h0"][1].normal_(generator=g)  # a failed holder's pool: its rows no longer count
+    after = device.corpus_partial(res, 1, q, pos, base, scale, 512, base2=False)
+    for o, lse in (before, after):
+        assert rel(o, want[0]) < 1e-5 and rel(lse, want[1]) < 1e-6

@@ -18,13 +18,13 @@ import torch
 from corpusd.kernels import fp8_cache as f8
 from corpusd.kernels.flashmla import prep_indices
 from corpusd.model import ModelConfig
+from corpusd.testing.numeric import rel
 from corpusd.transport import cuda_ipc
 from requester.corpus_view import CorpusView
-from requester.sglang import device, formats, link_device
+from requester.sglang import catalog, device, formats
 from requester.sglang import link as link_mod
 from requester.sglang.binding import CorpusBindingError
 from requester.sglang.resident import Resident
-from tests.support.checks import rel
 
 SEED = 20261125
 D, D_V, P = 576, 512, 64
@@ -174,7 +174,7 @@ def fake_device_link(
     pages that CUDA IPC "opens" as CPU zeros."""
     holder = lambda a: SimpleNamespace(info=SimpleNamespace(address=a, device="cuda:0"))  # noqa: E731
     monkeypatch.setattr(_Coordinator, "holders", [holder(a) for a in incarnation])
-    monkeypatch.setattr(link_device, "CoordinatorClient", _Coordinator)
+    monkeypatch.setattr(catalog, "CoordinatorClient", _Coordinator)
     monkeypatch.setattr(cuda_ipc, "device_uuid", lambda dev: "GPU-0")
     monkeypatch.setattr(cuda_ipc, "open_shared",
                         lambda s: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)))  # fmt: skip
@@ -206,7 +206,7 @@ def test_map_holders_maps_fp8_pools_and_refuses_mixed_formats(
     }
     holder = lambda a: SimpleNamespace(info=SimpleNamespace(address=a, device="cuda:0"))  # noqa: E731
     monkeypatch.setattr(_Coordinator, "holders", [holder(a) for a in pools])
-    monkeypatch.setattr(link_device, "CoordinatorClient", _Coordinator)  # map_holders' client
+    monkeypatch.setattr(catalog, "CoordinatorClient", _Coordinator)  # map_holders' client
     monkeypatch.setattr(cuda_ipc, "device_uuid", lambda dev: "GPU-0")
     opened: list[tuple[int, ...]] = []
 
@@ -350,7 +350,7 @@ def test_a_corpus_on_a_restarted_holder_is_refused_not_read_from_the_old_pool(
         return SimpleNamespace(view=view(cid, 0 if cid.endswith("on-h0") else 1),
                                index_keys=index_keys)  # fmt: skip
 
-    monkeypatch.setattr(link, "_corpus", corpus)
+    monkeypatch.setattr(link.catalog, "corpus", corpus)
     try:
         res = _resident(layers)
         assert link.map_holders(res, torch.device("cpu")) == ["h0", "h1"]

@@ -51,30 +51,31 @@ def test_a_staged_view_is_adopted_at_a_forwards_first_layer_only(tiny_dir: Path)
     planned on, forward 2's layer 0 takes the new one. A view staged for a binding that was
     replaced meanwhile is dropped."""
     link = CorpusLink("127.0.0.1:1", ModelConfig.from_dir(tiny_dir), "fp", 64, table_refresh_s=-1)
+    cat = link.catalog  # the bindings, their views and the loop
     one = CorpusView.from_page_table(ONE)  # type: ignore[arg-type]
     two = CorpusView.from_page_table(TWO)  # type: ignore[arg-type]
 
     async def bind() -> CorpusBinding:
-        return CorpusBinding(link.fanout, one, link.geometry)
+        return CorpusBinding(link.fanout, one, cat.geometry)
 
-    b = link._run(bind())
+    b = cat.run(bind())
     link.corpora["c0"] = b
     try:
         seen = []
         for layer in range(4):  # forward 1
-            seen.append(link._run(link._bound("c0", layer)).view)
+            seen.append(cat.run(cat.at_layer("c0", layer)).view)
             if layer == 1:
-                link.staged["c0"] = (b, two)
-        assert all(v is one for v in seen) and "c0" in link.staged  # no swap mid-forward
-        assert link._run(link._bound("c0", 0)).view.same_table(two)  # forward 2
-        assert link.staged == {} and link._following is None  # -1: no re-read task
-        assert link._run(link._bound("c0", 1)).view.same_table(two)
+                cat.staged["c0"] = (b, two)
+        assert all(v is one for v in seen) and "c0" in cat.staged  # no swap mid-forward
+        assert cat.run(cat.at_layer("c0", 0)).view.same_table(two)  # forward 2
+        assert cat.staged == {} and cat._following is None  # -1: no re-read task
+        assert cat.run(cat.at_layer("c0", 1)).view.same_table(two)
 
         b.dead = {0}  # a holder that failed a call stays failed in the adopted view
-        link.staged["c0"] = (b, one)
-        assert link._run(link._bound("c0", 0)).dead == {0}
+        cat.staged["c0"] = (b, one)
+        assert cat.run(cat.at_layer("c0", 0)).dead == {0}
 
-        link.staged["c0"] = (link._run(bind()), two)  # for a binding no longer the link's
-        assert link._run(link._bound("c0", 0)).view.same_table(one) and link.staged == {}
+        cat.staged["c0"] = (cat.run(bind()), two)  # for a binding no longer the link's
+        assert cat.run(cat.at_layer("c0", 0)).view.same_table(one) and cat.staged == {}
     finally:
         link.close()

@@ -1,5 +1,5 @@
 """The plugin forgets corpora unpinned or placed anew since they were bound
-(``DeviceLink.recheck``, called by admission at most once a second). The defect: bindings and
+(``CorpusCatalog.recheck``, called by admission at most once a second). The defect: bindings and
 the device path's arena were cached for the server's life, so a request bound to a corpus after
 its unpin was served from frames the holders had freed (the next pin fills them with another
 corpus's rows), and a corpus unpinned and pinned again (same content, same id, other frames) was
@@ -56,9 +56,9 @@ def test_a_corpus_unpinned_or_placed_anew_is_forgotten_and_never_read_from_old_f
             link.corpora[cid] = SimpleNamespace(view=await page_table(cid), index_keys=index_keys)
         return link.corpora[cid]
 
-    monkeypatch.setattr(link, "_list", list_corpora)
-    monkeypatch.setattr(link, "_page_table", page_table)
-    monkeypatch.setattr(link, "_corpus", corpus)
+    monkeypatch.setattr(link.catalog, "_list", list_corpora)
+    monkeypatch.setattr(link.catalog, "_page_table", page_table)
+    monkeypatch.setattr(link.catalog, "corpus", corpus)
     try:
         res = _resident(layers)
         assert link.map_holders(res, torch.device("cpu")) == ["h0"]
@@ -66,15 +66,15 @@ def test_a_corpus_unpinned_or_placed_anew_is_forgotten_and_never_read_from_old_f
         assert first.placement == (("h0", 4), ("h0", 9), ("h0", 2))
         assert link.recheck(res, every_s=0, wait=True) == {}  # nothing changed: nothing forgotten
         assert link.recheck(res, every_s=3600) == {}  # and not asked again within the interval
-        assert link._rechecking is None
+        assert link.catalog._rechecking is None
         assert res.corpora == {"c1": first}
 
         listed.clear()  # unpinned
         # admission's call: it starts the re-read on the link's loop and returns at once; a
         # later call applies the answer (here after the first is done)
-        link._checked_at = 0.0
-        assert link.recheck(res) == {} and link._rechecking is not None
-        link._rechecking.result(5)
+        link.catalog._checked_at = 0.0
+        assert link.recheck(res) == {} and link.catalog._rechecking is not None
+        link.catalog._rechecking.result(5)
         assert "c1" in res.corpora  # not applied until the next call, on this thread
         stale = link.recheck(res, every_s=3600)
         assert "c1" in stale and "nothing ready" in stale["c1"]
@@ -118,9 +118,9 @@ def test_a_coordinator_that_does_not_answer_changes_nothing(
     async def down() -> list[PinnedCorpus]:
         raise ConnectionError("coordinator 127.0.0.1:1 unreachable")
 
-    monkeypatch.setattr(link, "_list", down)
+    monkeypatch.setattr(link.catalog, "_list", down)
     try:
-        link._bindings["docs"] = link_mod.Binding("c1", "docs", 150, P)
+        link.catalog._bindings["docs"] = link_mod.Binding("c1", "docs", 150, P)
         assert link.recheck(None, every_s=0, wait=True) == {}
         assert link.bind("docs").corpus_id == "c1"
     finally:

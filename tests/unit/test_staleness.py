@@ -79,7 +79,7 @@ def test_a_profile_is_stale_for_another_model_device_or_age(
     monkeypatch.delenv("CORPUSD_CALIBRATE", raising=False)
     assert env.calibrate_mode() == "auto" and env.calibrate_mode("off") == "off"
     monkeypatch.setenv("CORPUSD_CALIBRATE", "never")
-    with pytest.raises(ValueError, match=r"\$CORPUSD_CALIBRATE: 'never'; one of auto, always, off"):
+    with pytest.raises(ValueError, match=r"CORPUSD_CALIBRATE='never': one of auto, always, off"):
         env.calibrate_mode()
 
 
@@ -93,7 +93,7 @@ def test_the_coordinator_voids_bindings_of_unpinned_or_republished_corpora() -> 
 
     rows: dict[str, SimpleNamespace] = {}
 
-    async def corpus(cid: str) -> SimpleNamespace | None:  # the state backends are async
+    async def corpus(cid: str) -> SimpleNamespace | None:  # the state stores are async
         return rows.get(cid)
 
     fake = SimpleNamespace(bound_since={}, state=SimpleNamespace(corpus=corpus))

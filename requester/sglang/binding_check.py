@@ -37,7 +37,7 @@ _REFUSED_MAX = 65536
 
 
 def register(model: _Model) -> None:
-    """The plugin model whose link and arena admission checks against."""
+    """The plugin model whose link and arena the binding check reads."""
     global _MODEL
     _MODEL = model
 
@@ -69,7 +69,7 @@ def refusal(rid: str | None, model: _Model | None = None) -> str | None:
 def batch_corpora(rids: Sequence[str] | None, batch_size: int) -> list[str | None]:
     """Per request of a forward batch, its corpus name, or None when it is unbound, padding, or
     was refused at admission (its abort prefill must not bind, or the forward would raise the
-    error admission already answered)."""
+    error the binding check already answered)."""
     rids = list(rids or [])[:batch_size]
     kept = [None if r in _REFUSED else r for r in rids]  # before parsing: a malformed id raises
     return corpora_of_batch(kept, batch_size)
@@ -79,7 +79,7 @@ def wrap_scheduler(scheduler_cls: Any) -> bool:
     """Make ``scheduler_cls._add_request_to_queue`` refuse a request that cannot be bound, the
     way SGLang refuses an unknown session. Idempotent; True when it wrapped now."""
     orig = scheduler_cls._add_request_to_queue
-    if getattr(orig, "_corpusd_admission", False):
+    if getattr(orig, "_corpusd_binding_check", False):
         return False
 
     def _add_request_to_queue(self: Any, req: Any, *args: Any, **kw: Any) -> Any:
@@ -93,7 +93,7 @@ def wrap_scheduler(scheduler_cls: Any) -> bool:
                     _REFUSED.popitem(last=False)
         return orig(self, req, *args, **kw)
 
-    _add_request_to_queue._corpusd_admission = True  # type: ignore[attr-defined]
+    _add_request_to_queue._corpusd_binding_check = True  # type: ignore[attr-defined]
     scheduler_cls._add_request_to_queue = _add_request_to_queue
     return True
 

@@ -9,8 +9,8 @@ bytes. Requests go out as raw bytes (so a message that does not parse is sent as
 at once, and every answer's status code is counted per RPC. ``BAD`` codes are failures: a
 daemon must answer every request with a precise status and keep serving.
 
-The valid requests are built in :mod:`tests.support.fuzz_requests`, the mutations drawn in
-:mod:`tests.support.fuzz_mutate`; this module sends them, counts the answers (``Fuzzer``,
+The valid requests are built in :mod:`corpusd.testing.fuzz_requests`, the mutations drawn in
+:mod:`corpusd.testing.fuzz_mutate`; this module sends them, counts the answers (``Fuzzer``,
 ``Tally``) and starts the daemons under test (``fuzz_cluster``).
 
 Used by ``tests/procs/test_fuzz.py`` (a CI-sized run) and ``tools/fuzz.py`` (≥ 10,000).
@@ -35,13 +35,12 @@ from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
 from corpusd.corpus.store import PageStore
 from corpusd.model import ModelConfig, fingerprint
+from corpusd.testing.fuzz_mutate import Case, draw
+from corpusd.testing.fuzz_requests import TARGETS, Ctx
+from corpusd.testing.holders import pin_sample, start_holders, synthetic_corpus
 from corpusd.v1 import agent_pb2, agent_pb2_grpc
 from holder.launch import HolderProcess
 from requester.launch import AgentProcess, start_agent
-from tests.support.coordinators import start_holders, synthetic_corpus
-from tests.support.fuzz_mutate import Case, draw
-from tests.support.fuzz_requests import TARGETS, Ctx
-from tests.support.holders import pin_sample
 
 S = grpc.StatusCode
 #: answers that are failures whatever the request: an unexpected exception (INTERNAL, UNKNOWN),

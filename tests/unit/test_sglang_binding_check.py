@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from requester.sglang import admission
+from requester.sglang import binding_check
 from requester.sglang.binding import CorpusBindingError
 
 
@@ -30,7 +30,7 @@ class _Link:
         self.known, self.fail, self.elsewhere = known, fail, elsewhere
         self.calls: list[str] = []
 
-    def recheck(self, res: Any) -> dict[str, str]:  # as link_device's: forgets what left
+    def recheck(self, res: Any) -> dict[str, str]:  # as the catalog's: forgets what left
         self.calls.append("recheck")
         return {}
 
@@ -42,7 +42,7 @@ class _Link:
             raise CorpusBindingError(f"corpus {name!r} is not pinned")
         return _Binding(f"id-{name}", self.known[name])
 
-    def load_resident(self, b: _Binding, res: _Resident) -> None:  # as link_device's
+    def load_resident(self, b: _Binding, res: _Resident) -> None:  # as the device path's
         res.check(b.corpus_id, b.tokens)
         if b.corpus_id.removeprefix("id-") in self.elsewhere:
             raise CorpusBindingError(
@@ -91,9 +91,9 @@ class _Scheduler:
 def scheduler(monkeypatch: pytest.MonkeyPatch) -> type[_Scheduler]:
     cls = type("Scheduler", (_Scheduler,), {})
     model = _Model(_Link({"docs": 10, "huge": 1000, "far": 10}, elsewhere=("far",)), _Resident())
-    monkeypatch.setattr(admission, "_MODEL", model)
-    assert admission.wrap_scheduler(cls)
-    assert not admission.wrap_scheduler(cls)  # once
+    monkeypatch.setattr(binding_check, "_MODEL", model)
+    assert binding_check.wrap_scheduler(cls)
+    assert not binding_check.wrap_scheduler(cls)  # once
     return cls
 
 
@@ -117,8 +117,8 @@ def test_bad_bindings_abort_only_their_request(scheduler: type[_Scheduler]) -> N
 
 def test_a_refused_request_reaches_the_forward_unbound(scheduler: type[_Scheduler]) -> None:
     """SGLang keeps an aborted request queued for a one-token prefill, so it reaches the
-    forward: there it must be unbound, or binding raises the error admission already answered
-    and the scheduler dies (seen on an H100: the binding probe killed the route server)."""
+    forward: there it must be unbound, or binding raises the error the binding check already
+    answered and the scheduler dies (seen on an H100: the binding probe killed the route server)."""
     s = scheduler()
     good, bad, plain = _Req("corpusd:docs:1"), _Req("corpusd:nope:2"), _Req("plain")
     malformed = _Req("corpusd:docs")  # corpora_of_batch raises on this id
@@ -126,8 +126,9 @@ def test_a_refused_request_reaches_the_forward_unbound(scheduler: type[_Schedule
         s._add_request_to_queue(r)
     assert bad.aborted is not None and malformed.aborted is not None
     rids = [r.rid for r in s.queue]
-    assert admission.batch_corpora(rids, 5) == ["docs", None, None, None, None]
-    assert admission.batch_corpora(rids, 5) == ["docs", None, None, None, None]  # overlap: again
+    assert binding_check.batch_corpora(rids, 5) == ["docs", None, None, None, None]
+    # overlap: the same batch again
+    assert binding_check.batch_corpora(rids, 5) == ["docs", None, None, None, None]
 
 
 def test_retracted_requests_are_not_rechecked(scheduler: type[_Scheduler]) -> None:
@@ -139,17 +140,17 @@ def test_retracted_requests_are_not_rechecked(scheduler: type[_Scheduler]) -> No
 
 def test_unexpected_errors_refuse_the_request_not_the_server() -> None:
     model = _Model(_Link({}, fail=ConnectionError("coordinator 127.0.0.1:1 unreachable")))
-    why = admission.refusal("corpusd:docs:1", model)
+    why = binding_check.refusal("corpusd:docs:1", model)
     assert why is not None and "ConnectionError" in why and "unreachable" in why
-    assert admission.refusal("other", model) is None
+    assert binding_check.refusal("other", model) is None
 
 
 def test_a_corpus_on_holders_off_this_gpu_fails_its_request_at_admission(
     scheduler: type[_Scheduler],
 ) -> None:
-    """The defect: on the device path admission checked only the corpus's length, and a corpus
-    whose pages sit on a holder not on this GPU was refused by the arena's load inside the
-    forward, which raises in SGLang's scheduler and stops the server. Admission now loads the
+    """The defect: on the device path the binding check read only the corpus's length, and a
+    corpus whose pages sit on a holder not on this GPU was refused by the arena's load inside the
+    forward, which raises in SGLang's scheduler and stops the server. The check now loads the
     corpus (once), so that request fails alone and the others go on."""
     s = scheduler()
     far, docs, again = _Req("corpusd:far:1"), _Req("corpusd:docs:2"), _Req("corpusd:docs:3")
@@ -157,15 +158,15 @@ def test_a_corpus_on_holders_off_this_gpu_fails_its_request_at_admission(
         s._add_request_to_queue(r)
     assert far.aborted is not None and "not on this GPU" in far.aborted
     assert docs.aborted is None and again.aborted is None
-    assert admission.batch_corpora([r.rid for r in s.queue], 3) == [None, "docs", "docs"]
+    assert binding_check.batch_corpora([r.rid for r in s.queue], 3) == [None, "docs", "docs"]
 
 
-def test_admission_rechecks_the_pins_before_it_binds() -> None:
-    """A corpus unpinned since it was bound must not be bound from the link's cache: admission
-    asks the link to recheck (at most once a second, ``link_device.recheck``) before each bind;
-    an unbound request costs no recheck."""
+def test_binding_check_rechecks_the_pins_before_it_binds() -> None:
+    """A corpus unpinned since it was bound must not be bound from the link's cache: the binding
+    check asks the link to recheck (at most once a second, ``CorpusCatalog.recheck``) before each
+    bind; an unbound request costs no recheck."""
     link = _Link({"docs": 10})
     model = _Model(link, _Resident())
-    assert admission.refusal("corpusd:docs:1", model) is None
-    assert admission.refusal("plain", model) is None
+    assert binding_check.refusal("corpusd:docs:1", model) is None
+    assert binding_check.refusal("plain", model) is None
     assert link.calls == ["recheck", "bind docs"]

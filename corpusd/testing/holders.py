@@ -1,7 +1,12 @@
-"""Test helpers for the coordinator: synthetic corpora (no prefill) and holders started together."""
+"""Corpora and holders to test against: a real pin of a small text (``pin_sample``), a
+synthetic corpus committed without a prefill (``synthetic_corpus``), and real ``corpusd holder``
+processes on loopback, one (``start_holder``) or several registering with a coordinator
+(``start_holders``)."""
 
 from __future__ import annotations
 
+import io
+import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -9,10 +14,52 @@ from pathlib import Path
 import torch
 
 from corpusd.corpus.manifest import Manifest, corpus_id
+from corpusd.corpus.pin import PinConfig, pin
 from corpusd.corpus.store import PageStore
 from corpusd.model import ModelConfig, fingerprint
+from corpusd.tokenizer import load_tokenizer
 from holder.launch import HolderProcess
-from tests.support.holders import start_holder
+from holder.launch import start_holder as _start
+
+
+def pin_sample(
+    tmp: Path, model_dir: Path, tokens: int = 1000, dtype: str = "float32", kv_format: str = "plain"
+) -> str:
+    """Pin ~``tokens`` tokens (in the model's own tokenizer: bytes, or the CPU default's BPE)
+    of text into ``tmp/store`` (cache in ``dtype``, latent rows in ``kv_format``); returns the
+    corpus id."""
+    cfg = ModelConfig.from_dir(model_dir)
+    tok = load_tokenizer(model_dir, cfg.bos_token_id, cfg.eos_token_id)
+    lines = (f"line {i}: the quick brown fox {i * 7919 % 1000}\n" for i in range(1 << 30))
+    body, count = "", 0
+    while count < tokens:  # one line's tokens, as the file's own stream counts them
+        line = next(lines)
+        body += line
+        count += len(tok.encode(line))
+    body = body[: len(body) * tokens // count]
+    src = tmp / "repo.tar"
+    with tarfile.open(src, "w") as tar:
+        info = tarfile.TarInfo("src/main.txt")
+        data = body.encode()
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    r = pin(
+        PinConfig(
+            corpus=str(src),
+            model=str(model_dir),
+            store=str(tmp / "store"),
+            dtype=dtype,
+            kv_format=kv_format,
+        ),
+        io.StringIO(),
+    )
+    return r.manifest.corpus_id
+
+
+def start_holder(
+    store: Path, state_dir: Path, model_dir: Path, *extra: str, env: dict[str, str] | None = None
+) -> HolderProcess:
+    return _start(store, state_dir, model_dir, "--threads", "1", *extra, env=env)
 
 
 def synthetic_corpus(

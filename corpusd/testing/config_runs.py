@@ -17,13 +17,13 @@ import torch
 
 from corpusd.corpus.store import PageStore
 from corpusd.model import ModelConfig, ModelConfigError, load_model
+from corpusd.testing.hf_checkpoints import Drawn, write_hf_checkpoint, write_hf_config
+from corpusd.testing.holders import pin_sample, start_holder
+from corpusd.testing.numeric import rel
+from corpusd.testing.oracle import Run, Ties, decode, greedy
 from holder.launch import HolderProcess
 from requester.config import WorkerConfig
 from requester.holder_client import HolderClient
-from tests.support.checks import rel
-from tests.support.hf_checkpoints import Drawn, write_hf_checkpoint, write_hf_config
-from tests.support.holders import pin_sample, start_holder
-from tests.support.oracle import Run, decode, greedy
 
 CORPUS_TOKENS, NEW_TOKENS, HOLDERS = 256, 6, 2
 SUFFIXES = ["\nQ: line 3?", "\nQ: fox 97?"]
@@ -52,13 +52,13 @@ class ConfigResult:
         return asdict(self)
 
 
-def _oracle(model_dir: Path, corpus: torch.Tensor) -> list[Run]:
+def _oracle(model_dir: Path, corpus: torch.Tensor, ties: Ties | None = None) -> list[Run]:
     import transformers
 
     hf = transformers.DeepseekV32ForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    return greedy(hf, corpus, SUFFIXES, NEW_TOKENS)
+    return greedy(hf, corpus, SUFFIXES, NEW_TOKENS, ties)
 
 
 async def _deal(cid: str, holders: list[HolderProcess], n_pages: int, seed: int) -> None:
@@ -136,7 +136,9 @@ def _run(tmp: Path, drawn: Drawn, r: ConfigResult) -> None:
                 raise
     try:
         asyncio.run(_deal(cid, holders, store.manifest(cid).n_pages, drawn.seed))
-        oracle = _oracle(model_dir, corpus)
+        ties = Ties()
+        oracle = _oracle(model_dir, corpus, ties)
+        r.extra["ties_at_cut"] = ties.total  # rows whose cut a tie rule decided (both sides')
         cfg = WorkerConfig(indexer=r.indexer, primitive="route", trace=True)
         tokens, logits, w = asyncio.run(
             decode(model, store, cid, [h.address for h in holders], cfg, SUFFIXES, NEW_TOKENS)

@@ -1,4 +1,4 @@
-"""The mutations drawn around a valid request (:mod:`tests.support.fuzz_requests`): fields set to
+"""The mutations drawn around a valid request (:mod:`corpusd.testing.fuzz_requests`): fields set to
 edge values of their type, tensors given wrong dtypes, shapes or bytes, oversized messages, and
 the serialised bytes truncated, bit-flipped or replaced. ``draw`` makes one ``Case`` to send."""
 
@@ -14,15 +14,15 @@ import torch
 from google.protobuf.descriptor import FieldDescriptor as FD
 from google.protobuf.message import Message
 
-from corpusd.v1 import tensor_pb2
-from tests.support.fuzz_requests import (
+from corpusd.testing.fuzz_requests import (
     TARGETS,
     Ctx,
     Target,
-    _agent_requests,
-    _coordinator_requests,
-    _holder_requests,
+    agent_requests,
+    coordinator_requests,
+    holder_requests,
 )
+from corpusd.v1 import tensor_pb2
 
 # -- mutations ---------------------------------------------------------------------------------
 _U32 = [0, 1, 2, 3, 7, 63, 64, 65, 127, 128, 129, 255, 1023, 4096, 2**16, 2**31 - 1, 2**31]
@@ -186,11 +186,11 @@ def draw(
     target = rng.choice(targets or TARGETS)
     addr = rng.choice(addresses[target.service])
     if target.service == "holder":
-        msg = _holder_requests(ctx, addr, rng)[target.method]
+        msg = holder_requests(ctx, addr, rng)[target.method]
     elif target.service == "coordinator":
-        msg = _coordinator_requests(ctx, rng)[target.method]
+        msg = coordinator_requests(ctx, rng)[target.method]
     else:
-        msg = _agent_requests(ctx, rng)[target.method]
+        msg = agent_requests(ctx, rng)[target.method]
     m = Mutator(rng, ctx)
     kind = rng.choices(["valid", "fields", "tensor", "bytes", "huge"], [15, 35, 30, 15, 5])[0]
     tensors = [

@@ -1,7 +1,7 @@
-"""The coordinator's durable state behind one interface: its rows and the contract every backend
+"""The coordinator's durable state behind one interface: its rows and the contract every store
 keeps (``sqlite_state``, ``etcd_state``; ``db.open_state`` picks one by URL).
 
-Every change that must survive a restart is one transaction in either backend, so a crash
+Every change that must survive a restart is one transaction in either store, so a crash
 leaves the state before or after it. Corpus states: ``queued`` (waits for room, FIFO by
 ``queued_seq``), ``pinning`` (being published; ``plan`` lists what may be on holders so a
 restart or a new leader can roll it back), ``ready`` (its page table is committed) and
@@ -63,10 +63,10 @@ class NotLeader(Exception):
         self.leader = leader
 
 
-class StateBackend(abc.ABC):
-    """The contract both backends keep. All methods are coroutines run on the coordinator's
+class StateStore(abc.ABC):
+    """The contract both stores keep. All methods are coroutines run on the coordinator's
     event loop; writes are atomic (all of a method's change or none) and raise NotLeader, with
-    nothing changed, when a fenced backend (etcd) finds another coordinator leading. Reads
+    nothing changed, when a fenced store (etcd) finds another coordinator leading. Reads
     never raise NotLeader: standbys serve them."""
 
     #: where it lives, for logs (a path, or the etcd endpoints and prefix)

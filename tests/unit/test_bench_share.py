@@ -1,0 +1,64 @@
+"""tools/bench_share.py's arithmetic: the equal-HBM budget, SGLang's pool bytes, and quantiles
+and counters read from Prometheus text (the GPU run itself is a script, not a test)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tools.bench_share import counter, headline, histogram, pool_bytes, quantile, route_budget
+
+CFG = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128, "num_hidden_layers": 4}
+
+
+def test_pool_bytes_counts_the_latent_row_and_the_fp8_index_key_per_layer() -> None:
+    assert pool_bytes(CFG) == 4 * (2 * 576 + 128 + 4)
+    # FlashMLA's fp8 row: 512 fp8 + 4 float32 scales + 64 bf16 rope = 656 bytes
+    assert pool_bytes(CFG, "fp8_e4m3") == 4 * (656 + 132)
+
+
+def test_route_budget_charges_the_pinned_copy_to_every_worker_equally() -> None:
+    b = pool_bytes(CFG)
+    # a copy as large as one worker's whole budget, shared by 2 workers: each gives up half
+    assert route_budget(1000, 2, 1000 * b, b) == 500
+    assert route_budget(1000, 4, 1000 * b, b) == 750
+    assert route_budget(1000, 1, 2000 * b, b) < 0  # the copy alone is over budget
+
+
+def test_quantile_interpolates_inside_the_bucket_like_histogram_quantile() -> None:
+    buckets = {0.001: 0.0, 0.002: 5.0, 0.004: 10.0, math.inf: 10.0}
+    assert quantile(buckets, 0.5) == pytest.approx(0.002)
+    assert quantile(buckets, 0.75) == pytest.approx(0.003)
+    assert math.isnan(quantile({0.1: 0.0, math.inf: 0.0}, 0.5))
+    assert quantile({0.1: 0.0, math.inf: 4.0}, 0.5) == 0.1  # past the last finite edge
+
+
+def test_counters_and_histograms_sum_every_label_set() -> None:
+    text = "\n".join(
+        [
+            'sglang:generation_tokens_total{model_name="a"} 12.0',
+            'sglang:generation_tokens_total{model_name="b"} 3.0',
+            'sglang:inter_token_latency_seconds_bucket{le="0.01",model_name="a"} 3.0',
+            'sglang:inter_token_latency_seconds_bucket{le="0.01",model_name="b"} 1.0',
+            'sglang:inter_token_latency_seconds_bucket{le="+Inf",model_name="a"} 4.0',
+        ]
+    )
+    assert counter(text, "sglang:generation_tokens_total") == 15.0
+    assert histogram(text, "sglang:inter_token_latency_seconds") == {0.01: 4.0, math.inf: 4.0}
+
+
+def test_headline_takes_the_best_point_and_the_best_within_the_latency_bound() -> None:
+    def point(tps: float, p99: float, errors: int = 0) -> dict:
+        m = lambda v: {"median": v, "min": v, "max": v}  # noqa: E731
+        return {
+            "tokens_per_s": m(tps),
+            "itl_server_p99_ms": m(p99),
+            "sessions_held_max": m(tps / 100),
+            "errors_total": errors,
+        }
+
+    h = headline([point(100, 5), point(300, 9), point(500, 30), point(900, 1, errors=1)])
+    assert h["tokens_per_s_saturation"] == 500  # the erroring point does not count
+    assert h["tokens_per_s_at_2x_itl"] == 300  # p99 9 ms ≤ 2 × 5 ms; 30 ms is not
+    assert headline([point(1, 1, errors=2)]) == {"served": False}
