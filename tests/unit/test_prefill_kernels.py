@@ -96,4 +96,3 @@ def test_forward_tokens_runs_the_given_kernels() -> None:
     for li in range(layers):
         assert torch.equal(a.latent[li], b.latent[li])
         assert torch.equal(a.index_keys[li], b.index_keys[li])
-
