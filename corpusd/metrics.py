@@ -31,6 +31,15 @@ class Metrics:
     def gauge(self, name: str, text: str, labels: Sequence[str] = ()) -> Gauge:
         return Gauge(self.prefix + name, text, labels, registry=self.registry)
 
+    def kernel_info(self) -> Gauge:
+        """``kernel_info{kernel, device}`` = 1: the attention-partial kernel this process chose
+        at start-up (``corpusd.kernels.registry.choose``, set by its ``report``)."""
+        return self.gauge(
+            "kernel_info",
+            "attention-partial kernel chosen at start-up by capability (corpusd.kernels)",
+            ["kernel", "device"],
+        )
+
     def histogram(
         self,
         name: str,

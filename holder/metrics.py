@@ -63,6 +63,4 @@ class HolderMetrics(Metrics):
             "data-plane transports offered (1) to requesters: grpc, nvshmem",
             ["transport"],
         )
-        self.kernel = self.gauge(
-            "kernel_info", "partial-attention kernel in use", ["kernel", "device"]
-        )
+        self.kernel = self.kernel_info()

@@ -25,11 +25,11 @@ from typing import Any
 import grpc
 import torch
 
+from corpusd.kernels.registry import Kernel
 from corpusd.rpc import Reject
 from corpusd.transport import nvshmem_ring as nr
 from corpusd.v1 import transport_pb2, transport_pb2_grpc
 from holder.config import HolderConfig
-from holder.kernels import Kernel
 from holder.pool import FramePool, rows_outside
 
 log = logging.getLogger("corpusd.holder.nvshmem")

@@ -10,23 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from holder.kernels import Kernel
+from corpusd.kernels.registry import Kernel
 from holder.pool import FramePool, rows_outside
 from holder.requests import AttendCall
 from holder.staging import StagingPool
 
-#: (O [n, h, d_v] in the pool's dtype, LSE [n, h] float32, bad [2] bool or None)
-Partial = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+#: A kernel's ``PartialOut`` with the device check beside it: (O [n, h, d_v] in the pool's dtype,
+#: LSE [n, h] float32, bad [2] bool or None)
+Checked = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
-def partial_cpu(pool: FramePool, kernel: Kernel, call: AttendCall) -> Partial:
+def partial_cpu(pool: FramePool, kernel: Kernel, call: AttendCall) -> Checked:
     """``(O, LSE, None)`` of ``call`` over its layer's pool rows (checked by the servicer)."""
     kv = pool.latent[call.layer]
     o, lse = kernel.fn(call.q.to(pool.geo.dtype), kv, call.rows, call.scale, pool.geo.d_v)
     return o, lse, None
 
 
-def partial_gpu(pool: FramePool, staging: StagingPool, kernel: Kernel, call: AttendCall) -> Partial:
+def partial_gpu(pool: FramePool, staging: StagingPool, kernel: Kernel, call: AttendCall) -> Checked:
     """Copy in, check, compute and copy out on one staging stream, with one host sync:
     ``(O, LSE)`` in pinned host memory and ``bad [2]`` (q not finite, rows not the corpus's).
     The kernel never reads outside the pool, so bad rows cost a wasted kernel, never a wrong

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from corpusd.corpus.manifest import page_format
-from corpusd.formats import FP8_ROW_BYTES, KV_FORMATS
+from corpusd.kernels.formats import KV_FORMATS, ROW_BYTES
 
 log = logging.getLogger("corpusd.holder")
 
@@ -54,7 +54,7 @@ class Geometry:
     @property
     def latent_width(self) -> int:
         """Elements of a stored latent row: ``kv_dim``, or 656 bytes for fp8 rows."""
-        return FP8_ROW_BYTES if self.fp8 else self.kv_dim
+        return ROW_BYTES if self.fp8 else self.kv_dim
 
     @property
     def latent_dtype(self) -> torch.dtype:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from corpusd.model import fp8_cache
+from corpusd.kernels import fp8_cache
 from holder.pool import FramePool
 from holder.requests import TopKCall
 from indexer import index_scores, select_topk

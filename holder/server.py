@@ -19,10 +19,11 @@ import torch
 
 from corpusd.corpus.store import PageStore
 from corpusd.daemon import check_ports, listen, write_endpoint
-from corpusd.model import ModelConfig, fingerprint, fp8_cache
+from corpusd.kernels import fp8_cache
+from corpusd.kernels.registry import choose
+from corpusd.model import ModelConfig, fingerprint
 from corpusd.v1 import holder_pb2_grpc
 from holder.config import HolderConfig
-from holder.kernels import choose
 from holder.metrics import HolderMetrics
 from holder.pool import FramePool, Geometry
 from holder.registration import keep_registered

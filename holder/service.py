@@ -20,13 +20,13 @@ import grpc
 import torch
 
 from corpusd.corpus.store import PageStore
+from corpusd.kernels.registry import Kernel, report
 from corpusd.rpc import Reject, Rpc
 from corpusd.transport import cuda_ipc
 from corpusd.v1 import holder_pb2, holder_pb2_grpc
 from corpusd.wire import to_proto
 from holder.admission import Admission, Overloaded
 from holder.config import HolderConfig
-from holder.kernels import Kernel
 from holder.loading import Corrupt, load_pages
 from holder.metrics import HolderMetrics, k_bucket, rows_bucket
 from holder.partials import partial_cpu, partial_gpu
@@ -83,7 +83,7 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         metrics.elbow.set(cfg.max_flows)
         # layer-0 rows attended per frame since the last heartbeat (what pages are hot)
         self.heat = torch.zeros(pool.geo.frames, dtype=torch.int64)
-        metrics.kernel.labels(kernel.name, cfg.device).set(1)
+        report(kernel, cfg.device, "holder", metrics.kernel)
         # this process's pools: a requester that mapped an earlier process's must not reuse it
         self.incarnation = secrets.token_hex(8)
 

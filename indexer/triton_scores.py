@@ -39,7 +39,7 @@ except ImportError:  # CPU-only installs: importable() says so
     triton = None
 
 # Triton's CPU interpreter (the CPU tests) multiplies the raw bits of bf16 operands in tl.dot;
-# there tiles are upcast to float32 first (corpusd/model/triton_mla.py does the same).
+# there tiles are upcast to float32 first (corpusd/kernels/triton_mla.py does the same).
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 _QUANT_BLOCK = 128  # indexer.fp8's block: one key scale per 128 columns
 _MAX_HEADS = 256  # one row's heads fill at most a 256-wide MMA N (more: the torch path)

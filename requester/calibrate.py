@@ -25,8 +25,9 @@ import torch
 from corpusd.corpus.manifest import PAGE_SIZE
 from corpusd.corpus.store import PageStore
 from corpusd.daemon import Daemon
+from corpusd.kernels.merge import merge_partials
+from corpusd.kernels.reference import partial_attention
 from corpusd.model import DeepseekV32
-from corpusd.model.partial import merge_partials, partial_attention
 from corpusd.model.rope import shift_band
 from requester.corpus_view import CorpusView
 from requester.holder_client import HolderClient

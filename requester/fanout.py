@@ -44,6 +44,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 import torch
 
+from corpusd.kernels.reference import PartialOut
 from corpusd.model import DeepseekV32
 from corpusd.rpc import StatusError
 from requester.balance import HolderSpeed
@@ -51,15 +52,7 @@ from requester.binding_index import CorpusIndexer
 from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.drift import Drift
 from requester.metrics import RequesterMetrics
-from requester.plan import (
-    Geometry,
-    GroupWork,
-    Partial,
-    failure,
-    group_shape,
-    holder_groups,
-    merge_groups,
-)
+from requester.plan import Geometry, GroupWork, failure, group_shape, holder_groups, merge_groups
 from requester.predicate import Decision, Group, Predicate
 from requester.routes import Connections
 from requester.sources import LocalRows, PageCache, attend_canonical
@@ -231,7 +224,7 @@ class CorpusBinding(CorpusIndexer):
         offsets: torch.Tensor | None = None,
         scale: float | None = None,
         dtype: torch.dtype | None = None,
-    ) -> Partial:
+    ) -> PartialOut:
         """``(O [n, h, d_v], LSE [n, h])`` of absorbed queries ``q [n, h, kv_dim]`` over
         canonical corpus positions ``canon [n, k]`` (int64, -1 unused), each row's corpus placed
         at ``offsets [n]`` (default 0; ``q`` is rotated back by it for route). Grouped by holder,
@@ -276,7 +269,7 @@ class CorpusBinding(CorpusIndexer):
             local_ok=self._can_recompute(),
         )  # fmt: skip
 
-    async def _group(self, call: LayerCall, g: GroupWork, tries: int | None = None) -> Partial:
+    async def _group(self, call: LayerCall, g: GroupWork, tries: int | None = None) -> PartialOut:
         engine, shape = self.engine, self._shape(call.layer, g)
         if self.force:  # the monolithic baseline
             decision = Decision(self.force, engine.predicate.costs(shape))
@@ -288,7 +281,7 @@ class CorpusBinding(CorpusIndexer):
     async def serve(
         self, call: LayerCall, g: GroupWork, decision: Decision, forced: bool,
         tries: int | None = None,
-    ) -> Partial:  # fmt: skip
+    ) -> PartialOut:  # fmt: skip
         """Group ``g``'s partial of ``call`` (``(O [len(g.keep), h, d_v]`` in the holder's or
         the queries' dtype, ``LSE)``) by ``decision.pick``, recorded with its measured cost
         (``forced``: not the predicate's own pick). A failed holder call fails over
@@ -320,7 +313,7 @@ class CorpusBinding(CorpusIndexer):
     async def _recover(
         self, call: LayerCall, g: GroupWork, pick: str, e: grpc.aio.AioRpcError | StatusError,
         tries: int,
-    ) -> Partial:  # fmt: skip
+    ) -> PartialOut:  # fmt: skip
         """A holder failed: its rows go to replicas, else to a re-read page table, else are
         recomputed here; ``tries`` bounds how often one call's rows may fail over."""
         code, detail = failure(e)
@@ -370,7 +363,7 @@ class CorpusBinding(CorpusIndexer):
         self.view, self.dead = view, set()
         return "table"
 
-    async def _execute(self, call: LayerCall, g: GroupWork, pick: str) -> Partial:
+    async def _execute(self, call: LayerCall, g: GroupWork, pick: str) -> PartialOut:
         layer, scale, geo = call.layer, call.scale, self.geo
         qg, og = call.q[g.keep], call.offsets[g.keep]
         if pick == "route":

@@ -13,6 +13,7 @@ class RequesterMetrics(Metrics):
             "step_seconds", "one forward step of a batch", buckets=REQUEST_BUCKETS
         )
         self.rows = self.counter("rows", "query rows stepped (tokens of all sessions)")
+        self.kernel = self.kernel_info()  # where this process attends corpus rows itself
         self.fanout = self.histogram(
             "fanout_holders", "holders one layer step sends to", buckets=(0, 1, 2, 3, 4, 8, 16, 32)
         )

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from corpusd.kernels.merge import merge_partials
+from corpusd.kernels.reference import PartialOut
 from corpusd.model import DeepseekV32, ModelConfig
-from corpusd.model.partial import merge_partials
 from corpusd.model.rope import shift_band
 from corpusd.rpc import StatusError
 from requester.corpus_view import CorpusView
 from requester.predicate import Group
 
-Partial = tuple[torch.Tensor, torch.Tensor]  # (O [n, h, d_v], LSE [n, h] float32, natural log)
 Shift = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # Rotary.shift
 
 
@@ -136,9 +136,9 @@ def merge_groups(
     q: torch.Tensor,
     d_v: int,
     groups: Sequence[GroupWork],
-    results: Sequence[Partial],
+    results: Sequence[PartialOut],
     dtype: torch.dtype | None = None,
-) -> Partial:
+) -> PartialOut:
     """The exact merge of each group's ``(O, LSE)`` over its rows: ``(O [n, h, d_v]`` in
     ``dtype`` (default ``q``'s) on ``q``'s device, ``LSE [n, h])``; rows no group served are
     empty (O 0, LSE -inf)."""

@@ -14,8 +14,10 @@ from collections.abc import Callable
 
 import torch
 
-from corpusd.model import DeepseekV32, KVCache, forward_tokens, fp8_cache
-from corpusd.model.partial import partial_attention
+from corpusd.kernels import fp8_cache
+from corpusd.kernels.formats import FP8
+from corpusd.kernels.reference import partial_attention
+from corpusd.model import DeepseekV32, KVCache, forward_tokens
 from corpusd.model.rope import shift_band
 
 Rows = Callable[[int, torch.Tensor], torch.Tensor]  # (layer, canonical positions [u]) → [u, d]
@@ -96,7 +98,7 @@ class LocalRows:
             f"rows up to {int(positions.max())} asked, {self.cache.length} computed"
         )
         rows = self.cache.latent[layer][positions]
-        if self.kv_format == fp8_cache.FP8:
+        if self.kv_format == FP8:
             rows = fp8_cache.dequantize(fp8_cache.quantize(rows), rows.dtype)
         return rows
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from corpusd.kernels.reference import partial_attention
 from corpusd.model import ModelConfig
 from corpusd.model.mla import Projections
-from corpusd.model.partial import partial_attention
 from indexer import index_scores
 from requester.session import Session
 

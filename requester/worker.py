@@ -23,9 +23,10 @@ import torch
 
 from corpusd.coordinator.client import PageTable
 from corpusd.corpus.store import PageStore
-from corpusd.model import DeepseekV32, KVCache, fp8_cache
+from corpusd.kernels import fp8_cache
+from corpusd.kernels.merge import merge_partials
+from corpusd.model import DeepseekV32, KVCache
 from corpusd.model.mla import Projections
-from corpusd.model.partial import merge_partials
 from indexer import index_scores
 from indexer.modes import select_distributed, select_replica
 from requester.config import WorkerConfig

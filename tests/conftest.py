@@ -16,9 +16,10 @@ import torch
 
 # Not a test's leak, so the guard below leaves them be: pytest's own (it names the running
 # test), and what code sets at import, by design, once per process (the SGLang plugin's default
-# for SGLang, requester/sglang/deepseek_v32.py).
+# for SGLang, requester/sglang/deepseek_v32.py; torch's inductor cache directory, which
+# ``torch._dynamo`` sets when a test's first ``nn.init`` under a device context imports it).
 _PYTEST_OWN = frozenset({"PYTEST_CURRENT_TEST"})
-_SET_AT_IMPORT = frozenset({"SGLANG_NSA_FUSE_TOPK"})
+_SET_AT_IMPORT = frozenset({"SGLANG_NSA_FUSE_TOPK", "TORCHINDUCTOR_CACHE_DIR"})
 
 
 class _HasNodeid(Protocol):

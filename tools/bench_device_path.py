@@ -11,7 +11,7 @@ corpus), for several batch sizes. Needs sglang's kernels (deep_gemm, sgl_kernel)
     python -m tools.bench_device_path --out bench/results/sglang-device-path-h100.json
 
 ``--kv-format fp8_e4m3`` times the same step over a pool of FlashMLA's fp8 rows (the partial is
-then FlashMLA's fp8 sparse decode, ``corpusd/model/flashmla_fp8.py``).
+then FlashMLA's fp8 sparse decode, ``corpusd/kernels/flashmla.py``).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from corpusd.model import flashmla_fp8
-from corpusd.model import fp8_cache as f8
+from corpusd.kernels import flashmla
+from corpusd.kernels import fp8_cache as f8
+from corpusd.kernels.flashmla import sparse_lse_base2
 from requester.corpus_view import CorpusView
 from requester.sglang import device, device_scores
-from requester.sglang.backend import _sparse_lse_base2
 from requester.sglang.lse import merge_local_corpus
 from requester.sglang.resident import ArenaCorpus, Resident
 from tools.gpu_timing import command
@@ -106,7 +106,7 @@ def measure(
                 device.sparse_partial, q, kv, rows, 576**-0.5, 512, base2, sp
             )
         # the holders' own Triton kernel (flash-decoding: k split over programs, LSE merge)
-        from corpusd.model.triton_mla import triton_partial_attention
+        from corpusd.kernels.triton_mla import triton_partial_attention
 
         stages["kernel_triton"] = functools.partial(
             triton_partial_attention, q, kv, rows, 576**-0.5, 512
@@ -131,7 +131,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     pool = torch.randn(frames * p, 576, device=dev).bfloat16()
     res.add_pool("h0", [f8.quantize(pool) if a.kv_format == "fp8_e4m3" else pool])
     if a.kv_format == "fp8_e4m3":  # probed before any capture, as the entry model does
-        flashmla_fp8.lse_to_natural(str(pool.device))
+        flashmla.lse_to_natural(str(pool.device), fp8=True)
     n_pages = math.ceil(t / p)
     page_frame = torch.randperm(frames)[:n_pages]
     view = CorpusView(
@@ -139,7 +139,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         tuple(((0, int(f)),) for f in page_frame),  # the arena maps each page's first replica
     )  # fmt: skip
     c = res.load(view, [torch.randn(t, 128)])
-    base2 = _sparse_lse_base2("cuda")
+    base2 = sparse_lse_base2("cuda")
     rows = []
     for n in a.batches:
         row = measure(res, c, n, a, base2)

@@ -6,7 +6,7 @@ For rows 1…64 × heads 16/64/128 at k 2048 over a 256k-token pool: device µs 
 graphs of 10 calls, median of 10) of FlashMLA's bf16 sparse kernel and Triton on bf16 rows, and
 of FlashMLA's fp8 sparse decode and the Triton fp8 kernel on the same rows quantized; and each
 fp8 kernel's error against the fp8 torch reference. It prints a table and writes JSON; "auto"
-picks FlashMLA for fp8 pools (``holder.kernels``), which this measures.
+picks FlashMLA for fp8 pools (``corpusd.kernels.registry``), which this measures.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from corpusd.model import fp8_cache as f8
+from corpusd.kernels import fp8_cache as f8
 from tools.gpu_timing import (
     D_V,
     D,
@@ -34,7 +34,7 @@ from tools.gpu_timing import (
 
 
 def run(pool_tokens: int, quick: bool) -> dict[str, Any]:
-    from holder.kernels import REGISTRY
+    from corpusd.kernels.registry import REGISTRY
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)

@@ -134,7 +134,7 @@ def elbow(points: list[dict[str, Any]], key: str) -> dict[str, int]:
 
 def part_tune(dev: torch.device) -> dict[str, Any]:
     """Triton kernel configurations at two decode shapes, next to FlashMLA (device time)."""
-    from corpusd.model.triton_mla import triton_partial_attention
+    from corpusd.kernels.triton_mla import triton_partial_attention
 
     pool = random_pool(1 << 18, dev, seed=6)
     g = torch.Generator(device=dev).manual_seed(7)
@@ -183,7 +183,7 @@ def part_graphs(dev: torch.device, quick: bool) -> dict[str, Any]:
     """Per decode size: host wall time of one eager call vs one graph replay (both + sync), and
     the device time of the replay; for the holder's partial and the requester's 2-way merge."""
     from corpusd.cuda_graphs import GraphBuckets, InputSpec
-    from corpusd.model.partial import merge_partials
+    from corpusd.kernels.merge import merge_partials
 
     pool_tokens = 1 << 18
     pool = random_pool(pool_tokens, dev, seed=2)

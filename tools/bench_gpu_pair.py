@@ -61,9 +61,9 @@ def holder_main(port_file: Path, device: int, fetch_rows: int) -> None:
     import grpc
 
     from corpusd.corpus.store import PageStore
+    from corpusd.kernels.registry import choose
     from corpusd.v1 import holder_pb2_grpc, transport_pb2_grpc
     from holder.config import HolderConfig
-    from holder.kernels import choose
     from holder.metrics import HolderMetrics
     from holder.nvshmem_endpoint import NvshmemEndpoint
     from holder.pool import FramePool, Geometry
@@ -161,8 +161,9 @@ async def requester_main(
     stop_holder: Callable[[], None],
     checkpoint: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
-    from corpusd.model.partial import merge_partials, partial_attention
-    from holder.kernels import REGISTRY, choose
+    from corpusd.kernels.merge import merge_partials
+    from corpusd.kernels.reference import partial_attention
+    from corpusd.kernels.registry import REGISTRY, choose
     from requester.holder_client import HolderClient
     from requester.nvshmem_client import NvshmemClient, RemoteRowError
     from tools.bench_gpu_grpc import breakdown
@@ -524,10 +525,10 @@ async def graphed_route(
 
 def part_choice(dev: torch.device, pool_tokens: int = 1 << 18) -> dict[str, Any]:
     """Both GPU kernels at few rows (1…64) and 16/64/128 heads, k 2048: device µs per call, the
-    one ``holder.kernels.prefer_triton`` picks, and its regret (picked / faster). A check of
-    the rule (derived from ``tools/bench_gpu.py single``) on this run's GPU, where h = 128
-    below 38 rows was never measured before."""
-    from holder.kernels import REGISTRY, prefer_triton
+    one ``corpusd.kernels.registry.prefer_triton`` picks, and its regret (picked / faster). A
+    check of the rule (derived from ``tools/bench_gpu.py single``) on this run's GPU, where
+    h = 128 below 38 rows was never measured before."""
+    from corpusd.kernels.registry import REGISTRY, prefer_triton
 
     pool = random_pool(pool_tokens, dev, seed=3)
     g = torch.Generator(device=dev).manual_seed(4)

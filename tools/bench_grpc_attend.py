@@ -46,9 +46,9 @@ def holder_main(port_file: Path) -> None:
     import grpc
 
     from corpusd.corpus.store import PageStore
+    from corpusd.kernels.registry import Kernel
     from corpusd.v1 import holder_pb2_grpc
     from holder.config import HolderConfig
-    from holder.kernels import Kernel
     from holder.metrics import HolderMetrics
     from holder.service import HolderService
     from tools.bench_gpu_grpc import _OPTS, add_probe

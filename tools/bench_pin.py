@@ -152,7 +152,7 @@ def pin_once(
     if device != "cpu":
         peak = torch.cuda.max_memory_allocated(torch.device(device))
         row["peak_gpu_mib"] = round(peak / (1 << 20), 1)
-        from corpusd.model.kernels import choose
+        from corpusd.model.prefill_kernels import choose
 
         mcfg = ModelConfig.from_dir(model)
         row["kernels"] = choose(mcfg, device, getattr(torch, dtype), kernels).describe

@@ -85,7 +85,7 @@ def ceilings(dev: torch.device) -> dict[str, float]:
 
 
 def kernels_on(dev: torch.device) -> dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
-    from holder.kernels import REGISTRY
+    from corpusd.kernels.registry import REGISTRY
 
     return {
         name: REGISTRY[name].fn

@@ -24,7 +24,7 @@ def profile(
     from corpusd.corpus.layout import render
     from corpusd.model import KVCache, load_model
     from corpusd.model import model as mm
-    from corpusd.model.kernels import Kernels, choose
+    from corpusd.model.prefill_kernels import Kernels, choose
     from corpusd.tokenizer import load_tokenizer
 
     cfg = ModelConfig.from_dir(model_dir)

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from corpusd.corpus.pin import warm_up
 from corpusd.model import KVCache, forward_tokens, load_model
-from corpusd.model.kernels import choose
+from corpusd.model.prefill_kernels import choose
 from corpusd.model.tiny import init_tiny
 
 

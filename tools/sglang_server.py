@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from corpusd.corpus.store import PageStore
-from corpusd.model.fp8_cache import ROW_BYTES
+from corpusd.kernels.fp8_cache import ROW_BYTES
 from requester.sglang.binding import request_fields
 from tools.sglang_compare import forced_primitive, is_route
 

@@ -9,7 +9,7 @@ from array import array
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from corpusd.formats import FP8_ROW_BYTES, KV_FORMATS
+from corpusd.kernels.formats import KV_FORMATS, ROW_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -19,6 +19,9 @@ FORMAT = "corpusd-pages-v1"
 #: loads, and an SGLang server binds, only corpora pinned with its own page size.
 PAGE_SIZE = 64
 STATES = ("pinning", "ready", "retired")
+# How latent rows are stored (``KV_FORMATS``, from ``corpusd/kernels/formats.py``): "plain" rows
+# of ``kv_dim`` values in the manifest's dtype, or FlashMLA's 656-byte fp8 rows (``ROW_BYTES``;
+# index keys stay in the dtype).
 
 
 def page_format(dtype: str, kv_format: str) -> str:
@@ -94,13 +97,13 @@ class Manifest:
     @property
     def latent_width(self) -> int:
         """Elements of one stored latent row: ``kv_dim``, or 656 bytes for fp8 rows."""
-        return self.kv_dim if self.kv_format == "plain" else FP8_ROW_BYTES
+        return self.kv_dim if self.kv_format == "plain" else ROW_BYTES
 
     @property
     def token_layer_bytes(self) -> int:
         """Stored bytes per token and layer: its latent row and its index key."""
         elt = 4 if self.dtype == "float32" else 2
-        latent = self.kv_dim * elt if self.kv_format == "plain" else FP8_ROW_BYTES
+        latent = self.kv_dim * elt if self.kv_format == "plain" else ROW_BYTES
         return latent + self.index_dim * elt
 
     @property

@@ -25,9 +25,10 @@ from corpusd.corpus.ingest import CorpusError, Ingested, ingest
 from corpusd.corpus.layout import Layout, render
 from corpusd.corpus.manifest import Manifest, corpus_id, page_format
 from corpusd.corpus.store import PageStore
+from corpusd.kernels import fp8_cache as fp8
+from corpusd.kernels.formats import FP8
 from corpusd.model import KVCache, ModelConfig, fingerprint, forward_tokens, load_model
-from corpusd.model import fp8_cache as fp8
-from corpusd.model.kernels import Kernels, choose
+from corpusd.model.prefill_kernels import Kernels, choose
 from corpusd.progress import Progress
 from corpusd.tokenizer import Tokenizer, load_tokenizer
 
@@ -96,16 +97,16 @@ def pin(
     cfg: PinConfig, stream: TextIO | None = None, admit: Callable[[int], None] | None = None
 ) -> PinResult:
     """Pin ``cfg.corpus``. Raises CorpusError (bad source), ModelConfigError/CheckpointError (bad
-    model, or one whose latent row does not fit ``cfg.kv_format``) before anything is written;
-    StoreError on a store problem. ``admit(n_pages)`` is called once the tokens are counted,
-    before the prefill: whatever it raises stops the pin with nothing written."""
+    model), ValueError (a latent row that does not fit ``cfg.kv_format``) before anything is
+    written; StoreError on a store problem. ``admit(n_pages)`` is called once the tokens are
+    counted, before the prefill: whatever it raises stops the pin with nothing written."""
     out = stream if stream is not None else sys.stderr
     t0 = time.perf_counter()
     if cfg.device != "cpu":
         check_device(cfg.device)
     model_dir = Path(cfg.model) if cfg.model else default_model(out)
     model_cfg = ModelConfig.from_dir(model_dir)
-    if cfg.kv_format == fp8.FP8:
+    if cfg.kv_format == FP8:
         fp8.check_layout(model_cfg.kv_lora_rank, model_cfg.qk_rope_head_dim)
     tokenizer, ingested, layout = tokenize(cfg, model_dir, model_cfg)
     fp = fingerprint(model_dir)
@@ -161,7 +162,7 @@ def pin(
         for layer in range(model_cfg.num_hidden_layers):
             n = cache.length
             latent = cache.latent[layer][:n].cpu()
-            if cfg.kv_format == fp8.FP8:
+            if cfg.kv_format == FP8:
                 latent = fp8.quantize(latent)
             w.write_layer(layer, latent, cache.index_keys[layer][:n].cpu(), cfg.page_size)
         manifest = w.write_manifest(manifest)  # with the files' checksums and page digests

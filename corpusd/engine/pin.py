@@ -49,6 +49,7 @@ from corpusd.engine.spool import (
     page_path,
     read_page,
 )
+from corpusd.kernels.formats import FP8, ROW_BYTES
 from corpusd.model import ModelConfig, fingerprint
 from corpusd.progress import Progress
 
@@ -93,7 +94,7 @@ def check_engine(cfg: PinConfig, stream: TextIO | None = None) -> EngineCheck:
             f"(start it with --kv-cache-dtype auto on a bf16 model, or fp8_e4m3)"
         )
     dtype, kv_format = KV_DTYPES[info.kv_dtype]
-    want_dim = 656 if kv_format == "fp8_e4m3" else model_cfg.kv_dim
+    want_dim = ROW_BYTES if kv_format == FP8 else model_cfg.kv_dim
     if info.page_size != cfg.page_size:
         raise EngineError(f"{where} has page size {info.page_size}: pass --page-size "
                           f"{info.page_size} (this pin asked for {cfg.page_size})")  # fmt: skip

@@ -33,10 +33,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from corpusd.corpus.manifest import PAGE_SIZE
+from corpusd.kernels.formats import D_ROPE, D_V, ROPE_AT, ROW_BYTES
 
 ENGINE_JSON = "engine.json"
-ROPE_START, ROPE_WIDTH = 512, 64  # V3.2 latent row: c_KV 512 ‖ k_pe 64
-FP8_ROPE_AT = 528  # byte offset of k_pe (64 bf16) in FlashMLA's 656-byte row
+ROPE_START, ROPE_WIDTH = D_V, D_ROPE  # V3.2 latent row: c_KV 512 ‖ k_pe 64
 INDEX_DIM = 128  # V3.2 index keys; one float32 scale per token (128-wide quant block)
 INDEX_TOKEN_BYTES = INDEX_DIM + 4
 #: SGLang's kv cache dtypes this pin takes, as the store's (dtype, kv_format)
@@ -207,9 +207,9 @@ def _permute_rope(x: torch.Tensor, kv_dtype: str, f: Any) -> torch.Tensor:
         assert x.dtype == torch.bfloat16 and x.shape[-1] == ROPE_START + ROPE_WIDTH, f"{x.shape=}"
         out[..., ROPE_START:] = f(x[..., ROPE_START:])
     elif kv_dtype == "fp8_e4m3":
-        assert x.dtype == torch.uint8 and x.shape[-1] == 656, f"{x.shape=} {x.dtype=}"
-        rope = x[..., FP8_ROPE_AT:].contiguous().view(torch.bfloat16)
-        out[..., FP8_ROPE_AT:] = f(rope).contiguous().view(torch.uint8)
+        assert x.dtype == torch.uint8 and x.shape[-1] == ROW_BYTES, f"{x.shape=} {x.dtype=}"
+        rope = x[..., ROPE_AT:].contiguous().view(torch.bfloat16)  # k_pe: 64 bf16 at byte 528
+        out[..., ROPE_AT:] = f(rope).contiguous().view(torch.uint8)
     else:
         raise ValueError(f"kv dtype {kv_dtype!r}: want one of {sorted(KV_DTYPES)}")
     return out

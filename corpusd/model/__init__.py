@@ -3,7 +3,6 @@
 from corpusd.model.checkpoint import CheckpointError, fingerprint, load_model, save_checkpoint
 from corpusd.model.config import ModelConfig, ModelConfigError
 from corpusd.model.model import DeepseekV32, KVCache, forward_tokens, select_rows
-from corpusd.model.partial import merge_partials, partial_attention
 
 __all__ = [
     "CheckpointError",
@@ -14,8 +13,6 @@ __all__ = [
     "fingerprint",
     "forward_tokens",
     "load_model",
-    "merge_partials",
-    "partial_attention",
     "save_checkpoint",
     "select_rows",
 ]

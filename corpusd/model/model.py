@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from corpusd.kernels.reference import partial_attention
 from corpusd.model.config import ModelConfig
 from corpusd.model.layers import MLP, MoE, RMSNorm
 from corpusd.model.mla import MLA, Projections
-from corpusd.model.partial import partial_attention
 from corpusd.model.rope import Rotary
 from indexer import index_scores, select_topk
 
 if TYPE_CHECKING:
-    from corpusd.model.kernels import Kernels
+    from corpusd.model.prefill_kernels import Kernels
 
 
 class DecoderLayer(nn.Module):
@@ -158,8 +158,8 @@ def forward_tokens(
 
     Appends their cache rows to ``cache`` (mutates it). Returns float32 logits ``[n, vocab]`` or
     None when ``want_logits`` is False (prefill chunks that only need the cache). ``kernels``
-    (``corpusd.model.kernels.choose``) runs index scores and sparse attention; without it, the
-    torch references do.
+    (``corpusd.model.prefill_kernels.choose``) runs index scores and sparse attention; without
+    it, the torch references do.
     """
     cfg = model.cfg
     n = tokens.shape[0]

@@ -18,9 +18,9 @@ from corpusd.testing.fuzz_requests import (
     TARGETS,
     Ctx,
     Target,
-    _agent_requests,
-    _coordinator_requests,
-    _holder_requests,
+    agent_requests,
+    coordinator_requests,
+    holder_requests,
 )
 from corpusd.v1 import tensor_pb2
 
@@ -186,11 +186,11 @@ def draw(
     target = rng.choice(targets or TARGETS)
     addr = rng.choice(addresses[target.service])
     if target.service == "holder":
-        msg = _holder_requests(ctx, addr, rng)[target.method]
+        msg = holder_requests(ctx, addr, rng)[target.method]
     elif target.service == "coordinator":
-        msg = _coordinator_requests(ctx, rng)[target.method]
+        msg = coordinator_requests(ctx, rng)[target.method]
     else:
-        msg = _agent_requests(ctx, rng)[target.method]
+        msg = agent_requests(ctx, rng)[target.method]
     m = Mutator(rng, ctx)
     kind = rng.choices(["valid", "fields", "tensor", "bytes", "huge"], [15, 35, 30, 15, 5])[0]
     tensors = [

@@ -97,7 +97,7 @@ def _rows(ctx: Ctx, addr: str, rng: random.Random, n: int, k: int) -> torch.Tens
     return torch.tensor(out, dtype=torch.int32)
 
 
-def _holder_requests(ctx: Ctx, addr: str, rng: random.Random) -> dict[str, Message]:
+def holder_requests(ctx: Ctx, addr: str, rng: random.Random) -> dict[str, Message]:
     n, h, k = rng.randint(1, 4), rng.choice([1, 2, 16, ctx.heads]), rng.choice([1, 8, 64])
     layer = rng.randrange(ctx.n_layers)
     held = sorted(ctx.holders[addr])
@@ -132,7 +132,7 @@ def _holder_requests(ctx: Ctx, addr: str, rng: random.Random) -> dict[str, Messa
     }
 
 
-def _coordinator_requests(ctx: Ctx, rng: random.Random) -> dict[str, Message]:
+def coordinator_requests(ctx: Ctx, rng: random.Random) -> dict[str, Message]:
     cpb = coordinator_pb2
     fake = f"fuzz-{rng.randrange(1000)}"
     return {
@@ -166,7 +166,7 @@ def _coordinator_requests(ctx: Ctx, rng: random.Random) -> dict[str, Message]:
     }
 
 
-def _agent_requests(ctx: Ctx, rng: random.Random) -> dict[str, Message]:
+def agent_requests(ctx: Ctx, rng: random.Random) -> dict[str, Message]:
     apb = agent_pb2
     session = rng.choice(ctx.sessions) if ctx.sessions else "s-none"
     n, k = rng.randint(1, 3), rng.choice([1, 16, 128])

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from corpusd.model import fp8_cache as f8
+from corpusd.kernels import fp8_cache as f8
 from requester.corpus_view import CorpusView
 from requester.sglang.resident import ArenaCorpus, Resident
 

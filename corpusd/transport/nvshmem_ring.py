@@ -35,8 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
+from corpusd.kernels.formats import D_QK, D_V
+
 UID_BYTES = 128
-D_QK, D_V = 576, 512
 ENV_DEFAULTS = {
     "NVSHMEM_DISABLE_NVLS": "1",  # NVLink multicast can take the host's GPUs down: never on
     "NVSHMEM_REMOTE_TRANSPORT": "none",  # one node; set ibrc (+ IBGDA) across nodes

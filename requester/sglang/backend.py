@@ -27,13 +27,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, fields
-from functools import cache
 from typing import Any
 
 import torch
 from sglang.srt.layers.attention.nsa_backend import NativeSparseAttnBackend, NSAIndexerMetadata
 
-from corpusd.model.partial import partial_attention
+from corpusd.kernels.flashmla import pad_heads, sparse_lse_base2
 from indexer.scores import index_scores
 from indexer.select import select_topk
 from requester.sglang import device, device_scores, topk
@@ -180,24 +179,6 @@ class CorpusIndexerMetadata(NSAIndexerMetadata):
         return own_sel
 
 
-@cache
-def _sparse_lse_base2(device: str) -> bool:
-    """Whether this sgl_kernel build's ``flash_mla_sparse_fwd`` returns base-2 LSE (probe once
-    against the torch reference, as holder/flashmla.py does)."""
-    from sgl_kernel.flash_mla import flash_mla_sparse_fwd
-
-    g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(2, 64, 576, generator=g, device=device).bfloat16()
-    kv = torch.randn(256, 576, generator=g, device=device).bfloat16()
-    idx = torch.randperm(256, generator=g, device=device)[:128].repeat(2, 1).int()
-    _, _, lse = flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], 576**-0.5, 512)
-    _, ref = partial_attention(q.float(), kv.float(), idx.long(), 576**-0.5, 512)
-    for base2 in (False, True):
-        if torch.allclose(lse_mod.to_natural(lse, base2), ref, rtol=1e-3, atol=1e-2):
-            return base2
-    raise RuntimeError("flash_mla_sparse_fwd's lse matches neither natural log nor base 2")
-
-
 class CorpusNSABackend(NativeSparseAttnBackend):
     """SGLang's NSA backend; batches without a bound request take SGLang's path unchanged."""
 
@@ -234,13 +215,9 @@ class CorpusNSABackend(NativeSparseAttnBackend):
     ) -> torch.Tensor:
         from sgl_kernel.flash_mla import flash_mla_sparse_fwd
 
-        n, h, d = q_all.shape
-        pad = 128 if self.device_sm_major >= 10 else 64
-        q_in = (
-            q_all if h % pad == 0 else torch.cat([q_all, q_all.new_zeros(n, pad - h % pad, d)], 1)
-        )
+        n, h, _ = q_all.shape
         o, _, raw = flash_mla_sparse_fwd(
-            q=q_in,
+            q=pad_heads(q_all, self.device_sm_major),
             kv=kv_cache,
             indices=page_table_1.unsqueeze(1),
             sm_scale=sm_scale,
@@ -248,7 +225,7 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         )
         o, raw = o[:, :h], raw[:, :h]
         empty = (page_table_1 < 0).all(dim=1)[:, None].expand(n, h)
-        self._lse = lse_mod.to_natural(raw, _sparse_lse_base2(str(q_all.device))).masked_fill(
+        self._lse = lse_mod.to_natural(raw, sparse_lse_base2(str(q_all.device))).masked_fill(
             empty, -math.inf
         )
         return o.masked_fill(empty[..., None], 0.0)
@@ -369,7 +346,7 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         n = sel.shape[0]
         o_loc = o.reshape(-1, h, layer.v_head_dim)[:n]
         qc = to_corpusd_layout(q_all[:n]).to(torch.bfloat16)
-        base2 = _sparse_lse_base2(str(q_all.device))
+        base2 = sparse_lse_base2(str(q_all.device))
         o_cor, l_cor = device.corpus_partial(
             cb.resident, layer.layer_id, qc, sel, cb.base[:n], layer.scaling, layer.v_head_dim,
             base2,

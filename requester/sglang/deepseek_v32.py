@@ -31,11 +31,14 @@ from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.models.deepseek_v2 import DeepseekV32ForCausalLM as _SGLangDeepseekV32
 from sglang.srt.server_args import get_global_server_args
 
-from corpusd.model import ModelConfig, flashmla_fp8
+from corpusd.kernels import flashmla, registry
+from corpusd.kernels.flashmla import sparse_lse_base2
+from corpusd.kernels.formats import D_QK, D_V
+from corpusd.model import ModelConfig
 from corpusd.model.checkpoint import fingerprint
 from requester.predicate import Predicate
 from requester.sglang import binding_check, choose, dump, formats
-from requester.sglang.backend import CorpusBatch, _sparse_lse_base2, create_corpus_nsa_backend
+from requester.sglang.backend import CorpusBatch, create_corpus_nsa_backend
 from requester.sglang.config import PluginConfig
 from requester.sglang.device_scores import warm_up as warm_scores
 from requester.sglang.link import CorpusLink
@@ -187,12 +190,17 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             if not mapped:
                 res = None
             else:  # the kernels' LSE bases: probed now, never inside a graph capture
-                _sparse_lse_base2(str(dev))
+                sparse_lse_base2(str(dev))
                 warm_scores(res, dev, mcfg.index_topk)  # a prefill's JIT kernels, compiled now
                 fmt = res.kv_format
                 assert fmt is not None, "holders mapped, but no pool format recorded"
                 if fmt == formats.FP8:
-                    flashmla_fp8.lse_to_natural(str(dev))
+                    flashmla.lse_to_natural(str(dev), fp8=True)
+                pool = (torch.bfloat16, D_QK, D_V, fmt)
+                kernel = registry.choose("auto", str(dev), *pool)
+                registry.report(kernel, str(dev), "corpusd plugin (device path)",
+                                self.corpusd_link.metrics.kernel,
+                                registry.passed_over(kernel, str(dev), *pool))  # fmt: skip
                 formats.log_pairing(self.corpusd_kv_format, dict.fromkeys(mapped, fmt))
         if res is None:  # the host path: the holders' formats as the coordinator has them
             try:
@@ -281,7 +289,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         ue8m0 = self.corpusd_key_ue8m0
         self.corpusd_link.new_step([str(r) for r in forward_batch.rids or ()], mode)
         cb = CorpusBatch(self.corpusd_link, bindings, token_req, corpus_len, ue8m0, mode)
-        cb.base2 = device.type == "cuda" and _sparse_lse_base2(str(device))
+        cb.base2 = device.type == "cuda" and sparse_lse_base2(str(device))
         return cb
 
     def forward(

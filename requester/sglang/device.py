@@ -28,7 +28,9 @@ import math
 
 import torch
 
-from corpusd.model.fp8_cache import FP8
+from corpusd.kernels import flashmla
+from corpusd.kernels.formats import FP8
+from corpusd.kernels.registry import prefer_triton
 from requester.sglang import device_triton
 from requester.sglang.resident import Resident
 from requester.sglang.topk import sglang_order
@@ -161,9 +163,6 @@ def empty_lse(n: int, h: int, device: torch.device) -> torch.Tensor:
 # -- the per-layer kernels: SGLang's / FlashMLA's on the GPU, the torch reference elsewhere --------
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
 def sparse_partial(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -175,59 +174,25 @@ def sparse_partial(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention of ``q [n, h, d_qk]`` (bf16, corpusd's rope layout) over ``kv [N,
     d_qk]`` rows ``rows [n, k]`` (int32, -1 unused): ``(O [n, h, d_v] float32, LSE [n, h]
-    natural, -inf empty)``. FlashMLA's sparse kernel on CUDA, :func:`corpusd.model.partial.
-    partial_attention` elsewhere.
-
-    FlashMLA's sparse kernel gives each (query row, 64 heads) one CTA, which walks all ``k``
-    rows: ``splits`` > 1 cuts them into that many chunks, each a query row of its own, and
-    merges the chunks' partials by LSE here (exact: a softmax split by keys). More CTAs, each
-    shorter, against a merge that reads ``splits`` float32 partials; None takes
-    :data:`SPLITS` (measured by ``tools/bench_device_path.py``). ``base2``: the kernel's LSE
-    base, probed once by the caller."""
+    natural, -inf empty)``. The kernel is the registry's per-request choice
+    (``corpusd.kernels.registry.prefer_triton``, the rule the holders use): Triton's
+    flash-decoding kernel for few rows or heads, or where FlashMLA cannot run; FlashMLA's
+    sparse kernel otherwise (``flashmla.split_sparse_partial``: ``splits`` chunks of k per
+    row, None takes :data:`SPLITS`, measured by ``tools/bench_device_path.py``; ``base2``: its
+    LSE base, probed once by the caller). A given ``splits`` forces FlashMLA.
+    :func:`corpusd.kernels.reference.partial_attention` off CUDA."""
     if not q.is_cuda:
-        from corpusd.model.partial import partial_attention
+        from corpusd.kernels.reference import partial_attention
 
         return partial_attention(q.float(), kv.float(), rows, scale, d_v)
-    n, h, d = q.shape
-    if splits is None and _few_ctas(n, h, q.device):
-        from corpusd.model.triton_mla import triton_partial_attention
+    n, h, _ = q.shape
+    if splits is None and (prefer_triton(n, h) or not flashmla.usable(str(q.device))):
+        from corpusd.kernels.triton_mla import triton_partial_attention
 
         o, lse = triton_partial_attention(q, kv, rows, scale, d_v)
         return o.float(), lse
-    from sgl_kernel.flash_mla import flash_mla_sparse_fwd
-
-    from requester.sglang import lse as lse_mod
-
-    k = rows.shape[1]
-    splits = SPLITS if splits is None else splits
-    while splits > 1 and (k % splits or (k // splits) % 64):  # FlashMLA: top-k % 64 == 0
-        splits //= 2
-    pad = 64 if torch.cuda.get_device_capability(q.device)[0] < 10 else 128
-    q_in = q if h % pad == 0 else torch.cat([q, q.new_zeros(n, pad - h % pad, d)], 1)
-    q_in = q_in.repeat_interleave(splits, dim=0) if splits > 1 else q_in
-    idx = rows.reshape(n * splits, k // splits)
-    o, _, raw = flash_mla_sparse_fwd(q=q_in, kv=kv[:, None], indices=idx[:, None], sm_scale=scale,
-                                     d_v=d_v)  # fmt: skip
-    empty = (idx < 0).all(dim=1)[:, None].expand(n * splits, h)
-    lse = lse_mod.to_natural(raw[:, :h], base2).masked_fill(empty, -math.inf)
-    o = o[:, :h].float().masked_fill(empty[..., None], 0.0)
-    if splits == 1:
-        return o, lse
-    lse = lse.reshape(n, splits, h)
-    total = torch.logsumexp(lse, dim=1)  # -inf where every chunk is empty
-    w = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total)[:, None])
-    return (w[..., None] * o.reshape(n, splits, h, -1)).sum(1), total
-
-
-def _few_ctas(n: int, h: int, device: torch.device) -> bool:
-    """FlashMLA's sparse kernel runs one CTA per (query row, 64 heads), each walking all k rows;
-    below a quarter of the SMs busy, the Triton kernel, which also splits k over programs
-    (flash-decoding), is faster: 35.7 vs 83.4 µs at 8 rows × 64 heads × 2,048, 108 vs 100 at 64
-    rows (H200, ``tools/bench_device_path.py --variants``, kernel_triton vs kernel_splits_1)."""
-    idx = device.index or 0
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n * -(-h // 64) * 4 <= _SM_COUNT[idx]
+    return flashmla.split_sparse_partial(q, kv, rows, scale, d_v, base2,
+                                         SPLITS if splits is None else splits)  # fmt: skip
 
 
 def fp8_partial(
@@ -235,18 +200,16 @@ def fp8_partial(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sparse_partial` over a pool of fp8 rows (uint8 ``[N, 656]``, N whole 64-row
     blocks): ``(O [n, h, d_v] float32, LSE [n, h] natural, -inf empty)``. FlashMLA's fp8 sparse
-    decode on CUDA (``corpusd/model/flashmla_fp8.py``, the holders' own fp8 kernel), whose LSE
+    decode on CUDA (``corpusd/kernels/flashmla.py``, the holders' own fp8 kernel), whose LSE
     base must have been probed for q's device before any graph capture
-    (``flashmla_fp8.lse_to_natural``, the entry model does it at start);
-    :func:`corpusd.model.fp8_cache.fp8_partial_attention` elsewhere."""
+    (``flashmla.lse_to_natural(device, fp8=True)``, the entry model does it at start);
+    :func:`corpusd.kernels.fp8_cache.fp8_partial_attention` elsewhere."""
     if not q.is_cuda:
-        from corpusd.model.fp8_cache import fp8_partial_attention
+        from corpusd.kernels.fp8_cache import fp8_partial_attention
 
         o, lse = fp8_partial_attention(q.float(), kv, rows, scale, d_v)
         return o, lse
-    from corpusd.model import flashmla_fp8
-
-    o, lse = flashmla_fp8.fp8_sparse_partial(q, kv, rows, scale, d_v)
+    o, lse = flashmla.fp8_sparse_partial(q, kv, rows, scale, d_v)
     return o.float(), lse
 
 

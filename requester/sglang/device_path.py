@@ -74,7 +74,7 @@ class DevicePath:
     def load_resident(self, b: Binding, res: Resident, admitted: bool = False) -> ArenaCorpus:
         """Corpus ``b`` in ``res``'s arena (loaded once: its device plan and every layer's
         index keys). Raises CorpusBindingError when it cannot be served from this GPU. Called
-        at admission (:mod:`.admission`), on the scheduler's stream, possibly beside a forward
+        at admission (:mod:`.binding_check`), on the scheduler's stream, possibly beside a forward
         on another: the arena's writes are done when it returns. ``admitted`` (the forward, for
         a request admission loaded): a corpus a recheck has forgotten since is loaded again
         (placed anew: its new frames), or, when that fails (unpinned), served as it was loaded,

@@ -12,7 +12,8 @@ kernel; the arithmetic is the torch code's, element for element:
   non-candidate);
 - :func:`split_columns`: the chosen keys back to corpus positions and own positions;
 - :func:`corpus_rows`: ``device.corpus_rows``;
-- :func:`merge`: ``lse.merge_local_corpus``.
+- :func:`merge`: ``corpusd.kernels.merge.merge_partials`` of two partials (the one torch
+  merge, which ``lse.merge_local_corpus`` runs off the GPU).
 """
 
 from __future__ import annotations
@@ -176,7 +177,8 @@ def merge(
     o_local: torch.Tensor, lse_local: torch.Tensor, o_corpus: torch.Tensor,
     lse_corpus: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``lse.merge_local_corpus`` in one kernel: O in ``o_local.dtype``, float32 LSE."""
+    """``merge_partials([(o_local, lse_local), (o_corpus, lse_corpus)])`` in one kernel: O in
+    ``o_local.dtype``, float32 LSE."""
     n, h, d_v = o_local.shape
     oa = o_local if o_local.stride(-1) == 1 else o_local.contiguous()
     ob = o_corpus if o_corpus.stride(-1) == 1 else o_corpus.contiguous()

@@ -33,9 +33,11 @@ from typing import Any
 import grpc
 import torch
 
+from corpusd.kernels.formats import TOPK_ALIGN
+from corpusd.kernels.reference import PartialOut
 from corpusd.rpc import StatusError
 from requester.fanout import CorpusBinding, LayerCall
-from requester.plan import GroupWork, Partial, merge_groups
+from requester.plan import GroupWork, merge_groups
 from requester.predicate import Decision
 from requester.sglang.binding import Binding
 from requester.sglang.catalog import CorpusCatalog
@@ -45,9 +47,6 @@ from requester.sglang.metrics import PluginMetrics
 from requester.sglang.page_cache import PageCache, PageCacheFull, Plan
 
 log = logging.getLogger("corpusd.sglang")
-
-#: FlashMLA's sparse kernel takes top-k in multiples of 128 on SM90 (holder/flashmla.py)
-TOPK_ALIGN = 128
 
 Work = tuple[GroupWork, Decision, Plan | None]  # a group, its decision, fetch's cache plan
 Got = tuple[str, Any, float] | None  # a holder call's outcome (:meth:`HostPath._remote`)
@@ -163,10 +162,10 @@ class HostPath:
             if plan is not None and p.cache is not None:
                 p.cache.drop(p.layer, p.c.corpus_id, plan.fill_pages)
 
-    def _serve(self, p: Pending) -> tuple[list[Partial], list[float]]:
+    def _serve(self, p: Pending) -> tuple[list[PartialOut], list[float]]:
         """Each group's partial and measured seconds (-1: recorded already, by the engine)."""
         cache, layer, q, scale, base2, work = p.cache, p.layer, p.q, p.scale, p.base2, p.work
-        results: list[Partial | None] = [None] * len(work)
+        results: list[PartialOut | None] = [None] * len(work)
         took = [0.0] * len(work)
         for i, (g, _, plan) in enumerate(work):  # cached pages: computed while the RPCs run
             if plan is not None and not plan.fill_pages:
@@ -229,7 +228,7 @@ class HostPath:
 
     def _fetch_partial(
         self, layer: int, q: torch.Tensor, g: GroupWork, plan: Plan, scale: float, base2: bool
-    ) -> tuple[Partial, float]:
+    ) -> tuple[PartialOut, float]:
         """The group's partial over the page cache on ``q``'s device, and its seconds."""
         assert self.cache is not None
         t0 = time.perf_counter()
@@ -248,7 +247,7 @@ class HostPath:
     async def _route(
         self, c: CorpusBinding, layer: int, q: torch.Tensor, g: GroupWork, scale: float,
         d: Decision,
-    ) -> Partial:  # fmt: skip
+    ) -> PartialOut:  # fmt: skip
         """Group ``g`` routed by the engine (failover and the decision's record included)."""
         offsets = torch.zeros(len(q), dtype=torch.int64)  # SGLang's corpus sits at position 0
         return await c.serve(LayerCall(layer, q, offsets, scale), g, d, self.chooser.forced)

@@ -2,8 +2,8 @@
 
 Three conventions meet here:
 
-- corpusd (``corpusd/model/partial.py``): natural log, ``[n, h]``, an empty row has LSE ``-inf``
-  and O = 0.
+- corpusd (``corpusd/kernels/reference.py``, ``merge.py``): natural log, ``[n, h]``, an empty
+  row has LSE ``-inf`` and O = 0.
 - FlashMLA as SGLang calls it: ``flash_mla_sparse_fwd`` (prefill) returns ``lse [s_q, h_q]`` in
   base 2 in the sglang-kernel builds we target; ``flash_mla_with_kvcache`` (decode) returns
   ``softmax_lse [b, h_q, s_q]`` in natural log. An empty row may come back as ``+inf``.
@@ -18,16 +18,19 @@ import math
 
 import torch
 
+from corpusd.kernels.flashmla import to_natural
+from corpusd.kernels.merge import merge_partials
 from requester.sglang import device_triton
 
-LN2 = math.log(2.0)
-
-
-def to_natural(lse: torch.Tensor, base2: bool) -> torch.Tensor:
-    """A kernel's LSE as float32 natural log with empty rows ``-inf``: base 2 is scaled by ln 2;
-    ``+inf`` (FlashMLA's empty row) and NaN become ``-inf``."""
-    out = lse.float() * LN2 if base2 else lse.float()
-    return torch.where(torch.isnan(out) | (out == math.inf), -math.inf, out)
+__all__ = [
+    "decode_rows",
+    "from_merge_state",
+    "merge_local_corpus",
+    "repair_empty",
+    "rows_to_decode",
+    "to_merge_state",
+    "to_natural",
+]
 
 
 def decode_rows(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,28 +74,13 @@ def merge_local_corpus(
     lse_corpus: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of the request's own partial with the corpus partial (both natural log,
-    ``-inf`` empty; O ``[n, h, d_v]``, LSE ``[n, h]``). Same result as
-    ``corpusd.model.partial.merge_partials`` of the two; written out so it runs in place on the
-    GPU without a Python list. Returns O in ``o_local.dtype`` and float32 LSE."""
+    ``-inf`` empty; O ``[n, h, d_v]``, LSE ``[n, h]``): ``corpusd.kernels.merge.merge_partials``
+    of the two, in one fused Triton kernel where it runs (``device_triton.merge``, tested
+    against it). Returns O in ``o_local.dtype`` and float32 LSE."""
     assert o_local.shape == o_corpus.shape, f"{o_local.shape=} vs {o_corpus.shape=}"
     assert lse_local.shape == lse_corpus.shape == o_local.shape[:2], (
         f"{lse_local.shape=} {lse_corpus.shape=} vs {o_local.shape=}"
     )
     if device_triton.usable(o_local):  # one kernel instead of ~10 ops
         return device_triton.merge(o_local, lse_local, o_corpus, lse_corpus)
-    return merge_local_corpus_torch(o_local, lse_local, o_corpus, lse_corpus)
-
-
-def merge_local_corpus_torch(
-    o_local: torch.Tensor,
-    lse_local: torch.Tensor,
-    o_corpus: torch.Tensor,
-    lse_corpus: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`merge_local_corpus` in torch ops (the CPU path and the kernel's reference)."""
-    a, b = lse_local.float(), lse_corpus.float()
-    total = torch.logaddexp(a, b)  # -inf when both are -inf
-    ref = torch.where(torch.isinf(total), 0.0, total)
-    wa, wb = torch.exp(a - ref), torch.exp(b - ref)  # 0 for empty parts
-    o = wa[..., None] * o_local.float() + wb[..., None] * o_corpus.float()
-    return o.to(o_local.dtype), total
+    return merge_partials([(o_local, lse_local), (o_corpus, lse_corpus)])

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from corpusd.engine.spool import deinterleave, interleave
+from corpusd.kernels.formats import D_ROPE, D_V
 
 __all__ = ["deinterleave", "interleave"]  # the band's permutation, shared with the spool
 
-ROPE_START, ROPE_WIDTH = 512, 64  # V3.2: c_KV 512 ‖ k_pe 64
+ROPE_START, ROPE_WIDTH = D_V, D_ROPE  # V3.2: c_KV 512 ‖ k_pe 64
 INDEX_DIM = 128  # V3.2's index keys, as SGLang's NSA pages hold them
 
 

@@ -12,7 +12,7 @@ written in place afterwards, so a captured graph always reads the current state:
 - per holder on this GPU, its **latent pools mapped by CUDA IPC**
   (:mod:`corpusd.transport.cuda_ipc`), all in one row format (:attr:`Resident.kv_format`):
   ``plain`` rows (bf16 ``[rows, 576]``; float32 in the CPU tests) or FlashMLA's fp8 rows (uint8
-  ``[rows, 656]``, whole 64-row blocks; ``corpusd/model/fp8_cache.py``).
+  ``[rows, 656]``, whole 64-row blocks; ``corpusd/kernels/fp8_cache.py``).
 
 A corpus is loaded at the first prefill that names it (outside any graph): its index keys are
 streamed from the holders (corpusd's fan-out engine, with its failover) and its page table is read
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from corpusd.formats import KV_FORMATS
-from corpusd.model.flashmla_fp8 import check_pool
+from corpusd.kernels.flashmla import check_pool
+from corpusd.kernels.formats import KV_FORMATS
 from indexer import fp8
 from requester.corpus_view import CorpusView
 from requester.fanout_device import DevicePlan, NoDeviceTransport, plan_device

@@ -1,4 +1,4 @@
-"""Kernels over FlashMLA's fp8 rows (``corpusd/model/fp8_cache.py``) against the fp8 torch
+"""Kernels over FlashMLA's fp8 rows (``corpusd/kernels/fp8_cache.py``) against the fp8 torch
 reference ``fp8_partial_attention``: Triton (in its CPU interpreter here, compiled on a GPU) and
 FlashMLA's fp8 sparse decode (``flash_mla_with_kvcache(is_fp8_kvcache=True, indices=…)``, SM90).
 
@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from corpusd.model import fp8_cache as f8
-from holder.kernels import REGISTRY, choose
+from corpusd.kernels import fp8_cache as f8
+from corpusd.kernels.registry import REGISTRY, choose
 from tests.support.interpreted import run_interpreted
 from tests.support.mla_checks import rel
 
@@ -80,7 +80,7 @@ def test_torch_kernel_serves_fp8_pools_on_cpu() -> None:
 
 
 def _flashmla_or_skip() -> None:
-    from holder import flashmla
+    from corpusd.kernels import flashmla
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("FlashMLA's fp8 sparse decode needs an SM90 GPU (H100/H200)")
@@ -117,9 +117,9 @@ def test_flashmla_fp8_decode_matches_reference(n: int, h: int, k: int) -> None:
 @cuda
 def test_flashmla_fp8_lse_base_and_auto_choice() -> None:
     _flashmla_or_skip()
-    from holder.flashmla import fp8_lse_to_natural
+    from corpusd.kernels.flashmla import lse_to_natural
 
-    assert fp8_lse_to_natural("cuda:0") in (1.0, math.log(2.0))
+    assert lse_to_natural("cuda:0", fp8=True) in (1.0, math.log(2.0))
     assert choose("auto", "cuda:0", torch.bfloat16, D, D_V, "fp8_e4m3").name == "flashmla"
     assert choose("auto", "cuda:0", torch.float32, D, D_V, "fp8_e4m3").name == "triton"
 

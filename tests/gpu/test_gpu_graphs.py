@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corpusd.model.partial import merge_partials
+from corpusd.kernels.merge import merge_partials
 
 pytestmark = [
     pytest.mark.gpu,
@@ -16,7 +16,7 @@ D, D_V = 576, 512
 
 def test_graph_buckets_replay_equals_eager_for_every_row_count() -> None:
     from corpusd.cuda_graphs import GraphBuckets, InputSpec
-    from holder.kernels import REGISTRY
+    from corpusd.kernels.registry import REGISTRY
 
     fn = REGISTRY["triton"].fn
     g = torch.Generator(device="cuda").manual_seed(torch.seed() % (1 << 31))

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from holder.kernels import REGISTRY, choose
+from corpusd.kernels.registry import REGISTRY, choose
 from tests.support.interpreted import run_interpreted
 from tests.support.mla_checks import D_V, D, check, inputs
 
@@ -51,7 +51,7 @@ def test_triton_matches_reference_on_gpu(n: int, h: int, k: int) -> None:
 
 
 def _flashmla_or_skip() -> None:
-    from holder import flashmla
+    from corpusd.kernels import flashmla
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("FlashMLA's sparse kernel needs an SM90 GPU (H100/H200)")
@@ -75,7 +75,7 @@ def test_flashmla_matches_reference(n: int, h: int, k: int) -> None:
 @cuda
 def test_flashmla_lse_base_is_detected() -> None:
     _flashmla_or_skip()
-    from holder.flashmla import lse_to_natural
+    from corpusd.kernels.flashmla import lse_to_natural
 
     factor = lse_to_natural("cuda:0")
     assert factor in (1.0, math.log(2.0)), f"{factor=}"

@@ -25,7 +25,8 @@ from corpusd.cli import main as cli_main
 from corpusd.coordinator.client import CoordinatorClient, PageTable
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
 from corpusd.corpus.store import PageStore
-from corpusd.model import ModelConfig, partial_attention
+from corpusd.kernels.reference import partial_attention
+from corpusd.model import ModelConfig
 from corpusd.model.tiny import TOKENIZER_JSON
 from corpusd.testing.holders import pin_sample, start_holders
 from corpusd.testing.numeric import rel

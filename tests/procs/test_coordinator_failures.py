@@ -16,7 +16,8 @@ import torch
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, PageTable
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
 from corpusd.corpus.store import PageStore
-from corpusd.model import merge_partials, partial_attention
+from corpusd.kernels.merge import merge_partials
+from corpusd.kernels.reference import partial_attention
 from corpusd.testing.holders import start_holder, start_holders, synthetic_corpus
 from holder.launch import HolderProcess
 from requester.holder_client import HolderClient

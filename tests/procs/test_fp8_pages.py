@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from corpusd.corpus.manifest import corpus_id
 from corpusd.corpus.store import PageStore
+from corpusd.kernels import fp8_cache as f8
 from corpusd.model import KVCache, ModelConfig, forward_tokens
-from corpusd.model import fp8_cache as f8
 from corpusd.testing.holders import pin_sample, start_holder
 from corpusd.testing.numeric import rel
 from holder.launch import HolderProcess

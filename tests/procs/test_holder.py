@@ -15,7 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from corpusd.corpus.store import PageStore
-from corpusd.model import ModelConfig, merge_partials, partial_attention
+from corpusd.kernels.merge import merge_partials
+from corpusd.kernels.reference import partial_attention
+from corpusd.model import ModelConfig
 from corpusd.testing.holders import pin_sample, start_holder
 from corpusd.testing.numeric import rel
 from corpusd.v1 import holder_pb2, tensor_pb2

@@ -17,7 +17,7 @@ import torch
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, PageTable
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
-from corpusd.model import partial_attention
+from corpusd.kernels.reference import partial_attention
 from corpusd.testing.holders import start_holders, synthetic_corpus
 from holder.launch import HolderProcess
 from tests.procs.test_coordinator_failures import SCALE, held, route, until

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
-from corpusd.model import partial_attention
+from corpusd.kernels.reference import partial_attention
 from corpusd.testing.holders import start_holder, synthetic_corpus
 from corpusd.testing.numeric import rel
 from requester.holder_client import HolderClient

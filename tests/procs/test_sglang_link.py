@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from corpusd.corpus.store import PageStore
-from corpusd.model import ModelConfig, fingerprint, partial_attention
+from corpusd.kernels.reference import partial_attention
+from corpusd.model import ModelConfig, fingerprint
 from corpusd.testing.numeric import rel
 from indexer.fp8 import hadamard
 from requester.predicate import Predicate, Profile

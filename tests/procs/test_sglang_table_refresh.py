@@ -20,7 +20,8 @@ import torch
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.corpus.store import PageStore
-from corpusd.model import ModelConfig, fingerprint, partial_attention
+from corpusd.kernels.reference import partial_attention
+from corpusd.model import ModelConfig, fingerprint
 from corpusd.testing.holders import start_holders, synthetic_corpus
 from corpusd.testing.numeric import rel
 from requester.predicate import Predicate, Profile

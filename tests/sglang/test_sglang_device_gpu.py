@@ -15,8 +15,9 @@ import torch
 
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
-from corpusd.model import ModelConfig, fingerprint, partial_attention
-from corpusd.model import fp8_cache as f8
+from corpusd.kernels import fp8_cache as f8
+from corpusd.kernels.reference import partial_attention
+from corpusd.model import ModelConfig, fingerprint
 from corpusd.testing.holders import pin_sample, start_holder
 from corpusd.testing.numeric import rel
 from corpusd.testing.resident import SEED, random_resident
@@ -102,9 +103,9 @@ def test_sparse_partial_matches_the_reference(splits: int | None) -> None:
     idx = idx.int()
     idx[1, 100:] = -1
     idx[2] = -1
-    from requester.sglang.backend import _sparse_lse_base2
+    from corpusd.kernels.flashmla import sparse_lse_base2
 
-    base2 = _sparse_lse_base2("cuda")
+    base2 = sparse_lse_base2("cuda")
     o, lse = device.sparse_partial(q, kv, idx, 576**-0.5, 512, base2, splits)
     ro, rl = partial_attention(q.float(), kv.float(), idx.long(), 576**-0.5, 512)
     fin = torch.isfinite(rl)
@@ -123,11 +124,11 @@ def test_fp8_corpus_partial_is_flashmlas_fp8_decode_and_matches_the_reference() 
     """Three holders' fp8 pools: each row's corpus partial through FlashMLA's fp8 sparse decode
     (one call per pool, merged by LSE) against ``fp8_partial_attention`` over the corpus's rows
     in position order; O within 1e-2 relative, LSE within 1e-2, empty rows exact."""
-    from corpusd.model import flashmla_fp8
+    from corpusd.kernels import flashmla
 
     res, (a, b) = random_resident([3000, 700], pools=3, fp8=True)
     assert res.kv_format == "fp8_e4m3" and res.pools[0][0].dtype == torch.uint8
-    assert flashmla_fp8.lse_to_natural("cuda:0") in (1.0, math.log(2.0))
+    assert flashmla.lse_to_natural("cuda:0", fp8=True) in (1.0, math.log(2.0))
     g = torch.Generator(device="cuda").manual_seed(SEED)
     n, h, k = 9, 64, 2048
     bound = [a, b, None] * 3
@@ -170,14 +171,14 @@ def test_layer_step_in_a_cuda_graph_follows_the_tables_and_times_it(n: int, fp8:
     """``n`` rows: SGLang's decode graphs above 16 requests crashed (issue 17); this captures the
     plugin's own part of a layer alone at those sizes, over bf16 pools (FlashMLA's sparse
     kernel) and fp8 pools (its fp8 sparse decode, scheduler metadata computed in the graph)."""
-    from requester.sglang.backend import _sparse_lse_base2
+    from corpusd.kernels.flashmla import sparse_lse_base2
 
-    assert _sparse_lse_base2("cuda")  # the build these tests run on: base-2 LSE
+    assert sparse_lse_base2("cuda")  # the build these tests run on: base-2 LSE
     res, (a, b) = random_resident([3656, 1000], pools=1, fp8=fp8)
     if fp8:  # as the entry model does at start: the fp8 kernel's LSE base, never in a capture
-        from corpusd.model import flashmla_fp8
+        from corpusd.kernels import flashmla
 
-        flashmla_fp8.lse_to_natural("cuda:0")
+        flashmla.lse_to_natural("cuda:0", fp8=True)
     g = torch.Generator(device="cuda").manual_seed(SEED)
     h, k, own_w = 64, 2048, 256
     slots = torch.arange(n, device="cuda") * 2 + 1  # request slots need not be 0..n-1
@@ -232,8 +233,8 @@ def test_holder_pool_over_cuda_ipc_attends_as_the_holder(
 ) -> None:
     """A real holder's pool (bf16 rows, or fp8 rows of an ``--kv-format fp8_e4m3`` pin) mapped
     by CUDA IPC: the device path's partial equals the holder's own answer to the same rows."""
-    from corpusd.model import flashmla_fp8
-    from requester.sglang.backend import _sparse_lse_base2
+    from corpusd.kernels import flashmla
+    from corpusd.kernels.flashmla import sparse_lse_base2
     from requester.sglang.link import CorpusLink
 
     cid = pin_sample(tmp_path, tiny_dir, tokens=900, dtype="bfloat16", kv_format=kv_format)
@@ -262,9 +263,9 @@ def test_holder_pool_over_cuda_ipc_attends_as_the_holder(
         assert len(res.incarnation[hp.address]) == 16  # the holder process's id (restarts)
         if kv_format == "fp8_e4m3":
             assert res.pools[0][0].dtype == torch.uint8 and res.pools[0][0].shape[1] == 656
-            flashmla_fp8.lse_to_natural("cuda:0")
+            flashmla.lse_to_natural("cuda:0", fp8=True)
         bound = link.bind(cid)
-        c = link.loadrandom_resident(bound, res)
+        c = link.load_resident(bound, res)
         assert (c.tokens, c.n_pages) == (bound.tokens, math.ceil(bound.tokens / 64))
         t = c.tokens
         g = torch.Generator(device="cuda").manual_seed(SEED)
@@ -276,7 +277,7 @@ def test_holder_pool_over_cuda_ipc_attends_as_the_holder(
         scale = cfg.kv_dim**-0.5
         for layer in range(cfg.num_hidden_layers):
             o, lse = device.corpus_partial(
-                res, layer, q, pos, base, scale, cfg.kv_lora_rank, _sparse_lse_base2("cuda")
+                res, layer, q, pos, base, scale, cfg.kv_lora_rank, sparse_lse_base2("cuda")
             )
             want_o, want_l = link.attend(bound, layer, q.float().cpu(), pos.cpu(), scale)
             assert rel(o.cpu(), want_o) < 2e-2 and rel(lse.cpu(), want_l) < 1e-3, f"{layer=}"

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from corpusd.model.partial import partial_attention
+from corpusd.kernels.reference import partial_attention
 from corpusd.testing.numeric import rel
 from requester.sglang import lse as lse_mod
 from tests.support.checks import why_no_sglang_gpu
@@ -135,16 +135,17 @@ def test_fetch_partial_over_the_page_cache_is_the_reference() -> None:
     """Fetch's local partial as the plugin runs it on the GPU: pages filled into the bf16 page
     cache, FlashMLA's sparse kernel over the plan's rows (padded to whole top-k blocks), against
     the torch reference over the source rows (the CPU tests check the same rows on CPU)."""
-    from requester.sglang.backend import _sparse_lse_base2
+    from corpusd.kernels.flashmla import sparse_lse_base2
+    from corpusd.kernels.formats import TOPK_ALIGN
     from requester.sglang.device import sparse_partial
-    from requester.sglang.host_path import TOPK_ALIGN, pad_cols
+    from requester.sglang.host_path import pad_cols
     from requester.sglang.page_cache import PageCache
 
     g = torch.Generator().manual_seed(1)
     src = torch.randn(20, 64, 576, generator=g).bfloat16()  # a corpus of 20 pages, as pinned
     cache = PageCache(1, 64, 576, 12 * 64 * 576 * 2, torch.bfloat16, torch.device("cuda"))
     q = torch.randn(5, 64, 576, generator=g).bfloat16().cuda()
-    base2 = _sparse_lse_base2("cuda:0")
+    base2 = sparse_lse_base2("cuda:0")
     for step in range(4):  # evictions and hits between steps
         cache.new_step()
         pages = torch.randperm(20, generator=g)[:10]

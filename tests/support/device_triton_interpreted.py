@@ -14,6 +14,7 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import tests.support.triton_patch  # noqa: E402,F401  (before any kernel module)
+from corpusd.kernels.merge import merge_partials  # noqa: E402
 from requester.sglang import device, device_triton, lse  # noqa: E402
 
 
@@ -70,7 +71,7 @@ def merge_cases(g: torch.Generator) -> int:
         lb[0, 1] = -math.inf  # corpus empty
         la[1, 0] = lb[1, 0] = -math.inf  # both: O = 0, LSE = -inf
         o, t = lse.merge_local_corpus(oa, la, ob, lb)
-        o_ref, t_ref = lse.merge_local_corpus_torch(oa, la, ob, lb)
+        o_ref, t_ref = merge_partials([(oa, la), (ob, lb)])  # the one torch merge
         case = f"merge {n=} {h=} {dv=} {dtype}"
         assert o.dtype == o_ref.dtype and torch.equal(torch.isinf(t), torch.isinf(t_ref)), case
         fin = torch.isfinite(t_ref)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from corpusd.model.partial import partial_attention
+from corpusd.kernels.reference import partial_attention
 from corpusd.testing.numeric import rel
 
 D, D_V = 576, 512

@@ -20,7 +20,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
-from corpusd.model import fp8_cache
+from corpusd.kernels import fp8_cache
 from requester.sglang.pagehash import index_k_page
 from requester.sglang.positions import to_sglang_layout
 

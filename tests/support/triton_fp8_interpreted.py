@@ -1,9 +1,9 @@
 """Run the fp8 Triton kernel in Triton's CPU interpreter against the fp8 torch reference.
 
-Started by ``tests/unit/test_fp8_kernels.py`` with ``TRITON_INTERPRET=1`` in a fresh process
+Started by ``tests/gpu/test_gpu_fp8.py`` with ``TRITON_INTERPRET=1`` in a fresh process
 (Triton decides at import whether its library functions are interpreted). Prints "N cases ok";
 any mismatch raises with the case in the message. The interpreter multiplies in float32
-(``triton_mla._DOT_F32``), so the kernel must match the reference to float32 rounding: the
+(``triton_common.DOT_F32``), so the kernel must match the reference to float32 rounding: the
 dequantization (bf16 scale, bf16 product) has to be FlashMLA's, bit for bit, to pass.
 """
 
@@ -14,8 +14,8 @@ import os
 import torch
 
 import tests.support.triton_patch  # noqa: F401  (before any kernel module)
-from corpusd.model import fp8_cache as f8
-from holder.triton_mla_fp8 import triton_fp8_partial_attention
+from corpusd.kernels import fp8_cache as f8
+from corpusd.kernels.triton_fp8 import triton_fp8_partial_attention
 from tests.support.mla_checks import rel
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"

@@ -12,8 +12,8 @@ import os
 import torch
 
 import tests.support.triton_patch  # noqa: F401  (before any kernel module)
-from corpusd.model.partial import partial_attention
-from corpusd.model.triton_mla import triton_partial_attention
+from corpusd.kernels.reference import partial_attention
+from corpusd.kernels.triton_mla import triton_partial_attention
 from tests.support.mla_checks import check, inputs, rel
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from corpusd.model.partial import partial_attention
+from corpusd.kernels.reference import partial_attention
 from corpusd.testing.numeric import rel
 from requester.balance import HolderSpeed
 from requester.corpus_view import CorpusView

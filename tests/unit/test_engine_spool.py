@@ -106,7 +106,7 @@ def test_layer_rows_assemble_the_corpus_an_engine_computed(kv_dtype: str) -> Non
         rows, keys_f, index_pages = layer_rows(pages, li, n_tok, P, kv_dtype)
         want = latent[li, :n_tok].to(torch.bfloat16)
         if kv_dtype == "fp8_e4m3":
-            from corpusd.model import fp8_cache
+            from corpusd.kernels import fp8_cache
 
             want = fp8_cache.quantize(want)
         assert torch.equal(rows, want), f"layer {li}"

@@ -14,8 +14,8 @@ import grpc
 import pytest
 import torch
 
+from corpusd.kernels.reference import partial_attention
 from corpusd.model import DeepseekV32
-from corpusd.model.partial import partial_attention
 from corpusd.rpc import StatusError
 from corpusd.testing.numeric import rel
 from requester.corpus_view import CorpusUnavailable, CorpusView

@@ -1,4 +1,4 @@
-"""FlashMLA's 656-byte fp8 latent row (``corpusd/model/fp8_cache.py``): its bytes against an
+"""FlashMLA's 656-byte fp8 latent row (``corpusd/kernels/fp8_cache.py``): its bytes against an
 independent re-implementation of SGLang's quantizer (numpy, codes chosen by hand), the round
 trip's error bound, and sparse attention over fp8 rows against the bf16 reference."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from corpusd.model import fp8_cache as f8
-from corpusd.model.partial import partial_attention
+from corpusd.kernels import fp8_cache as f8
+from corpusd.kernels.reference import partial_attention
 from corpusd.testing.numeric import rel
 
 

@@ -18,8 +18,8 @@ from corpusd.cli import main as cli_main
 from corpusd.corpus.manifest import Manifest
 from corpusd.corpus.pin import torch_threads
 from corpusd.corpus.store import PageStore
+from corpusd.kernels import fp8_cache as f8
 from corpusd.model import KVCache, forward_tokens
-from corpusd.model import fp8_cache as f8
 from corpusd.model.tiny import init_tiny
 
 

@@ -13,13 +13,13 @@ import grpc
 import pytest
 import torch
 
-from corpusd.model.partial import partial_attention
+from corpusd.kernels.reference import partial_attention
+from corpusd.kernels.registry import Kernel
 from corpusd.rpc import Reject
 from corpusd.v1 import holder_pb2
 from corpusd.wire import to_proto
 from holder.admission import Admission, Overloaded
 from holder.config import HolderConfig
-from holder.kernels import Kernel
 from holder.partials import partial_cpu
 from holder.pool import FramePool, Geometry, PoolFull, RowError, rows_outside
 from holder.requests import RequestChecks

@@ -1,5 +1,6 @@
-"""The per-request kernel choice (``holder.kernels.prefer_triton``), on CPU: against the GPU
-timings it was derived from, stated here, and the ``auto`` registry entry that dispatches on it."""
+"""The one kernel choice (``corpusd.kernels.registry``), on CPU: the per-request rule
+(``prefer_triton``) against the GPU bench numbers it was derived from, the ``auto`` registry entry
+that dispatches on it, and the start-up report in logs and ``/metrics``."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from holder import kernels
-from holder.kernels import REGISTRY, choose, prefer_triton
+from corpusd.kernels import registry as kernels
+from corpusd.kernels.registry import REGISTRY, choose, prefer_triton
 
 SLACK = 1.10  # the chosen kernel may be this much slower than the faster one (bench noise)
 
@@ -71,3 +72,38 @@ def test_auto_dispatches_per_request_where_both_gpu_kernels_fit(
     assert t.name == "triton" and t.resolve(64, 128) is t
     # a named kernel is never swapped per request
     assert choose("flashmla", "cuda:0", torch.bfloat16, 576, 512).resolve(1, 16).name == "flashmla"
+
+
+def test_report_logs_the_choice_once_and_sets_kernel_info(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every attending process reports its choice: one log line per (role, kernel, device),
+    and ``kernel_info{kernel, device}`` = 1 in its ``/metrics``."""
+    from corpusd.metrics import Metrics
+
+    m = Metrics("corpusd_test_")
+    gauge = m.kernel_info()
+    k = choose("auto", "cpu", torch.float32, 576, 512)
+    why = kernels.passed_over(k, "cpu", torch.float32, 576, 512)
+    assert k.name == "torch" and len(why) == 2, why  # flashmla and triton, each with a reason
+    with caplog.at_level("INFO", logger="corpusd.kernels"):
+        for _ in range(2):
+            kernels.report(k, "cpu", "test role", gauge, why)
+    lines = [r.getMessage() for r in caplog.records if "test role" in r.getMessage()]
+    assert len(lines) == 1 and "torch attention partials" in lines[0], lines
+    assert "flashmla needs a bfloat16 model" in lines[0] and "triton needs a CUDA GPU" in lines[0]
+    got = m.registry.get_sample_value(
+        "corpusd_test_kernel_info", {"kernel": "torch", "device": "cpu"}
+    )
+    assert got == 1.0
+
+
+def test_per_request_choice_is_described_in_the_log() -> None:
+    fl, tr = (replace(REGISTRY[n], available=lambda device: True) for n in ("flashmla", "triton"))
+    k = kernels.per_request(fl, tr)
+    assert kernels.describe(k, noun="attention partials") == (
+        f"flashmla|triton attention partials ({kernels.PER_REQUEST_RULE})"
+    )
+    assert k.misfit("cuda:0", torch.bfloat16, 576, 512, "fp8_e4m3") == (
+        "flashmla|triton does not read fp8_e4m3 rows"
+    )

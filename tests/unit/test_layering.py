@@ -167,7 +167,7 @@ class ImportGraph:
 
 def _child(package: str, module: str) -> str:
     """The child of ``package`` that ``module`` (inside it) sits in: ``corpusd``,
-    ``corpusd.model.partial`` → ``corpusd.model``."""
+    ``corpusd.model.config`` → ``corpusd.model``."""
     return ".".join(module.split(".")[: package.count(".") + 2])
 
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import indexer.select
-from corpusd.model import merge_partials, partial_attention
+from corpusd.kernels.merge import merge_partials
+from corpusd.kernels.reference import partial_attention
 from corpusd.testing.numeric import rel
 from indexer import index_scores, select_topk, select_topk_exact
 
@@ -35,7 +36,7 @@ def test_partial_attention_equals_dense_softmax() -> None:
 
 
 def test_partial_attention_row_chunks_agree(monkeypatch: pytest.MonkeyPatch) -> None:
-    import corpusd.model.partial as partial
+    import corpusd.kernels.reference as partial
 
     q, kv, idx = _inputs(2, n=9)
     whole = partial_attention(q, kv, idx, 0.1, 512)

@@ -1,6 +1,6 @@
 """Issue 36: a config whose indexer produces exact ties at the top-k cut (8 index heads × 128,
 top-96, 1,100 tokens), our model against transformers run with corpusd's tie rule (lowest
-position first, ``tests/support/oracle.py: lowest_position_ties``): the greedy tokens are the
+position first, ``corpusd/testing/oracle.py: lowest_position_ties``): the greedy tokens are the
 same and the logits agree, and the ties really were there (else the test proves nothing).
 
 Without the patched rule the same comparison differs: torch.topk breaks the ties another way
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from corpusd.model import KVCache, forward_tokens, load_model
-from tests.support.checks import rel
-from tests.support.hf_checkpoints import write_hf_checkpoint
-from tests.support.oracle import Ties, greedy, lowest_position_ties, stable_topk
+from corpusd.testing.hf_checkpoints import write_hf_checkpoint
+from corpusd.testing.numeric import rel
+from corpusd.testing.oracle import Ties, greedy, lowest_position_ties, stable_topk
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is the test oracle: pip install -e '.[test]'"

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from corpusd.model.partial import partial_attention
+from corpusd.kernels.reference import partial_attention
 from corpusd.model.rope import Rotary, rotate_half_layout, shift_band
 from corpusd.model.tiny import TINY
 from corpusd.testing.numeric import rel

@@ -16,14 +16,14 @@ import grpc
 import pytest
 import torch
 
-from corpusd.model.partial import partial_attention
+from corpusd.kernels.reference import partial_attention
 from corpusd.rpc import StatusError
+from corpusd.testing.numeric import rel
 from corpusd.transport import nvshmem_ring as nr
 from corpusd.v1 import transport_pb2
 from requester import routes
 from requester.holder_client import Partial
 from requester.nvshmem_client import NvshmemClient, RemoteRowError
-from tests.support.checks import rel
 
 D, D_V, POOL = 576, 512, 300
 SCALE = D**-0.5

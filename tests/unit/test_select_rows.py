@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import torch
 
-from corpusd.model.kernels import Kernels
+from corpusd.kernels.reference import partial_attention
 from corpusd.model.mla import Projections
 from corpusd.model.model import select_rows
-from corpusd.model.partial import partial_attention
+from corpusd.model.prefill_kernels import Kernels
 from corpusd.model.tiny import preset_config
 from indexer import index_scores
 from indexer.select import select_topk_exact

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from corpusd.model import merge_partials, partial_attention
+from corpusd.kernels.merge import merge_partials
+from corpusd.kernels.reference import partial_attention
 from corpusd.model.rope import Rotary, apply_interleaved
 from corpusd.model.tiny import TINY
 from corpusd.testing.numeric import rel

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from corpusd.model import partial_attention
+from corpusd.kernels.reference import partial_attention
 from corpusd.testing.numeric import rel
 from indexer import select_topk
 from indexer.fp8 import fp8_view

@@ -15,9 +15,9 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from corpusd.kernels import fp8_cache as f8
+from corpusd.kernels.flashmla import prep_indices
 from corpusd.model import ModelConfig
-from corpusd.model import fp8_cache as f8
-from corpusd.model.flashmla_fp8 import prep_indices
 from corpusd.testing.numeric import rel
 from corpusd.transport import cuda_ipc
 from requester.corpus_view import CorpusView
@@ -311,8 +311,8 @@ def test_the_bench_runs_fp8_with_flags_the_plugin_accepts() -> None:
 
 
 def test_lse_base_says_which_log_a_kernel_returns() -> None:
-    """The LSE-base probe both FlashMLA wrappers share (corpusd/model/flashmla_fp8.lse_base)."""
-    from corpusd.model.flashmla_fp8 import lse_base
+    """The LSE-base probe both FlashMLA wrappers share (corpusd/kernels/flashmla.py, lse_base)."""
+    from corpusd.kernels.flashmla import lse_base
 
     ref = torch.tensor([[2.0, 3.5], [0.25, -1.0]])
     assert lse_base(ref.clone(), ref, "k") == 1.0

@@ -1,4 +1,5 @@
-"""FlashMLA's fp8 latent-cache row (656 bytes per token) and the torch reference over it.
+"""FlashMLA's fp8 latent-cache row (656 bytes per token): quantize, dequantize, and the torch
+reference over it (the ``torch`` kernel's fp8 half). The constants live in ``formats``.
 
 The layout is the one SGLang stores for DeepSeek-V3.2 with ``--kv-cache-dtype fp8_e4m3`` and
 FlashMLA's sparse decode reads (``flash_mla_with_kvcache(..., is_fp8_kvcache=True, indices=…)``,
@@ -26,38 +27,34 @@ from __future__ import annotations
 
 import torch
 
-from corpusd.formats import FP8_ROW_BYTES, KV_FORMATS
-from corpusd.model.config import ModelConfigError
-from corpusd.model.partial import partial_attention
-
-FP8 = KV_FORMATS[1]  # "fp8_e4m3"
-D_NOPE, D_ROPE, TILE = 512, 64, 128
-N_TILES = D_NOPE // TILE
-D_QK = D_NOPE + D_ROPE
-ROW_BYTES = D_NOPE + 4 * N_TILES + 2 * D_ROPE  # 656
-assert ROW_BYTES == FP8_ROW_BYTES, f"{ROW_BYTES=} {FP8_ROW_BYTES=}"
-SCALE_AT, ROPE_AT = D_NOPE, D_NOPE + 4 * N_TILES  # byte offsets of the scales and the rope part
-FP8_MAX = 448.0
+from corpusd.kernels.formats import (
+    D_QK,
+    D_ROPE,
+    FP8_MAX,
+    N_TILES,
+    ROPE_AT,
+    ROW_BYTES,
+    SCALE_AT,
+    TILE,
+)
+from corpusd.kernels.formats import D_V as D_NOPE
+from corpusd.kernels.reference import PartialOut, partial_attention
 
 
 def check_layout(kv_lora_rank: int, qk_rope_head_dim: int) -> None:
-    """Raise ModelConfigError (a ValueError), naming the field, unless a model's latent row fits
-    the fp8 layout (kv_lora_rank 512, qk_rope_head_dim 64)."""
+    """Raise ValueError, naming the field, unless a model's latent row fits the fp8 layout
+    (kv_lora_rank 512, qk_rope_head_dim 64). A plain ValueError: the kernel package imports
+    nothing of ``corpusd.model`` (which imports it), and the CLI answers any ValueError as bad
+    input."""
     for name, got, want in (
         ("kv_lora_rank", kv_lora_rank, D_NOPE),
         ("qk_rope_head_dim", qk_rope_head_dim, D_ROPE),
     ):
         if got != want:
-            raise ModelConfigError(
+            raise ValueError(
                 f"the fp8_e4m3 page format needs {name} {want} (FlashMLA's 656-byte row), "
                 f"this model has {name} {got}; pin it with --kv-format plain"
             )
-
-
-def row_bytes(kv_format: str, kv_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one stored latent row of ``kv_format``."""
-    assert kv_format in KV_FORMATS, f"{kv_format=}"
-    return ROW_BYTES if kv_format == FP8 else kv_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def quantize(rows: torch.Tensor) -> torch.Tensor:
@@ -116,7 +113,7 @@ def dequantize(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
 
 def fp8_partial_attention(
     q: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> PartialOut:
     """``partial_attention`` over fp8 rows: the selected rows are dequantized (``dequantize``),
     then attended exactly in float32.
 

@@ -1,22 +1,24 @@
-"""Partial attention over a subset of latent cache rows, and the exact LSE merge of partials.
+"""Partial attention over a subset of latent cache rows in torch: the ``torch`` kernel.
 
-This is the torch reference every other kernel is tested against; the holder serves it for its
+This is the reference every other kernel is tested against; a CPU holder serves it for its
 frames and the model uses it for its own attention, so prefill, decode and routing share one
-definition.
+definition. Its result, ``(O, LSE)``, is a :data:`PartialOut`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
+
+#: A kernel's result: (O ``[n, h, d_v]``, LSE ``[n, h]`` float32, natural log; an empty row has
+#: O = 0 and LSE = -inf). Merged exactly by :func:`corpusd.kernels.merge.merge_partials`.
+PartialOut = tuple[torch.Tensor, torch.Tensor]
 
 _GATHER_ELEMS = 4 << 20  # float32 elements of one gathered block (16 MiB)
 
 
 def partial_attention(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> PartialOut:
     """Absorbed-MLA attention of every row over its own selected cache rows.
 
     Args:
@@ -54,29 +56,3 @@ def partial_attention(
         o[i : i + step] = torch.bmm(s, rows[..., :d_v])
         lse[i : i + step] = part
     return o, lse
-
-
-def merge_partials(
-    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact online-softmax merge: ``L = logsumexp_i L_i``, ``O = Σ_i exp(L_i − L) · O_i``.
-
-    Args:
-        parts: ``(O_i [n, h, d_v], L_i [n, h] float32 natural log)``; an empty part has
-            ``L_i = -inf`` and weight 0. The order of parts does not matter.
-
-    Returns:
-        ``(O, L)`` with the shapes and dtype of the parts; rows empty in every part get O = 0,
-        L = -inf. Raises ValueError when ``parts`` is empty or shapes disagree.
-    """
-    if not parts:
-        raise ValueError("merge_partials needs at least one partial")
-    shapes = {(tuple(o.shape), tuple(lse.shape)) for o, lse in parts}
-    if len(shapes) != 1:
-        raise ValueError(f"partials disagree in shape: {sorted(shapes)}")
-    lses = torch.stack([lse.float() for _, lse in parts])  # [m, n, h]
-    total = torch.logsumexp(lses, dim=0)
-    w = torch.exp(lses - torch.where(torch.isinf(total), 0.0, total)[None])  # 0 for -inf parts
-    out = sum(w[i][..., None] * parts[i][0].float() for i in range(len(parts)))
-    assert isinstance(out, torch.Tensor)
-    return out.to(parts[0][0].dtype), total

@@ -1,12 +1,13 @@
 """Which implementation runs the prefill's two heavy ops: index scores and sparse attention.
 
 ``forward_tokens`` takes a :class:`Kernels`; without one it runs the torch references
-(``indexer.index_scores``, ``partial_attention``), which define the results. On an SM90 GPU
+(``indexer.index_scores``, ``partial_attention``), which define the results. On a GPU
 ``corpusd pin --kernels auto`` (the default) runs the fused Triton index-score kernel
-(``indexer/triton_scores.py``) and FlashMLA's bf16 sparse kernel (``flashmla_bf16``), each
-tested against its reference. Either falls back to torch on its own when it does not fit (no
-Triton or GPU; not SM90 or no sgl_kernel; a float32 model, or latent rows that are not
-FlashMLA's 576/512), and :attr:`Kernels.describe` says why.
+(``indexer/triton_scores.py``) and the attention kernel that ``corpusd.kernels.registry.choose``
+picks for the model's rows, the same rule a holder and the SGLang plugin use: on SM90 with a
+bf16 model of 576-wide rows, FlashMLA's sparse kernel or Triton per call by its rows and heads;
+Triton on another CUDA GPU; the torch reference elsewhere. Each is tested against its reference.
+:attr:`Kernels.describe` says which ran and why a faster one did not.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from corpusd.formats import KERNELS
-from corpusd.model import flashmla_bf16
+from corpusd.kernels import registry
+from corpusd.kernels.reference import partial_attention
 from corpusd.model.config import ModelConfig
-from corpusd.model.partial import partial_attention
 from indexer import index_scores
 
 
@@ -56,7 +57,8 @@ def choose(cfg: ModelConfig, device: str, dtype: torch.dtype, want: str = "auto"
         raise ValueError(f"unknown prefill kernels {want!r}: one of {', '.join(KERNELS)}")
     scores: Callable[..., torch.Tensor] = index_scores
     s_name = "torch index scores"
-    attend, a_name = partial_attention, "torch sparse attention"
+    attend: Callable[..., tuple[torch.Tensor, torch.Tensor]] = partial_attention
+    a_name = "torch sparse attention"
     if want == "auto" and device.startswith("cuda"):
         from indexer import triton_scores  # imports Triton: only where it may run
 
@@ -64,21 +66,11 @@ def choose(cfg: ModelConfig, device: str, dtype: torch.dtype, want: str = "auto"
             scores, s_name = triton_scores.triton_index_scores, "Triton index scores"
         else:
             s_name += " (no CUDA GPU)" if triton_scores.importable() else " (no Triton)"
-        why = _flashmla_misfit(cfg, device, dtype)
-        if why:
-            a_name += f" ({why})"
-        else:
-            attend, a_name = flashmla_bf16.sparse_partial, "FlashMLA sparse attention"
+        pool = (dtype, cfg.kv_dim, cfg.kv_lora_rank)
+        kernel = registry.choose("auto", device, *pool)
+        why_not = registry.passed_over(kernel, device, *pool)
+        registry.report(kernel, device, "prefill", why_not=why_not)
+        if kernel.name != "torch":
+            attend = kernel.fn
+        a_name = registry.describe(kernel, why_not, "sparse attention")
     return Kernels(scores, attend, f"{s_name}, {a_name}")
-
-
-def _flashmla_misfit(cfg: ModelConfig, device: str, dtype: torch.dtype) -> str:
-    """Why FlashMLA's sparse kernel cannot attend ``cfg`` in ``dtype`` on ``device`` ("" when
-    it can), in words a pin prints beside its kernels."""
-    if dtype != torch.bfloat16:
-        return "FlashMLA needs --dtype bfloat16"
-    if not flashmla_bf16.fits(dtype, cfg.kv_dim, cfg.kv_lora_rank):
-        return f"FlashMLA needs 576-wide latent rows, this model's are {cfg.kv_dim}"
-    if not flashmla_bf16.usable(device):
-        return "FlashMLA needs an SM90 GPU and sgl_kernel"
-    return ""

@@ -1,15 +1,16 @@
 """Sparse absorbed-MLA partial attention in Triton over FlashMLA's fp8 rows, dequantized in-kernel.
 
-Same contract as ``corpusd.model.fp8_cache.fp8_partial_attention`` (and ``partial_attention``):
+Same contract as ``corpusd.kernels.fp8_cache.fp8_partial_attention`` (and ``partial_attention``):
 O and the natural-log LSE, O = 0 and LSE = -inf for a row with no valid index; any head count,
-any k. The pool is uint8 ``[N, 656]`` (``corpusd/model/fp8_cache.py``); the kernel reads each
+any k. The pool is uint8 ``[N, 656]`` (``corpusd/kernels/formats.py``); the kernel reads each
 selected row through three views of the same bytes: the 512 fp8 codes (uint8), the 4 float32
 tile scales, and the 64 bf16 rope values. A code becomes ``bf16(bf16(fp8) · bf16(scale))``,
 FlashMLA's own dequantization, so this kernel attends the very values the torch reference and
 FlashMLA's fp8 decode attend; the dot products then run as in ``triton_mla`` (bf16 operands,
 float32 accumulation; float32 for float32 queries).
 
-The grid, the split of k over programs and the LSE merge of the splits are ``triton_mla``'s.
+The program's prologue, online softmax, epilogue, split-k merge and launch plan are
+``triton_common``'s, shared with ``triton_mla``; here only how a block of fp8 rows is loaded.
 """
 
 from __future__ import annotations
@@ -18,8 +19,20 @@ import torch
 import triton
 import triton.language as tl
 
-from corpusd.model.fp8_cache import D_NOPE, D_ROPE, N_TILES, ROPE_AT, ROW_BYTES, SCALE_AT, TILE
-from corpusd.model.triton_mla import _DOT_F32, _LOG2E, online_block, run_split, store_partial
+from corpusd.kernels.formats import D_ROPE, N_TILES, ROPE_AT, ROW_BYTES, SCALE_AT, TILE
+from corpusd.kernels.formats import D_V as D_NOPE
+from corpusd.kernels.reference import PartialOut
+from corpusd.kernels.triton_common import (
+    DOT_F32,
+    LOG2E,
+    block_rows,
+    init_softmax,
+    load_query,
+    online_block,
+    program_heads,
+    run_split,
+    store_partial,
+)
 
 
 @triton.jit
@@ -42,32 +55,17 @@ def _fp8_partial_kernel(
     ROPE_COL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     OUT_BASE2: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    hb = tl.program_id(1)
-    split = tl.program_id(2)
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < h
+    row, split, heads, hmask = program_heads(h, BLOCK_H)
     dv = tl.arange(0, D_V)
     dp = tl.arange(0, D_PE)
-
-    q_row = q_ptr + row * s_qn + heads[:, None] * s_qh
-    q_nope = tl.load(q_row + dv[None, :], mask=hmask[:, None], other=0.0)
-    q_pe = tl.load(q_row + D_V + dp[None, :], mask=hmask[:, None], other=0.0)
-    if DOT_F32:
-        q_nope = q_nope.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
-
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_V], tl.float32)
+    every_v = dv < D_V  # all True: the widths are powers of two here
+    every_p = dp < D_PE
+    q_nope, q_pe = load_query(q_ptr, row, heads, hmask, s_qn, s_qh, dv, dp, every_v, every_p, D_V,
+                              DOT_F32)  # fmt: skip
+    m, l_sum, acc = init_softmax(BLOCK_H, D_V)
     lo = split * k_per_split
     for start in range(0, k_per_split, BLOCK_N):
-        cols = lo + start + tl.arange(0, BLOCK_N)
-        cmask = (cols < k) & (start + tl.arange(0, BLOCK_N) < k_per_split)
-        idx = tl.load(idx_ptr + row * s_in + cols, mask=cmask, other=-1).to(tl.int64)
-        # Out-of-range rows count as unused: the kernel never reads outside the pool.
-        valid = (idx >= 0) & (idx < n_kv)
-        r = tl.where(valid, idx, 0)
+        r, valid = block_rows(idx_ptr, row, s_in, lo, start, k, k_per_split, n_kv, BLOCK_N)
         codes = tl.load(k8_ptr + r[:, None] * s_k8 + dv[None, :], mask=valid[:, None], other=0)
         scales = tl.load(
             ks_ptr + r[:, None] * s_ks + SCALE_COL + tl.arange(0, N_TILES)[None, :],
@@ -87,9 +85,8 @@ def _fp8_partial_kernel(
         k_pe = k_pe.to(q_pe.dtype)
         m, l_sum, acc = online_block(q_nope, q_pe, k_nope, k_pe, valid, scale2, m, l_sum, acc)
 
-    o_addr = o_ptr + row * s_on + split * s_os + heads[:, None] * s_oh + dv[None, :]
-    lse_addr = lse_ptr + row * s_ln + split * s_ls + heads
-    store_partial(acc, m, l_sum, o_addr, lse_addr, hmask[:, None], hmask, OUT_BASE2)
+    store_partial(acc, m, l_sum, o_ptr, lse_ptr, row, split, heads, dv, s_on, s_os, s_oh, s_ln,
+                  s_ls, hmask[:, None], hmask, OUT_BASE2)  # fmt: skip
 
 
 def triton_fp8_partial_attention(
@@ -104,7 +101,7 @@ def triton_fp8_partial_attention(
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> PartialOut:
     """Sparse absorbed-MLA partial attention over fp8 rows (the ``partial_attention`` contract).
 
     Args:
@@ -136,13 +133,13 @@ def triton_fp8_partial_attention(
         "N_TILES": N_TILES,
         "SCALE_COL": SCALE_AT // 4,
         "ROPE_COL": ROPE_AT // 2,
-        "DOT_F32": _DOT_F32,
+        "DOT_F32": DOT_F32,
     }
 
     def launch(grid: tuple[int, ...], per: int, o_: torch.Tensor, lse_: torch.Tensor,
                out_strides: tuple[int, ...], base2: bool, meta: dict) -> None:  # fmt: skip
         _fp8_partial_kernel[grid](
-            q, kv, scales, rope, indices, o_, lse_, kv.shape[0], k, per, scale * _LOG2E, h,
+            q, kv, scales, rope, indices, o_, lse_, kv.shape[0], k, per, scale * LOG2E, h,
             q.stride(0), q.stride(1), kv.stride(0), scales.stride(0), rope.stride(0),
             indices.stride(0), *out_strides, OUT_BASE2=base2, **consts, **meta,
         )  # fmt: skip
