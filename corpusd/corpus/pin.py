@@ -23,6 +23,7 @@ from corpusd.corpus.config import DTYPES, PinConfig
 from corpusd.corpus.ingest import CorpusError, Ingested, ingest
 from corpusd.corpus.layout import Layout, render
 from corpusd.corpus.manifest import Manifest, corpus_id, page_format
+from corpusd.corpus.names import default_name
 from corpusd.corpus.store import PageStore
 from corpusd.model import KVCache, ModelConfig, fingerprint, forward_tokens, load_model
 from corpusd.model import fp8_cache as fp8
@@ -81,8 +82,18 @@ def sample_repo(package: str = "") -> Path:
 
 
 def default_model(stream: TextIO) -> Path:
-    """The embedded default model directory, written on first use (deterministic, no network)."""
+    """The model directory when no ``--model`` is given: ``$CORPUSD_MODEL``, which must hold a
+    model (a typo must not become a fresh random model that pins and serves), else the embedded
+    tiny default, written on first use (deterministic, no network). Raises ValueError (one
+    line) for a ``$CORPUSD_MODEL`` without a ``config.json``."""
+    named = os.environ.get("CORPUSD_MODEL", "")
     d = env.default_model_dir()
+    if named and not (d / "config.json").is_file():
+        what = "does not exist" if not d.exists() else "holds no model (no config.json)"
+        raise ValueError(
+            f"$CORPUSD_MODEL={named} {what}; `corpusd model init {named}` writes the tiny "
+            "model there, or unset it for the default"
+        )
     if not (d / "config.json").is_file():
         from corpusd.model.tiny import init_tiny
 
@@ -133,7 +144,7 @@ def pin(
     t_prefill = time.perf_counter()
     cache = prefill(model, layout, cfg.prefill_chunk, out, kernels)
     t_prefill = time.perf_counter() - t_prefill
-    name = cfg.name or Path(cfg.corpus).name.split(".")[0] or cid[:12]
+    name = cfg.name or default_name(str(cfg.corpus)) or cid[:12]
     manifest = Manifest(
         corpus_id=cid,
         name=name,
