@@ -418,7 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _configure_security(args)
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, so a reader that left is seen by the handler below
+        return code
+    except BrokenPipeError:
+        return _reader_left()
     except CoordinatorError as e:
         print(f"corpusd: error: coordinator: {e}", file=sys.stderr)
         return 1 if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) else 2
@@ -430,6 +434,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("corpusd: interrupted; nothing was committed", file=sys.stderr)
         return 130
+
+
+def _reader_left() -> int:
+    """stdout's reader closed it (``corpusd ask … | head -2``): end quietly with 141, the
+    status of a command a shell saw killed by SIGPIPE (``seq 1e9 | head -1``), and point
+    stdout at /dev/null so the interpreter's last flush does not report it again."""
+    import os
+
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 141
 
 
 if __name__ == "__main__":
