@@ -96,6 +96,13 @@ class AgentConfig:
         default=64, metadata={"help": "when Generate gives none (capped by max_new_tokens)"}
     )
     max_sessions: int = field(default=1024, metadata={"help": "open sessions, at most"})
+    session_idle_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "close a session no call has used for this long (seconds; a client that "
+            "exits without CloseSession leaves one); 0: never"
+        },
+    )
     kv_capacity_tokens: int = field(
         default=1 << 20, metadata={"help": "sessions' own cache rows (prompts and answers)"}
     )
@@ -133,6 +140,8 @@ class AgentConfig:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.http_port < -1 or self.http_port > 65535:
             raise ValueError(f"http_port must be in -1..65535, got {self.http_port}")
+        if not self.session_idle_s >= 0:
+            raise ValueError(f"session_idle_s must be >= 0 (0: never), got {self.session_idle_s}")
         if not self.report_s > 0:
             raise ValueError(f"report_s must be > 0, got {self.report_s}")
         if not (self.table_refresh_s >= 0 or self.table_refresh_s == -1):

@@ -164,6 +164,7 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
         metrics_port,
     )
     tasks = [asyncio.create_task(watch_profile(worker, profile_path(wcfg.profile)))]
+    tasks.append(asyncio.create_task(svc.expire_idle_loop()))
     if coord is not None:
         url = f"{up.scheme}://{cfg.host}:{metrics_port}/metrics" if metrics_port >= 0 else ""
         tasks.append(asyncio.create_task(report_load(svc, worker_id, address, url)))
