@@ -105,6 +105,17 @@ def cmd_down(a: argparse.Namespace) -> int:
     return down(a.state_dir)
 
 
+def cmd_client_env(a: argparse.Namespace) -> int:
+    """What a client of the running ``up``'s OpenAI-compatible API needs, as export lines."""
+    from corpusd.client_env import exports
+
+    info = env.running_up(a.state_dir)
+    if info is None:
+        raise ValueError(f"no running `corpusd up` in {env.up_dir(a.state_dir)}")
+    print(exports(info))
+    return 0
+
+
 def cmd_ps(a: argparse.Namespace) -> int:
     """The daemons of a ``corpusd up``: running or exited, pid, id, address, metrics, uptime."""
     from corpusd import ps
@@ -334,6 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pw.set_defaults(func=cmd_down)
     up_state = "the state directory of `corpusd up` (default: $CORPUSD_HOME/up)"
+    pe = sub.add_parser(
+        "client-env",
+        help="what an OpenAI client (or curl) of `corpusd up`'s HTTP API needs: base URL, API "
+        'key and CA, as export lines for eval "$(corpusd client-env)"',
+    )
+    pe.add_argument("--state-dir", default="", help=up_state)
+    pe.set_defaults(func=cmd_client_env)
     pq = sub.add_parser("ps", help="the daemons `corpusd up` started: pids, ports, uptime")
     pq.add_argument("--state-dir", default="", help=up_state)
     pq.add_argument("--json", action="store_true", help="print JSON (for scripts)")

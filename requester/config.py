@@ -81,6 +81,14 @@ class AgentConfig:
         default=-1,
         metadata={"help": "OpenAI-compatible HTTP API (/v1/...) port; 0: pick a free one, -1: off"},
     )
+    http_client_cert: str = field(
+        default="optional",
+        metadata={
+            "help": "the HTTP API over TLS: a client certificate is optional (verified when "
+            "given; OpenAI clients send the token as their API key) or required",
+            "choices": ("optional", "required"),
+        },
+    )
     worker_id: str = field(default="", metadata={"help": "name in the coordinator's registry"})
     coordinator: str = field(
         default="",
@@ -138,6 +146,10 @@ class AgentConfig:
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.http_client_cert not in ("optional", "required"):
+            raise ValueError(
+                f"http_client_cert must be optional or required, got {self.http_client_cert!r}"
+            )
         if self.http_port < -1 or self.http_port > 65535:
             raise ValueError(f"http_port must be in -1..65535, got {self.http_port}")
         if not self.session_idle_s >= 0:
