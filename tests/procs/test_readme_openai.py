@@ -58,7 +58,7 @@ def test_the_readme_openai_example_works_as_written(tmp_path: Path, tiny_dir: Pa
     )
     try:
         r = subprocess.run(
-            ["bash", "-c", shell], env=env, capture_output=True, text=True, timeout=600
+            ["bash", "-c", shell], env=env, capture_output=True, text=True, timeout=900
         )
     finally:
         subprocess.run(
