@@ -96,6 +96,17 @@ def cmd_down(a: argparse.Namespace) -> int:
     return down(a.state_dir)
 
 
+def cmd_client_env(a: argparse.Namespace) -> int:
+    """What a client of the running ``up``'s OpenAI-compatible API needs, as export lines."""
+    from corpusd.client_env import exports
+
+    info = env.running_up(a.state_dir)
+    if info is None:
+        raise ValueError(f"no running `corpusd up` in {env.up_dir(a.state_dir)}")
+    print(exports(info))
+    return 0
+
+
 def cmd_ps(a: argparse.Namespace) -> int:
     """The daemons of a ``corpusd up``: running or exited, pid, id, address, metrics, uptime."""
     from corpusd import ps
@@ -323,6 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pw.set_defaults(func=cmd_down)
     up_state = "the state directory of `corpusd up` (default: $CORPUSD_HOME/up)"
+    pe = sub.add_parser(
+        "client-env",
+        help="what an OpenAI client (or curl) of `corpusd up`'s HTTP API needs: base URL, API "
+        'key and CA, as export lines for eval "$(corpusd client-env)"',
+    )
+    pe.add_argument("--state-dir", default="", help=up_state)
+    pe.set_defaults(func=cmd_client_env)
     pq = sub.add_parser("ps", help="the daemons `corpusd up` started: pids, ports, uptime")
     pq.add_argument("--state-dir", default="", help=up_state)
     pq.add_argument("--json", action="store_true", help="print JSON (for scripts)")
@@ -407,7 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _configure_security(args)
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, so a reader that left is seen by the handler below
+        return code
+    except BrokenPipeError:
+        return _reader_left()
     except CoordinatorError as e:
         print(f"corpusd: error: coordinator: {e}", file=sys.stderr)
         return 1 if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) else 2
@@ -419,6 +441,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("corpusd: interrupted; nothing was committed", file=sys.stderr)
         return 130
+
+
+def _reader_left() -> int:
+    """stdout's reader closed it (``corpusd ask … | head -2``): end quietly with 141, the
+    status of a command a shell saw killed by SIGPIPE (``seq 1e9 | head -1``), and point
+    stdout at /dev/null so the interpreter's last flush does not report it again."""
+    import os
+
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 141
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ from typing import Any
 
 import grpc
 
-from corpusd.auth import TokenAuth, check_token, load_tokens
+from corpusd.auth import TokenAuth, load_tokens
+from corpusd.local_ca import LocalCA
 
 ENV_CA, ENV_CERT, ENV_KEY, ENV_TOKEN = (
     "CORPUSD_TLS_CA",
@@ -93,7 +94,9 @@ def _read(path: str, what: str) -> bytes:
 
 def identity_from(ca: str, cert: str, key: str, token: str, insecure: bool = False) -> Identity:
     """An identity from paths and a token. Raises ValueError naming the missing file, a cert
-    without its key, or a token without a CA (a token is only sent over TLS)."""
+    without its key, a token without a CA (a token is only sent over TLS), or a token that
+    cannot travel in a header. A short token is sent as it is: the server's answer to a wrong
+    one is UNAUTHENTICATED, whatever its length."""
     if bool(cert) != bool(key):
         raise ValueError("a TLS certificate and its key go together (--tls-cert/--tls-key)")
     if token and not ca and not insecure:
@@ -104,7 +107,7 @@ def identity_from(ca: str, cert: str, key: str, token: str, insecure: bool = Fal
         _read(ca, "--tls-ca"),
         _read(cert, "--tls-cert"),
         _read(key, "--tls-key"),
-        check_token(token, "token") if token else "",
+        _sendable(token),
         insecure,
     )
 
@@ -115,6 +118,14 @@ def _env_text(name: str) -> str:
 
     value = env.get(name)
     return "" if value is None else str(value)
+
+
+def _sendable(token: str) -> str:
+    """``token`` stripped; ValueError unless it is printable ASCII (it travels in a header)."""
+    t = token.strip()
+    if not all(33 <= ord(c) < 127 for c in t):
+        raise ValueError(f"${ENV_TOKEN}: a token is printable ASCII without spaces")
+    return t
 
 
 _configured: Identity | None = None
@@ -137,9 +148,9 @@ def configure(cfg: SecurityConfig) -> None:
     token = e(ENV_TOKEN)
     if cfg.insecure:
         _configured = Identity(insecure=True)
-    elif cfg.tls_ca or cfg.tls_cert or token:
+    elif cfg.tls_ca or cfg.tls_cert:
         _configured = identity_from(cfg.tls_ca, cfg.tls_cert, cfg.tls_key, token)
-    else:  # nothing given: client_identity may still find a running secure `up`
+    else:  # no files given: client_identity may still find a running secure `up`'s
         _configured = None
     _server = cfg
 
@@ -161,19 +172,27 @@ def client_identity(address: str) -> Identity:
     if _configured is not None:
         return _configured
     e = _env_text
-    if any(e(v) for v in (ENV_CA, ENV_CERT, ENV_KEY, ENV_TOKEN)):
-        return identity_from(e(ENV_CA), e(ENV_CERT), e(ENV_KEY), e(ENV_TOKEN))
-    if _loopback(address):
-        from corpusd import env
+    token = e(ENV_TOKEN)
+    if any(e(v) for v in (ENV_CA, ENV_CERT, ENV_KEY)):
+        return identity_from(e(ENV_CA), e(ENV_CERT), e(ENV_KEY), token)
+    ca = up_ca(address)
+    if ca is not None:  # $CORPUSD_TOKEN alone: that token, with up's certificates
+        return identity_from(str(ca.ca), str(ca.cert), str(ca.key), token or ca.token("admin"))
+    return identity_from("", "", "", token)  # plaintext; a lone token is refused
 
-        info = env.running_up() or {}
-        sec = info.get("security")
-        if sec and address in _up_addresses(info):
-            from corpusd.local_ca import LocalCA
 
-            ca = LocalCA(Path(sec["dir"]))
-            return identity_from(str(ca.ca), str(ca.cert), str(ca.key), ca.token("admin"))
-    return Identity()
+def up_ca(address: str = "") -> LocalCA | None:
+    """The local CA of the running secure ``corpusd up`` when ``address`` is one of its
+    daemons ("" : any), else None. Its files are only ever used towards loopback."""
+    if address and not _loopback(address):
+        return None
+    from corpusd import env
+
+    info = env.running_up() or {}
+    sec = info.get("security")
+    if not sec or (address and address not in _up_addresses(info)):
+        return None
+    return LocalCA(Path(sec["dir"]))
 
 
 def _up_addresses(info: dict[str, Any]) -> set[str]:
@@ -238,11 +257,21 @@ def serving(host: str) -> Serving:
     return Serving(creds, interceptors, metrics)
 
 
-def http_serving(host: str) -> tuple[dict[str, Any], dict[str, str] | None]:
-    """An HTTP port on ``host`` (the agent's OpenAI API) served as the daemon's gRPC port is:
-    uvicorn's TLS arguments (the same certificate, and the CA clients must present a certificate
-    of) and the tokens (token → right) a request's ``Authorization: Bearer`` must name, or None
+#: ``--http-client-cert``: what the HTTP port asks of a client's certificate
+HTTP_CLIENT_CERT = ("optional", "required")
+
+
+def http_serving(
+    host: str, client_cert: str = "optional"
+) -> tuple[dict[str, Any], dict[str, str] | None]:
+    """An HTTP port on ``host`` (the agent's OpenAI API) served with the daemon's certificate
+    and tokens, asking for what OpenAI clients can give: TLS and the bearer token (their
+    ``api_key``). A client certificate is ``optional`` (verified against the daemon's CA when
+    one is presented) unless ``client_cert`` is ``required``. Returns uvicorn's TLS arguments
+    and the tokens (token → right) a request's ``Authorization: Bearer`` must name, or None
     when the daemon takes no tokens. Raises as :func:`serving` does."""
+    if client_cert not in HTTP_CLIENT_CERT:
+        raise ValueError(f"--http-client-cert: {client_cert!r}; one of {HTTP_CLIENT_CERT}")
     sec = serving(host)
     cfg = _server or SecurityConfig()
     if sec.credentials is None:
@@ -251,5 +280,6 @@ def http_serving(host: str) -> tuple[dict[str, Any], dict[str, str] | None]:
 
     tls: dict[str, Any] = {"ssl_certfile": cfg.tls_cert, "ssl_keyfile": cfg.tls_key}
     if cfg.tls_ca:
-        tls.update(ssl_ca_certs=cfg.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        reqs = ssl.CERT_REQUIRED if client_cert == "required" else ssl.CERT_OPTIONAL
+        tls.update(ssl_ca_certs=cfg.tls_ca, ssl_cert_reqs=reqs)
     return tls, (load_tokens(cfg.auth_tokens) if cfg.auth_tokens else None)

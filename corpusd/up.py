@@ -50,8 +50,16 @@ def describe(info: dict[str, Any]) -> str:
     else:
         lines.append("  plaintext, no tokens (--insecure)")
     if a.get("http", -1) >= 0:
-        web = "https" if info.get("security") else "http"  # TLS and agent tokens when secure
-        lines.append(f"  OpenAI API   {web}://127.0.0.1:{a['http']}/v1")
+        lines.append(f"  OpenAI API   {scheme}://127.0.0.1:{a['http']}/v1")
+        if sec:  # what an OpenAI client must give: the agent token as its key, and up's CA
+            lines.append(
+                f"               API key: the agent token in {sec['dir']}/tokens; CA: "
+                f"{sec['dir']}/ca.pem; a client certificate is optional"
+            )
+        lines.append(
+            '               eval "$(corpusd client-env)" exports OPENAI_BASE_URL, '
+            "OPENAI_API_KEY" + (", SSL_CERT_FILE, CURL_CA_BUNDLE" if sec else "")
+        )
     cal = info.get("calibration")
     if cal and cal["ran"]:
         done = f"quick, {cal['seconds']} s" if cal["ok"] else f"FAILED, see {cal['log']}"

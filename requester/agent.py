@@ -12,6 +12,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -35,6 +36,8 @@ from requester.worker import Worker
 
 log = logging.getLogger("corpusd.agent")
 Code = grpc.StatusCode
+#: ended sessions remembered, so a call on one says why it is gone (expired, closed, ...)
+ENDED_KEPT = 4096
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _INTS = (torch.int32, torch.int64)
 
@@ -71,6 +74,8 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         self.names: dict[str, str] = {}  # what callers named → corpus id
         self.lease_s = 10.0  # the coordinator's, from its answer to each load report
         self._binding = asyncio.Lock()
+        self.ended: OrderedDict[str, str] = OrderedDict()  # session id → why it is gone
+        self.metrics.session_rows.set_function(self.kv_tokens)
 
     async def _abort(self, method: str, e: Exception, context: Any) -> None:
         await rpc.abort(self, method, e, context)
@@ -112,6 +117,8 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 sid, Reject(Code.NOT_FOUND, f"corpus {corpus_id} was {why}; session {sid} closed")
             )
         closed = self.worker.detach(corpus_id)
+        for sid in closed:
+            self._ended(sid, "unpinned", f"was closed: its corpus {corpus_id[:12]} was {why}")
         self.names = {n: c for n, c in self.names.items() if c != corpus_id}
         log.info("dropped corpus %s (%s): %d sessions closed", corpus_id[:12], why, len(closed))
 
@@ -142,8 +149,51 @@ class AgentService(agent_pb2_grpc.AgentServicer):
     def _session(self, session_id: str) -> Session:
         s = self.worker.sessions.get(session_id)
         if s is None:
+            why = self.ended.get(session_id)
+            if why is not None:
+                raise Reject(Code.NOT_FOUND, f"session {session_id} {why}; open a new session")
             raise Reject(Code.NOT_FOUND, f"no session {session_id!r} on this agent")
+        s.used_at = time.monotonic()
         return s
+
+    def _ended(self, session_id: str, reason: str, why: str) -> None:
+        """Remember why ``session_id`` is gone (its next call says so) and count it."""
+        self.ended[session_id] = why
+        while len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
+        self.metrics.sessions_closed.labels(reason).inc()
+
+    def _end(self, session_id: str, reason: str, why: str) -> None:
+        """Close an open session for ``reason`` (a stream it runs fails NOT_FOUND with
+        ``why``)."""
+        self.scheduler.cancel(session_id, Reject(Code.NOT_FOUND, f"session {session_id} {why}"))
+        self.worker.close_session(session_id)
+        self._ended(session_id, reason, why)
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """Close every session no call has used for ``--session-idle-s`` (a client that exited
+        without CloseSession); a session with a stream in flight is in use. Returns their ids."""
+        idle_s = self.cfg.session_idle_s
+        if idle_s <= 0:
+            return []
+        now = time.monotonic() if now is None else now
+        gone = [
+            s.id
+            for s in list(self.worker.sessions.values())
+            if now - s.used_at > idle_s and not self.scheduler.busy(s.id)
+        ]
+        for sid in gone:
+            self._end(sid, "idle", f"expired after idle {idle_s:g} s (--session-idle-s)")
+        if gone:
+            log.info("%d sessions expired after idle %g s", len(gone), idle_s)
+        return gone
+
+    async def expire_idle_loop(self) -> None:
+        """``expire_idle`` every quarter of the timeout (at most 5 s apart)."""
+        every = min(max(self.cfg.session_idle_s / 4, 0.1), 5.0)
+        while self.cfg.session_idle_s > 0:
+            await asyncio.sleep(every)
+            self.expire_idle()
 
     @rpc("OpenSession")
     async def OpenSession(self, request: Any, context: Any) -> agent_pb2.OpenSessionResponse:
@@ -180,12 +230,17 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 Code.INVALID_ARGUMENT, f"prompt: token ids {bad[:4]} are outside [0, {vocab})"
             )
         if len(self.worker.sessions) >= cfg.max_sessions:
+            self.expire_idle()
+        if len(self.worker.sessions) >= cfg.max_sessions:
+            self.metrics.sessions_refused.labels("max_sessions").inc()
+            idle = f"{cfg.session_idle_s:g} s" if cfg.session_idle_s > 0 else "off"
             raise Reject(
                 Code.RESOURCE_EXHAUSTED,
-                f"{len(self.worker.sessions)} sessions open, the most this agent takes; "
-                "close some (CloseSession)",
+                f"max sessions {cfg.max_sessions} reached (--max-sessions); close some "
+                f"(CloseSession) or wait: idle ones expire (--session-idle-s: {idle})",
             )
         if self.kv_tokens() + len(prompt) > cfg.kv_capacity_tokens:
+            self.metrics.sessions_refused.labels("kv_capacity").inc()
             raise Reject(
                 Code.RESOURCE_EXHAUSTED,
                 f"sessions hold {self.kv_tokens():,} of {cfg.kv_capacity_tokens:,} cache rows; "
@@ -203,10 +258,12 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             s.id, Reject(Code.CANCELLED, f"session {s.id} was closed while generating")
         )
         self.worker.close_session(s.id)
+        self._ended(s.id, "close", "was closed (CloseSession)")
 
     def kv_tokens(self) -> int:
         """Cache rows the open sessions hold or are about to (pending tokens)."""
-        return sum(s.cache.length + len(s.pending) for s in self.worker.sessions.values())
+        # a list first: the metrics endpoint calls this from its own thread
+        return sum(s.cache.length + len(s.pending) for s in list(self.worker.sessions.values()))
 
     def params(
         self,
@@ -266,6 +323,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         first = True
         try:
             async for tok in self.scheduler.generate(s):
+                s.used_at = time.monotonic()
                 now = time.perf_counter()
                 (self.metrics.ttft if first else self.metrics.inter_token).observe(now - last)
                 first, last = False, now
@@ -280,9 +338,20 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             params = self.params(p.max_tokens, p.temperature, p.top_p, p.stop_token_ids, p.seed)
             async for tok, text, finish in self.generate(request.session_id, params):
                 yield agent_pb2.GenerateChunk(token_ids=[tok], text=text, finish_reason=finish)
+        except asyncio.CancelledError:
+            # The client cancelled the stream or went away (exited, killed, its connection
+            # dropped): nobody is left to continue or close the session, so it ends here.
+            self.client_gone(request.session_id)
+            raise
         except Exception as e:
             await self._abort(method, e, context)
         self.metrics.requests.labels(method, "OK").inc()
+
+    def client_gone(self, session_id: str) -> None:
+        """End a session whose client left mid-stream (no-op if it is closed already)."""
+        if session_id in self.worker.sessions:
+            self._end(session_id, "client_gone", "was closed: its client left mid-stream")
+            log.info("session %s closed: its client left mid-stream", session_id)
 
     @rpc("CloseSession")
     async def CloseSession(self, request: Any, context: Any) -> agent_pb2.CloseSessionResponse:

@@ -194,7 +194,7 @@ class Client:
             except grpc.aio.AioRpcError as e:
                 dead = e.code() == grpc.StatusCode.UNAVAILABLE
                 if not (dead and live is not None and live.tokens and self.coordinator):
-                    raise AgentError(e.code(), e.details() or "") from None
+                    raise await self._error(e, ref.address) from None
             if max_tokens and streamed >= max_tokens:  # died after its last token
                 yield Chunk((), "", "length")
                 return
@@ -220,7 +220,9 @@ class Client:
         for attempt in range(OPEN_TRIES):
             address = await self._where(session_tokens, exclude=gone)
             try:
-                r = await self._call(self._stub(address).OpenSession(req, timeout=self.timeout))
+                r = await self._call(
+                    self._stub(address).OpenSession(req, timeout=self.timeout), address
+                )
             except AgentError as e:
                 last = attempt == OPEN_TRIES - 1
                 if e.code != grpc.StatusCode.UNAVAILABLE or self.coordinator is None or last:
@@ -245,7 +247,9 @@ class Client:
         live = self._sessions.pop(session.session_id, None)
         ref = live.ref if live is not None else session
         req = agent_pb2.CloseSessionRequest(session_id=ref.session_id)
-        await self._call(self._stub(ref.address).CloseSession(req, timeout=self.timeout))
+        await self._call(
+            self._stub(ref.address).CloseSession(req, timeout=self.timeout), ref.address
+        )
 
     async def attend(
         self,
@@ -284,8 +288,19 @@ class Client:
             from_proto(r.lse, "lse", dtypes=(torch.float32,), rank=2),
         )
 
-    async def _call(self, call: Any) -> Any:
+    async def _call(self, call: Any, address: str = "") -> Any:
         try:
             return await call
         except grpc.aio.AioRpcError as e:
-            raise AgentError(e.code(), e.details() or "") from None
+            raise await self._error(e, address) from None
+
+    async def _error(self, e: grpc.aio.AioRpcError, address: str) -> AgentError:
+        """The AgentError of a failed call to ``address``: a connection failure that is a TLS
+        mistake says which (one line)."""
+        detail = e.details() or ""
+        if e.code() == grpc.StatusCode.UNAVAILABLE and address:
+            from corpusd.tls_diagnosis import explain
+
+            me = self.ident if self.ident is not None else security.client_identity(address)
+            detail = await asyncio.to_thread(explain, address, detail, me)
+        return AgentError(e.code(), detail)

@@ -75,6 +75,14 @@ class AgentConfig(DaemonConfig):
         default=-1,
         metadata={"help": "OpenAI-compatible HTTP API (/v1/...) port; 0: pick a free one, -1: off"},
     )
+    http_client_cert: str = field(
+        default="optional",
+        metadata={
+            "help": "the HTTP API over TLS: a client certificate is optional (verified when "
+            "given; OpenAI clients send the token as their API key) or required",
+            "choices": ("optional", "required"),
+        },
+    )
     worker_id: str = field(default="", metadata={"help": "name in the coordinator's registry"})
     coordinator: str = field(
         default="",
@@ -90,6 +98,13 @@ class AgentConfig(DaemonConfig):
         default=64, metadata={"help": "when Generate gives none (capped by max_new_tokens)"}
     )
     max_sessions: int = field(default=1024, metadata={"help": "open sessions, at most"})
+    session_idle_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "close a session no call has used for this long (seconds; a client that "
+            "exits without CloseSession leaves one); 0: never"
+        },
+    )
     kv_capacity_tokens: int = field(
         default=1 << 20, metadata={"help": "sessions' own cache rows (prompts and answers)"}
     )
@@ -123,6 +138,12 @@ class AgentConfig(DaemonConfig):
         )
         if self.http_port < -1 or self.http_port > 65535:
             raise ValueError(f"http_port must be in -1..65535, got {self.http_port}")
+        if self.http_client_cert not in ("optional", "required"):
+            raise ValueError(
+                f"http_client_cert must be optional or required, got {self.http_client_cert!r}"
+            )
+        if not self.session_idle_s >= 0:
+            raise ValueError(f"session_idle_s must be >= 0 (0: never), got {self.session_idle_s}")
         if not (self.table_refresh_s >= 0 or self.table_refresh_s == -1):
             raise ValueError(
                 f"table_refresh_s must be > 0, 0 (lease / 3) or -1 (never), got "

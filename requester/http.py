@@ -98,6 +98,8 @@ class OpenAIApi:
         # DeepSeek's chat markers when the tokenizer has them as single tokens
         self.deepseek = all(len(tok.encode(m)) == 1 for m in (DEEPSEEK_USER, DEEPSEEK_ASSISTANT))
         self.http = svc.metrics.counter("http_requests", "HTTP API requests", ["path", "status"])
+        #: the coordinator's last model list and when it was read (unix s)
+        self.last_models: tuple[list[dict[str, Any]], float] | None = None
 
     def app(self) -> Starlette:
         async def refuse(request: Request, exc: Exception) -> Response:
@@ -117,7 +119,10 @@ class OpenAIApi:
 
     async def models(self, request: Request) -> Response:
         """Pinned corpora (ready, and pinned for this agent's model) as OpenAI models; without a
-        coordinator, the corpora this worker has bound."""
+        coordinator, the corpora this worker has bound. While the coordinator is unavailable
+        (chat on bound corpora still works) the last list it gave is served, or else the
+        bound corpora, marked stale: a ``corpusd_stale`` field and the ``X-Corpusd-Stale``
+        header say since when and why."""
         svc, data = self.svc, []
         try:
             if svc.coordinator is not None:
@@ -127,13 +132,42 @@ class OpenAIApi:
                         data.append(
                             _model(c.name or c.corpus_id, c.corpus_id, c.tokens, c.created_at)
                         )
+                self.last_models = (data, time.time())
             else:
-                for cid, b in svc.worker.corpora.items():
-                    data.append(_model(cid, cid, b.view.token_count))
+                data = self._bound()
+        except CoordinatorError as e:
+            if e.code != Code.UNAVAILABLE:
+                return self._refused("/v1/models", api_error(e))
+            return self._stale(str(e))
         except Exception as e:
             return self._refused("/v1/models", api_error(e))
         self.http.labels("/v1/models", "200").inc()
         return JSONResponse({"object": "list", "data": data})
+
+    def _bound(self) -> list[dict[str, Any]]:
+        return [_model(cid, cid, b.view.token_count) for cid, b in self.svc.worker.corpora.items()]
+
+    def _stale(self, why: str) -> Response:
+        """The last known model list (else the bound corpora), said to be stale; 503 when
+        there is neither."""
+        if self.last_models is not None:
+            data, at = self.last_models
+            since = (
+                f"the coordinator's list of {datetime.fromtimestamp(at).isoformat('T', 'seconds')}"
+            )
+        else:
+            data, since = self._bound(), "the corpora this worker has bound"
+        if not data and self.last_models is None:
+            return self._refused("/v1/models", api_error(CoordinatorError(Code.UNAVAILABLE, why)))
+        note = f"coordinator unavailable ({why}); serving {since}"
+        self.http.labels("/v1/models", "200").inc()
+        log.info("/v1/models: %s", note)
+        return JSONResponse(
+            {"object": "list", "data": data, "corpusd_stale": note},
+            headers={
+                "X-Corpusd-Stale": " ".join(note.split()).encode("ascii", "replace")[:400].decode()
+            },
+        )
 
     async def completions(self, request: Request) -> Response:
         return await self._answer(request, chat=False)

@@ -50,6 +50,21 @@ class RequesterMetrics(Metrics):
         self.fetched_bytes = self.counter("fetched_bytes", "corpus page bytes pulled")
         self.prefilled = self.counter("reprefilled_tokens", "corpus tokens re-prefilled")
         self.sessions = self.gauge("sessions", "open sessions")
+        self.session_rows = self.gauge(
+            "session_kv_rows", "cache rows the open sessions hold (prompts and answers)"
+        )
+        self.sessions_closed = self.counter(
+            "sessions_closed",
+            "sessions ended, by why: close (CloseSession or the HTTP request's end), idle "
+            "(--session-idle-s), client_gone (its Generate stream was cancelled or its client "
+            "died mid-stream), unpinned",
+            ["reason"],
+        )
+        self.sessions_refused = self.counter(
+            "sessions_refused",
+            "OpenSession refused RESOURCE_EXHAUSTED, by limit: max_sessions or kv_capacity",
+            ["limit"],
+        )
         self.errors = self.counter("errors", "failed holder calls by gRPC status", ["kind"])
         self.transport = self.gauge(
             "transport_info",

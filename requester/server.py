@@ -122,7 +122,7 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
     if cfg.http_port >= 0:
         from requester.http import HttpApi, bind  # starlette and uvicorn: only when served
 
-        tls, tokens = security.http_serving(cfg.host)  # as the gRPC port: TLS and tokens
+        tls, tokens = security.http_serving(cfg.host, cfg.http_client_cert)
         http = HttpApi(svc, bind(cfg.host, cfg.http_port), cfg.drain_s, tls, tokens)
     options = [
         ("grpc.max_receive_message_length", 256 << 20),
@@ -142,7 +142,8 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
     worker_id = cfg.worker_id or f"agent-{up.port}"
     if http is not None:
         http.start()
-        log.info("%s: OpenAI-compatible API on http://%s:%d/v1", worker_id, cfg.host, http.port)
+        web = "https" if tls else "http"
+        log.info("%s: OpenAI-compatible API on %s://%s:%d/v1", worker_id, web, cfg.host, http.port)
     write_endpoint(
         Path(cfg.state_dir),
         {
@@ -164,6 +165,7 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
         metrics_port,
     )
     tasks = [asyncio.create_task(watch_profile(worker, profile_path(wcfg.profile)))]
+    tasks.append(asyncio.create_task(svc.expire_idle_loop()))
     if coord is not None:
         url = f"{up.scheme}://{cfg.host}:{metrics_port}/metrics" if metrics_port >= 0 else ""
         tasks.append(asyncio.create_task(report_load(svc, worker_id, address, url)))

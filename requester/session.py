@@ -9,6 +9,7 @@ is never copied. A step writes its rows layer by layer and commits the length at
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,7 @@ class Session:
     finish_reason: str = ""
     gen: torch.Generator = field(default_factory=torch.Generator)
     logits: list[torch.Tensor] | None = None  # each step's logits, when the opener asked
+    used_at: float = field(default_factory=time.monotonic)  # last call or token (idle expiry)
 
     def logical(self, private_index: torch.Tensor) -> torch.Tensor:
         """Private cache index → logical position (the corpus sits between prefix and suffix)."""

@@ -3,8 +3,11 @@
 count of every gRPC status code any call returned.
 
 A session refused with RESOURCE_EXHAUSTED (no worker has room: explicit load shedding) waits
-and tries again until ``--deadline-s``; every such refusal is counted. Any other non-OK status
-is an error, and the script exits 1 when there is one.
+and tries again until ``--deadline-s``; such refusals and the retries they cost are counted
+apart from errors. Every session's tokens are checked against a reference: the same prompt
+decoded greedily alone, before the round (``wrong_tokens``). Any other non-OK status, a wrong
+token, or a session still refused at the deadline is an error, and the script exits 1 when
+there is one.
 
     python -m tools.bench_load --levels 8,32,128,256 --out bench/results/load-cpu.json
 
@@ -49,6 +52,10 @@ class Level:
     close_s: list[float] = field(default_factory=list)
     tokens: int = 0
     failed: int = 0
+    resource_exhausted: int = 0  # refusals of OpenSession, each followed by a retry or the end
+    retried_sessions: int = 0  # sessions that needed at least one retry
+    wrong_tokens: int = 0  # sessions whose tokens differ from their prompt's reference
+    checked: int = 0  # sessions whose tokens were compared
     errors: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -60,32 +67,66 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-async def one(c: Any, corpus: str, i: int, tokens: int, deadline: float, lv: Level) -> None:
+def prompt_of(i: int) -> str:
+    return QUESTIONS[i % len(QUESTIONS)].format(i=i % 24)
+
+
+async def references(coordinator: str, corpus: str, n: int, tokens: int) -> dict[str, list[int]]:
+    """Each distinct prompt of a round of ``n`` sessions, decoded greedily alone: the tokens
+    every session of that prompt must give under load."""
+    from requester.client import Client
+
+    out: dict[str, list[int]] = {}
+    async with Client(coordinator=coordinator) as c:
+        for prompt in sorted({prompt_of(i) for i in range(n)}):
+            s = await c.open_session(corpus, prompt, reserve_tokens=tokens)
+            out[prompt] = list((await c.complete(s, max_tokens=tokens)).token_ids)
+            await c.close_session(s)
+    return out
+
+
+async def one(
+    c: Any, corpus: str, i: int, tokens: int, deadline: float, lv: Level, ref: dict[str, list[int]]
+) -> None:
     from requester.client import AgentError
 
     t0 = time.perf_counter()
-    prompt = QUESTIONS[i % len(QUESTIONS)].format(i=i % 24)
+    prompt = prompt_of(i)
+    retried = False
     while True:
         try:
             s = await c.open_session(corpus, prompt, reserve_tokens=tokens)
             lv.codes["OpenSession:OK"] += 1
             break
         except AgentError as e:
-            lv.codes[f"OpenSession:{e.code.name}"] += 1
+            if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                lv.resource_exhausted += 1
+            else:
+                lv.codes[f"OpenSession:{e.code.name}"] += 1
             if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.perf_counter() > deadline:
+                if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # refused past the deadline
+                    lv.codes["OpenSession:RESOURCE_EXHAUSTED_AT_DEADLINE"] += 1
                 lv.failed += 1
                 lv.errors.append(f"OpenSession: {e}")
                 return
+            lv.retried_sessions += not retried
+            retried = True
             await asyncio.sleep(random.uniform(0.1, 0.5))
     t1 = time.perf_counter()
     lv.open_s.append(t1 - t0)
-    got, first = 0, 0.0
+    got, first, ids = 0, 0.0, list[int]()
     try:
         async for ch in c.generate(s, max_tokens=tokens):
             if not got and ch.token_ids:
                 first = time.perf_counter() - t1
             got += len(ch.token_ids)
+            ids += ch.token_ids
         lv.codes["Generate:OK"] += 1
+        if prompt in ref:
+            lv.checked += 1
+            if ids != ref[prompt]:
+                lv.wrong_tokens += 1
+                lv.errors.append(f"wrong tokens for {prompt!r}: {ids} != {ref[prompt]}")
     except AgentError as e:
         lv.codes[f"Generate:{e.code.name}"] += 1
         lv.failed += 1
@@ -109,10 +150,11 @@ async def run_level(coordinator: str, corpus: str, n: int, tokens: int, deadline
     from requester.client import Client
 
     lv = Level(n)
+    ref = await references(coordinator, corpus, n, tokens)
     async with Client(coordinator=coordinator, timeout=deadline_s) as c:
         t0 = time.perf_counter()
         deadline = t0 + deadline_s
-        await asyncio.gather(*(one(c, corpus, i, tokens, deadline, lv) for i in range(n)))
+        await asyncio.gather(*(one(c, corpus, i, tokens, deadline, lv, ref) for i in range(n)))
         lv.wall_s = time.perf_counter() - t0
     return lv
 
@@ -121,9 +163,7 @@ def summary(lv: Level) -> dict[str, Any]:
     def ms(xs: list[float]) -> dict[str, float]:
         return {"p50_ms": round(pct(xs, 0.5) * 1e3, 1), "p99_ms": round(pct(xs, 0.99) * 1e3, 1)}
 
-    errors = {
-        k: v for k, v in lv.codes.items() if not k.endswith(":OK") and "RESOURCE_EXHAUSTED" not in k
-    }
+    errors = {k: v for k, v in lv.codes.items() if not k.endswith(":OK")}
     return {
         "sessions": lv.sessions,
         "completed": len(lv.session_s) - lv.failed,
@@ -136,7 +176,11 @@ def summary(lv: Level) -> dict[str, Any]:
         "close": ms(lv.close_s),
         "session": ms(lv.session_s),
         "codes": dict(sorted(lv.codes.items())),
-        "errors_other_than_resource_exhausted": sum(errors.values()),
+        "resource_exhausted": lv.resource_exhausted,
+        "retried_sessions": lv.retried_sessions,
+        "checked_sessions": lv.checked,
+        "wrong_tokens": lv.wrong_tokens,
+        "errors_other_than_resource_exhausted": sum(errors.values()) + lv.wrong_tokens,
         "error_samples": lv.errors[:5],
     }
 
@@ -198,14 +242,16 @@ def main(argv: list[str] | None = None) -> int:
             info = json.loads((Path(env["CORPUSD_HOME"]) / "up" / "up.json").read_text())
             coordinator = info["coordinator"]["address"]
         rows = []
-        print(f"{'sessions':>8} {'done':>5} {'fail':>4} {'wall s':>7} {'open p50/p99 ms':>17} "
-              f"{'first p50/p99':>15} {'session p50/p99':>17}  codes")  # fmt: skip
+        print(f"{'sessions':>8} {'done':>5} {'fail':>4} {'wrong':>5} {'RE':>6} {'retried':>7} "
+              f"{'wall s':>7} {'open p50/p99 ms':>17} {'first p50/p99':>15} "
+              f"{'session p50/p99':>17}  codes")  # fmt: skip
         for n in levels:
             lv = asyncio.run(run_level(coordinator, a.corpus, n, a.tokens, a.deadline_s))
             r = summary(lv)
             rows.append(r)
             print(
-                f"{n:>8} {r['completed']:>5} {r['failed']:>4} {r['wall_s']:>7.1f} "
+                f"{n:>8} {r['completed']:>5} {r['failed']:>4} {r['wrong_tokens']:>5} "
+                f"{r['resource_exhausted']:>6} {r['retried_sessions']:>7} {r['wall_s']:>7.1f} "
                 f"{r['open']['p50_ms']:>8.0f}/{r['open']['p99_ms']:<8.0f} "
                 f"{r['first_token']['p50_ms']:>7.0f}/{r['first_token']['p99_ms']:<7.0f} "
                 f"{r['session']['p50_ms']:>8.0f}/{r['session']['p99_ms']:<8.0f}  {r['codes']}",

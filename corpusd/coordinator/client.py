@@ -26,6 +26,14 @@ class CoordinatorError(StatusError):
     """The coordinator refused or could not be reached; ``code`` is the gRPC status."""
 
 
+async def _named(address: str, detail: str, ident: security.Identity | None) -> str:
+    """``detail`` of a failed connection, or the TLS mistake it hides (one line)."""
+    from corpusd.tls_diagnosis import explain
+
+    me = ident if ident is not None else security.client_identity(address)
+    return await asyncio.to_thread(explain, address, detail, me)
+
+
 @dataclass(frozen=True, slots=True)
 class HolderSpec:
     """What a holder says of itself when it registers: where it listens and what it can load."""
@@ -178,6 +186,7 @@ class CoordinatorClient:
     ) -> None:
         self.address, self.timeout = address, timeout
         self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
+        self.ident = ident
         self.channels = [security.channel(a, ident=ident) for a in self.addresses]
         self.stubs = [coordinator_pb2_grpc.CoordinatorStub(c) for c in self.channels]
         self.at = 0  # index of the address that answered last
@@ -214,6 +223,8 @@ class CoordinatorClient:
                     or detail.startswith(_VERDICTS)
                     or time.monotonic() > deadline
                 ):
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        detail = await _named(self.addresses[self.at], detail, self.ident)
                     raise CoordinatorError(code, detail) from None
             self.at = (self.at + 1) % len(self.stubs)
             tried += 1

@@ -121,3 +121,18 @@ def resolve_in(name: str, *groups: Iterable[C]) -> C | None:
             if hits:
                 return next(iter(hits.values()))
     return None
+
+
+#: Archive suffixes a default corpus name drops (longest first, so ``.tar.gz`` goes whole).
+ARCHIVE_SUFFIXES = (".tar.gz", ".tar.bz2", ".tar.xz", ".tar.zst", ".tgz", ".tar")
+
+
+def default_name(source: str) -> str:
+    """The name a pin of ``source`` gets without ``--name``: its file or directory name less a
+    known archive suffix, so a version stays in it (``h11-0.14.0.tar`` → ``h11-0.14.0``; two
+    versions of a package do not collide). "" when nothing is left."""
+    base = source.rstrip("/").rsplit("/", 1)[-1]
+    for suffix in ARCHIVE_SUFFIXES:
+        if base.lower().endswith(suffix) and len(base) > len(suffix):
+            return base[: -len(suffix)]
+    return base

@@ -24,6 +24,7 @@ from corpusd.corpus.config import DTYPES, PinConfig
 from corpusd.corpus.ingest import CorpusError, Ingested, ingest
 from corpusd.corpus.layout import Layout, render
 from corpusd.corpus.manifest import Manifest, corpus_id, page_format
+from corpusd.corpus.names import default_name
 from corpusd.corpus.store import PageStore
 from corpusd.kernels import fp8_cache as fp8
 from corpusd.kernels.formats import FP8
@@ -83,8 +84,18 @@ def sample_repo(package: str = "") -> Path:
 
 
 def default_model(stream: TextIO) -> Path:
-    """The embedded default model directory, written on first use (deterministic, no network)."""
+    """The model directory when no ``--model`` is given: ``$CORPUSD_MODEL``, which must hold a
+    model (a typo must not become a fresh random model that pins and serves), else the embedded
+    tiny default, written on first use (deterministic, no network). Raises ValueError (one
+    line) for a ``$CORPUSD_MODEL`` without a ``config.json``."""
+    named = os.environ.get("CORPUSD_MODEL", "")
     d = env.default_model_dir()
+    if named and not (d / "config.json").is_file():
+        what = "does not exist" if not d.exists() else "holds no model (no config.json)"
+        raise ValueError(
+            f"$CORPUSD_MODEL={named} {what}; `corpusd model init {named}` writes the tiny "
+            "model there, or unset it for the default"
+        )
     if not (d / "config.json").is_file():
         from corpusd.model.tiny import init_tiny
 
@@ -125,17 +136,18 @@ def pin(
         return PinResult(m, store.corpora / cid, model_dir, True, time.perf_counter() - t0)
 
     where = "" if cfg.device == "cpu" else f" on {cfg.device}"
+    threads = cpu_threads() if cfg.device == "cpu" else 0  # the ones announced are the ones used
     out.write(f"prefill of {len(layout.tokens):,} tokens{where}: ")
-    out.write(f"{estimate(len(layout.tokens)) if cfg.device == 'cpu' else cfg.dtype}\n")
+    out.write(f"{estimate(len(layout.tokens), threads) if threads else cfg.dtype}\n")
     model = load_model(model_dir, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     kernels = choose(model_cfg, cfg.device, getattr(torch, cfg.dtype), cfg.kernels)
     if cfg.device != "cpu":
         out.write(f"kernels: {kernels.describe}\n")
         warm_up(model, kernels)
     t_prefill = time.perf_counter()
-    cache = prefill(model, layout, cfg.prefill_chunk, out, kernels)
+    cache = prefill(model, layout, cfg.prefill_chunk, out, kernels, threads)
     t_prefill = time.perf_counter() - t_prefill
-    name = cfg.name or Path(cfg.corpus).name.split(".")[0] or cid[:12]
+    name = cfg.name or default_name(str(cfg.corpus)) or cid[:12]
     manifest = Manifest(
         corpus_id=cid,
         name=name,
@@ -180,21 +192,44 @@ def tokenize(
     return tokenizer, ingested, render(ingested, tokenizer, limit)
 
 
-# t(n) = A·n + B·n² seconds, fitted to bench/results/pin-cpu.json (the default tiny model, fp32,
-# the threads cpu_threads() picked on the shared 2-core machine): the indexer scores every
-# earlier token, so the per-token cost grows with n. It reproduces that file's 4,148 and
-# 16,407-token rows (tests/unit/test_pin_preflight.py holds it to them within 2 %).
-_SECONDS_PER_TOKEN = 1.4217e-3
-_SECONDS_PER_TOKEN2 = 1.7272e-7
+# The CPU prefill's cost model: a token at position p costs a·(1 + GROWTH·p) seconds, so n tokens
+# take a·(n + GROWTH·n²/2). The projections, the MLP and the attention (over at most index_topk
+# selected rows) cost the same at every position: a. The indexer scores every earlier token:
+# a·GROWTH·p. GROWTH is that share's growth: 10.7 % of the time at mean position 2,048 in the
+# profile of bench/results/pin-cpu.json (indexer scores and top-k), i.e. ~5.8e-5 per token, and
+# 5.1e-5 from the issue-37 pin of h11-0.14.0 (86,361 tokens in 391 s at that file's rate). `a`
+# itself varies several-fold with the machine's load and threads (84 to 470 tok/s in that
+# file), so the prior below (its 4,148-token row) is replaced, once MEASURE_TOKENS are done, by
+# `a` measured on this prefill's own first chunks: that estimate is printed too.
+GROWTH = 5.5e-5
+_SECONDS_PER_TOKEN = 1.9e-3  # the prior a: pin-cpu.json's 4,148-token row, 8.87 s
+MEASURE_TOKENS = 1024  # measure `a` over the first chunks up to this many tokens (or a quarter)
 
 
-def estimate(tokens: int) -> str:
-    """A one-line estimate of a prefill of ``tokens`` tokens, saying where it comes from."""
-    s = _SECONDS_PER_TOKEN * tokens + _SECONDS_PER_TOKEN2 * tokens * tokens
-    when = "under 1 s" if s < 1 else f"about {s:,.0f} s" if s < 120 else f"about {s / 60:,.0f} min"
+def prefill_seconds(tokens: int, a: float = _SECONDS_PER_TOKEN) -> float:
+    """The model's seconds for a CPU prefill of ``tokens`` at ``a`` seconds per token."""
+    return a * (tokens + GROWTH * tokens * tokens / 2)
+
+
+def _when(s: float) -> str:
+    if s < 1:
+        return "under 1 s"
     return (
-        f"{when} on 2 CPU threads with the tiny model (bench/results/pin-cpu.json; "
-        "other models and machines differ: the bar's ETA measures this one)"
+        f"about {s:,.1f} s"
+        if s < 10
+        else f"about {s:,.0f} s"
+        if s < 120
+        else (f"about {s / 60:,.1f} min")
+    )
+
+
+def estimate(tokens: int, threads: int) -> str:
+    """A one-line prior estimate of a CPU prefill of ``tokens`` on ``threads`` threads, saying
+    where it comes from (the measured one follows the first chunks)."""
+    return (
+        f"{_when(prefill_seconds(tokens))} on {threads} CPU thread{'s' if threads > 1 else ''} "
+        "with the tiny model (prior: bench/results/pin-cpu.json; re-estimated on this machine "
+        "after the first chunks)"
     )
 
 
@@ -222,6 +257,17 @@ def cpu_threads() -> int:
     return max(1, min(cores, int(cores - os.getloadavg()[0] + 0.5)))
 
 
+def _measured(tokens: int, done: int, seconds: float, tty: bool) -> str:
+    """The estimate of a whole prefill once ``done`` tokens took ``seconds``."""
+    a = seconds / (done + GROWTH * done * done / 2)
+    lead = "\n" if tty else ""  # off the progress bar's line
+    return (
+        f"{lead}prefill of {tokens:,} tokens: {_when(prefill_seconds(tokens, a))}"
+        f" in all (measured: the first {done:,} at {done / seconds:,.0f} tok/s; the indexer's "
+        f"share grows with position)\n"
+    )
+
+
 def warm_up(model: torch.nn.Module, kernels: Kernels) -> None:
     """A GPU's one-time costs before the timed prefill: the scorer's compile, and one token
     through the model into a scratch cache (attention's first call and FlashMLA's LSE probe,
@@ -240,27 +286,35 @@ def prefill(
     chunk: int,
     stream: TextIO,
     kernels: Kernels | None = None,
+    threads: int = 0,
 ) -> KVCache:
     """Chunked prefill of the whole stream with a progress bar; returns the filled cache.
 
     Runs where ``model`` is (CPU or a CUDA device), in its dtype, the cache on the same device:
     ``chunk`` bounds the working set (the indexer's ``[chunk, T]`` scores, the gathered rows).
     ``kernels`` runs scores and attention (the torch references without). On CUDA the bar's
-    rate is synchronised once per chunk, so it measures finished work."""
+    rate is synchronised once per chunk, so it measures finished work. On CPU it runs on
+    ``threads`` threads (0: :func:`cpu_threads`) and, after its first chunks, writes an estimate
+    of the whole prefill from their measured rate (see GROWTH)."""
     param = next(model.parameters())
     tokens = torch.tensor(layout.tokens, device=param.device)
     cache = KVCache(model.cfg, len(tokens), param.dtype, device=str(param.device))  # type: ignore[arg-type]
-    on_cpu = param.device.type == "cpu"
-    with torch_threads(cpu_threads() if on_cpu else None) as threads:
-        if on_cpu:
-            stream.write(f"on {threads} of {os.cpu_count()} CPU threads\n")
-        bar = Progress("prefill", len(tokens), stream=stream)
-        for start in range(0, len(tokens), chunk):
+    cpu = param.device.type == "cpu"
+    n = len(tokens)
+    measure = min(MEASURE_TOKENS, n // 4)
+    with torch_threads((threads or cpu_threads()) if cpu else None) as used:
+        if cpu:
+            stream.write(f"on {used} of {os.cpu_count()} CPU threads\n")
+        bar = Progress("prefill", n, stream=stream)
+        for start in range(0, n, chunk):
             piece = tokens[start : start + chunk]
             forward_tokens(model, piece, cache, False, kernels)  # type: ignore[arg-type]
             if param.device.type == "cuda":
                 torch.cuda.synchronize(param.device)
             bar.update(len(piece))
+            done = start + len(piece)
+            if cpu and measure and start < measure <= done < n:
+                stream.write(_measured(n, done, time.perf_counter() - bar.t0, bar.tty))
         bar.close()
     return cache
 

@@ -35,6 +35,7 @@ from corpusd import env
 from corpusd.corpus.config import PinConfig
 from corpusd.corpus.ingest import CorpusError
 from corpusd.corpus.manifest import Manifest, corpus_id, page_format
+from corpusd.corpus.names import default_name
 from corpusd.corpus.pin import PinResult, default_model, tokenize
 from corpusd.corpus.store import PageStore
 from corpusd.engine.client import Engine, EngineError, preflight
@@ -148,7 +149,7 @@ def pin_engine(
     u = check.info
     manifest = Manifest(
         corpus_id=cid,
-        name=cfg.name or Path(cfg.corpus).name.split(".")[0] or cid[:12],
+        name=cfg.name or default_name(str(cfg.corpus)) or cid[:12],
         state="ready",
         source_kind=ingested.source_kind,
         source_digest=ingested.source_digest,

@@ -169,3 +169,51 @@ def test_non_loopback_bind_needs_tls_or_insecure(up: Up, tmp_path: Path) -> None
     r = corpusd(up.env, "serve", "--host", "0.0.0.0", "--state-dir", str(tmp_path), check=False)
     assert r.returncode == 2 and "is not loopback" in r.stderr and "--insecure" in r.stderr
     assert not (tmp_path / "endpoint.json").exists()
+
+
+def test_tls_mistakes_are_named_in_one_line(up: Up, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37: a plaintext or certificate-less client read "UNAVAILABLE … Socket closed", an
+    outage to the reader. corpusd's clients now say it is TLS, and what to pass."""
+    monkeypatch.setenv("CORPUSD_HOME", up.env["CORPUSD_HOME"])  # the files of this up are named
+
+    async def coordinator_detail(ident: security.Identity) -> str:
+        async with CoordinatorClient(up.coordinator, timeout=10, ident=ident) as c:
+            with pytest.raises(CoordinatorError) as e:
+                await c.list_corpora()
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE
+            return e.value.detail
+
+    plain = asyncio.run(coordinator_detail(security.Identity()))
+    assert plain.startswith(f"TLS handshake failed: {up.coordinator} wants TLS"), plain
+    assert f"CORPUSD_TLS_CA={up.ca.ca}" in plain and "\n" not in plain
+    no_cert = asyncio.run(coordinator_detail(up.ident("admin", cert=False)))
+    assert "asks for a client certificate" in no_cert and f"{up.ca.cert}" in no_cert, no_cert
+    agent = str(up.info["agent"]["address"])  # type: ignore[index]
+
+    async def agent_detail() -> str:
+        async with Client(agent=agent, ident=security.Identity()) as c:
+            with pytest.raises(AgentError) as e:
+                await c.open_session("repo", "hello")
+            return e.value.detail
+
+    assert asyncio.run(agent_detail()).startswith(f"TLS handshake failed: {agent} wants TLS")
+    r = corpusd(up.env, "ls", "--insecure", check=False)  # the CLI, told to speak plaintext
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "TLS handshake failed" in r.stderr and "Socket closed" not in r.stderr, r.stderr
+
+
+def test_a_token_alone_works_with_ups_certificates(up: Up) -> None:
+    """Issue 37: setting only CORPUSD_TOKEN dropped up's CA ("a bearer token is only sent over
+    TLS: give a CA"); now it is sent with up's certificates to up's daemons."""
+    env = {**up.env, "CORPUSD_TOKEN": up.ca.token("agent")}
+    out = corpusd(env, "ls").stdout
+    assert "repo" in out and "ready" in out
+    r = corpusd(env, "unpin", "repo", check=False)  # that token's right, not admin's
+    assert r.returncode == 2 and "PERMISSION_DENIED" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("token", ["short", "a-wrong-token-of-some-length-0123"])
+def test_a_wrong_token_is_unauthenticated_whatever_its_length(up: Up, token: str) -> None:
+    r = corpusd({**up.env, "CORPUSD_TOKEN": token}, "ls", check=False)
+    assert r.returncode == 2 and "UNAUTHENTICATED" in r.stderr, r.stderr
+    assert "16 characters" not in r.stderr

@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from corpusd.corpus.names import MIN_PREFIX, CorpusNameError, resolve_in, resolve_name
+from corpusd.corpus.names import (
+    MIN_PREFIX,
+    CorpusNameError,
+    default_name,
+    resolve_in,
+    resolve_name,
+)
 
 A = "ab12cd34ef56" + "0" * 20
 B = "ab12cd99" + "1" * 24
@@ -79,3 +85,14 @@ def test_resolve_in_takes_any_state_and_searches_the_groups_in_turn() -> None:
     x, y = C("ab12cd00" + "2" * 24, "x"), C("ab12cd00" + "3" * 24, "y")
     with pytest.raises(CorpusNameError, match="ambiguous"):  # a prefix both ids share
         resolve_in("ab12cd00", [x, y])
+
+
+def test_a_default_name_keeps_the_version_and_drops_only_the_archive_suffix() -> None:
+    """Issue 37: ``h11-0.14.0.tar`` was named ``h11-0`` (cut at the first dot), so two versions
+    of one package collided."""
+    assert default_name("/tmp/h11-0.14.0.tar") == "h11-0.14.0"
+    assert default_name("h11-0.15.0.tar.gz") == "h11-0.15.0"
+    assert default_name("pkg-1.2.tgz") == "pkg-1.2"
+    assert default_name("src/my.lib/") == "my.lib"
+    assert default_name("notes.v2.txt") == "notes.v2.txt"
+    assert default_name(".tar") == ".tar"

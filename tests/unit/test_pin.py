@@ -358,3 +358,23 @@ def test_no_coordinator_reads_the_same_everywhere(tmp_path: Path, monkeypatch, c
     want = {"pin", "demo", "status", "agent", "agents", "ls", "unpin", "rm", "ask"}
     assert found == want, flags  # by default
     assert not any(h.endswith("(default: )") for _, h in flags), flags
+
+
+def test_a_model_path_from_the_environment_must_exist(tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Issue 37: ``CORPUSD_MODEL=/nonexistent/m2 corpusd pin`` wrote a random model there and
+    pinned with it. Now one line says so and nothing is written; ``model init`` makes one."""
+    src = _tar(tmp_path / "repo.tar", FILES)
+    missing = tmp_path / "nonexistent" / "m2"
+    monkeypatch.setenv("CORPUSD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CORPUSD_MODEL", str(missing))
+    args = ["pin", "--corpus", str(src), "--store", str(tmp_path / "s")]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("corpusd: error: $CORPUSD_MODEL=") and err.count("\n") == 1, err
+    assert "does not exist" in err and f"corpusd model init {missing}" in err
+    assert not missing.exists() and _store_listing(tmp_path / "s") in ([], ["corpora"])
+    missing.mkdir(parents=True)  # a directory without a model is refused too
+    assert cli_main(args) == 2 and "holds no model" in capsys.readouterr().err
+    assert cli_main(["model", "init", str(missing)]) == 0
+    capsys.readouterr()
+    assert cli_main(args) == 0 and "pinned: repo" in capsys.readouterr().out
