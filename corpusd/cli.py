@@ -76,8 +76,9 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def cmd_agent(a: argparse.Namespace) -> int:
+    from corpusd.daemon import claim
     from requester.config import AgentConfig, WorkerConfig
-    from requester.server import run
+    from requester.server import ports, run
 
     values = {f.name: getattr(a, f.name) for f in fields(AgentConfig)}
     values["state_dir"] = values["state_dir"] or str(env.home() / "agent")
@@ -89,6 +90,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
     wcfg = WorkerConfig(**{f.name: getattr(a, f.name) for f in fields(WorkerConfig)})
     if not (cfg.coordinator or cfg.holders):
         raise ValueError(f"{env.NO_COORDINATOR}; or give an agent --holders")
+    claim(Path(cfg.state_dir), "agent", cfg.host, ports(cfg))  # before the model is written
     run(cfg, wcfg, Path(cfg.model) if cfg.model else default_model(sys.stderr))
     return 0
 
@@ -117,8 +119,14 @@ def cmd_ps(a: argparse.Namespace) -> int:
     elif not procs:
         print(f"no daemons: nothing was started with `corpusd up` in {root}")
     else:
-        print(ps.render(procs, bool((env.running_up(a.state_dir) or {}).get("security"))))
+        print(ps.render(procs, ps.tls(root)))
     return 0
+
+
+def cmd_restart(a: argparse.Namespace) -> int:
+    from corpusd.up import restart
+
+    return restart(a.daemon, a.state_dir)
 
 
 def cmd_logs(a: argparse.Namespace) -> int:
@@ -216,12 +224,14 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, 
 
 def cmd_holder(a: argparse.Namespace) -> int:
     from corpusd.corpus.pin import default_model
-    from holder.server import run
+    from corpusd.daemon import claim
+    from holder.server import ports, run
 
     values = {f.name: getattr(a, f.name) for f in fields(HolderConfig)}
     values["state_dir"] = values["state_dir"] or str(env.home() / "holders" / "default")
     values["store"] = values["store"] or str(env.default_store_dir())
     cfg = HolderConfig(**values)
+    claim(Path(cfg.state_dir), "holder", cfg.host, ports(cfg))  # before the model is written
     model_dir = Path(cfg.model) if cfg.model else default_model(sys.stderr)
     run(cfg, model_dir)
     return 0
@@ -334,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pw.set_defaults(func=cmd_down)
     up_state = "the state directory of `corpusd up` (default: $CORPUSD_HOME/up)"
+    px = sub.add_parser(
+        "restart", help="restart one daemon of a running `corpusd up` (same ports, credentials)"
+    )
+    px.add_argument("daemon", help="coordinator, holder-0, …, agent (as `corpusd ps` names them)")
+    px.add_argument("--state-dir", default="", help=up_state)
+    px.set_defaults(func=cmd_restart)
     pq = sub.add_parser("ps", help="the daemons `corpusd up` started: pids, ports, uptime")
     pq.add_argument("--state-dir", default="", help=up_state)
     pq.add_argument("--json", action="store_true", help="print JSON (for scripts)")

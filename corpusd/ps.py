@@ -29,6 +29,7 @@ class Proc:
     metrics_port: int  # -1: none
     uptime_s: float  # 0 when not running
     log: str  # its log file
+    restarts: int = 0  # by its `corpusd up` (supervisor.json)
 
 
 def _order(name: str) -> tuple[int, int, str]:
@@ -58,10 +59,22 @@ def is_corpusd(pid: int) -> bool:
     return b"corpusd" in cmdline and not env.zombie(pid)
 
 
+def tls(root: Path) -> bool:
+    """Whether the ``up`` of ``root`` serves TLS (its ``up.json``, also when ``up`` was killed;
+    else whether it made a CA)."""
+    try:
+        return bool(json.loads((root / "up.json").read_text()).get("security"))
+    except (OSError, ValueError, AttributeError):
+        return (root / "tls").is_dir()
+
+
 def processes(root: Path) -> list[Proc]:
     """``up`` itself (when it left ``up.json`` or ``up.log``) and every daemon directory under
     ``root`` that holds an ``endpoint.json``, in the order ``up`` starts them."""
+    from corpusd.supervisor import restarts
+
     out = []
+    again = restarts(root)
     up_json, up_log = root / "up.json", root / "up.log"
     if up_json.exists() or up_log.exists():
         info = env.running_up(str(root))
@@ -87,6 +100,7 @@ def processes(root: Path) -> list[Proc]:
                 metrics_port=int(e.get("metrics_port", -1)),
                 uptime_s=uptime(pid) if running else 0.0,
                 log=str(logs[0]) if logs else "",
+                restarts=again.get(ep.parent.name, 0),
             )
         )
     return sorted(out, key=lambda p: _order(p.name))
@@ -106,11 +120,12 @@ def duration(seconds: float) -> str:
 
 def render(procs: Sequence[Proc], tls: bool = False) -> str:
     """``corpusd ps``'s table: daemon, state, pid, id, address, metrics URL (https when the
-    ``up`` serves ``tls``), uptime."""
-    rows = [("DAEMON", "STATE", "PID", "ID", "ADDRESS", "METRICS", "UPTIME")]
+    ``up`` serves ``tls``; "-" once it exited: nothing serves it), uptime, restarts by ``up``."""
+    rows = [("DAEMON", "STATE", "PID", "ID", "ADDRESS", "METRICS", "UPTIME", "RESTARTS")]
     for p in procs:
         scheme = "https" if tls else "http"
-        metrics = f"{scheme}://127.0.0.1:{p.metrics_port}/metrics" if p.metrics_port >= 0 else "-"
+        serving = p.running and p.metrics_port >= 0
+        metrics = f"{scheme}://127.0.0.1:{p.metrics_port}/metrics" if serving else "-"
         rows.append(
             (
                 p.name,
@@ -120,6 +135,7 @@ def render(procs: Sequence[Proc], tls: bool = False) -> str:
                 p.address or "-",
                 metrics,
                 duration(p.uptime_s) if p.running else "-",
+                str(p.restarts) if p.name != "up" else "-",
             )
         )
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
