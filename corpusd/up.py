@@ -264,17 +264,37 @@ def up(cfg: UpConfig) -> int:
     except KeyboardInterrupt:
         print("\nstopping…", flush=True)
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut this short
+            signal.signal(sig, signal.SIG_IGN)
         (root / "up.json").unlink(missing_ok=True)
         daemons = sup.daemons()
-        for d in reversed(daemons):  # agent, holders, coordinator
-            try:
-                d.stop(timeout=30)
-            except subprocess.TimeoutExpired:
-                d.kill()
+        _stop_in_order(daemons)
         if daemons:
             print(f"stopped {len(daemons)} daemons; state kept in {root}", flush=True)
         stack.close()
     return 0
+
+
+def _stop_in_order(daemons: list[Daemon], timeout: float = 30) -> None:
+    """The agent first (its sessions drain while the holders serve), then every holder at
+    once, then the coordinator(s); SIGKILL for one that does not exit in ``timeout``."""
+
+    def stop(group: list[Daemon]) -> None:
+        for d in group:
+            if d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGTERM)
+        for d in group:
+            try:
+                d.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                d.kill()
+
+    def role(d: Daemon) -> str:
+        return d.state_dir.name.split("-")[0]
+
+    for r in ("agent", "holder", "coordinator"):
+        stop([d for d in daemons if role(d) == r])
+    stop([d for d in daemons if role(d) not in ("agent", "holder", "coordinator")])
 
 
 def _bound(d: Daemon) -> tuple[int, int]:
@@ -379,7 +399,7 @@ def _alive(pid: int) -> bool:
     return not env.zombie(pid)
 
 
-def down(flag: str = "", timeout: float = 60) -> int:
+def down(flag: str = "", timeout: float = 120) -> int:
     """Stop ``corpusd up`` (it stops its daemons), then every daemon still running on its state
     dir (those a killed ``up`` left, whatever ``up`` started them), and remove a stale
     ``up.json``."""
@@ -391,10 +411,12 @@ def down(flag: str = "", timeout: float = 60) -> int:
     if pid:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while _alive(pid):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"corpusd up (pid {pid}) did not stop in {timeout} s")
+        while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
+        if _alive(pid):  # its daemons are stopped below, as a killed up's
+            print(f"corpusd up (pid {pid}) did not stop in {timeout:g} s: killed it")
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         print(f"stopped corpusd up (pid {pid})")
     left = left_behind(root)
     stop_pids([p for _, p in left], timeout)

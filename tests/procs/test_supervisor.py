@@ -79,7 +79,7 @@ def test_kill_up_a_holder_and_the_coordinator_then_up_again_leaves_one_of_each(
         out = corpusd(home, "up", "--detach", *flags)
         # progress before the summary (it printed nothing until everything served)
         said = out.index("starting a coordinator, 2 holders")
-        assert said < out.index("  holder-1     serving on") < out.index("corpusd up (pid"), out
+        assert said < out.index("  holder-1     serving on") < out.index(", state "), out
         corpusd(home, "pin", "--corpus", str(tmp_path / "repo.tar"), "--name", "repo")
         first = ps(home)
 
