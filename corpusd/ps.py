@@ -70,7 +70,9 @@ def tls(root: Path) -> bool:
 
 def processes(root: Path) -> list[Proc]:
     """``up`` itself (when it left ``up.json`` or ``up.log``) and every daemon directory under
-    ``root`` that holds an ``endpoint.json``, in the order ``up`` starts them."""
+    ``root`` with an ``endpoint.json``, a ``lock`` or a line in ``supervisor.json`` (one being
+    restarted has no endpoint yet), in the order ``up`` starts them."""
+    from corpusd.daemon import lock_holder
     from corpusd.supervisor import restarts
 
     out = []
@@ -82,17 +84,26 @@ def processes(root: Path) -> list[Proc]:
         out.append(
             Proc("up", pid, info is not None, "", "", -1, uptime(pid) if pid else 0, str(up_log))
         )
-    for ep in root.glob("*/endpoint.json"):
+    # a daemon `up` is restarting has no endpoint.json yet, but its lock or supervisor.json
+    dirs = {p.parent for p in root.glob("*/endpoint.json")} | {
+        p.parent for p in root.glob("*/lock")
+    }
+    dirs |= {root / name for name in again}
+    for d in dirs:
         try:
-            e = json.loads(ep.read_text())
+            e = json.loads((d / "endpoint.json").read_text())
             pid = int(e.get("pid", 0))
+        except FileNotFoundError:
+            e, pid = {}, 0
         except (OSError, ValueError, AttributeError):
             continue
-        logs = sorted(ep.parent.glob("*.log"))
+        if (who := lock_holder(d)) is not None:  # the live one, where endpoint.json is older
+            pid = who[0]
+        logs = sorted(d.glob("*.log"))
         running = bool(pid) and is_corpusd(pid)
         out.append(
             Proc(
-                name=ep.parent.name,
+                name=d.name,
                 pid=pid,
                 running=running,
                 daemon_id=str(e.get("holder_id") or e.get("worker_id") or ""),
@@ -100,7 +111,7 @@ def processes(root: Path) -> list[Proc]:
                 metrics_port=int(e.get("metrics_port", -1)),
                 uptime_s=uptime(pid) if running else 0.0,
                 log=str(logs[0]) if logs else "",
-                restarts=again.get(ep.parent.name, 0),
+                restarts=again.get(d.name, 0),
             )
         )
     return sorted(out, key=lambda p: _order(p.name))
