@@ -116,12 +116,12 @@ def up(cfg: UpConfig) -> int:
         raise ValueError(f"corpusd up is already running (pid {other['pid']}) in {root}")
     if (who := lock_holder(root)) is not None:
         raise ValueError(f"corpusd {who[1]} (pid {who[0]}) is already running in {root}")
-    if not cfg.detach:  # the background `up` takes it (a lock is not inherited)
-        lock_state_dir(root, "up")
     stop_left_behind(root, cfg.timeout_s)
     for flag, ps in cfg.ports().items():  # refused here, before any daemon starts
         for p in ps:
             check_ports("127.0.0.1", {flag: p})
+    if not cfg.detach:  # the background `up` takes it (a lock is not inherited)
+        lock_state_dir(root, "up")
     if cfg.detach:
         return _detach(cfg, root)
     mode = env.calibrate_mode(cfg.calibrate)
