@@ -57,7 +57,7 @@ def ps(env: dict[str, str]) -> dict[str, dict[str, object]]:
 
 
 def servable(env: dict[str, str]) -> None:
-    out = corpusd(env, "agents", "--corpus", "repo", "--agents", "1", "--tokens", "2")
+    out = corpusd(env, "agents", "--corpus", "repo", "--agents", "1", "--tokens", "2", timeout=900)
     assert out.count("  Q: ") == 1, out
 
 
@@ -73,20 +73,21 @@ def test_kill_up_a_holder_and_the_coordinator_then_up_again_leaves_one_of_each(
     c, h0, h1, a, http = free_ports(5)
     flags = ["--holders", "2", "--capacity-tokens", "2048", "--coordinator-port", str(c),
              "--holder-ports", f"{h0},{h1}", "--agent-port", str(a),
-             "--http-port", str(http)]  # fmt: skip
+             "--http-port", str(http), "--timeout-s", "600"]  # fmt: skip
+    slow = 900  # seconds a whole `up` may take on the shared 2-core machine at load 20
     ports = [c, h0, h1, a, http]
     try:
-        out = corpusd(home, "up", "--detach", *flags)
+        out = corpusd(home, "up", "--detach", *flags, timeout=slow)
         # progress before the summary (it printed nothing until everything served)
         said = out.index("starting a coordinator, 2 holders")
         assert said < out.index("  holder-1     serving on") < out.index(", state "), out
-        corpusd(home, "pin", "--corpus", str(tmp_path / "repo.tar"), "--name", "repo")
+        corpusd(home, "pin", "--corpus", str(tmp_path / "repo.tar"), "--name", "repo", timeout=slow)
         first = ps(home)
 
         # 1. `up` SIGKILLed: its daemons run on; the next `up` stops them, says so, starts anew
         os.kill(int(first["up"]["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
         wait_for("dead up", lambda: not alive(int(first["up"]["pid"])))  # type: ignore[call-overload]
-        out = corpusd(home, "up", "--detach", *flags)
+        out = corpusd(home, "up", "--detach", *flags, timeout=slow)
         assert f"an earlier corpusd up in {root} left daemons running: " in out, out
         assert "stopping them" in out
         procs = ours(root)
@@ -98,8 +99,8 @@ def test_kill_up_a_holder_and_the_coordinator_then_up_again_leaves_one_of_each(
         # 2. a holder SIGKILLed: `up` restarts it on its port, and counts it
         holder = ps(home)["holder-0"]
         os.kill(int(holder["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
-        wait_for("restarted holder-0", lambda: ps(home)["holder-0"]["restarts"] == 1)
-        wait_for("holder-0 running", lambda: ps(home)["holder-0"]["running"])
+        wait_for("restarted holder-0", lambda: ps(home)["holder-0"]["restarts"] == 1, slow)
+        wait_for("holder-0 running", lambda: ps(home)["holder-0"]["running"], slow)
         after = ps(home)["holder-0"]
         assert after["pid"] != holder["pid"] and after["address"] == f"127.0.0.1:{h0}"
         up_log = corpusd(home, "logs", "up", "-n", "0")
@@ -109,23 +110,24 @@ def test_kill_up_a_holder_and_the_coordinator_then_up_again_leaves_one_of_each(
         # 3. the coordinator SIGKILLed: the same
         coord = ps(home)["coordinator"]
         os.kill(int(coord["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
-        wait_for("restarted coordinator", lambda: ps(home)["coordinator"]["restarts"] == 1)
-        wait_for("coordinator running", lambda: ps(home)["coordinator"]["running"])
+        wait_for("restarted coordinator", lambda: ps(home)["coordinator"]["restarts"] == 1, slow)
+        wait_for("coordinator running", lambda: ps(home)["coordinator"]["running"], slow)
         wait_for(
             "holders re-registered",
             lambda: "holders (2 live of 2)" in corpusd(home, "status"),
+            slow,
         )
         servable(home)
 
         # 4. one role restarted on request
-        out = corpusd(home, "restart", "agent")
+        out = corpusd(home, "restart", "agent", timeout=slow)
         assert out.startswith("restarted agent (pid ") and f"127.0.0.1:{a}" in out, out
         assert ps(home)["agent"]["restarts"] == 1
         procs = ours(root)
         assert all(len(p) == 1 for p in procs.values()) and len(procs) == 4, procs
         servable(home)
     finally:
-        down = corpusd(home, "down")
+        down = corpusd(home, "down", timeout=slow)
     assert "stopped corpusd up" in down, down
     wait_for("no daemon", lambda: not ours(root), 60)
     assert not [p for p in ports if listening(p)], "a port still listens after down"
