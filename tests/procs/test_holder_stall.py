@@ -10,14 +10,14 @@ import asyncio
 import re
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
-from holder.launch import HolderProcess
+from holder.launch import HolderProcess, start_holder
 from requester.client import Client
 from requester.launch import start_agent
-from tests.support.coordinators import start_holders
 from tests.support.holders import pin_sample
 
 QUESTIONS = ["\nQ: where?", "\nQ: how many lines?"]
@@ -60,13 +60,27 @@ def test_a_killed_single_replica_holder_stalls_its_sessions_at_most_2_s(
     tmp_path: Path, tiny_dir: Path
 ) -> None:
     cid = pin_sample(tmp_path, tiny_dir, tokens=1500)
-    coord = start_coordinator(tmp_path / "coord", tmp_path / "store")
-    holders = start_holders(
-        tmp_path / "store", tmp_path, tiny_dir, coord.address, 2, "--capacity-tokens", "2048"
-    )
+    slow = 600  # seconds to start, on the shared 2-core machine at load 20
+    coord = start_coordinator(tmp_path / "coord", tmp_path / "store", timeout=slow)
+    with ThreadPoolExecutor(2) as ex:
+        holders = list(
+            ex.map(
+                lambda i: start_holder(
+                    tmp_path / "store",
+                    tmp_path / f"h{i}",
+                    tiny_dir,
+                    "--coordinator",
+                    coord.address,
+                    "--capacity-tokens",
+                    "2048",
+                    timeout=slow,
+                ),  # fmt: skip
+                range(2),
+            )
+        )
     agent = start_agent(
         tmp_path / "store", tmp_path / "agent", tiny_dir, "--coordinator", coord.address,
-        "--threads", "1", "--max-new-tokens", "64",
+        "--threads", "1", "--max-new-tokens", "64", timeout=slow,
     )  # fmt: skip
     victim: list[HolderProcess] = []
     try:
