@@ -74,7 +74,7 @@ def test_a_killed_single_replica_holder_stalls_its_sessions_at_most_2_s(
                     "--capacity-tokens",
                     "2048",
                     timeout=slow,
-                ),  # fmt: skip
+                ),
                 range(2),
             )
         )
