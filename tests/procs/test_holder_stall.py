@@ -15,6 +15,7 @@ from pathlib import Path
 
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
+from corpusd.daemon import Daemon
 from holder.launch import HolderProcess, start_holder
 from requester.client import Client
 from requester.launch import start_agent
@@ -62,10 +63,13 @@ def test_a_killed_single_replica_holder_stalls_its_sessions_at_most_2_s(
     cid = pin_sample(tmp_path, tiny_dir, tokens=1500)
     slow = 600  # seconds to start, on the shared 2-core machine at load 20
     coord = start_coordinator(tmp_path / "coord", tmp_path / "store", timeout=slow)
-    with ThreadPoolExecutor(2) as ex:
-        holders = list(
-            ex.map(
-                lambda i: start_holder(
+    running: list[Daemon] = [coord]  # stopped at the end, whatever fails
+    victim: list[HolderProcess] = []
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            started = [
+                ex.submit(
+                    start_holder,
                     tmp_path / "store",
                     tmp_path / f"h{i}",
                     tiny_dir,
@@ -74,16 +78,16 @@ def test_a_killed_single_replica_holder_stalls_its_sessions_at_most_2_s(
                     "--capacity-tokens",
                     "2048",
                     timeout=slow,
-                ),
-                range(2),
-            )
-        )
-    agent = start_agent(
-        tmp_path / "store", tmp_path / "agent", tiny_dir, "--coordinator", coord.address,
-        "--threads", "1", "--max-new-tokens", "64", timeout=slow,
-    )  # fmt: skip
-    victim: list[HolderProcess] = []
-    try:
+                )
+                for i in range(2)
+            ]
+            holders = [f.result() for f in started]
+        running += holders
+        agent = start_agent(
+            tmp_path / "store", tmp_path / "agent", tiny_dir, "--coordinator", coord.address,
+            "--threads", "1", "--max-new-tokens", "64", timeout=slow,
+        )  # fmt: skip
+        running.append(agent)
 
         async def go() -> tuple[list[list[int]], list[list[int]], list[float], list[float]]:
             async with CoordinatorClient(coord.address) as cc:
@@ -114,6 +118,6 @@ def test_a_killed_single_replica_holder_stalls_its_sessions_at_most_2_s(
             f"after {after})"
         )
     finally:
-        for d in (agent, *holders, coord):
+        for d in reversed(running):
             if d.proc.poll() is None:
                 d.stop()
