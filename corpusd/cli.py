@@ -71,8 +71,9 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 def cmd_agent(a: argparse.Namespace) -> int:
     from corpusd.corpus.pin import default_model
+    from corpusd.daemon import claim
     from requester.config import AgentConfig, WorkerConfig
-    from requester.server import run
+    from requester.server import ports, run
 
     cfg = AgentConfig.from_flags(
         a, coordinator=env.coordinator(a.coordinator) if not a.holders else ""
@@ -80,6 +81,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
     wcfg = WorkerConfig(**{f.name: getattr(a, f.name) for f in fields(WorkerConfig)})
     if not (cfg.coordinator or cfg.holders):
         raise ValueError(f"{env.NO_COORDINATOR}; or give an agent --holders")
+    claim(Path(cfg.state_dir), "agent", cfg.host, ports(cfg))  # before the model is written
     run(cfg, wcfg, Path(cfg.model) if cfg.model else default_model(sys.stderr))
     return 0
 
@@ -119,8 +121,14 @@ def cmd_ps(a: argparse.Namespace) -> int:
     elif not procs:
         print(f"no daemons: nothing was started with `corpusd up` in {root}")
     else:
-        print(ps.render(procs, bool((env.running_up(a.state_dir) or {}).get("security"))))
+        print(ps.render(procs, ps.tls(root)))
     return 0
+
+
+def cmd_restart(a: argparse.Namespace) -> int:
+    from corpusd.up import restart
+
+    return restart(a.daemon, a.state_dir)
 
 
 def cmd_logs(a: argparse.Namespace) -> int:
@@ -219,9 +227,11 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, 
 
 def cmd_holder(a: argparse.Namespace) -> int:
     from corpusd.corpus.pin import default_model
-    from holder.server import run
+    from corpusd.daemon import claim
+    from holder.server import ports, run
 
     cfg = HolderConfig.from_flags(a)
+    claim(Path(cfg.state_dir), "holder", cfg.host, ports(cfg))  # before the model is written
     model_dir = Path(cfg.model) if cfg.model else default_model(sys.stderr)
     run(cfg, model_dir)
     return 0
@@ -341,6 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pe.add_argument("--state-dir", default="", help=up_state)
     pe.set_defaults(func=cmd_client_env)
+    px = sub.add_parser(
+        "restart", help="restart one daemon of a running `corpusd up` (same ports, credentials)"
+    )
+    px.add_argument("daemon", help="coordinator, holder-0, …, agent (as `corpusd ps` names them)")
+    px.add_argument("--state-dir", default="", help=up_state)
+    px.set_defaults(func=cmd_restart)
     pq = sub.add_parser("ps", help="the daemons `corpusd up` started: pids, ports, uptime")
     pq.add_argument("--state-dir", default="", help=up_state)
     pq.add_argument("--json", action="store_true", help="print JSON (for scripts)")

@@ -2,14 +2,18 @@
 tests, tools, ``up``), and what every daemon does to start serving (``listen``,
 ``write_endpoint``).
 
-Every daemon (``corpusd serve``, ``corpusd holder``, ``corpusd agent``) writes ``endpoint.json``
-(address and ports) in its state directory once it listens; its log goes to ``<role>.log``
-beside it.
+Every daemon (``corpusd holder``, ``corpusd serve``, ``corpusd agent``) first ``claim``s its state
+directory: its ports are checked free and it takes an exclusive lock on ``<state-dir>/lock``
+(which names its pid and role) before it writes anything, so a second daemon on the same
+directory is refused in one line. It writes ``endpoint.json`` (address and metrics port) there
+once it listens; its log goes to ``<role>.log`` beside it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -142,6 +146,78 @@ def check_ports(host: str, ports: dict[str, int]) -> None:
                     f"{flag} {port}: {host}:{port} is in use ({e.strerror}); is another corpusd "
                     f"daemon running there? Pick another port ({flag} 0 picks a free one)"
                 ) from None
+
+
+class StateDirInUse(ValueError):
+    """Another live process holds a state directory's lock."""
+
+
+LOCK_FILE = "lock"
+_HELD: dict[Path, int] = {}  # state dir → the fd of its lock, held for this process's life
+
+
+def lock_holder(state_dir: Path) -> tuple[int, str] | None:
+    """``(pid, role)`` of the live process that holds ``state_dir``'s lock, else None (no lock
+    file, or its process is gone: a lock dies with its process). Read from the lock file, the
+    pid checked alive; it does not take the lock."""
+    try:
+        pid_text, role = (state_dir / LOCK_FILE).read_text().split()[:2]
+        pid = int(pid_text)
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    if _zombie(pid):
+        return None
+    return pid, role
+
+
+def lock_state_dir(state_dir: Path, role: str) -> None:
+    """Take the exclusive lock on ``state_dir`` (created if missing) for the rest of this
+    process's life and write ``<pid> <role>`` into it; again for a directory this process holds
+    is a no-op. The descriptor is not inherited by children. Raises StateDirInUse naming the
+    process that holds it."""
+    state_dir = state_dir.resolve()
+    if state_dir in _HELD:
+        return
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        who = lock_holder(state_dir)
+        by = f"corpusd {who[1]} (pid {who[0]})" if who else "another process"
+        raise StateDirInUse(
+            f"state dir {state_dir} is in use by {by}; stop it first (corpusd down, or kill "
+            "that pid), or give another --state-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {role}\n".encode(), 0)
+    _HELD[state_dir] = fd
+
+
+def release_state_dir(state_dir: Path) -> None:
+    """Give up this process's lock on ``state_dir`` (if it holds it)."""
+    fd = _HELD.pop(state_dir.resolve(), None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+        os.close(fd)
+
+
+def claim(state_dir: Path, role: str, host: str, ports: dict[str, int]) -> None:
+    """What a daemon does before it writes anything (a model, its state): refuse taken
+    ``ports`` (:func:`check_ports`), then lock ``state_dir`` (:func:`lock_state_dir`). Raises
+    PortInUse or StateDirInUse, each in one line."""
+    check_ports(host, ports)
+    lock_state_dir(state_dir, role)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (OSError, IndexError):
+        return False
 
 
 @dataclass

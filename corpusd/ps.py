@@ -29,6 +29,7 @@ class Proc:
     metrics_port: int  # -1: none
     uptime_s: float  # 0 when not running
     log: str  # its log file
+    restarts: int = 0  # by its `corpusd up` (supervisor.json)
 
 
 def _order(name: str) -> tuple[int, int, str]:
@@ -58,10 +59,24 @@ def is_corpusd(pid: int) -> bool:
     return b"corpusd" in cmdline and not env.zombie(pid)
 
 
+def tls(root: Path) -> bool:
+    """Whether the ``up`` of ``root`` serves TLS (its ``up.json``, also when ``up`` was killed;
+    else whether it made a CA)."""
+    try:
+        return bool(json.loads((root / "up.json").read_text()).get("security"))
+    except (OSError, ValueError, AttributeError):
+        return (root / "tls").is_dir()
+
+
 def processes(root: Path) -> list[Proc]:
     """``up`` itself (when it left ``up.json`` or ``up.log``) and every daemon directory under
-    ``root`` that holds an ``endpoint.json``, in the order ``up`` starts them."""
+    ``root`` with an ``endpoint.json``, a ``lock`` or a line in ``supervisor.json`` (one being
+    restarted has no endpoint yet), in the order ``up`` starts them."""
+    from corpusd.daemon import lock_holder
+    from corpusd.supervisor import restarts
+
     out = []
+    again = restarts(root)
     up_json, up_log = root / "up.json", root / "up.log"
     if up_json.exists() or up_log.exists():
         info = env.running_up(str(root))
@@ -69,17 +84,26 @@ def processes(root: Path) -> list[Proc]:
         out.append(
             Proc("up", pid, info is not None, "", "", -1, uptime(pid) if pid else 0, str(up_log))
         )
-    for ep in root.glob("*/endpoint.json"):
+    # a daemon `up` is restarting has no endpoint.json yet, but its lock or supervisor.json
+    dirs = {p.parent for p in root.glob("*/endpoint.json")} | {
+        p.parent for p in root.glob("*/lock")
+    }
+    dirs |= {root / name for name in again}
+    for d in dirs:
         try:
-            e = json.loads(ep.read_text())
+            e = json.loads((d / "endpoint.json").read_text())
             pid = int(e.get("pid", 0))
+        except FileNotFoundError:
+            e, pid = {}, 0
         except (OSError, ValueError, AttributeError):
             continue
-        logs = sorted(ep.parent.glob("*.log"))
+        if (who := lock_holder(d)) is not None:  # the live one, where endpoint.json is older
+            pid = who[0]
+        logs = sorted(d.glob("*.log"))
         running = bool(pid) and is_corpusd(pid)
         out.append(
             Proc(
-                name=ep.parent.name,
+                name=d.name,
                 pid=pid,
                 running=running,
                 daemon_id=str(e.get("holder_id") or e.get("worker_id") or ""),
@@ -87,6 +111,7 @@ def processes(root: Path) -> list[Proc]:
                 metrics_port=int(e.get("metrics_port", -1)),
                 uptime_s=uptime(pid) if running else 0.0,
                 log=str(logs[0]) if logs else "",
+                restarts=again.get(d.name, 0),
             )
         )
     return sorted(out, key=lambda p: _order(p.name))
@@ -106,11 +131,12 @@ def duration(seconds: float) -> str:
 
 def render(procs: Sequence[Proc], tls: bool = False) -> str:
     """``corpusd ps``'s table: daemon, state, pid, id, address, metrics URL (https when the
-    ``up`` serves ``tls``), uptime."""
-    rows = [("DAEMON", "STATE", "PID", "ID", "ADDRESS", "METRICS", "UPTIME")]
+    ``up`` serves ``tls``; "-" once it exited: nothing serves it), uptime, restarts by ``up``."""
+    rows = [("DAEMON", "STATE", "PID", "ID", "ADDRESS", "METRICS", "UPTIME", "RESTARTS")]
     for p in procs:
         scheme = "https" if tls else "http"
-        metrics = f"{scheme}://127.0.0.1:{p.metrics_port}/metrics" if p.metrics_port >= 0 else "-"
+        serving = p.running and p.metrics_port >= 0
+        metrics = f"{scheme}://127.0.0.1:{p.metrics_port}/metrics" if serving else "-"
         rows.append(
             (
                 p.name,
@@ -120,6 +146,7 @@ def render(procs: Sequence[Proc], tls: bool = False) -> str:
                 p.address or "-",
                 metrics,
                 duration(p.uptime_s) if p.running else "-",
+                str(p.restarts) if p.name != "up" else "-",
             )
         )
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -24,10 +25,11 @@ from corpusd import env, local_ca, security
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.etcd_local import start_etcd
 from corpusd.coordinator.launch import start_coordinator
-from corpusd.daemon import Daemon, check_ports
+from corpusd.daemon import Daemon, check_ports, lock_holder, lock_state_dir
+from corpusd.supervisor import RESTART_FILE, Supervisor, left_behind, restarts, stop_pids
 from corpusd.up_config import UpConfig
 from holder.launch import start_holder
-from requester.launch import start_agent
+from requester.launch import AgentProcess, start_agent
 
 
 def describe(info: dict[str, Any]) -> str:
@@ -120,9 +122,14 @@ def up(cfg: UpConfig) -> int:
     root = env.up_dir(cfg.state_dir)
     if (other := env.running_up(cfg.state_dir)) is not None:
         raise ValueError(f"corpusd up is already running (pid {other['pid']}) in {root}")
+    if (who := lock_holder(root)) is not None:
+        raise ValueError(f"corpusd {who[1]} (pid {who[0]}) is already running in {root}")
+    stop_left_behind(root, cfg.timeout_s)
     for flag, ps in cfg.ports().items():  # refused here, before any daemon starts
         for p in ps:
             check_ports("127.0.0.1", {flag: p})
+    if not cfg.detach:  # the background `up` takes it (a lock is not inherited)
+        lock_state_dir(root, "up")
     if cfg.detach:
         return _detach(cfg, root)
     mode = env.calibrate_mode(cfg.calibrate)
@@ -139,13 +146,10 @@ def up(cfg: UpConfig) -> int:
     def listen_on(port: int, metrics_port: int) -> tuple[str, ...]:
         return ("--port", str(port), "--metrics-port", str(metrics_port))
 
-    daemons: list[Daemon] = []
+    sup = Supervisor(root, sys.stdout)
     stack = contextlib.ExitStack()  # etcd, stopped after the daemons
-    stopping = False
 
     def on_signal(signum: int, _frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
         raise KeyboardInterrupt
 
     # SIGINT too: a shell script's background job starts with SIGINT ignored, and Python then
@@ -156,10 +160,12 @@ def up(cfg: UpConfig) -> int:
     why = calibration_due(mode, profile, model, cfg.calibration_max_age_days)
     calibration: dict[str, Any] = {"profile": str(profile), "ran": bool(why), "why": why}
     try:
-        print(f"starting a coordinator, {cfg.holders} holders and an agent under {root}")
+        print(
+            f"starting a coordinator, {cfg.holders} holders and an agent under {root}", flush=True
+        )
         probe = ""
         if why:
-            print(f"calibrating the cost model (quick): {why}")
+            print(f"calibrating the cost model (quick): {why}", flush=True)
         if why and cfg.kv_format == "plain":  # on holder-0 as it starts, over a probe corpus
             probe = probe_corpus(PageStore(store), model, min(1024, cfg.capacity_tokens))
         ca = None if cfg.insecure else local_ca.ensure(root / "tls")
@@ -169,55 +175,43 @@ def up(cfg: UpConfig) -> int:
             etcd = start_etcd(root / "etcd", 3)
             stack.callback(etcd.stop)
             state = ("--state", etcd.url("corpusd"))
-        coord = start_coordinator(
-            root / "coordinator",
-            store,
-            *flags,
-            *state,
-            *listen_on(cfg.coordinator_port, metrics[0]),
-            timeout=cfg.timeout_s,
-            env=envs["admin"],
-        )
-        daemons.append(coord)
+
+        # Each daemon's start, by its ports: a restart passes the ports it got the first time
+        # (a free one for 0), so every address in up.json and every daemon's --coordinator stays.
+        def coordinator(name: str, port: int, mport: int) -> Daemon:
+            return start_coordinator(
+                root / name, store, *flags, *state, *listen_on(port, mport),
+                timeout=cfg.timeout_s, env=envs["admin"],
+            )  # fmt: skip
+
+        def holder(i: int, port: int, mport: int) -> Daemon:
+            return start_holder(
+                store, root / f"holder-{i}", model, "--coordinator", address, *cap,
+                *listen_on(port, mport), timeout=cfg.timeout_s, env=envs["holder"],
+            )  # fmt: skip
+
+        def agent_(port: int, mport: int, http: int) -> AgentProcess:
+            return start_agent(
+                store, root / "agent", model, "--coordinator", address, *flags,
+                *listen_on(port, mport), "--http-port", str(http), timeout=cfg.timeout_s,
+                env=envs["agent"],
+            )  # fmt: skip
+
+        coord = coordinator("coordinator", cfg.coordinator_port, metrics[0])
+        sup.add(coord, functools.partial(coordinator, "coordinator", *_bound(coord)))
+        print(f"  coordinator  serving on {coord.address}", flush=True)
         address = coord.address
         if cfg.state == "etcd":  # a standby; both addresses go to every daemon and up.json
-            standby = start_coordinator(
-                root / "coordinator-1", store, *flags, *state, timeout=cfg.timeout_s,
-                env=envs["admin"],
-            )  # fmt: skip
-            daemons.append(standby)
+            standby = coordinator("coordinator-1", 0, 0)
+            sup.add(standby, functools.partial(coordinator, "coordinator-1", *_bound(standby)))
             address = f"{coord.address},{standby.address}"
         cap = ("--capacity-tokens", str(cfg.capacity_tokens), "--kv-format", cfg.kv_format, *flags)
         with ThreadPoolExecutor(cfg.holders + 2) as pool:
             hs = [
-                pool.submit(
-                    start_holder,
-                    store,
-                    root / f"holder-{i}",
-                    model,
-                    "--coordinator",
-                    address,
-                    *cap,
-                    *listen_on(ports["--holder-ports"][i], metrics[1 + i]),
-                    timeout=cfg.timeout_s,
-                    env=envs["holder"],
-                )
+                pool.submit(holder, i, ports["--holder-ports"][i], metrics[1 + i])
                 for i in range(cfg.holders)
             ]
-            ag = pool.submit(
-                start_agent,
-                store,
-                root / "agent",
-                model,
-                "--coordinator",
-                address,
-                *flags,
-                *listen_on(cfg.agent_port, metrics[-1]),
-                "--http-port",
-                str(cfg.http_port),
-                timeout=cfg.timeout_s,
-                env=envs["agent"],
-            )
+            ag = pool.submit(agent_, cfg.agent_port, metrics[-1], cfg.http_port)
             if why:  # against holder-0 as soon as it serves (fp8 holders take no plain probe:
                 # then a holder of its own); the agent reloads the profile when it is written
                 try:
@@ -239,13 +233,19 @@ def up(cfg: UpConfig) -> int:
                     f"{'the old profile' if profile.is_file() else 'the built-in constants'}",
                     flush=True,
                 )
-            holders = [f.result() for f in hs]
-            daemons += holders
+            holders = []
+            for i, f in enumerate(hs):
+                h = f.result()
+                holders.append(h)
+                sup.add(h, functools.partial(holder, i, *_bound(h)))
+                print(f"  holder-{i}     serving on {h.address}", flush=True)
             agent = ag.result()
-            daemons.append(agent)
+            sup.add(agent, functools.partial(agent_, *_bound(agent), agent.http_port))
+            print(f"  agent        serving on {agent.address}", flush=True)
         ident = None
         if ca is not None:
             ident = security.identity_from(str(ca.ca), str(ca.cert), str(ca.key), ca.token("admin"))
+        print(f"waiting for {cfg.holders} holders and the agent to register", flush=True)
         asyncio.run(_ready(address, cfg.holders, cfg.timeout_s, ident))
         info = {
             "pid": os.getpid(),
@@ -266,30 +266,61 @@ def up(cfg: UpConfig) -> int:
         tmp.write_text(json.dumps(info, indent=1))
         os.replace(tmp, root / "up.json")
         print(describe(info), flush=True)
-        while True:  # until a signal; a daemon that dies is reported, the rest keep serving
-            time.sleep(1)
-            for d in list(daemons):
-                if d.proc.poll() is not None:
-                    print(
-                        f"corpusd up: {d.state_dir.name} exited ({d.proc.returncode}); "
-                        f"see {d.state_dir}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    daemons.remove(d)
+        while True:  # until a signal; a daemon that dies is restarted (supervisor.py)
+            time.sleep(0.2)
+            sup.poll()
     except KeyboardInterrupt:
         print("\nstopping…", flush=True)
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut this short
+            signal.signal(sig, signal.SIG_IGN)
         (root / "up.json").unlink(missing_ok=True)
-        for d in reversed(daemons):  # agent, holders, coordinator
-            try:
-                d.stop(timeout=30)
-            except subprocess.TimeoutExpired:
-                d.kill()
+        daemons = sup.daemons()
+        _stop_in_order(daemons)
         if daemons:
             print(f"stopped {len(daemons)} daemons; state kept in {root}", flush=True)
         stack.close()
     return 0
+
+
+def _stop_in_order(daemons: list[Daemon], timeout: float = 30) -> None:
+    """The agent first (its sessions drain while the holders serve), then every holder at
+    once, then the coordinator(s); SIGKILL for one that does not exit in ``timeout``."""
+
+    def stop(group: list[Daemon]) -> None:
+        for d in group:
+            if d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGTERM)
+        for d in group:
+            try:
+                d.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                d.kill()
+
+    def role(d: Daemon) -> str:
+        return d.state_dir.name.split("-")[0]
+
+    for r in ("agent", "holder", "coordinator"):
+        stop([d for d in daemons if role(d) == r])
+    stop([d for d in daemons if role(d) not in ("agent", "holder", "coordinator")])
+
+
+def _bound(d: Daemon) -> tuple[int, int]:
+    """The gRPC and metrics ports ``d`` got (a free one where it was asked for 0)."""
+    return int(d.address.rsplit(":", 1)[1]), d.metrics_port
+
+
+def stop_left_behind(root: Path, timeout: float) -> list[tuple[str, int]]:
+    """Stop the daemons an earlier ``corpusd up`` in ``root`` left running when it died (they
+    hold their state dirs and ports; this ``up`` starts its own on the same state), saying
+    which; returns them."""
+    left = left_behind(root)
+    if left:
+        named = ", ".join(f"{n} (pid {pid})" for n, pid in left)
+        print(f"an earlier corpusd up in {root} left daemons running: {named}; stopping them")
+        sys.stdout.flush()
+        stop_pids([pid for _, pid in left], timeout)
+    return left
 
 
 def _client_env(ca: local_ca.LocalCA | None, base: dict[str, str]) -> dict[str, str]:
@@ -336,6 +367,7 @@ def _detach(cfg: UpConfig, root: Path) -> int:
         value = getattr(cfg, f.name)
         if f.name not in ("detach", "state_dir") and value != "":
             args += ["--" + f.name.replace("_", "-"), str(value)]
+    start = log.stat().st_size if log.exists() else 0
     with log.open("ab") as out:
         proc = subprocess.Popen(
             args,
@@ -344,46 +376,27 @@ def _detach(cfg: UpConfig, root: Path) -> int:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+    print(f"corpusd up (pid {proc.pid}) starting in the background; its log: {log}", flush=True)
     deadline = time.monotonic() + cfg.timeout_s + 30
-    while (info := env.running_up(str(root))) is None or info["pid"] != proc.pid:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"corpusd up did not start: {log.read_text()[-3000:]}")
-        time.sleep(0.2)
+    with log.open("rb") as said:
+        said.seek(start)
+        partial = b""
+        while (info := env.running_up(str(root))) is None or info["pid"] != proc.pid:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"corpusd up did not start: {log.read_text()[-3000:]}")
+            *lines, partial = (partial + said.read()).split(b"\n")
+            for line in lines:  # progress: what the background `up` says as it starts
+                print(line.decode(errors="replace"), flush=True)
+            time.sleep(0.2)
+        for line in (partial + said.read()).split(b"\n"):  # said before up.json was written
+            if line.startswith(b"corpusd up (pid"):
+                break
+            if line:
+                print(line.decode(errors="replace"), flush=True)
     print(describe(info))
     print(f"  log: {log}")
     return 0
-
-
-def _orphans(root: Path) -> list[int]:
-    """Pids of daemons a dead ``corpusd up`` left running under ``root`` (their endpoint.json),
-    checked to be corpusd processes (a pid may have been reused since)."""
-    pids = []
-    for ep in root.glob("*/endpoint.json"):
-        try:
-            pid = int(json.loads(ep.read_text())["pid"])
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, ValueError, KeyError):
-            continue
-        if b"corpusd" in cmdline:
-            pids.append(pid)
-    return pids
-
-
-def _stop_orphans(root: Path, timeout: float) -> int:
-    """Stop the daemons a dead ``corpusd up`` left under ``root``; returns how many."""
-    orphans = _orphans(root)
-    for pid in orphans:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
-    left, deadline = orphans, time.monotonic() + timeout
-    while left and time.monotonic() < deadline:
-        left = [pid for pid in left if _alive(pid)]
-        time.sleep(0.2)
-    for pid in left:  # did not drain in time
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    return len(orphans)
 
 
 def _alive(pid: int) -> bool:
@@ -394,28 +407,71 @@ def _alive(pid: int) -> bool:
     return not env.zombie(pid)
 
 
-def down(flag: str = "", timeout: float = 60) -> int:
-    """Stop ``corpusd up`` (it stops its daemons). If it is gone (killed), stop the daemons it
-    left and remove its stale ``up.json``."""
+def down(flag: str = "", timeout: float = 120) -> int:
+    """Stop ``corpusd up`` (it stops its daemons), then every daemon still running on its state
+    dir (those a killed ``up`` left, whatever ``up`` started them), and remove a stale
+    ``up.json``."""
     root = env.up_dir(flag)
     info = env.running_up(flag)
-    if info is not None:
-        pid = int(info["pid"])
+    pid = int(info["pid"]) if info is not None else 0
+    if not pid and (who := lock_holder(root)) is not None:  # an `up` still starting
+        pid = who[0]
+    if pid:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while _alive(pid):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"corpusd up (pid {pid}) did not stop in {timeout} s")
+        while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
+        if _alive(pid):  # its daemons are stopped below, as a killed up's
+            print(f"corpusd up (pid {pid}) did not stop in {timeout:g} s: killed it")
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         print(f"stopped corpusd up (pid {pid})")
-    stopped = _stop_orphans(root, timeout)
+    left = left_behind(root)
+    stop_pids([p for _, p in left], timeout)
     stale = (root / "up.json").exists()
     (root / "up.json").unlink(missing_ok=True)
-    if info is None and (stopped or stale):
-        print(
-            f"corpusd up in {root} was gone: stopped {stopped} daemon(s) it left"
-            + (", removed its stale up.json" if stale else "")
-        )
-    elif info is None:
+    if left:
+        named = ", ".join(f"{n} (pid {p})" for n, p in left)
+        print(f"stopped {len(left)} daemon(s) left running in {root}: {named}")
+    if not pid and (left or stale):
+        print(f"corpusd up in {root} was gone" + (": removed its stale up.json" if stale else ""))
+    elif not pid:
         print(f"corpusd up is not running in {root}")
+    return 0
+
+
+def restart(name: str, flag: str = "", timeout: float = 180) -> int:
+    """``corpusd restart <name>``: stop one daemon of the running ``up`` (a drain) and let ``up``
+    start it again at once, with its arguments, ports and credentials; returns once the new one
+    serves. Raises ValueError when ``up`` is not running or has no daemon ``name``."""
+    root = env.up_dir(flag)
+    if env.running_up(flag) is None:
+        raise ValueError(
+            f"corpusd up is not running in {root}; `corpusd up` starts every daemon (`corpusd "
+            "down` first if it was killed)"
+        )
+    names = list(restarts(root))
+    if name not in names:
+        raise ValueError(f"no daemon {name!r} in {root}; its daemons: {', '.join(names)}")
+    state_dir = root / name
+    old = lock_holder(state_dir)
+    (state_dir / RESTART_FILE).touch()
+    if old is not None:
+        os.kill(old[0], signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while True:
+        now = lock_holder(state_dir)
+        try:
+            ep = json.loads((state_dir / "endpoint.json").read_text())
+        except (OSError, ValueError):
+            ep = {}
+        if now is not None and (old is None or now[0] != old[0]) and ep.get("pid") == now[0]:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{name} did not serve again in {timeout} s; see corpusd logs {name}"
+            )
+        time.sleep(0.2)
+    was = f"pid {old[0]} → " if old else ""
+    print(f"restarted {name} ({was}pid {now[0]}, {ep.get('address', '')})")
     return 0

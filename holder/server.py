@@ -18,7 +18,7 @@ import grpc
 import torch
 
 from corpusd.corpus.store import PageStore
-from corpusd.daemon import check_ports, listen, write_endpoint
+from corpusd.daemon import claim, listen, write_endpoint
 from corpusd.kernels import fp8_cache
 from corpusd.kernels.registry import choose
 from corpusd.model import ModelConfig, fingerprint
@@ -169,10 +169,14 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
         os._exit(0)
 
 
+def ports(cfg: HolderConfig) -> dict[str, int]:
+    """The ports it binds, by flag (checked free before anything is written)."""
+    return {"--port": cfg.port, "--metrics-port": cfg.metrics_port}
+
+
 def run(cfg: HolderConfig, model_dir: Path) -> None:
-    check_ports(cfg.host, {"--port": cfg.port, "--metrics-port": cfg.metrics_port})
+    claim(Path(cfg.state_dir), "holder", cfg.host, ports(cfg))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
     try:
         import uvloop
 

@@ -23,8 +23,11 @@ captured on the GPU executes, is :mod:`requester.fanout_device`.
 Failover, in one place (:meth:`CorpusBinding._recover`): a failed holder call marks the holder
 dead and re-serves its rows from replicas on the others; when some page has no live replica the
 binding re-reads its page table (``refresh``, where the binder gave one: the coordinator may have
-placed the corpus anew), then recomputes the rows here from the tokens (``local``), and only then
-raises :class:`CorpusUnavailable`. A failed holder loses no data, so the result is the same.
+placed the corpus anew), then reads the holder's pages from the page store it loaded them from
+(``store``, where this process has the store: milliseconds) or recomputes the rows here from
+the tokens (``local``: seconds to minutes, a prefill of the corpus up to the rows asked for),
+and only then raises :class:`CorpusUnavailable`. A failed holder loses no data, so the result
+is the same.
 
 Names: ``rows`` are pool rows on one holder (``frame * page_size + slot``, int32, what a
 holder's Attend takes); ``positions`` / ``canon`` are canonical corpus positions (int64, the
@@ -60,6 +63,9 @@ from requester.sources import LocalRows, PageCache, attend_canonical
 log = logging.getLogger("corpusd.requester")
 T = TypeVar("T")
 Offload = Callable[..., Awaitable[Any]]  # (fn, *args) → awaitable of fn(*args), off the loop
+#: (layer, page numbers) → their latent rows ``[len(pages), P, kv_dim]`` as the page store has
+#: them (what a holder loaded): the ``store`` fallback, blocking (run through ``offload``)
+Stored = Callable[[int, list[int]], torch.Tensor]
 
 
 def counted(d: Decision, metrics: RequesterMetrics) -> Decision:
@@ -121,16 +127,19 @@ class Fanout(Connections):
         tokens: torch.Tensor | None = None,
         refresh: Callable[[], Awaitable[CorpusView]] | None = None,
         kv_format: str = "plain",
+        stored: Stored | None = None,
     ) -> CorpusBinding:
         """A binding of the corpus ``view`` describes; route transports to its holders are
         chosen (NVSHMEM joined) now, before any decoding. ``model`` and ``tokens`` make
         ``local`` possible (re-prefill here, its rows in the pin's ``kv_format``); ``refresh``
-        re-reads the page table on failover."""
+        re-reads the page table on failover; ``stored`` reads pages from the page store (the
+        ``store`` fallback)."""
         for address in view.holders:
             await self.route(address)
         return CorpusBinding(
-            self, view, geometry, model=model, tokens=tokens, refresh=refresh, kv_format=kv_format
-        )
+            self, view, geometry, model=model, tokens=tokens, refresh=refresh,
+            kv_format=kv_format, stored=stored,
+        )  # fmt: skip
 
     def decide(self, shape: Group) -> Decision:
         """The predicate's pick for a group of ``shape``; a forced primitive that cannot serve
@@ -202,8 +211,10 @@ class CorpusBinding(CorpusIndexer):
         refresh: Callable[[], Awaitable[CorpusView]] | None = None,
         force: str | None = None,
         kv_format: str = "plain",
+        stored: Stored | None = None,
     ) -> None:
         self.engine, self.view, self.geo = engine, view, geometry
+        self.stored = stored
         self.model, self.tokens, self.refresh = model, tokens, refresh
         self.kv_format = kv_format
         self.force = force  # the monolithic baseline pins "local"
@@ -288,10 +299,11 @@ class CorpusBinding(CorpusIndexer):
         (:meth:`_recover`, at most ``tries`` times, default once per holder); raises
         CorpusUnavailable as :meth:`attend`."""
         tries = len(self.view.holders) if tries is None else tries
-        if decision.pick != "local" and self._is_dead(g.address) and self._can_recompute():
-            # failed before, and no replica took its pages: not called again, recomputed here
-            self.engine.metrics.fallbacks.labels(decision.pick, "local").inc()
-            return await self._execute(call, g, "local")
+        last = self._last_resort()
+        if decision.pick not in ("local", "store") and self._is_dead(g.address) and last:
+            # failed before, and no replica took its pages: not called again, served here
+            self.engine.metrics.fallbacks.labels(decision.pick, last).inc()
+            return await self._execute(call, g, last)
         t0 = time.perf_counter()
         try:
             result = await self._execute(call, g, decision.pick)
@@ -310,6 +322,11 @@ class CorpusBinding(CorpusIndexer):
     def _can_recompute(self) -> bool:
         return self.tokens is not None and self.model is not None
 
+    def _last_resort(self) -> str:
+        """How rows no holder serves are served here: "store" (read from the page store),
+        "local" (recomputed), or "" (they cannot be)."""
+        return "store" if self.stored is not None else "local" if self._can_recompute() else ""
+
     async def _recover(
         self, call: LayerCall, g: GroupWork, pick: str, e: grpc.aio.AioRpcError | StatusError,
         tries: int,
@@ -322,21 +339,23 @@ class CorpusBinding(CorpusIndexer):
             if held and not set(held) <= self.dead:
                 self.dead.update(held)
                 to = await self._fail_over()
+                to = (self._last_resort() or "local") if to == "local" else to
                 log.warning(
                     "holder %s failed (%s: %s); %s", g.address, code.name, detail, _SAYS[to]
                 )
                 self.engine.metrics.fallbacks.labels(pick, to).inc()
             elif held and bool(torch.isin(self.view.page_holder, torch.tensor(held)).any()):
-                to = "local"  # another call failed it over already, and found no other source
+                to = self._last_resort() or "local"  # failed over already, no other source
             else:
                 to = "replica"  # another call failed it over already: re-plan on the new view
-        if to == "local" or tries <= 0:
-            if not self._can_recompute():
+        if to in ("local", "store") or tries <= 0:
+            last = self._last_resort()
+            if not last:
                 raise CorpusUnavailable(
                     f"corpus {self.corpus_id}: holder {g.address} failed ({code.name}: {detail}) "
                     "and its rows have no other source"
                 )
-            return await self._execute(call, g, "local")
+            return await self._execute(call, g, last)
         sub = call.rows(g.keep)
         groups = holder_groups(self.view, g.canon)  # a re-plan of a planned call's group
         results = await asyncio.gather(*(self._group(sub, h, tries - 1) for h in groups))
@@ -380,6 +399,8 @@ class CorpusBinding(CorpusIndexer):
         uniq = g.canon[g.canon >= 0].unique()
         if pick == "fetch":
             rows_of = await self._fetched(layer, g, uniq)
+        elif pick == "store":
+            rows_of = await self._from_store(layer, uniq)
         else:
             rows_of = await self._local(layer, uniq)
         assert geo.shift is not None or not bool((og != 0).any()), "offsets need geometry.shift"
@@ -404,6 +425,15 @@ class CorpusBinding(CorpusIndexer):
             self.pages.put(layer, missing, lat.to(self.geo.dtype))
         return self.pages.rows(layer, uniq)
 
+    async def _from_store(self, layer: int, uniq: torch.Tensor) -> torch.Tensor:
+        assert self.stored is not None
+        pages = (uniq // self.view.page_size).unique().tolist()
+        missing = self.pages.missing(layer, pages)
+        if missing:
+            lat = await self.engine.offload(self.stored, layer, missing)
+            self.pages.put(layer, missing, lat.to(self.geo.dtype))
+        return self.pages.rows(layer, uniq)
+
     async def _local(self, layer: int, uniq: torch.Tensor) -> torch.Tensor:
         if self.tokens is None or self.model is None:
             raise RuntimeError(
@@ -422,6 +452,7 @@ _SAYS = {
     "replica": "its pages are served by replicas from now on",
     "table": "the corpus's page table was re-read; its rows go where it says now",
     "local": "recomputing its rows here",
+    "store": "reading its pages from the page store here",
 }
 
 

@@ -17,7 +17,7 @@ import torch
 from corpusd import env, security
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, WorkerReport
 from corpusd.corpus.store import PageStore
-from corpusd.daemon import check_ports, listen, write_endpoint
+from corpusd.daemon import claim, listen, write_endpoint
 from corpusd.model import fingerprint, load_model
 from corpusd.tokenizer import load_tokenizer
 from corpusd.v1 import agent_pb2_grpc
@@ -184,13 +184,14 @@ async def serve(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
     log.info("%s stopped", worker_id)
 
 
+def ports(cfg: AgentConfig) -> dict[str, int]:
+    """The ports it binds, by flag (checked free before anything is written)."""
+    return {"--port": cfg.port, "--metrics-port": cfg.metrics_port, "--http-port": cfg.http_port}
+
+
 def run(cfg: AgentConfig, wcfg: WorkerConfig, model_dir: Path) -> None:
-    check_ports(
-        cfg.host,
-        {"--port": cfg.port, "--metrics-port": cfg.metrics_port, "--http-port": cfg.http_port},
-    )
+    claim(Path(cfg.state_dir), "agent", cfg.host, ports(cfg))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
     try:
         import uvloop
 

@@ -12,6 +12,7 @@ plugin).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -118,13 +119,15 @@ class Worker:
     async def _bind(
         self, view: CorpusView, refresh: Callable[[], Awaitable[CorpusView]] | None = None
     ) -> CorpusBinding:
-        tokens, kv_format = None, "plain"
+        tokens, kv_format, stored = None, "plain", None
         if self.store is not None and view.corpus_id in self.store.ids():
             tokens = self.store.read_tokens(view.corpus_id).to(torch.int64)
             kv_format = self.store.manifest(view.corpus_id).kv_format
+            if kv_format == "plain":  # a failed holder's pages, read where it loaded them from
+                stored = functools.partial(_stored_latent, self.store, view.corpus_id)
         b = await self.fanout.bind(
             view, self.geometry, model=self.model, tokens=tokens, kv_format=kv_format,
-            refresh=refresh,
+            refresh=refresh, stored=stored,
         )  # fmt: skip
         if self.cfg.indexer == "replica":
             for layer in range(self.mcfg.num_hidden_layers):
@@ -384,3 +387,8 @@ class Worker:
             cands = [(p_[m], sc[m]) for p_, sc in parts]
             out[m] = select_distributed(ps, logical, cands, s.offset, pos[m], k)
         return out
+
+
+def _stored_latent(store: PageStore, corpus_id: str, layer: int, pages: list[int]) -> torch.Tensor:
+    """Latent rows ``[len(pages), P, kv_dim]`` of a plain corpus, as its page store has them."""
+    return store.read_pages(corpus_id, layer, pages)[0]

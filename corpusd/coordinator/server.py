@@ -28,7 +28,7 @@ from corpusd.coordinator.replicas import Replicator
 from corpusd.coordinator.service import CoordinatorService
 from corpusd.coordinator.upkeep import recover
 from corpusd.corpus.store import PageStore
-from corpusd.daemon import check_ports, listen, write_endpoint
+from corpusd.daemon import claim, listen, write_endpoint
 from corpusd.v1 import coordinator_pb2_grpc
 
 log = logging.getLogger("corpusd.coordinator")
@@ -143,10 +143,14 @@ async def serve(cfg: CoordinatorConfig) -> None:
     log.info("coordinator stopped")
 
 
+def ports(cfg: CoordinatorConfig) -> dict[str, int]:
+    """The ports it binds, by flag (checked free before anything is written)."""
+    return {"--port": cfg.port, "--metrics-port": cfg.metrics_port}
+
+
 def run(cfg: CoordinatorConfig) -> None:
-    check_ports(cfg.host, {"--port": cfg.port, "--metrics-port": cfg.metrics_port})
+    claim(Path(cfg.state_dir), "coordinator", cfg.host, ports(cfg))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
     try:
         import uvloop
 

@@ -224,6 +224,37 @@ def test_an_unchanged_page_table_is_not_retried_forever() -> None:
     assert len(reads) == 1
 
 
+def test_last_resort_reads_the_page_store_before_recomputing(tiny_model: DeepseekV32) -> None:
+    """Every holder down, and the process has the page store: the rows are read from it (the
+    pages the holder loaded; ``store``), not re-prefilled, and equal the holders'."""
+    geo = Geometry.of(tiny_model)
+    g = torch.Generator().manual_seed(6)
+    layer = 1
+    rows = torch.randn(T, geo.kv_dim, generator=g)
+    view, routes = placed(rows, ("a",), [[0]] * 6)
+    routes["a"].d_v = geo.d_v
+    f = engine(routes)
+    read: list[tuple[int, list[int]]] = []
+    padded = torch.zeros(view.n_pages * P, geo.kv_dim)  # the store keeps whole pages
+    padded[:T] = rows
+
+    def stored(li: int, pages: list[int]) -> torch.Tensor:
+        read.append((li, pages))
+        return torch.stack([padded[p * P : (p + 1) * P] for p in pages])
+
+    b = CorpusBinding(f, view, geo, model=tiny_model, tokens=torch.zeros(T), stored=stored)
+    routes["a"].down = True
+    q = torch.randn(3, geo.heads, geo.kv_dim, generator=g)
+    canon = torch.randint(-1, T, (3, 7), generator=g)
+    with torch.inference_mode():
+        o, lse = run(b.attend(layer, q, canon))
+        run(b.attend(layer, q, canon))  # pages read once, then from the page cache
+    ro, rl = partial_attention(q, rows, canon, geo.softmax_scale, geo.d_v)
+    assert rel(o, ro) < 1e-5 and torch.allclose(lse, rl, atol=1e-5)
+    assert count(f, "route", "store") == 2 and count(f, "route", "local") == 0
+    assert len(read) == 1 and read[0][0] == layer and b.local is None  # nothing recomputed
+
+
 def test_last_resort_recomputes_the_rows_here(tiny_model: DeepseekV32) -> None:
     """Every holder down and no other table: the rows are re-prefilled from the corpus's tokens
     (``local``), which give the same rows the holders had."""

@@ -57,6 +57,7 @@ def root(tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> Path:
         _daemon(r, name, "coordinator" if name == "coordinator" else role, pid, **extra)
     (r / "up.json").write_text(json.dumps({"pid": sleeper.pid}))
     (r / "up.log").write_text("starting\nstopped 5 daemons\n")
+    (r / "supervisor.json").write_text(json.dumps({"holder-2": {"restarts": 3}}))
     return r
 
 
@@ -72,9 +73,12 @@ def test_ps_lists_the_daemons_in_start_order_with_state_and_uptime(root: Path) -
     assert by["up"].address == "" and by["up"].log == str(root / "up.log")
     assert by["coordinator"].log == str(root / "coordinator" / "coordinator.log")
     lines = ps.render(procs).splitlines()
-    assert lines[0].split() == ["DAEMON", "STATE", "PID", "ID", "ADDRESS", "METRICS", "UPTIME"]
+    head = ["DAEMON", "STATE", "PID", "ID", "ADDRESS", "METRICS", "UPTIME", "RESTARTS"]
+    assert lines[0].split() == head
     h10 = lines[5].split()
-    assert h10[:2] == ["holder-10", "exited"] and h10[-1] == "-", lines[5]
+    assert h10[:2] == ["holder-10", "exited"] and h10[-2] == "-", lines[5]
+    assert h10[5] == "-", lines[5]  # nothing serves an exited daemon's metrics (was its URL)
+    assert [r.split()[-1] for r in lines[1:]] == ["-", "0", "0", "3", "0", "0"]  # supervisor.json
     co = lines[2].split()
     assert co[1] == "running" and co[3] == "-" and co[5].endswith("/metrics") and co[6][-1] == "s"
     assert [ps.duration(s) for s in (0, 59, 60, 3599, 3600, 86399, 86400 + 7200)] == [
