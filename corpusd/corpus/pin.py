@@ -88,12 +88,12 @@ def default_model(stream: TextIO) -> Path:
     model (a typo must not become a fresh random model that pins and serves), else the embedded
     tiny default, written on first use (deterministic, no network). Raises ValueError (one
     line) for a ``$CORPUSD_MODEL`` without a ``config.json``."""
-    named = os.environ.get("CORPUSD_MODEL", "")
+    named = env.is_set("CORPUSD_MODEL")
     d = env.default_model_dir()
     if named and not (d / "config.json").is_file():
         what = "does not exist" if not d.exists() else "holds no model (no config.json)"
         raise ValueError(
-            f"$CORPUSD_MODEL={named} {what}; `corpusd model init {named}` writes the tiny "
+            f"$CORPUSD_MODEL={d} {what}; `corpusd model init {d}` writes the tiny "
             "model there, or unset it for the default"
         )
     if not (d / "config.json").is_file():
