@@ -16,10 +16,10 @@ from pathlib import Path
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.daemon import Daemon
+from corpusd.testing.holders import pin_sample
 from holder.launch import HolderProcess, start_holder
 from requester.client import Client
 from requester.launch import start_agent
-from tests.support.holders import pin_sample
 
 QUESTIONS = ["\nQ: where?", "\nQ: how many lines?"]
 NEW = 24

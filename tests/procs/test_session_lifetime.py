@@ -22,11 +22,11 @@ import pytest
 
 from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
+from corpusd.testing.holders import start_holders, synthetic_corpus
 from holder.launch import HolderProcess
 from requester.client import AgentError, Client, SessionRef
 from requester.launch import AgentProcess, start_agent
 from tests.support.checks import metric
-from tests.support.coordinators import start_holders, synthetic_corpus
 
 IDLE_S = 3.0
 MAX_SESSIONS = 3
