@@ -17,18 +17,22 @@ overlap:
 - ``replicas_down``: two holders SIGKILLed at once (3 holders, the corpus on 2 replicas: the
   pages those two share have no live replica until the supervisor restarts them);
 - ``coordinator_holder``: the coordinator and a holder SIGKILLed together;
-- ``corrupt``: one byte of a stored page flipped on disk while it is served, restored after;
-- ``net_delay`` / ``net_drop`` / ``net_reset``: a TCP proxy delays, blackholes or resets the
-  traffic. The proxy sits between the soak's clients and the agent: ``up`` starts its daemons
-  with each other's addresses, so a proxy between them would need ``up`` to take them.
+- ``corrupt``: one byte of a stored page flipped on disk while it is served and a holder
+  SIGKILLed so that it loads its pages from the damaged file; the byte is restored after;
+- ``net_delay`` / ``net_drop`` / ``net_reset``: a TCP proxy delays, partitions (nothing
+  passes until it heals) or resets (RST) the traffic. The proxy sits between the soak's
+  clients and the agent: ``up`` starts its daemons with each other's addresses, so a proxy
+  between them would need ``up`` to take them.
 
 Checks (exit 1 when one fails): every finished session's tokens equal a reference decode made
 before any fault; every failed session overlaps a fault window that removed every copy of its
 data (the agent, the only holder of a session's cache, killed or cut off; both replicas down;
 ``up`` restarted); RSS growth per daemon after the first ``--warmup-min`` minutes < 10 %
-(measured on each incarnation that lived long enough); the agent's open sessions back to 0
-after load stops; file descriptors per daemon at the end within a slack of those at the start;
-after ``corpusd down``, no daemon left and no stray files in the state dirs.
+(measured on each incarnation that lived long enough: the ``--spare`` daemons are SIGKILLed
+only during the warm-up, so one of each lives the rest of the run); the agent's open
+sessions back to 0 after load stops; file descriptors per daemon at the end within a slack
+of those at the start; after ``corpusd down``, no daemon left and no stray files in the
+state dirs.
 
     python -m tools.soak --minutes 60 --out bench/results/soak-cpu.json
 """
@@ -77,14 +81,21 @@ def removes_all(kind: str) -> bool:
 
 
 def explain(fail: dict[str, Any], faults: list[dict[str, Any]], grace: float = GRACE_S) -> str:
-    """The first fault (``kind``, ``t0``, ``t1`` seconds) that removed every copy of a failed
-    session's data while it ran (``started``..``t``), as "kind@t0"; "" when none did. A
-    window still open (``t1`` None) reaches to the end."""
-    for f in faults:
-        t1 = f["t1"] if f.get("t1") is not None else float("inf")
-        if removes_all(f["kind"]) and f["t0"] <= fail["t"] and t1 + grace >= fail["started"]:
-            return f"{f['kind']}@{f['t0']}"
-    return ""
+    """The fault (``kind``, ``t0``, ``t1`` seconds) that removed every copy of a failed
+    session's data while it ran (``started``..``t``), as "kind@t0"; the latest to begin when
+    several did; "" when none did. A window still open (``t1`` None) reaches to the end."""
+    return next((f"{f['kind']}@{f['t0']}" for f in reversed(near(fail, faults, grace))
+                 if removes_all(f["kind"])), "")  # fmt: skip
+
+
+def near(
+    fail: dict[str, Any], faults: list[dict[str, Any]], grace: float = GRACE_S
+) -> list[dict[str, Any]]:
+    """Every fault window that overlapped the session (``started - grace``..``t``), by start."""
+    inf = float("inf")
+    out = [f for f in faults if f["t0"] <= fail["t"]
+           and (inf if f.get("t1") is None else f["t1"]) + grace >= fail["started"]]  # fmt: skip
+    return sorted(out, key=lambda f: f["t0"])
 
 
 def rss_growth(
@@ -189,14 +200,14 @@ def fd_count(pid: int) -> int | None:
 
 class Proxy:
     """A TCP proxy on loopback to ``target`` in a thread: ``mode`` pass, delay (each chunk
-    waits ``delay_s``), drop (bytes are read and discarded both ways) or reset (every
+    waits ``delay_s``), drop (a partition: nothing passes until it heals) or reset (every
     connection is closed with RST, and new ones as they come)."""
 
     def __init__(self, target: str) -> None:
         self.host, port = target.rsplit(":", 1)
         self.port = int(port)
         self.mode, self.delay_s = "pass", 0.0
-        self.conns: set[socket.socket] = set()
+        self.conns: set[asyncio.StreamWriter] = set()
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
         self.address = ""
@@ -221,39 +232,46 @@ class Proxy:
             self.loop.call_soon_threadsafe(self._reset_all)
 
     def _reset_all(self) -> None:
-        for s in list(self.conns):
-            with contextlib.suppress(OSError):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                s.close()
+        for w in list(self.conns):
+            _rst(w)
         self.conns.clear()
 
     async def _conn(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        sock = w.get_extra_info("socket")
         if self.mode == "reset":
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            w.close()
+            _rst(w)
             return
+        while self.mode == "drop":  # a partition: nothing gets through until it heals
+            await asyncio.sleep(0.05)
         try:
             ur, uw = await asyncio.open_connection(self.host, self.port)
         except OSError:
             w.close()
             return
-        self.conns |= {sock, uw.get_extra_info("socket")}
+        self.conns |= {w, uw}
 
         async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             with contextlib.suppress(Exception):
                 while data := await src.read(65536):
                     if self.mode == "delay":
                         await asyncio.sleep(self.delay_s)
-                    if self.mode == "drop":
-                        continue
+                    while self.mode == "drop":  # held, as TCP retransmits across a partition
+                        await asyncio.sleep(0.05)
                     dst.write(data)
                     await dst.drain()
             with contextlib.suppress(Exception):
                 dst.close()
 
         await asyncio.gather(pump(r, uw), pump(ur, w))
-        self.conns -= {sock, uw.get_extra_info("socket")}
+        self.conns -= {w, uw}
+
+
+def _rst(w: asyncio.StreamWriter) -> None:
+    """Close a connection with a TCP reset (SO_LINGER 0), as a middlebox or a crash does."""
+    with contextlib.suppress(OSError):
+        w.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+        )
+    w.transport.abort()
 
 
 def corrupt_page(store: Path, cid: str, layer: int, page: int) -> Path:
@@ -284,6 +302,8 @@ class Faults:
     windows: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     busy: set[str] = field(default_factory=set)  # daemons a fault holds now: no two at once
+    spare: frozenset[str] = frozenset()  # SIGKILLed only in the first spare_after_s
+    spare_after_s: float = 0.0
 
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 2)
@@ -348,12 +368,19 @@ class Faults:
             os.kill(pid, signal.SIGCONT)
         self.close(w)
 
-    def corrupt(self, rng: random.Random) -> None:
+    def corrupt(self, holder: str, rng: random.Random) -> None:
+        """Flip a byte of a stored page and SIGKILL ``holder``, so it loads its pages again
+        from the damaged file (the store fallback reads it too) while the other replica
+        serves; the byte is restored after 5–15 s."""
         layer, page = rng.randrange(2), rng.randrange(4)
-        w = self.open("corrupt", f"layer {layer} page {page}")
+        old = daemons(self.root)
+        w = self.open("corrupt", f"layer {layer} page {page}, {holder} reloads")
         path = corrupt_page(self.store, self.cid, layer, page)
+        with contextlib.suppress(ProcessLookupError, KeyError):
+            os.kill(old[holder], signal.SIGKILL)
         time.sleep(rng.uniform(5, 15))
         corrupt_page(self.store, self.cid, layer, page)  # restored
+        self.wait_back([holder], old)
         self.close(w)
         w["file"] = str(path)
 
@@ -368,17 +395,20 @@ class Faults:
 
     def one(self, rng: random.Random) -> None:
         names = sorted(daemons(self.root))
-        holders = [n for n in names if n.startswith("holder")]
+        # the spared live on after the warm-up, so that their RSS growth can be measured
+        killable = [n for n in names if self.now() < self.spare_after_s or n not in self.spare]
+        holders = [n for n in killable if n.startswith("holder")]
         r = rng.random()
-        if r < 0.35 and names:
-            victim = [rng.choice(names)]
-            act = "kill" if rng.random() < 0.5 else "stop"
+        if r < 0.2 and names:
+            victim, act = [rng.choice(names)], "stop"
+        elif r < 0.35 and killable:
+            victim, act = [rng.choice(killable)], "kill"
         elif r < 0.5 and len(holders) >= 2:
             victim, act = rng.sample(holders, 2), "replicas_down"
-        elif r < 0.6 and holders:
+        elif r < 0.6 and holders and "coordinator" in killable:
             victim, act = ["coordinator", rng.choice(holders)], "coordinator_holder"
-        elif r < 0.7:
-            victim, act = ["store"], "corrupt"
+        elif r < 0.7 and holders:
+            victim, act = ["store", rng.choice(holders)], "corrupt"
         else:
             victim, act = ["proxy"], "net_" + rng.choice(["delay", "drop", "reset"])
         # up's restart touches every daemon: it goes alone; others wait for it
@@ -393,7 +423,7 @@ class Faults:
             elif act in ("replicas_down", "coordinator_holder"):
                 self.kill(victim, act)
             elif act == "corrupt":
-                self.corrupt(rng)
+                self.corrupt(victim[1], rng)
             else:
                 self.net(act[4:], rng)
         finally:
@@ -449,6 +479,7 @@ async def runner(
     from requester.client import Client
 
     rng = random.Random(seed)
+    backoff = 0.5  # after a failure, doubling to 8 s while they repeat (the system is down)
     while time.monotonic() < until:
         async with Client(agent=agent, timeout=60, ident=ident) as c:
             for _ in range(20):  # a fresh client (channel) now and then, as real clients come
@@ -464,8 +495,10 @@ async def runner(
                     tally.codes[code] += 1
                     tally.failed.append({"started": t, "t": faults.now(), "question": q,
                                          "error": str(e)[:300]})  # fmt: skip
-                    await asyncio.sleep(0.5)
+                    await asyncio.sleep(backoff)
+                    backoff = min(8.0, backoff * 2)
                     continue
+                backoff = 0.5
                 tally.codes["OK"] += 1
                 tally.abandoned += not close
                 if got == want[q]:
@@ -529,6 +562,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=8, help="greedy tokens per session")
     p.add_argument("--abandon", type=float, default=0.1, help="share of sessions left open")
     p.add_argument("--warmup-min", type=float, default=10.0, help="RSS growth counts after it")
+    p.add_argument(
+        "--spare",
+        default="up,coordinator,agent,holder-2",
+        help="daemons SIGKILLed only during the warm-up (then SIGSTOP, network and corruption\n"
+        "faults only), so that one incarnation of each lives long enough to show RSS growth",
+    )
     p.add_argument("--rss-every-s", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/soak-cpu.json")
@@ -579,7 +618,9 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
 
     asyncio.run(publish())
     proxy = Proxy(info["agent"]["address"])
-    faults = Faults(root, time.monotonic(), store, cid, proxy)
+    spare = frozenset(a.spare.split(",")) - {""}
+    faults = Faults(root, time.monotonic(), store, cid, proxy, spare=spare,
+                    spare_after_s=a.warmup_min * 60)  # fmt: skip
     want = asyncio.run(reference(proxy.address, ident, cid, a.tokens))
     print(f"reference decode: {len(want)} questions × {a.tokens} tokens", flush=True)
     start_files = listing(root)
@@ -646,6 +687,7 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
             f["t1"] = faults.now()
     for fail in tally.failed:
         fail["explained_by"] = explain(fail, faults.windows)
+        fail["faults_near"] = [f"{f['kind']}@{f['t0']}" for f in near(fail, faults.windows)]
     summary: dict[str, Any] = {
         "what": "corpusd up (TLS) under continuous sessions and overlapping faults; tokens vs an "
         "undisturbed reference decode",

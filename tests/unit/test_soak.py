@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.soak import checks, explain, rss_growth, stray, table
+from tools.soak import checks, explain, near, rss_growth, stray, table
 
 
 def fault(kind: str, t0: float, t1: float | None) -> dict[str, Any]:
@@ -24,6 +24,11 @@ def test_a_failure_is_explained_only_by_a_fault_that_removed_every_copy_while_it
     assert explain({"started": 41, "t": 45}, faults) == ""  # after the grace
     assert explain({"started": 25, "t": 29}, faults) == ""  # before it
     assert explain({"started": 500, "t": 501}, faults) == "kill:agent@50"
+    # several: the latest to begin is named; near() lists every one, removing or not
+    assert explain({"started": 11, "t": 60}, faults) == "kill:agent@50"
+    assert [f["kind"] for f in near({"started": 11, "t": 31}, faults)] == [
+        "kill:holder-0", "replicas_down"
+    ]  # fmt: skip
 
 
 def test_rss_growth_is_measured_per_incarnation_after_the_warmup() -> None:
