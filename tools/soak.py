@@ -65,6 +65,7 @@ from typing import Any
 
 QUESTIONS = [f"\nQ: what is on line {i * 7 % 50}?\nA:" for i in range(8)]
 GRACE_S = 5.0  # a failure this long after a fault window closed is still the fault's
+SKEW_S = 0.5  # a fault's window opens just before it acts, read from another thread
 FD_SLACK = 16  # gRPC channels and thread pools come and go; a leak grows without bound
 RSS_LIMIT = 0.10
 IDLE_S = 600.0  # the agent's --session-idle-s default (up passes no agent flags)
@@ -82,19 +83,27 @@ def removes_all(kind: str) -> bool:
 
 def explain(fail: dict[str, Any], faults: list[dict[str, Any]], grace: float = GRACE_S) -> str:
     """The fault (``kind``, ``t0``, ``t1`` seconds) that removed every copy of a failed
-    session's data while it ran (``started``..``t``), as "kind@t0"; the latest to begin when
-    several did; "" when none did. A window still open (``t1`` None) reaches to the end."""
-    return next((f"{f['kind']}@{f['t0']}" for f in reversed(near(fail, faults, grace))
-                 if removes_all(f["kind"])), "")  # fmt: skip
+    session's data while it ran (``started``..``t``), as "kind@t0": of several, the latest to
+    begin among those still open when it failed, else the latest to begin; "" when none did.
+    A window still open (``t1`` None) reaches to the end."""
+    cands = [f for f in near(fail, faults, grace) if removes_all(f["kind"])]
+    active = [f for f in cands if _end(f) + SKEW_S >= fail["t"]]
+    pick = active or cands
+    return f"{pick[-1]['kind']}@{pick[-1]['t0']}" if pick else ""
+
+
+def _end(f: dict[str, Any]) -> float:
+    return float("inf") if f.get("t1") is None else float(f["t1"])
 
 
 def near(
     fail: dict[str, Any], faults: list[dict[str, Any]], grace: float = GRACE_S
 ) -> list[dict[str, Any]]:
-    """Every fault window that overlapped the session (``started - grace``..``t``), by start."""
-    inf = float("inf")
-    out = [f for f in faults if f["t0"] <= fail["t"]
-           and (inf if f.get("t1") is None else f["t1"]) + grace >= fail["started"]]  # fmt: skip
+    """Every fault window that overlapped the session (``started - grace``..``t``), by start;
+    ``SKEW_S`` allows for the fault and the session reading the clock in different threads."""
+    out = [
+        f for f in faults if f["t0"] <= fail["t"] + SKEW_S and _end(f) + grace >= fail["started"]
+    ]
     return sorted(out, key=lambda f: f["t0"])
 
 
@@ -208,6 +217,7 @@ class Proxy:
         self.port = int(port)
         self.mode, self.delay_s = "pass", 0.0
         self.conns: set[asyncio.StreamWriter] = set()
+        self.upstream_errors: Counter[str] = Counter()
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
         self.address = ""
@@ -244,7 +254,8 @@ class Proxy:
             await asyncio.sleep(0.05)
         try:
             ur, uw = await asyncio.open_connection(self.host, self.port)
-        except OSError:
+        except OSError as e:  # the client sees its connection closed: counted, to explain it
+            self.upstream_errors[f"{type(e).__name__}: {e}"[:200]] += 1
             w.close()
             return
         self.conns |= {w, uw}
@@ -702,6 +713,8 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
             "abandon": a.abandon,
             "agent_session_idle_s": IDLE_S,
             "proxy": "between the soak's clients and the agent",
+            "proxy_address": proxy.address,
+            "agent_address": info["agent"]["address"],
         },
         "faults": dict(Counter(f["kind"] for f in faults.windows)),
         "sessions_ok": tally.ok,
@@ -710,6 +723,7 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
         "sessions_explained": sum(bool(f["explained_by"]) for f in tally.failed),
         "sessions_abandoned": tally.abandoned,
         "codes": dict(tally.codes),
+        "proxy_upstream_errors": dict(proxy.upstream_errors),
         "rss": {n: rss_growth(s, a.warmup_min * 60) for n, s in rss.items()},
         "fds": fds,
         "open_sessions_end": n_open,

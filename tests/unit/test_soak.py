@@ -23,9 +23,16 @@ def test_a_failure_is_explained_only_by_a_fault_that_removed_every_copy_while_it
     assert explain({"started": 38, "t": 45}, faults) == "replicas_down@30"  # within the grace
     assert explain({"started": 41, "t": 45}, faults) == ""  # after the grace
     assert explain({"started": 25, "t": 29}, faults) == ""  # before it
+    assert explain({"started": 25, "t": 29.8}, faults) == "replicas_down@30"  # clock skew
     assert explain({"started": 500, "t": 501}, faults) == "kill:agent@50"
-    # several: the latest to begin is named; near() lists every one, removing or not
+    # several: the latest to begin of those still open is named; near() lists every one
     assert explain({"started": 11, "t": 60}, faults) == "kill:agent@50"
+    reset_then_down = [fault("net_reset", 10, 12), fault("replicas_down", 11, 30)]
+    assert explain({"started": 9, "t": 11.5}, reset_then_down) == "replicas_down@11"
+    assert explain({"started": 9, "t": 20}, reset_then_down) == "replicas_down@11"
+    down_then_reset = [fault("replicas_down", 5, 30), fault("net_reset", 10, 12)]
+    assert explain({"started": 9, "t": 11}, down_then_reset) == "net_reset@10"
+    assert explain({"started": 9, "t": 20}, down_then_reset) == "replicas_down@5"
     assert [f["kind"] for f in near({"started": 11, "t": 31}, faults)] == [
         "kill:holder-0", "replicas_down"
     ]  # fmt: skip
