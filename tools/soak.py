@@ -169,6 +169,8 @@ def table(s: dict[str, Any]) -> str:
         f = s["fds"].get(name, {})
         lines.append(f"{name:<14}{r['rss_mb_first']!s:>13}{r['rss_mb_last']!s:>8}{g:>9}"
                      f"{f.get('start')!s:>10}{f.get('end')!s:>6}")  # fmt: skip
+    if s.get("up_restart_failures"):
+        lines.append(f"corpusd up refused to start again: {s['up_restart_failures']}")
     for name, ok in checks(s).items():
         lines.append(f"  {'PASS' if ok else 'FAIL'}  {name}")
     return "\n".join(lines)
@@ -358,9 +360,14 @@ class Faults:
                 os.kill(old[n], signal.SIGKILL)
         if "up" in names:  # the daemons it left run on; a new up stops them and starts its own
             time.sleep(1)
-            r = corpusd("up", "--detach", "1", "--calibrate", "off", *UP_FLAGS, timeout=600)
-            if r.returncode:
+            for _ in range(3):  # a refusal is a finding (kept in the window); then again
+                r = corpusd("up", "--detach", "1", "--calibrate", "off", *UP_FLAGS, timeout=600)
+                if r.returncode == 0:
+                    break
+                err = (r.stdout + r.stderr).strip().splitlines()[-1:]
+                w.setdefault("up_failures", []).append(err[0] if err else f"rc {r.returncode}")
                 print(f"  up again FAILED: {r.stdout[-2000:]}{r.stderr[-2000:]}", flush=True)
+                time.sleep(2)
             self.wait_back(["coordinator", "agent"] + [n for n in old if n.startswith("holder")],
                            old)  # fmt: skip
         else:
@@ -404,7 +411,9 @@ class Faults:
         self.proxy.set("pass")
         self.close(w)
 
-    def one(self, rng: random.Random) -> None:
+    def one(self, rng: random.Random, forced: tuple[str, list[str]] | None = None) -> bool:
+        """A random fault, or ``forced`` (act, victims); skipped (False) when another fault
+        holds one of its victims."""
         names = sorted(daemons(self.root))
         # the spared live on after the warm-up, so that their RSS growth can be measured
         killable = [n for n in names if self.now() < self.spare_after_s or n not in self.spare]
@@ -422,10 +431,12 @@ class Faults:
             victim, act = ["store", rng.choice(holders)], "corrupt"
         else:
             victim, act = ["proxy"], "net_" + rng.choice(["delay", "drop", "reset"])
+        if forced is not None:
+            act, victim = forced
         # up's restart touches every daemon: it goes alone; others wait for it
         claim = [*names, "proxy", "store"] if "up" in victim and act == "kill" else victim
         if not self.claim(claim):
-            return
+            return False
         try:
             if act == "kill":
                 self.kill(victim, f"kill:{victim[0]}")
@@ -439,15 +450,27 @@ class Faults:
                 self.net(act[4:], rng)
         finally:
             self.release(claim)
+        return True
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
+def free_ports(n: int, rng: random.Random | None = None) -> list[int]:
+    """``n`` free ports below the kernel's ephemeral range: a fixed port inside it can be
+    taken as the local port of an outgoing connection while its daemon restarts."""
+    rng = rng or random.Random()
+    try:
+        lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        lo = 32768
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(max(1024, lo - 12000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
     return ports
 
 
@@ -644,13 +667,20 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
     abandon_until = until - (IDLE_S + 60)
     stop = threading.Event()
 
+    # the spared daemons are SIGKILLed only during the warm-up: so that each kind shows in
+    # every run, the first fault thread begins with these
+    script: list[tuple[str, list[str]]] = [("kill", ["agent"]), ("kill", ["coordinator"]),
+                                           ("kill", ["up"])]  # fmt: skip
+
     def fault_thread(seed: int) -> None:
         rng = random.Random(seed)
         while not stop.wait(a.every_s * rng.uniform(0.5, 1.5)):
             if time.monotonic() >= until - 5:
                 return
             try:
-                faults.one(rng)
+                forced = script[0] if seed % 10 == 0 and script else None
+                if faults.one(rng, forced) and forced:
+                    script.pop(0)
             except Exception as e:  # a fault that could not be made is reported, not fatal
                 print(f"  fault error: {e!r}"[:500], flush=True)
 
@@ -724,6 +754,7 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
         "sessions_abandoned": tally.abandoned,
         "codes": dict(tally.codes),
         "proxy_upstream_errors": dict(proxy.upstream_errors),
+        "up_restart_failures": [e for f in faults.windows for e in f.get("up_failures", [])],
         "rss": {n: rss_growth(s, a.warmup_min * 60) for n, s in rss.items()},
         "fds": fds,
         "open_sessions_end": n_open,
