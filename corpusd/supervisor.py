@@ -203,8 +203,19 @@ def stop_pids(pids: list[int], timeout: float) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs a thread. A process whose main thread has exited shows as a
+    zombie in ``/proc/<pid>/stat`` while its other threads still run and hold its sockets (a
+    daemon stopping): only when every task is a zombie, or gone, are its ports free."""
     try:
         os.kill(pid, 0)
-        return not Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
-    except (OSError, IndexError):
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
         return False
+    for task in tasks:
+        try:
+            state = Path(f"/proc/{pid}/task/{task}/stat").read_text().split(") ")[1][:1]
+        except (OSError, IndexError):
+            continue  # that thread ended while we looked
+        if state != "Z":
+            return True
+    return False

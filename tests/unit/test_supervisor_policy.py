@@ -103,3 +103,34 @@ def test_the_supervisor_restarts_a_daemon_that_exits_and_records_it(tmp_path: Pa
         for s in [first, *starts]:
             s.proc.kill()
             s.proc.wait()
+
+
+def test_a_process_whose_main_thread_exited_is_alive_while_a_thread_runs() -> None:
+    """The soak's finding: `up` after a killed `up` stopped the old daemons, took one for gone
+    because its main thread was a zombie while its other threads still held its ports, and
+    refused its own start ("in use"). Alive means some task of the process is not a zombie."""
+
+    from corpusd.supervisor import _alive
+
+    code = (
+        "import ctypes, threading, time\n"
+        "threading.Thread(target=time.sleep, args=(30,)).start()\n"
+        "print('ready', flush=True)\n"
+        "ctypes.CDLL(None).pthread_exit(None)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 10
+        stat = f"/proc/{p.pid}/stat"
+        while time.monotonic() < deadline:  # wait for the leader to become a zombie
+            if Path(stat).read_text().split(") ")[1].startswith("Z"):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the main thread did not exit")
+        assert _alive(p.pid), "a process with a running thread was taken for gone"
+    finally:
+        p.kill()
+        p.wait()
+    assert not _alive(p.pid)
