@@ -179,7 +179,7 @@ def left_behind(root: Path) -> list[tuple[str, int]]:
         if not pid:
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
                 pid = int(json.loads((d / "endpoint.json").read_text())["pid"])
-        if pid and pid != os.getpid() and _alive(pid) and ours(pid, d):
+        if pid and pid != os.getpid() and alive(pid) and ours(pid, d):
             found[d.name] = pid
     return list(found.items())
 
@@ -193,16 +193,16 @@ def stop_pids(pids: list[int], timeout: float) -> None:
     left = pids
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
-        left = [p for p in left if _alive(p)]
+        left = [p for p in left if alive(p)]
     for pid in left:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in left) and time.monotonic() < deadline:
+    while any(alive(p) for p in left) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Whether ``pid`` still runs a thread. A process whose main thread has exited shows as a
     zombie in ``/proc/<pid>/stat`` while its other threads still run and hold its sockets (a
     daemon stopping): only when every task is a zombie, or gone, are its ports free."""

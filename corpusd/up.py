@@ -26,7 +26,7 @@ from corpusd.coordinator.client import CoordinatorClient
 from corpusd.coordinator.etcd_local import start_etcd
 from corpusd.coordinator.launch import start_coordinator
 from corpusd.daemon import Daemon, check_ports, lock_holder, lock_state_dir
-from corpusd.supervisor import RESTART_FILE, Supervisor, left_behind, restarts, stop_pids
+from corpusd.supervisor import RESTART_FILE, Supervisor, alive, left_behind, restarts, stop_pids
 from corpusd.up_config import UpConfig
 from holder.launch import start_holder
 from requester.launch import AgentProcess, start_agent
@@ -399,14 +399,6 @@ def _detach(cfg: UpConfig, root: Path) -> int:
     return 0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return not env.zombie(pid)
-
-
 def down(flag: str = "", timeout: float = 120) -> int:
     """Stop ``corpusd up`` (it stops its daemons), then every daemon still running on its state
     dir (those a killed ``up`` left, whatever ``up`` started them), and remove a stale
@@ -419,9 +411,9 @@ def down(flag: str = "", timeout: float = 120) -> int:
     if pid:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while _alive(pid) and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if _alive(pid):  # its daemons are stopped below, as a killed up's
+        if alive(pid):  # its daemons are stopped below, as a killed up's
             print(f"corpusd up (pid {pid}) did not stop in {timeout:g} s: killed it")
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)

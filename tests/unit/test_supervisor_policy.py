@@ -110,7 +110,7 @@ def test_a_process_whose_main_thread_exited_is_alive_while_a_thread_runs() -> No
     because its main thread was a zombie while its other threads still held its ports, and
     refused its own start ("in use"). Alive means some task of the process is not a zombie."""
 
-    from corpusd.supervisor import _alive
+    from corpusd.supervisor import alive
 
     code = (
         "import ctypes, threading, time\n"
@@ -129,8 +129,8 @@ def test_a_process_whose_main_thread_exited_is_alive_while_a_thread_runs() -> No
             time.sleep(0.05)
         else:
             raise AssertionError("the main thread did not exit")
-        assert _alive(p.pid), "a process with a running thread was taken for gone"
+        assert alive(p.pid), "a process with a running thread was taken for gone"
     finally:
         p.kill()
         p.wait()
-    assert not _alive(p.pid)
+    assert not alive(p.pid)
