@@ -193,7 +193,8 @@ def up(cfg: UpConfig) -> int:
         def agent_(port: int, mport: int, http: int) -> AgentProcess:
             return start_agent(
                 store, root / "agent", model, "--coordinator", address, *flags,
-                *listen_on(port, mport), "--http-port", str(http), timeout=cfg.timeout_s,
+                *listen_on(port, mport), "--http-port", str(http), *cfg.agent_flags(),
+                timeout=cfg.timeout_s,
                 env=envs["agent"],
             )  # fmt: skip
 

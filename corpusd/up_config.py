@@ -65,6 +65,13 @@ class UpConfig:
     calibration_max_age_days: float = field(
         default=30.0, metadata={"help": "a profile older than this is stale"}
     )
+    session_idle_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "the agent closes a session no call has used for this long (seconds); 0: never"
+        },
+    )
+    max_sessions: int = field(default=1024, metadata={"help": "the agent's open sessions, at most"})
     state: str = field(
         default="sqlite",
         metadata={
@@ -85,13 +92,23 @@ class UpConfig:
             if port in seen:
                 raise ValueError(f"port {port} is given twice ({seen[port]} and {flag})")
             seen[port] = flag
-        positive(self, "capacity_tokens", "timeout_s", "calibration_max_age_days")
+        positive(self, "capacity_tokens", "timeout_s", "calibration_max_age_days", "max_sessions")
+        if not self.session_idle_s >= 0:
+            raise ValueError(f"session_idle_s must be >= 0 (0: never), got {self.session_idle_s}")
         if self.kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
         if self.detach not in (0, 1) or self.insecure not in (0, 1):
             raise ValueError(
                 f"detach and insecure must be 0 or 1, got {self.detach}, {self.insecure}"
             )
+
+    def agent_flags(self) -> tuple[str, ...]:
+        """The agent's session-lifetime flags, as ``corpusd agent`` takes them (the agent's own
+        defaults are the same; they are passed anyway so what ``up`` was told is what runs)."""
+        return (
+            "--session-idle-s", str(self.session_idle_s),
+            "--max-sessions", str(self.max_sessions),
+        )  # fmt: skip
 
     def ports(self) -> dict[str, list[int]]:
         """Every port asked for, by flag: ``--holder-ports`` one per holder, ``--metrics-ports``

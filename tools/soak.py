@@ -4,9 +4,9 @@ overlapping, injected throughout; then the checks a week of operation needs.
 
 Load: ``--sessions`` loops open a session, decode ``--tokens`` greedy tokens and close it; a
 share (``--abandon``) is left open without CloseSession, to be expired by the agent. ``up``
-passes no agent flags, so the agent's ``--session-idle-s`` is its default (600 s): sessions are
-abandoned only while at least 660 s of the run are left, so they have expired by its end
-(a run shorter than 11 minutes abandons none).
+runs with ``--session-idle-s 60`` (it passes that to its agent): sessions are abandoned only
+while at least 120 s of the run are left, and the end waits up to 120 s for the rest (those a
+fault cut off mid-generate) to expire.
 
 Faults (counted by kind, each with its window in the JSON), from two fault threads so they
 overlap:
@@ -68,7 +68,7 @@ GRACE_S = 5.0  # a failure this long after a fault window closed is still the fa
 SKEW_S = 0.5  # a fault's window opens just before it acts, read from another thread
 FD_SLACK = 16  # gRPC channels and thread pools come and go; a leak grows without bound
 RSS_LIMIT = 0.10
-IDLE_S = 600.0  # the agent's --session-idle-s default (up passes no agent flags)
+IDLE_S = 60.0  # up's --session-idle-s, which it passes to its agent
 #: faults that remove every copy of a session's data: its cache lives on the agent alone; a
 #: page on two replicas is gone with both; a restarted ``up`` restarts every daemon
 REMOVES_ALL = ("kill:agent", "kill:up", "replicas_down", "net_drop", "net_reset")
@@ -479,7 +479,7 @@ _P = free_ports(10)
 UP_FLAGS = (
     "--holders", "3", "--capacity-tokens", "4096", "--coordinator-port", str(_P[0]),
     "--holder-ports", ",".join(map(str, _P[1:4])), "--agent-port", str(_P[4]),
-    "--metrics-ports", ",".join(map(str, _P[5:10])),
+    "--metrics-ports", ",".join(map(str, _P[5:10])), "--session-idle-s", str(IDLE_S),
 )  # fmt: skip
 
 
@@ -711,7 +711,7 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
     proxy.set("pass")
     print(f"[{faults.now():7.1f}s] load stopped; waiting for open sessions to reach 0", flush=True)
     info = env.running_up() or info
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + IDLE_S + 60
     while (n_open := open_sessions(info)) != 0 and time.monotonic() < deadline:
         time.sleep(2)
     pids1 = daemons(root)
