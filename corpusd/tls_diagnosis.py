@@ -20,8 +20,11 @@ _CONNECT = ("failed to connect", "Socket closed", "handshake", "SSL", "ssl", "Co
 def probe(address: str, ca: bytes = b"") -> str:
     """What the server at ``address`` (host:port) speaks: ``"down"`` (no connection),
     ``"plaintext"``, ``"untrusted"`` (TLS whose certificate does not chain to ``ca``; only when
-    ``ca`` is given), ``"tls+client-cert"`` (TLS that refuses a client without a certificate)
-    or ``"tls"``. Blocks up to about 2 × PROBE_S."""
+    ``ca`` is given), ``"tls+client-cert"`` (TLS that refuses a client without a certificate),
+    ``"tls"``, ``"closed"`` (it closed or reset the connection on our ClientHello and does not
+    speak plaintext HTTP/2 either: a daemon going down or restarting) or ``"silent"`` (it
+    accepted the connection and answered nothing: a stopped or wedged process). Blocks up to
+    about 3 × PROBE_S."""
     host, port = address.rsplit(":", 1)
     host = host.strip("[]")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -50,18 +53,43 @@ def probe(address: str, ca: bytes = b"") -> str:
                 return "tls" if got else "tls+client-cert"
         except ssl.SSLCertVerificationError:
             return "untrusted"
+        except (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError):
+            # closed or reset with no answer: a plaintext server may do that to a ClientHello,
+            # and so does one that is going down; its answer to HTTP/2's preface tells which
+            return "plaintext" if _speaks_h2(host, int(port)) else "closed"
         except ssl.SSLError as e:
             text = str(e).upper()
             if "CERTIFICATE_REQUIRED" in text or "HANDSHAKE_FAILURE" in text:
                 return "tls+client-cert"
-            return "plaintext"
+            if "EOF" in text:
+                return "plaintext" if _speaks_h2(host, int(port)) else "closed"
+            return "plaintext"  # it answered our ClientHello with bytes that are not TLS
+        except TimeoutError:
+            return "silent"
         except OSError:
-            return "plaintext"  # the server closed on our ClientHello: not TLS
+            return "closed"
+
+
+def _speaks_h2(host: str, port: int) -> bool:
+    """Whether ``host:port`` answers HTTP/2's client preface with a SETTINGS frame (a plaintext
+    gRPC server does); False for no connection, a close, a reset or silence."""
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04" + bytes(5)
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_S) as s:
+            s.sendall(preface)
+            got = b""
+            while len(got) < 4 and (more := s.recv(4 - len(got))):
+                got += more
+    except OSError:
+        return False
+    return len(got) == 4 and got[3] == 0x04  # a frame header: length (3 bytes), type 4
 
 
 def explain(address: str, detail: str, me: Identity) -> str:
     """``detail`` (a gRPC UNAVAILABLE message from a call to ``address``), or one line naming
-    the TLS mistake it hides (starting "TLS handshake failed: ") when a probe finds one."""
+    the TLS mistake it hides (starting "TLS handshake failed: ") when a probe finds one, or
+    saying that the server closed the handshake or does not answer it (no TLS mistake: a
+    daemon restarting or stopped)."""
     if not any(w in detail for w in _CONNECT) or "," in address:
         return detail
     what = probe(address, me.ca)
@@ -83,6 +111,16 @@ def explain(address: str, detail: str, me: Identity) -> str:
         return (
             f"{head}: its certificate does not chain to the CA given ({ENV_CA}); pass the CA "
             f"that signed it ({ENV_CA}={ca_file})"
+        )
+    if what == "closed":
+        return (
+            f"connection to {address} closed during the TLS handshake (restarting?); it does "
+            "not speak plaintext HTTP/2 either, so no TLS setting is wrong"
+        )
+    if what == "silent":
+        return (
+            f"{address} accepted the connection but did not answer the TLS handshake in "
+            f"{PROBE_S:g} s (stopped or overloaded?)"
         )
     if what == "plaintext" and me.tls:
         return (
