@@ -30,7 +30,18 @@ class WorkerConfig:
         },
     )
     fetch_cache_bytes: int = field(default=1 << 30, metadata={"help": "fetched-page cache"})
-    rpc_timeout_s: float = field(default=60.0, metadata={"help": "per holder call"})
+    rpc_timeout_s: float = field(
+        default=60.0, metadata={"help": "per holder call, at most (a holder's first call too)"}
+    )
+    holder_deadline_s: float = field(
+        default=1.0,
+        metadata={
+            "help": "a decode step's call to a holder that has answered before (route or "
+            "fetch) waits this long per 256 query rows, at least this long; past it the holder "
+            "counts as failed and its rows fail over (replica, page store, local), so a "
+            "stopped holder stalls its sessions about this long"
+        },
+    )
     profile: str = field(
         default="",
         metadata={
@@ -56,7 +67,7 @@ class WorkerConfig:
         if self.primitive not in ("auto", *PRIMITIVES):
             raise ValueError(f"primitive must be auto or one of {PRIMITIVES}")
         non_negative(self, "fetch_cache_bytes")
-        positive(self, "rpc_timeout_s")
+        positive(self, "rpc_timeout_s", "holder_deadline_s")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.transport == "nvshmem" and not _nvshmem_available():

@@ -27,7 +27,9 @@ placed the corpus anew), then reads the holder's pages from the page store it lo
 (``store``, where this process has the store: milliseconds) or recomputes the rows here from
 the tokens (``local``: seconds to minutes, a prefill of the corpus up to the rows asked for),
 and only then raises :class:`CorpusUnavailable`. A failed holder loses no data, so the result
-is the same.
+is the same. A step's call to a holder that answered before has a deadline
+(:meth:`Fanout.deadline`, ``--holder-deadline-s``): a stopped holder, which accepts and never
+answers, fails over like a dead one instead of stalling its sessions for ``--rpc-timeout-s``.
 
 Names: ``rows`` are pool rows on one holder (``frame * page_size + slot``, int32, what a
 holder's Attend takes); ``positions`` / ``canon`` are canonical corpus positions (int64, the
@@ -62,6 +64,9 @@ from requester.sources import LocalRows, PageCache, attend_canonical
 
 log = logging.getLogger("corpusd.requester")
 T = TypeVar("T")
+#: query rows per ``holder_deadline_s`` of a step's holder call (a decode step of a full batch
+#: is one unit; a long prompt's prefill gets one per this many rows)
+DEADLINE_ROWS = 256
 Offload = Callable[..., Awaitable[Any]]  # (fn, *args) → awaitable of fn(*args), off the loop
 #: (layer, page numbers) → their latent rows ``[len(pages), P, kv_dim]`` as the page store has
 #: them (what a holder loaded): the ``store`` fallback, blocking (run through ``offload``)
@@ -104,6 +109,7 @@ class Fanout(Connections):
         transport: str = "auto",
         nvshmem_device: int = 0,
         rpc_timeout_s: float = 60.0,
+        holder_deadline_s: float | None = None,
         fetch_cache_bytes: int = 1 << 30,
         offload: Offload = inline,
         trace: Trace | None = None,
@@ -111,6 +117,8 @@ class Fanout(Connections):
         super().__init__(transport, nvshmem_device, metrics.transport)
         self.predicate, self.metrics, self.offload, self.trace = predicate, metrics, offload, trace
         self.rpc_timeout_s, self.fetch_cache_bytes = rpc_timeout_s, fetch_cache_bytes
+        self.holder_deadline_s = holder_deadline_s
+        self.answered: set[str] = set()  # holders that answered a step's call: warmed up
         self.step = 0  # the caller's step number, for logs and the trace
         self.drift = Drift(
             profile=predicate.profile.source,
@@ -145,6 +153,17 @@ class Fanout(Connections):
         """The predicate's pick for a group of ``shape``; a forced primitive that cannot serve
         it (:meth:`Predicate.decide`'s ``fallback``) is counted as a fallback."""
         return counted(self.predicate.decide(shape), self.metrics)
+
+    def deadline(self, address: str, rows: int) -> float:
+        """Seconds a step's call of ``rows`` query rows to ``address`` may take before the
+        holder counts as failed: ``holder_deadline_s`` per DEADLINE_ROWS rows (at least once),
+        capped by ``rpc_timeout_s``; ``rpc_timeout_s`` alone for a holder's first call (its
+        kernels and graphs warm up) or with no deadline set. A SIGKILLed holder refuses at
+        once; a stopped one accepts and never answers, and only this bounds its stall."""
+        if self.holder_deadline_s is None or address not in self.answered:
+            return self.rpc_timeout_s
+        scaled = self.holder_deadline_s * max(1.0, rows / DEADLINE_ROWS)
+        return min(self.rpc_timeout_s, scaled)
 
     def failed(self, e: grpc.aio.AioRpcError | StatusError) -> tuple[grpc.StatusCode, str]:
         """Count a failed holder call (by status) and return its status and message."""
@@ -311,6 +330,8 @@ class CorpusBinding(CorpusIndexer):
             self.engine.failed(e)
             return await self._recover(call, g, decision.pick, e, tries)
         took = time.perf_counter() - t0
+        if decision.pick in ("route", "fetch"):
+            self.engine.answered.add(g.address)
         self.engine.record(call.layer, g, decision, took, forced)
         if decision.pick == "route":
             self.speed.observe(g.address, int((g.canon >= 0).sum()), took)
@@ -393,7 +414,7 @@ class CorpusBinding(CorpusIndexer):
                 geo.canonical(qg, og, geo.d_v),
                 g.rows,
                 scale,
-                timeout=self.engine.rpc_timeout_s,
+                timeout=self.engine.deadline(g.address, len(qg)),
             )
             return part.o, part.lse
         uniq = g.canon[g.canon >= 0].unique()
@@ -409,11 +430,15 @@ class CorpusBinding(CorpusIndexer):
             attend_canonical, qg, g.canon, og, rows_of, uniq, shift, scale, geo.d_v
         )
 
-    async def pull(self, layer: int, address: str, pages: list[int]) -> torch.Tensor:
+    async def pull(
+        self, layer: int, address: str, pages: list[int], timeout: float | None = None
+    ) -> torch.Tensor:
         """``latent [len(pages), P, row width]`` of corpus ``pages`` at ``layer``, as holder
         ``address`` keeps them (its dtype and row format); the bytes are counted. Raises the
-        holder call's error."""
-        lat, _ = await self.engine.client(address).fetch(self.corpus_id, pages, layers=[layer])
+        holder call's error (DEADLINE_EXCEEDED past ``timeout`` seconds; None: no limit)."""
+        lat, _ = await self.engine.client(address).fetch(
+            self.corpus_id, pages, layers=[layer], timeout=timeout
+        )
         self.engine.metrics.fetched_bytes.inc(lat[0].nbytes)
         return lat[0]
 
@@ -421,7 +446,9 @@ class CorpusBinding(CorpusIndexer):
         pages = (uniq // self.view.page_size).unique().tolist()
         missing = self.pages.missing(layer, pages)
         if missing:
-            lat = await self.pull(layer, g.address, missing)
+            lat = await self.pull(
+                layer, g.address, missing, self.engine.deadline(g.address, len(g.keep))
+            )
             self.pages.put(layer, missing, lat.to(self.geo.dtype))
         return self.pages.rows(layer, uniq)
 

@@ -73,11 +73,13 @@ class HolderClient:
         pages: list[int],
         layers: list[int] | None = None,
         index_keys: bool = False,
+        timeout: float | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         r = await self.stub.Fetch(
             holder_pb2.FetchRequest(
                 corpus_id=corpus_id, pages=pages, layers=layers or [], index_keys=index_keys
-            )
+            ),
+            timeout=timeout,
         )
         return [_t(t, "latent", 3) for t in r.latent], [
             _t(t, "index_keys", 3) for t in r.index_keys

@@ -72,6 +72,7 @@ class Worker:
             transport=c.transport,
             nvshmem_device=c.nvshmem_device,
             rpc_timeout_s=c.rpc_timeout_s,
+            holder_deadline_s=c.holder_deadline_s,
             fetch_cache_bytes=c.fetch_cache_bytes,
             offload=self._offload,
             trace=self.trace if c.trace else None,
