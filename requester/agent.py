@@ -2,7 +2,9 @@
 the low-level merged Attend for external engines.
 
 A corpus is named by id, name or an id prefix of at least 8 characters; the first session of a
-corpus binds it (page table from the coordinator, or the holders' own reports without one).
+corpus binds it (page table from the coordinator, or the holders' own reports without one;
+while the coordinator is unreachable, the holders' reports for the corpus as the agent's last
+snapshot of the coordinator names it: :mod:`requester.bind_snapshot`).
 Every refusal carries a precise status and message and changes nothing.
 """
 
@@ -13,8 +15,9 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,6 +29,7 @@ from corpusd.rpc import Reject, Rpc, wire
 from corpusd.tokenizer import Tokenizer
 from corpusd.v1 import agent_pb2, agent_pb2_grpc
 from corpusd.wire import from_proto, to_proto
+from requester import bind_snapshot
 from requester.config import AgentConfig
 from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.fanout import CorpusBinding
@@ -123,9 +127,51 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         log.info("dropped corpus %s (%s): %d sessions closed", corpus_id[:12], why, len(closed))
 
     async def _bind_from_coordinator(self, name: str) -> CorpusBinding:
+        """Bind ``name`` by the coordinator's corpus list and page table, and record both in
+        the snapshot (bind_snapshot.py); while the coordinator is unreachable, by the snapshot
+        and what its holders say they hold."""
         assert self.coordinator is not None
-        corpora = await self.coordinator.list_corpora()
-        match = _match(corpora, name)
+        try:
+            corpora = await self.coordinator.list_corpora()
+        except CoordinatorError as e:
+            if e.code not in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
+                raise
+            return await self._bind_from_snapshot(name, e)
+        match = self._check_model(_match(corpora, name))
+        table = await self.coordinator.page_table(match.corpus_id)
+        b = await self.worker.attach_table(table, self._reread(match.corpus_id))
+        addresses = sorted({h.address for h in table.holders.values()})
+        bind_snapshot.save(Path(self.cfg.state_dir), corpora, match.corpus_id, addresses)
+        return b
+
+    async def _bind_from_snapshot(self, name: str, e: CoordinatorError) -> CorpusBinding:
+        """Bind ``name`` while the coordinator is unreachable (``e``): resolved by the last
+        corpus list it gave, placed by what that corpus's holders say they hold now (why a
+        stale snapshot gives no wrong token: bind_snapshot.py). Raises ``e`` when there is no
+        snapshot or it does not know ``name``."""
+        snap = bind_snapshot.load(Path(self.cfg.state_dir))
+        if snap is None:
+            raise e
+        try:
+            match = _match(list(snap.corpora), name)
+        except Reject:  # the coordinator may know it: say what failed
+            raise e from None
+        match = self._check_model(match)
+        cid = match.corpus_id
+        b = await self.worker.attach(cid, snap.addresses(cid), self._reread(cid))
+        b.from_snapshot = snap.saved_at
+        self.metrics.snapshot_binds.inc()
+        log.warning(
+            "coordinator unavailable (%s): corpus %s bound from the coordinator snapshot (%s) "
+            "and its holders' own page lists; its page table is re-read when the coordinator "
+            "answers",
+            e.detail,
+            cid[:12],
+            snap.age(),
+        )
+        return b
+
+    def _check_model(self, match: CorpusStatus) -> CorpusStatus:
         fp = self.fingerprint
         if fp and match.model_fingerprint and match.model_fingerprint != fp:
             raise Reject(
@@ -133,13 +179,17 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 f"corpus {match.corpus_id} was pinned for model {match.model_fingerprint[:12]}…; "
                 f"this agent runs {fp[:12]}…",
             )
-        table = await self.coordinator.page_table(match.corpus_id)
-        coordinator, cid = self.coordinator, match.corpus_id
+        return match
 
-        async def reread() -> CorpusView:  # a failover with no live replica asks again
+    def _reread(self, cid: str) -> Callable[[], Awaitable[CorpusView]]:
+        """A failover with no live replica asks the coordinator again."""
+        coordinator = self.coordinator
+        assert coordinator is not None
+
+        async def reread() -> CorpusView:
             return CorpusView.from_page_table(await coordinator.page_table(cid))
 
-        return await self.worker.attach_table(table, reread)
+        return reread
 
     def table_refresh_s(self) -> float:
         """How often bound page tables are re-read: ``--table-refresh-s``, else lease / 3."""

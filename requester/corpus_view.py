@@ -10,13 +10,19 @@ pages closest to its measured speed, so a slower copy does not hold back every f
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
+import grpc
 import torch
 
 from corpusd.coordinator.client import PageTable
 from requester.holder_client import HolderClient
+
+log = logging.getLogger("corpusd.requester")
+INFO_TIMEOUT_S = 5.0  # a holder asked what it holds (a stopped one must not hang a bind)
 
 
 class CorpusUnavailable(LookupError):
@@ -145,12 +151,19 @@ class CorpusView:
 
     @classmethod
     async def from_holders(cls, corpus_id: str, clients: Mapping[str, HolderClient]) -> CorpusView:
-        """Ask every holder what it has of ``corpus_id``. Raises CorpusUnavailable."""
-        addresses = sorted(clients)
+        """Ask every holder what it has of ``corpus_id``; one that does not answer holds
+        nothing (its pages may be on others). Raises CorpusUnavailable."""
+        answers: dict[str, Any] = {}
+        for addr in sorted(clients):
+            try:
+                answers[addr] = await clients[addr].info(timeout=INFO_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                log.warning("holder %s did not answer (%s): skipped", addr, e.code().name)
+        addresses = sorted(answers)
         found: dict[int, list[tuple[int, int]]] = {}
         tokens, page_size = 0, 0
         for hi, addr in enumerate(addresses):
-            info = await clients[addr].info()
+            info = answers[addr]
             for held in info.corpora:
                 if held.corpus_id != corpus_id:
                     continue
@@ -158,7 +171,7 @@ class CorpusView:
                 for pf in held.frames:
                     found.setdefault(int(pf.page), []).append((hi, int(pf.frame)))
         if not found:
-            raise CorpusUnavailable(f"corpus {corpus_id!r} is held by none of {addresses}")
+            raise CorpusUnavailable(f"corpus {corpus_id!r} is held by none of {sorted(clients)}")
         n_pages = -(-tokens // page_size)
         missing = [p for p in range(n_pages) if p not in found]
         if missing:

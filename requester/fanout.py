@@ -241,6 +241,10 @@ class CorpusBinding(CorpusIndexer):
         self.keys: dict[int, torch.Tensor] = {}  # replica indexer: layer → [T, D_I]
         self.local: LocalRows | None = None
         self.dead: set[int] = set()  # holders (view indices) that failed a call
+        # bound from the agent's coordinator snapshot (its time, Unix s) until the coordinator's
+        # page table is read for it (table_refresh.py); None: bound from the coordinator or
+        # from holders named to it
+        self.from_snapshot: float | None = None
         self.speed = HolderSpeed()  # route calls' seconds per row: spreads replicated pages
         self.lock = asyncio.Lock()  # one local re-prefill at a time
         self._failing = asyncio.Lock()

@@ -128,8 +128,8 @@ class HolderClient:
         )
         return int(r.freed)
 
-    async def info(self) -> holder_pb2.InfoResponse:
-        return await self.stub.Info(holder_pb2.InfoRequest())
+    async def info(self, timeout: float | None = None) -> holder_pb2.InfoResponse:
+        return await self.stub.Info(holder_pb2.InfoRequest(), timeout=timeout)
 
     async def share_pool(self, device_uuid: str) -> tuple[list[SharedTensor], int, int, str]:
         """The holder's per-layer latent pools as CUDA IPC handles, with its page size, value

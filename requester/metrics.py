@@ -91,6 +91,11 @@ class RequesterMetrics(Metrics):
             "fallbacks", "groups recomputed another way after a failure", ["from", "to"]
         )
         # the agent API (corpusd agent)
+        self.snapshot_binds = self.counter(
+            "snapshot_binds",
+            "corpora bound from the agent's coordinator snapshot while the coordinator was "
+            "unavailable (bind_snapshot.py)",
+        )
         self.batch = self.histogram(
             "batch_sessions",
             "sessions stepped together (continuous batching)",

@@ -92,6 +92,10 @@ class TableRefresh:
                 continue
             if f.corpora.get(cid) is not b:  # unbound meanwhile
                 continue
+            if b.from_snapshot is not None:  # the coordinator is back: its table rules now
+                b.from_snapshot = None
+                log.info("corpus %s, bound from the coordinator snapshot, follows the "
+                         "coordinator's page table again", cid[:12])  # fmt: skip
             pending = f.staged.get(cid)
             current = pending[1] if pending is not None and pending[0] is b else b.view
             if view.same_table(current):

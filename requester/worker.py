@@ -98,11 +98,17 @@ class Worker:
         self.executor.shutdown(wait=False)
 
     # -- corpora and sessions ----------------------------------------------------------------------
-    async def attach(self, corpus_id: str, holders: Sequence[str]) -> CorpusBinding:
-        """Bind a corpus pinned on ``holders``: its page table, and in replica mode its index
-        keys (streamed once). Raises CorpusUnavailable."""
+    async def attach(
+        self,
+        corpus_id: str,
+        holders: Sequence[str],
+        refresh: Callable[[], Awaitable[CorpusView]] | None = None,
+    ) -> CorpusBinding:
+        """Bind a corpus pinned on ``holders`` by what they say they hold: its page table, and
+        in replica mode its index keys (streamed once); ``refresh`` as for :meth:`attach_table`.
+        Raises CorpusUnavailable."""
         clients = {a: self.fanout.client(a) for a in holders}
-        return await self._bind(await CorpusView.from_holders(corpus_id, clients))
+        return await self._bind(await CorpusView.from_holders(corpus_id, clients), refresh)
 
     async def attach_table(
         self, table: PageTable, refresh: Callable[[], Awaitable[CorpusView]] | None = None

@@ -72,7 +72,7 @@ class Coordinator:
 
 def test_a_changed_table_is_staged_and_adopted_between_steps_only() -> None:
     one = CorpusView.from_page_table(ONE)  # type: ignore[arg-type]
-    b = SimpleNamespace(view=one, dead=set(), force=None)
+    b = SimpleNamespace(view=one, dead=set(), force=None, from_snapshot=None)
     routes: list[str] = []
 
     async def route(address: str) -> None:
