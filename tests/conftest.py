@@ -74,7 +74,18 @@ def pytest_configure(config: pytest.Config) -> None:
         if threads < 1:
             raise pytest.UsageError(f"--torch-threads {threads}: give at least 1")
         torch.set_num_threads(threads)
-    config.stash[_SEED] = shuffle_seed(config.getoption("--shuffle"))
+    workerinput = getattr(config, "workerinput", None)  # set in a pytest-xdist worker
+    if workerinput is not None and "corpusd_shuffle_seed" in workerinput:
+        # every worker must collect the same order: the controller's seed, not one of its own
+        config.stash[_SEED] = workerinput["corpusd_shuffle_seed"]
+    else:
+        config.stash[_SEED] = shuffle_seed(config.getoption("--shuffle"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: object) -> None:
+    """pytest-xdist (``-n``): hand the controller's shuffle seed to each worker."""
+    node.workerinput["corpusd_shuffle_seed"] = node.config.stash.get(_SEED, None)  # type: ignore[attr-defined]
 
 
 def _order_line(config: pytest.Config) -> str:
