@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from corpusd import env
-from corpusd.daemon_config import positive
+from corpusd.daemon_config import check_address, positive
 from corpusd.formats import KV_FORMATS
 
 
@@ -40,6 +40,22 @@ class UpConfig:
     coordinator_port: int = field(default=0, metadata={"help": "0: pick a free port"})
     holder_ports: str = field(
         default="", metadata={"help": "comma-separated, one per holder ('': free ports)"}
+    )
+    coordinator_advertise: str = field(
+        default="",
+        metadata={
+            "help": "host:port the holders and the agent dial for the coordinator: a NAT, load "
+            "balancer or TCP proxy in front of it that forwards to --coordinator-port (--state "
+            "etcd: two, comma-separated, one per coordinator; '': its own address)"
+        },
+    )
+    holder_advertise: str = field(
+        default="",
+        metadata={
+            "help": "comma-separated host:port, one per holder: the address each registers "
+            "for the agent and the coordinator to dial, in front of its --holder-ports port "
+            "('', or an empty entry: its own)"
+        },
     )
     agent_port: int = field(default=0, metadata={"help": "the agent's gRPC port; 0: a free one"})
     metrics_ports: str = field(
@@ -86,6 +102,7 @@ class UpConfig:
                 raise ValueError(f"port {port} is given twice ({seen[port]} and {flag})")
             seen[port] = flag
         positive(self, "capacity_tokens", "timeout_s", "calibration_max_age_days")
+        self.advertised()  # raises ValueError for a malformed address
         if self.kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
         if self.detach not in (0, 1) or self.insecure not in (0, 1):
@@ -128,6 +145,29 @@ class UpConfig:
             "--metrics-ports": metrics,
             "--http-port": [self.http_port],
         }
+
+    def advertised(self) -> tuple[str, list[str]]:
+        """``--coordinator-advertise`` ("" or one address per coordinator, comma-separated)
+        and ``--holder-advertise`` (one per holder; "" where a holder's own address serves).
+        Raises ValueError for a malformed address or a list of the wrong length."""
+        holders = [a.strip() for a in self.holder_advertise.split(",")]
+        if self.holder_advertise and len(holders) != self.holders:
+            raise ValueError(
+                f"--holder-advertise: {len(holders)} addresses for {self.holders} holders"
+            )
+        for a in holders:
+            if a:  # "" in the list: that holder's own address
+                check_address("--holder-advertise", a)
+        coordinators = [a.strip() for a in self.coordinator_advertise.split(",")]
+        n = 2 if self.state == "etcd" else 1
+        if self.coordinator_advertise and len(coordinators) != n:
+            raise ValueError(
+                f"--coordinator-advertise: {len(coordinators)} addresses for {n} coordinators "
+                f"(--state {self.state})"
+            )
+        for a in coordinators if self.coordinator_advertise else []:
+            check_address("--coordinator-advertise", a)
+        return ",".join(coordinators), holders if self.holder_advertise else [""] * self.holders
 
 
 def _port_list(flag: str, text: str) -> list[int]:
