@@ -197,8 +197,8 @@ def up(cfg: UpConfig) -> int:
         def agent_(port: int, mport: int, http: int) -> AgentProcess:
             return start_agent(
                 store, root / "agent", model, "--coordinator", peers, *flags,
-                *listen_on(port, mport), "--http-port", str(http), timeout=cfg.timeout_s,
-                env=envs["agent"],
+                *listen_on(port, mport), "--http-port", str(http),
+                *_primitive(cfg.agent_primitive), timeout=cfg.timeout_s, env=envs["agent"],
             )  # fmt: skip
 
         coord = coordinator("coordinator", cfg.coordinator_port, metrics[0])
@@ -314,6 +314,11 @@ def _stop_in_order(daemons: list[Daemon], timeout: float = 30) -> None:
     for r in ("agent", "holder", "coordinator"):
         stop([d for d in daemons if role(d) == r])
     stop([d for d in daemons if role(d) not in ("agent", "holder", "coordinator")])
+
+
+def _primitive(primitive: str) -> tuple[str, ...]:
+    """The agent's ``--primitive`` flag where ``up`` was given one other than auto."""
+    return ("--primitive", primitive) if primitive != "auto" else ()
 
 
 def _advertise(address: str) -> tuple[str, ...]:

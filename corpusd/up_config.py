@@ -9,6 +9,10 @@ from corpusd import env
 from corpusd.daemon_config import check_address, positive
 from corpusd.formats import KV_FORMATS
 
+#: the agent's ``--primitive`` (requester.predicate.PRIMITIVES, which this torch-free module does
+#: not import: corpusd imports no daemon package)
+AGENT_PRIMITIVES = ("auto", "route", "fetch", "local")
+
 
 @dataclass(frozen=True, slots=True)
 class UpConfig:
@@ -58,6 +62,14 @@ class UpConfig:
         },
     )
     agent_port: int = field(default=0, metadata={"help": "the agent's gRPC port; 0: a free one"})
+    agent_primitive: str = field(
+        default="auto",
+        metadata={
+            "help": "the agent's --primitive: route, fetch or local for every holder group, "
+            "or auto (the predicate picks; fetched pages stay in the agent's cache)",
+            "choices": AGENT_PRIMITIVES,
+        },
+    )
     metrics_ports: str = field(
         default="",
         metadata={
@@ -103,6 +115,10 @@ class UpConfig:
             seen[port] = flag
         positive(self, "capacity_tokens", "timeout_s", "calibration_max_age_days")
         self.advertised()  # raises ValueError for a malformed address
+        if self.agent_primitive not in AGENT_PRIMITIVES:
+            raise ValueError(
+                f"agent_primitive must be one of {AGENT_PRIMITIVES}, got {self.agent_primitive!r}"
+            )
         if self.kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
         if self.detach not in (0, 1) or self.insecure not in (0, 1):

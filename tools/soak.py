@@ -4,9 +4,14 @@ overlapping, injected throughout; then the checks a week of operation needs.
 
 Load: ``--sessions`` loops open a session, decode ``--tokens`` greedy tokens and close it; a
 share (``--abandon``) is left open without CloseSession, to be expired by the agent. ``up``
-passes no agent flags, so the agent's ``--session-idle-s`` is its default (600 s): sessions are
+passes no idle flag, so the agent's ``--session-idle-s`` is its default (600 s): sessions are
 abandoned only while at least 660 s of the run are left, so they have expired by its end
 (a run shorter than 11 minutes abandons none).
+
+The agent routes (``--primitive route``, passed as ``up --agent-primitive``): every decode
+step asks the holders, so a fault between the agent and a holder reaches the sessions. With
+``auto`` the predicate fetches this small corpus once and serves it from the agent's page
+cache, and faults of the holders then seldom reach a session.
 
 Faults (counted by kind, each with its window in the JSON), from two fault threads so they
 overlap:
@@ -75,7 +80,7 @@ GRACE_S = 5.0  # a failure this long after a fault window closed is still the fa
 SKEW_S = 0.5  # a fault's window opens just before it acts, read from another thread
 FD_SLACK = 16  # gRPC channels and thread pools come and go; a leak grows without bound
 RSS_LIMIT = 0.10
-IDLE_S = 600.0  # the agent's --session-idle-s default (up passes no agent flags)
+IDLE_S = 600.0  # the agent's --session-idle-s default (up passes no idle flag)
 #: faults that remove every copy of a session's data on their own: its cache lives on the agent
 #: alone (killed, or the client cut off it by a partition or resets); a restarted ``up``
 #: restarts every daemon
@@ -295,6 +300,7 @@ class Faults:
     busy: set[str] = field(default_factory=set)  # daemons a fault holds now: no two at once
     spare: frozenset[str] = frozenset()  # SIGKILLed only in the first spare_after_s
     spare_after_s: float = 0.0
+    up_flags: tuple[str, ...] = ()  # beside "up --detach 1 --calibrate off"
 
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 2)
@@ -350,7 +356,8 @@ class Faults:
         if "up" in names:  # the daemons it left run on; a new up stops them and starts its own
             time.sleep(1)
             for _ in range(3):  # a refusal is a finding (kept in the window); then again
-                r = corpusd("up", "--detach", "1", "--calibrate", "off", *UP_FLAGS, timeout=600)
+                r = corpusd("up", "--detach", "1", "--calibrate", "off", *self.up_flags,
+                            timeout=600)  # fmt: skip
                 if r.returncode == 0:
                     break
                 err = (r.stdout + r.stderr).strip().splitlines()[-1:]
@@ -624,6 +631,14 @@ def main(argv: list[str] | None = None) -> int:
         "faults only), so that one incarnation of each lives long enough to show RSS growth",
     )
     p.add_argument("--rss-every-s", type=float, default=10.0)
+    p.add_argument(
+        "--primitive",
+        default="route",
+        choices=("auto", "route", "fetch", "local"),
+        help="the agent's (up --agent-primitive): route asks the holders every step, so their\n"
+        "faults reach the sessions; auto fetches this small corpus once and serves it from\n"
+        "the agent's page cache",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/soak-cpu.json")
     a = p.parse_args(argv)
@@ -650,7 +665,8 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
 
     proxies = start_proxies()  # before up: its daemons dial the coordinator's and holders' own
     print(f"corpusd up --detach 1 (TLS) under {root}", flush=True)
-    r = corpusd("up", "--detach", "1", "--calibrate", "off", *UP_FLAGS, timeout=600)
+    flags = (*UP_FLAGS, "--agent-primitive", a.primitive)
+    r = corpusd("up", "--detach", "1", "--calibrate", "off", *flags, timeout=600)
     if r.returncode:
         raise RuntimeError(f"corpusd up failed: {r.stdout[-3000:]}{r.stderr[-3000:]}")
     got = env.running_up()
@@ -678,7 +694,7 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
     proxy = proxies["agent"]
     spare = frozenset(a.spare.split(",")) - {""}
     faults = Faults(root, time.monotonic(), store, cid, proxies, spare=spare,
-                    spare_after_s=a.warmup_min * 60)  # fmt: skip
+                    spare_after_s=a.warmup_min * 60, up_flags=flags)  # fmt: skip
     want = asyncio.run(reference(proxy.address, ident, cid, a.tokens))
     print(f"reference decode: {len(want)} questions × {a.tokens} tokens", flush=True)
     start_files = listing(root)
@@ -772,6 +788,7 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
             "tokens": a.tokens,
             "abandon": a.abandon,
             "agent_session_idle_s": IDLE_S,
+            "agent_primitive": a.primitive,
             "proxies": "a TCP proxy in front of the coordinator (for the holders and the "
             "agent: up --coordinator-advertise), each holder (for the agent and the "
             "coordinator: up --holder-advertise) and the agent (for the soak's clients)",

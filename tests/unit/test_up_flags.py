@@ -20,7 +20,7 @@ def test_the_background_up_gets_every_flag(tmp_path: Path, monkeypatch: pytest.M
         timeout_s=99.0, coordinator_port=7001, holder_ports="7002,7003,7004", agent_port=7005,
         metrics_ports="7100", http_port=8000, calibrate="always", calibration_max_age_days=3.5,
         insecure=1, state="etcd", coordinator_advertise="10.0.0.1:7001,10.0.0.2:7001",
-        holder_advertise="10.0.0.1:7002,,10.0.0.1:7004",
+        holder_advertise="10.0.0.1:7002,,10.0.0.1:7004", agent_primitive="route",
     )  # fmt: skip
     defaults = UpConfig()
     changed = {f.name for f in fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)}
@@ -69,3 +69,12 @@ def test_a_holder_advertises_one_address() -> None:
     for bad in ("lb", "lb:x", "a:1,b:2", "lb:70000"):
         with pytest.raises(ValueError, match="advertise must be host:port"):
             HolderConfig(store="/s", state_dir="/d", advertise=bad)
+
+
+def test_the_agent_primitives_up_offers_are_the_agents() -> None:
+    from corpusd.up_config import AGENT_PRIMITIVES
+    from requester.predicate import PRIMITIVES
+
+    assert ("auto", *PRIMITIVES) == AGENT_PRIMITIVES
+    with pytest.raises(ValueError, match="agent_primitive must be one of"):
+        UpConfig(agent_primitive="teleport")
