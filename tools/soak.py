@@ -489,9 +489,9 @@ UP_FLAGS = (
 
 
 def start_proxies() -> dict[str, Proxy]:
-    """A proxy in front of every daemon but the agent's clients' own: the coordinator (for
-    the holders and the agent), each holder (for the agent and the coordinator), and the agent
-    (for the soak's clients; on a free port)."""
+    """A proxy in front of every daemon, by link: the coordinator (for the holders and the
+    agent), each holder (for the agent and the coordinator) and the agent (for the soak's
+    clients; on a free port)."""
     out = {"coordinator": Proxy(f"127.0.0.1:{_P[0]}", _P[10])}
     for i in range(HOLDERS):
         out[f"holder-{i}"] = Proxy(f"127.0.0.1:{_P[1 + i]}", _P[11 + i])
@@ -559,7 +559,9 @@ async def runner(
                                          "error": str(e)[:300]})  # fmt: skip
                     await asyncio.sleep(backoff)
                     backoff = min(8.0, backoff * 2)
-                    continue
+                    # a fresh channel: a gRPC channel that failed to connect backs off up to
+                    # 120 s and fails calls at once until then, long after the daemon is back
+                    break
                 backoff = 0.5
                 tally.codes["OK"] += 1
                 tally.abandoned += not close
