@@ -2,13 +2,16 @@
 balancer): the coordinator's table names the proxies, the agent serves sessions through them,
 and when the link to the holder it routes to resets mid-stream (every connection RST, new ones
 too) the sessions fail over to the other replica, token-identical (issue 37, item 6: network
-faults between daemons)."""
+faults between daemons). And ``corpusd up`` with TLS (its default) behind such proxies: the
+daemons verify each other's certificates through them."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import socket
+import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,6 +23,8 @@ from corpusd.testing.tcp_proxy import Proxy
 from holder.launch import start_holder
 from requester.client import Client
 from requester.launch import start_agent
+from tests.procs.test_up import corpusd
+from tests.procs.test_up import home as home  # the fixture
 
 QUESTIONS = ["\nQ: where?", "\nQ: how many lines?"]
 NEW = 12
@@ -103,3 +108,37 @@ def test_a_holder_behind_a_proxy_serves_and_a_reset_link_fails_over(
         for d in reversed(running):
             if d.proc.poll() is None:
                 d.stop()
+
+
+def test_up_with_tls_peers_dial_the_advertised_proxies(
+    home: dict[str, str], tmp_path: Path
+) -> None:
+    c, h = _free_port(), _free_port()
+    to_c, to_h = Proxy(f"127.0.0.1:{c}"), Proxy(f"127.0.0.1:{h}")
+    (tmp_path / "src.txt").write_text("".join(f"line {i}: a fox\n" for i in range(60)))
+    with tarfile.open(tmp_path / "repo.tar", "w") as tar:
+        tar.add(tmp_path / "src.txt", arcname="repo/src.txt")
+    out = corpusd(home, "up", "--holders", "1", "--capacity-tokens", "2048", "--detach", "1",
+                  "--coordinator-port", str(c), "--holder-ports", str(h),
+                  "--coordinator-advertise", to_c.address, "--holder-advertise", to_h.address,
+                  "--agent-primitive", "route")  # fmt: skip
+    root = Path(home["CORPUSD_HOME"]) / "up"
+    try:
+        assert f"(peers dial {to_c.address})" in out and f"(peers dial {to_h.address})" in out
+        info = json.loads((root / "up.json").read_text())
+        assert info["security"], "TLS: up's default"
+        assert info["coordinator"]["advertise"] == to_c.address
+        assert info["holders"][0] == {**info["holders"][0], "advertise": to_h.address}
+        ep = json.loads((root / "holder-0" / "endpoint.json").read_text())
+        assert ep["advertise"] == to_h.address and ep["address"] == f"127.0.0.1:{h}"
+        # registered (and ready) through the coordinator's proxy, over TLS
+        assert to_c.accepted > 0 and not to_c.upstream_errors
+        corpusd(home, "pin", "--corpus", str(tmp_path / "repo.tar"), "--name", "repo")
+        before = to_h.accepted
+        out = corpusd(home, "agents", "--corpus", "repo", "--agents", "1", "--tokens", "4")
+        assert out.count("  Q: ") == 1
+        assert to_h.accepted > before, "the agent routed through the holder's advertised proxy"
+        agent_log = (root / "agent" / "agent.log").read_text()
+        assert f"holder {to_h.address}: transport grpc" in agent_log, agent_log
+    finally:
+        corpusd(home, "down")
