@@ -34,6 +34,13 @@ def non_negative(cfg: object, *names: str) -> None:
             raise ValueError(f"{key} must be >= 0, got {value}")
 
 
+def check_address(name: str, address: str) -> None:
+    """Raise ValueError unless ``address`` is one ``host:port`` with a port in 1..65535."""
+    host, _, port = address.rpartition(":")
+    if not host or "," in address or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{name} must be host:port with a port in 1..65535, got {address!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class DaemonConfig:
     #: the role's name in messages, and its state directory under $CORPUSD_HOME

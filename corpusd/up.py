@@ -38,13 +38,16 @@ def describe(info: dict[str, Any]) -> str:
     def url(port: int) -> str:
         return f"{scheme}://127.0.0.1:{port}/metrics" if port >= 0 else "-"
 
+    def ad(d: dict[str, Any]) -> str:
+        return f"  (peers dial {d['advertise']})" if d.get("advertise") else ""
+
     c = info["coordinator"]
     lines = [
         f"corpusd up (pid {info['pid']}, state {info['state_dir']})",
-        f"  coordinator  {c['address']:<22} {url(c['metrics'])}",
+        f"  coordinator  {c['address']:<22} {url(c['metrics'])}{ad(c)}",
     ]
     for h in info["holders"]:
-        lines.append(f"  holder       {h['address']:<22} {url(h['metrics'])}")
+        lines.append(f"  holder       {h['address']:<22} {url(h['metrics'])}{ad(h)}")
     a = info["agent"]
     lines.append(f"  agent        {a['address']:<22} {url(a['metrics'])}")
     if sec := info.get("security"):
@@ -186,26 +189,29 @@ def up(cfg: UpConfig) -> int:
 
         def holder(i: int, port: int, mport: int) -> Daemon:
             return start_holder(
-                store, root / f"holder-{i}", model, "--coordinator", address, *cap,
+                store, root / f"holder-{i}", model, "--coordinator", peers, *cap,
+                *_advertise(holder_ads[i]),
                 *listen_on(port, mport), timeout=cfg.timeout_s, env=envs["holder"],
             )  # fmt: skip
 
         def agent_(port: int, mport: int, http: int) -> AgentProcess:
             return start_agent(
-                store, root / "agent", model, "--coordinator", address, *flags,
+                store, root / "agent", model, "--coordinator", peers, *flags,
                 *listen_on(port, mport), "--http-port", str(http), *cfg.agent_flags(),
-                timeout=cfg.timeout_s,
-                env=envs["agent"],
+                *_primitive(cfg.agent_primitive), timeout=cfg.timeout_s, env=envs["agent"],
             )  # fmt: skip
 
         coord = coordinator("coordinator", cfg.coordinator_port, metrics[0])
         sup.add(coord, functools.partial(coordinator, "coordinator", *_bound(coord)))
         print(f"  coordinator  serving on {coord.address}", flush=True)
         address = coord.address
+        coordinator_ad, holder_ads = cfg.advertised()
+        peers = coordinator_ad or address  # what the holders and the agent dial
         if cfg.state == "etcd":  # a standby; both addresses go to every daemon and up.json
             standby = coordinator("coordinator-1", 0, 0)
             sup.add(standby, functools.partial(coordinator, "coordinator-1", *_bound(standby)))
             address = f"{coord.address},{standby.address}"
+            peers = coordinator_ad or address
         cap = ("--capacity-tokens", str(cfg.capacity_tokens), "--kv-format", cfg.kv_format, *flags)
         with ThreadPoolExecutor(cfg.holders + 2) as pool:
             hs = [
@@ -253,8 +259,12 @@ def up(cfg: UpConfig) -> int:
             "state_dir": str(root),
             "store": str(store),
             "model": str(model),
-            "coordinator": {"address": address, "metrics": coord.metrics_port},
-            "holders": [{"address": h.address, "metrics": h.metrics_port} for h in holders],
+            "coordinator": {"address": address, "metrics": coord.metrics_port}
+            | ({"advertise": coordinator_ad} if coordinator_ad else {}),
+            "holders": [
+                {"address": h.address, "metrics": h.metrics_port} | ({"advertise": a} if a else {})
+                for h, a in zip(holders, holder_ads, strict=True)
+            ],
             "calibration": calibration,
             "agent": {
                 "address": agent.address,
@@ -304,6 +314,16 @@ def _stop_in_order(daemons: list[Daemon], timeout: float = 30) -> None:
     for r in ("agent", "holder", "coordinator"):
         stop([d for d in daemons if role(d) == r])
     stop([d for d in daemons if role(d) not in ("agent", "holder", "coordinator")])
+
+
+def _primitive(primitive: str) -> tuple[str, ...]:
+    """The agent's ``--primitive`` flag where ``up`` was given one other than auto."""
+    return ("--primitive", primitive) if primitive != "auto" else ()
+
+
+def _advertise(address: str) -> tuple[str, ...]:
+    """A holder's ``--advertise`` flag ("": none, it registers the address it listens on)."""
+    return ("--advertise", address) if address else ()
 
 
 def _bound(d: Daemon) -> tuple[int, int]:

@@ -6,8 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from corpusd import env
-from corpusd.daemon_config import positive
+from corpusd.daemon_config import check_address, positive
 from corpusd.formats import KV_FORMATS
+
+#: the agent's ``--primitive`` (requester.predicate.PRIMITIVES, which this torch-free module does
+#: not import: corpusd imports no daemon package)
+AGENT_PRIMITIVES = ("auto", "route", "fetch", "local")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +45,31 @@ class UpConfig:
     holder_ports: str = field(
         default="", metadata={"help": "comma-separated, one per holder ('': free ports)"}
     )
+    coordinator_advertise: str = field(
+        default="",
+        metadata={
+            "help": "host:port the holders and the agent dial for the coordinator: a NAT, load "
+            "balancer or TCP proxy in front of it that forwards to --coordinator-port (--state "
+            "etcd: two, comma-separated, one per coordinator; '': its own address)"
+        },
+    )
+    holder_advertise: str = field(
+        default="",
+        metadata={
+            "help": "comma-separated host:port, one per holder: the address each registers "
+            "for the agent and the coordinator to dial, in front of its --holder-ports port "
+            "('', or an empty entry: its own)"
+        },
+    )
     agent_port: int = field(default=0, metadata={"help": "the agent's gRPC port; 0: a free one"})
+    agent_primitive: str = field(
+        default="auto",
+        metadata={
+            "help": "the agent's --primitive: route, fetch or local for every holder group, "
+            "or auto (the predicate picks; fetched pages stay in the agent's cache)",
+            "choices": AGENT_PRIMITIVES,
+        },
+    )
     metrics_ports: str = field(
         default="",
         metadata={
@@ -95,6 +123,11 @@ class UpConfig:
         positive(self, "capacity_tokens", "timeout_s", "calibration_max_age_days", "max_sessions")
         if not self.session_idle_s >= 0:
             raise ValueError(f"session_idle_s must be >= 0 (0: never), got {self.session_idle_s}")
+        self.advertised()  # raises ValueError for a malformed address
+        if self.agent_primitive not in AGENT_PRIMITIVES:
+            raise ValueError(
+                f"agent_primitive must be one of {AGENT_PRIMITIVES}, got {self.agent_primitive!r}"
+            )
         if self.kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
         if self.detach not in (0, 1) or self.insecure not in (0, 1):
@@ -145,6 +178,29 @@ class UpConfig:
             "--metrics-ports": metrics,
             "--http-port": [self.http_port],
         }
+
+    def advertised(self) -> tuple[str, list[str]]:
+        """``--coordinator-advertise`` ("" or one address per coordinator, comma-separated)
+        and ``--holder-advertise`` (one per holder; "" where a holder's own address serves).
+        Raises ValueError for a malformed address or a list of the wrong length."""
+        holders = [a.strip() for a in self.holder_advertise.split(",")]
+        if self.holder_advertise and len(holders) != self.holders:
+            raise ValueError(
+                f"--holder-advertise: {len(holders)} addresses for {self.holders} holders"
+            )
+        for a in holders:
+            if a:  # "" in the list: that holder's own address
+                check_address("--holder-advertise", a)
+        coordinators = [a.strip() for a in self.coordinator_advertise.split(",")]
+        n = 2 if self.state == "etcd" else 1
+        if self.coordinator_advertise and len(coordinators) != n:
+            raise ValueError(
+                f"--coordinator-advertise: {len(coordinators)} addresses for {n} coordinators "
+                f"(--state {self.state})"
+            )
+        for a in coordinators if self.coordinator_advertise else []:
+            check_address("--coordinator-advertise", a)
+        return ",".join(coordinators), holders if self.holder_advertise else [""] * self.holders
 
 
 def _port_list(flag: str, text: str) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from corpusd.corpus.manifest import PAGE_SIZE
-from corpusd.daemon_config import DaemonConfig, non_negative, positive
+from corpusd.daemon_config import DaemonConfig, check_address, non_negative, positive
 from corpusd.formats import KV_FORMATS
 
 DTYPES = ("float32", "bfloat16")
@@ -124,6 +124,14 @@ class HolderConfig(DaemonConfig):
             "lease (several: coordinators sharing an etcd state; the leader answers)"
         },
     )
+    advertise: str = field(
+        default="",
+        metadata={
+            "help": "host:port registered with the coordinator, the address agents and the "
+            "coordinator dial: a NAT, load balancer or TCP proxy in front of this holder; its "
+            "TLS certificate must name that host ('': --host and the port it listens on)"
+        },
+    )
 
     def __post_init__(self) -> None:
         DaemonConfig.__post_init__(self)
@@ -155,6 +163,8 @@ class HolderConfig(DaemonConfig):
             raise ValueError("nvshmem_peers needs --dtype bfloat16 (the ring is bf16)")
         if not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
+        if self.advertise:
+            check_address("advertise", self.advertise)
 
     @property
     def host_threads(self) -> int:

@@ -126,6 +126,8 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
     # holder-35333 at :46701 before)
     holder_id = cfg.holder_id or _stable_id(Path(cfg.state_dir), f"holder-{secrets.token_hex(3)}")
     svc.cfg = cfg = replace(cfg, holder_id=holder_id)
+    # what peers dial: the address in front of it when one is given (NAT, load balancer, proxy)
+    advertised = cfg.advertise or f"{cfg.host}:{port}"
     write_endpoint(
         Path(cfg.state_dir),
         {
@@ -135,14 +137,16 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
             "pid": os.getpid(),
             "kernel": svc.kernel.name,
             "device": cfg.device,
+            "advertise": advertised,
         },
     )
     log.info(
-        "%s serving on %s:%d (kernel %s, device %s, pages %s, %d frames of %d, restored %d "
-        "pages); metrics on :%d",
+        "%s serving on %s:%d, advertised as %s (kernel %s, device %s, pages %s, %d frames of "
+        "%d, restored %d pages); metrics on :%d",
         holder_id,
         cfg.host,
         port,
+        advertised,
         svc.kernel.name,
         cfg.device,
         svc.pool.geo.page_format,
@@ -155,9 +159,7 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
     checker = asyncio.create_task(_integrity_loop(svc))
     tasks = [checker]
     if cfg.coordinator:
-        tasks.append(
-            asyncio.create_task(keep_registered(svc, cfg.coordinator, f"{cfg.host}:{port}"))
-        )
+        tasks.append(asyncio.create_task(keep_registered(svc, cfg.coordinator, advertised)))
     await up.until_signal(holder_id, cfg.drain_s, tasks)
     svc.executor.shutdown(wait=True)
     left = True

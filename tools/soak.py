@@ -8,6 +8,11 @@ runs with ``--session-idle-s 60`` (it passes that to its agent): sessions are ab
 while at least 120 s of the run are left, and the end waits up to 120 s for the rest (those a
 fault cut off mid-generate) to expire.
 
+The agent routes (``--primitive route``, passed as ``up --agent-primitive``): every decode
+step asks the holders, so a fault between the agent and a holder reaches the sessions. With
+``auto`` the predicate fetches this small corpus once and serves it from the agent's page
+cache, and faults of the holders then seldom reach a session.
+
 Faults (counted by kind, each with its window in the JSON), from two fault threads so they
 overlap:
 
@@ -19,20 +24,25 @@ overlap:
 - ``coordinator_holder``: the coordinator and a holder SIGKILLed together;
 - ``corrupt``: one byte of a stored page flipped on disk while it is served and a holder
   SIGKILLed so that it loads its pages from the damaged file; the byte is restored after;
-- ``net_delay`` / ``net_drop`` / ``net_reset``: a TCP proxy delays, partitions (nothing
-  passes until it heals) or resets (RST) the traffic. The proxy sits between the soak's
-  clients and the agent: ``up`` starts its daemons with each other's addresses, so a proxy
-  between them would need ``up`` to take them.
+- ``net_delay:<link>`` / ``net_drop:<link>`` / ``net_reset:<link>``: a TCP proxy delays,
+  partitions (nothing passes until it heals) or resets (RST) the traffic to one daemon for
+  1–4 s. Proxies sit in front of the coordinator (the holders and the agent dial it: ``up
+  --coordinator-advertise``), of each holder (the agent and the coordinator dial it: ``up
+  --holder-advertise``, which each holder registers as its address) and of the agent (the
+  soak's clients dial it). TLS passes through them end to end.
 
 Checks (exit 1 when one fails): every finished session's tokens equal a reference decode made
 before any fault; every failed session overlaps a fault window that removed every copy of its
-data (the agent, the only holder of a session's cache, killed or cut off; both replicas down;
-``up`` restarted); RSS growth per daemon after the first ``--warmup-min`` minutes < 10 %
-(measured on each incarnation that lived long enough: the ``--spare`` daemons are SIGKILLed
-only during the warm-up, so one of each lives the rest of the run); the agent's open
-sessions back to 0 after load stops; file descriptors per daemon at the end within a slack
-of those at the start; after ``corpusd down``, no daemon left and no stray files in the
-state dirs.
+data (the agent, the only holder of a session's cache, killed or its clients cut off by a
+partition or resets; ``up`` restarted), or windows open together that took from the agent
+every holder of a replica of one of its pages (killed, stopped, partitioned or reset, in any
+mix; the placement is read from the coordinator). A delay removes nothing, nor does a fault on
+the coordinator's link: a session failing then is a defect; RSS growth per daemon after the
+first ``--warmup-min`` minutes < 10 % (measured on each incarnation that lived long enough:
+the ``--spare`` daemons are SIGKILLed only during the warm-up, so one of each lives the rest
+of the run); the agent's open sessions back to 0 after load stops; file descriptors per
+daemon at the end within a slack of those at the start; after ``corpusd down``, no daemon
+left and no stray files in the state dirs.
 
     python -m tools.soak --minutes 60 --out bench/results/soak-cpu.json
 """
@@ -63,15 +73,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from corpusd.testing.tcp_proxy import Proxy
+
 QUESTIONS = [f"\nQ: what is on line {i * 7 % 50}?\nA:" for i in range(8)]
 GRACE_S = 5.0  # a failure this long after a fault window closed is still the fault's
 SKEW_S = 0.5  # a fault's window opens just before it acts, read from another thread
 FD_SLACK = 16  # gRPC channels and thread pools come and go; a leak grows without bound
 RSS_LIMIT = 0.10
 IDLE_S = 60.0  # up's --session-idle-s, which it passes to its agent
-#: faults that remove every copy of a session's data: its cache lives on the agent alone; a
-#: page on two replicas is gone with both; a restarted ``up`` restarts every daemon
-REMOVES_ALL = ("kill:agent", "kill:up", "replicas_down", "net_drop", "net_reset")
+#: faults that remove every copy of a session's data on their own: its cache lives on the agent
+#: alone (killed, or the client cut off it by a partition or resets); a restarted ``up``
+#: restarts every daemon
+REMOVES_ALL = ("kill:agent", "kill:up", "net_drop:agent", "net_reset:agent")
+#: faults that take holders from the agent while they last (killed, stopped, partitioned off or
+#: reset): a failure is theirs when the holders taken at one moment held every replica of a
+#: page. A delay takes none, nor does a fault on the coordinator's link.
+CUTS = ("kill:", "stop:", "net_drop:", "net_reset:", "replicas_down", "coordinator_holder",
+        "corrupt")  # fmt: skip
+REJOIN_S = 1.0  # after its window, a holder's channels reconnect before the agent uses it again
 
 
 # ---- the pure part: attribution and summaries (tests/unit/test_soak.py) ----
@@ -81,15 +100,57 @@ def removes_all(kind: str) -> bool:
     return kind in REMOVES_ALL
 
 
-def explain(fail: dict[str, Any], faults: list[dict[str, Any]], grace: float = GRACE_S) -> str:
+def cut_of(fault: dict[str, Any]) -> frozenset[str]:
+    """The holders a fault window takes from the agent while it lasts: those it names in
+    ``holders`` (else the one in its kind, ``kill:holder-0``), for the kinds of ``CUTS``."""
+    if not fault["kind"].startswith(CUTS):
+        return frozenset()
+    named = fault.get("holders") or [fault["kind"].split(":", 1)[-1]]
+    return frozenset(h for h in named if h.startswith("holder"))
+
+
+def explain(
+    fail: dict[str, Any],
+    faults: list[dict[str, Any]],
+    grace: float = GRACE_S,
+    pages: list[list[str]] | None = None,
+) -> str:
     """The fault (``kind``, ``t0``, ``t1`` seconds) that removed every copy of a failed
-    session's data while it ran (``started``..``t``), as "kind@t0": of several, the latest to
+    session's data while it ran (``started``..``t``), as "kind@t0", or the faults that did it
+    together, "kind@t0+kind@t0": those whose windows overlapped while the holders they took
+    (:func:`cut_of`) held every replica of a page of ``pages`` (each page's holders; None:
+    any two holders, as 3 holders with 2 replicas share pages). Of several, the latest to
     begin among those still open when it failed, else the latest to begin; "" when none did.
     A window still open (``t1`` None) reaches to the end."""
-    cands = [f for f in near(fail, faults, grace) if removes_all(f["kind"])]
-    active = [f for f in cands if _end(f) + SKEW_S >= fail["t"]]
-    pick = active or cands
-    return f"{pick[-1]['kind']}@{pick[-1]['t0']}" if pick else ""
+    near_ = near(fail, faults, grace)
+    found = [([f], float(f["t0"]), _end(f)) for f in near_ if removes_all(f["kind"])]
+    found += _cuts(fail, [f for f in near_ if cut_of(f)], grace, pages)
+    active = [c for c in found if c[2] + SKEW_S >= fail["t"]]
+    pick = active or found
+    if not pick:
+        return ""
+    members = max(pick, key=lambda c: c[1])[0]
+    return "+".join(f"{f['kind']}@{f['t0']}" for f in members)
+
+
+def _cuts(
+    fail: dict[str, Any],
+    faults: list[dict[str, Any]],
+    grace: float,
+    pages: list[list[str]] | None,
+) -> list[tuple[list[dict[str, Any]], float, float]]:
+    """Each set of ``faults`` open together, at the start of one of them or of the session,
+    whose holders held every replica of a page: (faults by start, when the last began, when
+    the first ended)."""
+    lo, hi = fail["started"] - grace, fail["t"] + SKEW_S
+    out = []
+    for x in sorted({min(max(float(f["t0"]), lo), hi) for f in faults}):
+        on = [f for f in faults if f["t0"] - SKEW_S <= x <= _end(f) + REJOIN_S]
+        taken = frozenset().union(*(cut_of(f) for f in on))
+        every = any(set(p) <= taken for p in pages) if pages is not None else len(taken) >= 2
+        if on and every:
+            out.append((on, max(float(f["t0"]) for f in on), min(_end(f) for f in on)))
+    return out
 
 
 def _end(f: dict[str, Any]) -> float:
@@ -209,84 +270,6 @@ def fd_count(pid: int) -> int | None:
         return None
 
 
-class Proxy:
-    """A TCP proxy on loopback to ``target`` in a thread: ``mode`` pass, delay (each chunk
-    waits ``delay_s``), drop (a partition: nothing passes until it heals) or reset (every
-    connection is closed with RST, and new ones as they come)."""
-
-    def __init__(self, target: str) -> None:
-        self.host, port = target.rsplit(":", 1)
-        self.port = int(port)
-        self.mode, self.delay_s = "pass", 0.0
-        self.conns: set[asyncio.StreamWriter] = set()
-        self.upstream_errors: Counter[str] = Counter()
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        self.address = ""
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-
-            async def start() -> None:
-                srv = await asyncio.start_server(self._conn, "127.0.0.1", 0)
-                self.address = f"127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-                ready.set()
-
-            self.loop.run_until_complete(start())
-            self.loop.run_forever()
-
-        threading.Thread(target=run, daemon=True).start()
-        ready.wait(10)
-
-    def set(self, mode: str, delay_s: float = 0.0) -> None:
-        self.mode, self.delay_s = mode, delay_s
-        if mode == "reset":
-            self.loop.call_soon_threadsafe(self._reset_all)
-
-    def _reset_all(self) -> None:
-        for w in list(self.conns):
-            _rst(w)
-        self.conns.clear()
-
-    async def _conn(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        if self.mode == "reset":
-            _rst(w)
-            return
-        while self.mode == "drop":  # a partition: nothing gets through until it heals
-            await asyncio.sleep(0.05)
-        try:
-            ur, uw = await asyncio.open_connection(self.host, self.port)
-        except OSError as e:  # the client sees its connection closed: counted, to explain it
-            self.upstream_errors[f"{type(e).__name__}: {e}"[:200]] += 1
-            w.close()
-            return
-        self.conns |= {w, uw}
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(Exception):
-                while data := await src.read(65536):
-                    if self.mode == "delay":
-                        await asyncio.sleep(self.delay_s)
-                    while self.mode == "drop":  # held, as TCP retransmits across a partition
-                        await asyncio.sleep(0.05)
-                    dst.write(data)
-                    await dst.drain()
-            with contextlib.suppress(Exception):
-                dst.close()
-
-        await asyncio.gather(pump(r, uw), pump(ur, w))
-        self.conns -= {w, uw}
-
-
-def _rst(w: asyncio.StreamWriter) -> None:
-    """Close a connection with a TCP reset (SO_LINGER 0), as a middlebox or a crash does."""
-    with contextlib.suppress(OSError):
-        w.get_extra_info("socket").setsockopt(
-            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
-        )
-    w.transport.abort()
-
-
 def corrupt_page(store: Path, cid: str, layer: int, page: int) -> Path:
     """Flip one byte of ``page`` of layer ``layer``'s latent tensor (again restores it)."""
     from corpusd.corpus.store import layer_file
@@ -311,18 +294,21 @@ class Faults:
     t0: float
     store: Path = Path()
     cid: str = ""
-    proxy: Proxy | None = None
+    proxies: dict[str, Proxy] = field(default_factory=dict)  # by link: agent, coordinator, …
     windows: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     busy: set[str] = field(default_factory=set)  # daemons a fault holds now: no two at once
     spare: frozenset[str] = frozenset()  # SIGKILLed only in the first spare_after_s
     spare_after_s: float = 0.0
+    up_flags: tuple[str, ...] = ()  # beside "up --detach 1 --calibrate off"
 
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 2)
 
-    def open(self, kind: str, note: str = "") -> dict[str, Any]:
+    def open(self, kind: str, note: str = "", holders: list[str] | None = None) -> dict[str, Any]:
         w = {"kind": kind, "t0": self.now(), "t1": None, "note": note}
+        if holders:
+            w["holders"] = [h for h in holders if h.startswith("holder")]
         with self.lock:
             self.windows.append(w)
         print(f"[{w['t0']:7.1f}s] fault {kind} {note}", flush=True)
@@ -343,25 +329,35 @@ class Faults:
             self.busy -= set(names)
 
     def wait_back(self, names: list[str], old: dict[str, int], timeout: float = 240) -> None:
-        """Until every one of ``names`` runs with a pid other than ``old``'s."""
+        """Until every one of ``names`` runs with a pid other than ``old``'s and serves (its
+        endpoint.json, written once it listens, names that pid)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             d = daemons(self.root)
-            if all(d.get(n, 0) not in (0, old.get(n)) for n in names):
+            if all(d.get(n, 0) not in (0, old.get(n)) and self.serving(n, d[n]) for n in names):
                 return
             time.sleep(0.5)
         print(f"  {names} not back in {timeout} s", flush=True)
 
+    def serving(self, name: str, pid: int) -> bool:
+        if name == "up":
+            return True
+        try:
+            return bool(json.loads((self.root / name / "endpoint.json").read_text())["pid"] == pid)
+        except (OSError, ValueError, KeyError):
+            return False
+
     def kill(self, names: list[str], kind: str) -> None:
         old = daemons(self.root)
-        w = self.open(kind, ",".join(names))
+        w = self.open(kind, ",".join(names), names)
         for n in names:
             with contextlib.suppress(ProcessLookupError, KeyError):
                 os.kill(old[n], signal.SIGKILL)
         if "up" in names:  # the daemons it left run on; a new up stops them and starts its own
             time.sleep(1)
             for _ in range(3):  # a refusal is a finding (kept in the window); then again
-                r = corpusd("up", "--detach", "1", "--calibrate", "off", *UP_FLAGS, timeout=600)
+                r = corpusd("up", "--detach", "1", "--calibrate", "off", *self.up_flags,
+                            timeout=600)  # fmt: skip
                 if r.returncode == 0:
                     break
                 err = (r.stdout + r.stderr).strip().splitlines()[-1:]
@@ -379,7 +375,7 @@ class Faults:
         if not pid:
             return
         pause = rng.uniform(1, 5)
-        w = self.open(f"stop:{name}", f"{pause:.1f} s")
+        w = self.open(f"stop:{name}", f"{pause:.1f} s", [name])
         os.kill(pid, signal.SIGSTOP)
         time.sleep(pause)
         with contextlib.suppress(ProcessLookupError):
@@ -392,7 +388,7 @@ class Faults:
         serves; the byte is restored after 5–15 s."""
         layer, page = rng.randrange(2), rng.randrange(4)
         old = daemons(self.root)
-        w = self.open("corrupt", f"layer {layer} page {page}, {holder} reloads")
+        w = self.open("corrupt", f"layer {layer} page {page}, {holder} reloads", [holder])
         path = corrupt_page(self.store, self.cid, layer, page)
         with contextlib.suppress(ProcessLookupError, KeyError):
             os.kill(old[holder], signal.SIGKILL)
@@ -402,13 +398,16 @@ class Faults:
         self.close(w)
         w["file"] = str(path)
 
-    def net(self, mode: str, rng: random.Random) -> None:
-        assert self.proxy is not None
-        held = rng.uniform(1, 4)
-        w = self.open(f"net_{mode}", f"{held:.1f} s")
-        self.proxy.set(mode, delay_s=rng.uniform(0.05, 0.5))
+    def net(self, mode: str, link: str, rng: random.Random) -> None:
+        """``mode`` on the proxy in front of ``link`` (the agent: the clients' link; a holder:
+        the agent's and the coordinator's; the coordinator: the holders' and the agent's) for
+        1–4 s."""
+        held, delay = rng.uniform(1, 4), rng.uniform(0.05, 0.5)
+        note = f"{held:.1f} s" + (f", {delay:.2f} s a chunk" if mode == "delay" else "")
+        w = self.open(f"net_{mode}:{link}", note, [link])
+        self.proxies[link].set(mode, delay_s=delay)
         time.sleep(held)
-        self.proxy.set("pass")
+        self.proxies[link].set("pass")
         self.close(w)
 
     def one(self, rng: random.Random, forced: tuple[str, list[str]] | None = None) -> bool:
@@ -430,11 +429,13 @@ class Faults:
         elif r < 0.7 and holders:
             victim, act = ["store", rng.choice(holders)], "corrupt"
         else:
-            victim, act = ["proxy"], "net_" + rng.choice(["delay", "drop", "reset"])
+            victim = ["link:" + rng.choice(sorted(self.proxies))]
+            act = "net_" + rng.choice(["delay", "drop", "reset"])
         if forced is not None:
             act, victim = forced
         # up's restart touches every daemon: it goes alone; others wait for it
-        claim = [*names, "proxy", "store"] if "up" in victim and act == "kill" else victim
+        links = [f"link:{n}" for n in self.proxies]
+        claim = [*names, *links, "store"] if "up" in victim and act == "kill" else victim
         if not self.claim(claim):
             return False
         try:
@@ -447,7 +448,7 @@ class Faults:
             elif act == "corrupt":
                 self.corrupt(victim[1], rng)
             else:
-                self.net(act[4:], rng)
+                self.net(act[4:], victim[0].removeprefix("link:"), rng)
         finally:
             self.release(claim)
         return True
@@ -474,13 +475,40 @@ def free_ports(n: int, rng: random.Random | None = None) -> list[int]:
     return ports
 
 
-# fixed ports, so a restarted `up` serves where the first did (the proxy's target included)
-_P = free_ports(10)
+# fixed ports, so a restarted `up` serves where the first did, and the proxies in front of the
+# coordinator and the holders (_P[10:14]) are named to it as their advertised addresses
+_P = free_ports(14)
+HOLDERS = 3
 UP_FLAGS = (
-    "--holders", "3", "--capacity-tokens", "4096", "--coordinator-port", str(_P[0]),
+    "--holders", str(HOLDERS), "--capacity-tokens", "4096", "--coordinator-port", str(_P[0]),
     "--holder-ports", ",".join(map(str, _P[1:4])), "--agent-port", str(_P[4]),
     "--metrics-ports", ",".join(map(str, _P[5:10])), "--session-idle-s", str(IDLE_S),
+    "--coordinator-advertise", f"127.0.0.1:{_P[10]}",
+    "--holder-advertise", ",".join(f"127.0.0.1:{p}" for p in _P[11:14]),
 )  # fmt: skip
+
+
+def start_proxies() -> dict[str, Proxy]:
+    """A proxy in front of every daemon, by link: the coordinator (for the holders and the
+    agent), each holder (for the agent and the coordinator) and the agent (for the soak's
+    clients; on a free port)."""
+    out = {"coordinator": Proxy(f"127.0.0.1:{_P[0]}", _P[10])}
+    for i in range(HOLDERS):
+        out[f"holder-{i}"] = Proxy(f"127.0.0.1:{_P[1 + i]}", _P[11 + i])
+    out["agent"] = Proxy(f"127.0.0.1:{_P[4]}")
+    return out
+
+
+async def placement(coordinator: str, ident: Any, cid: str, root: Path) -> list[list[str]]:
+    """Each page's replicas as up's daemon names (holder-0 …), from the coordinator's table."""
+    from corpusd.coordinator.client import CoordinatorClient
+
+    names = {}
+    for ep in root.glob("holder-*/endpoint.json"):
+        names[json.loads(ep.read_text())["holder_id"]] = ep.parent.name
+    async with CoordinatorClient(coordinator, ident=ident) as cc:
+        table = await cc.page_table(cid)
+    return [sorted(names.get(h, h) for h, _ in reps) for reps in table.pages if reps]
 
 
 # ---- load ----
@@ -531,7 +559,9 @@ async def runner(
                                          "error": str(e)[:300]})  # fmt: skip
                     await asyncio.sleep(backoff)
                     backoff = min(8.0, backoff * 2)
-                    continue
+                    # a fresh channel: a gRPC channel that failed to connect backs off up to
+                    # 120 s and fails calls at once until then, long after the daemon is back
+                    break
                 backoff = 0.5
                 tally.codes["OK"] += 1
                 tally.abandoned += not close
@@ -603,6 +633,14 @@ def main(argv: list[str] | None = None) -> int:
         "faults only), so that one incarnation of each lives long enough to show RSS growth",
     )
     p.add_argument("--rss-every-s", type=float, default=10.0)
+    p.add_argument(
+        "--primitive",
+        default="route",
+        choices=("auto", "route", "fetch", "local"),
+        help="the agent's (up --agent-primitive): route asks the holders every step, so their\n"
+        "faults reach the sessions; auto fetches this small corpus once and serves it from\n"
+        "the agent's page cache",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/soak-cpu.json")
     a = p.parse_args(argv)
@@ -627,8 +665,10 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
     from corpusd.corpus.pin import pin
     from corpusd.local_ca import LocalCA
 
+    proxies = start_proxies()  # before up: its daemons dial the coordinator's and holders' own
     print(f"corpusd up --detach 1 (TLS) under {root}", flush=True)
-    r = corpusd("up", "--detach", "1", "--calibrate", "off", *UP_FLAGS, timeout=600)
+    flags = (*UP_FLAGS, "--agent-primitive", a.primitive)
+    r = corpusd("up", "--detach", "1", "--calibrate", "off", *flags, timeout=600)
     if r.returncode:
         raise RuntimeError(f"corpusd up failed: {r.stdout[-3000:]}{r.stderr[-3000:]}")
     got = env.running_up()
@@ -651,10 +691,12 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
             assert t.corpus.state == "ready", t.corpus
 
     asyncio.run(publish())
-    proxy = Proxy(info["agent"]["address"])
+    pages = asyncio.run(placement(info["coordinator"]["address"], ident, cid, root))
+    print(f"placement: {len(pages)} pages on {sorted({h for p in pages for h in p})}", flush=True)
+    proxy = proxies["agent"]
     spare = frozenset(a.spare.split(",")) - {""}
-    faults = Faults(root, time.monotonic(), store, cid, proxy, spare=spare,
-                    spare_after_s=a.warmup_min * 60)  # fmt: skip
+    faults = Faults(root, time.monotonic(), store, cid, proxies, spare=spare,
+                    spare_after_s=a.warmup_min * 60, up_flags=flags)  # fmt: skip
     want = asyncio.run(reference(proxy.address, ident, cid, a.tokens))
     print(f"reference decode: {len(want)} questions × {a.tokens} tokens", flush=True)
     start_files = listing(root)
@@ -708,12 +750,18 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
     stop.set()
     for th in threads[:2]:
         th.join(600)  # a fault in progress finishes (a restarted up included)
-    proxy.set("pass")
+    for px in proxies.values():
+        px.set("pass")
     print(f"[{faults.now():7.1f}s] load stopped; waiting for open sessions to reach 0", flush=True)
     info = env.running_up() or info
     deadline = time.monotonic() + IDLE_S + 60
     while (n_open := open_sessions(info)) != 0 and time.monotonic() < deadline:
         time.sleep(2)
+    try:  # the table again: a page re-placed during the run explains by either placement
+        pages_end = asyncio.run(placement(info["coordinator"]["address"], ident, cid, root))
+    except Exception as e:
+        print(f"  page table at the end: {e!r}"[:300], flush=True)
+        pages_end = []
     pids1 = daemons(root)
     for n, pid in pids1.items():
         fds.setdefault(n, {"start": None, "pid_start": None})
@@ -727,7 +775,7 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
         if f["t1"] is None:
             f["t1"] = faults.now()
     for fail in tally.failed:
-        fail["explained_by"] = explain(fail, faults.windows)
+        fail["explained_by"] = explain(fail, faults.windows, pages=pages + pages_end)
         fail["faults_near"] = [f"{f['kind']}@{f['t0']}" for f in near(fail, faults.windows)]
     summary: dict[str, Any] = {
         "what": "corpusd up (TLS) under continuous sessions and overlapping faults; tokens vs an "
@@ -736,15 +784,20 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "minutes": a.minutes,
         "setup": {
-            "holders": 3,
+            "holders": HOLDERS,
             "replicas": 2,
             "sessions": a.sessions,
             "tokens": a.tokens,
             "abandon": a.abandon,
             "agent_session_idle_s": IDLE_S,
-            "proxy": "between the soak's clients and the agent",
-            "proxy_address": proxy.address,
+            "agent_primitive": a.primitive,
+            "proxies": "a TCP proxy in front of the coordinator (for the holders and the "
+            "agent: up --coordinator-advertise), each holder (for the agent and the "
+            "coordinator: up --holder-advertise) and the agent (for the soak's clients)",
+            "proxy_addresses": {n: px.address for n, px in proxies.items()},
             "agent_address": info["agent"]["address"],
+            "placement_start": pages,
+            "placement_end": pages_end,
         },
         "faults": dict(Counter(f["kind"] for f in faults.windows)),
         "sessions_ok": tally.ok,
@@ -753,7 +806,9 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
         "sessions_explained": sum(bool(f["explained_by"]) for f in tally.failed),
         "sessions_abandoned": tally.abandoned,
         "codes": dict(tally.codes),
-        "proxy_upstream_errors": dict(proxy.upstream_errors),
+        "proxy_upstream_errors": {
+            n: dict(px.upstream_errors) for n, px in proxies.items() if px.upstream_errors
+        },
         "up_restart_failures": [e for f in faults.windows for e in f.get("up_failures", [])],
         "rss": {n: rss_growth(s, a.warmup_min * 60) for n, s in rss.items()},
         "fds": fds,

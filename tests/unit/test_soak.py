@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.soak import checks, explain, near, rss_growth, stray, table
+from tools.soak import checks, cut_of, explain, near, rss_growth, stray, table
 
 
-def fault(kind: str, t0: float, t1: float | None) -> dict[str, Any]:
-    return {"kind": kind, "t0": t0, "t1": t1}
+def fault(kind: str, t0: float, t1: float | None, *holders: str) -> dict[str, Any]:
+    return {"kind": kind, "t0": t0, "t1": t1} | ({"holders": list(holders)} if holders else {})
 
 
 def test_a_failure_is_explained_only_by_a_fault_that_removed_every_copy_while_it_ran() -> None:
     faults = [
         fault("kill:holder-0", 10, 12),  # one replica: the other serves
-        fault("replicas_down", 30, 35),
+        fault("replicas_down", 30, 35, "holder-0", "holder-1"),
         fault("kill:agent", 50, None),  # still open at the end
     ]
     assert explain({"started": 9, "t": 13}, faults) == ""
@@ -27,11 +27,12 @@ def test_a_failure_is_explained_only_by_a_fault_that_removed_every_copy_while_it
     assert explain({"started": 500, "t": 501}, faults) == "kill:agent@50"
     # several: the latest to begin of those still open is named; near() lists every one
     assert explain({"started": 11, "t": 60}, faults) == "kill:agent@50"
-    reset_then_down = [fault("net_reset", 10, 12), fault("replicas_down", 11, 30)]
+    down = ("holder-1", "holder-2")
+    reset_then_down = [fault("net_reset:agent", 10, 12), fault("replicas_down", 11, 30, *down)]
     assert explain({"started": 9, "t": 11.5}, reset_then_down) == "replicas_down@11"
     assert explain({"started": 9, "t": 20}, reset_then_down) == "replicas_down@11"
-    down_then_reset = [fault("replicas_down", 5, 30), fault("net_reset", 10, 12)]
-    assert explain({"started": 9, "t": 11}, down_then_reset) == "net_reset@10"
+    down_then_reset = [fault("replicas_down", 5, 30, *down), fault("net_reset:agent", 10, 12)]
+    assert explain({"started": 9, "t": 11}, down_then_reset) == "net_reset:agent@10"
     assert explain({"started": 9, "t": 20}, down_then_reset) == "replicas_down@5"
     assert [f["kind"] for f in near({"started": 11, "t": 31}, faults)] == [
         "kill:holder-0", "replicas_down"
@@ -92,3 +93,46 @@ def test_stray_files_are_new_files_other_than_logs_and_state() -> None:
     start = {"holder-0/endpoint.json"}
     end = start | {"holder-0/holder.log", "holder-0/holder.log.1", "agent/x.tmp", "restart"}
     assert stray(start, end) == ["agent/x.tmp", "restart"]
+
+
+def test_holders_taken_together_explain_a_failure_only_when_they_held_every_replica() -> None:
+    # pages 0 and 1 on holders 0+1, page 2 on 1+2: holders 0 and 2 share no page
+    pages = [["holder-0", "holder-1"], ["holder-0", "holder-1"], ["holder-1", "holder-2"]]
+    assert cut_of(fault("net_drop:holder-0", 0, 1)) == {"holder-0"}
+    assert cut_of(fault("net_reset:holder-2", 0, 1)) == {"holder-2"}
+    assert cut_of(fault("stop:holder-1", 0, 1, "holder-1")) == {"holder-1"}
+    assert cut_of(fault("coordinator_holder", 0, 1, "coordinator", "holder-1")) == {"holder-1"}
+    for kind in ("net_delay:holder-0", "net_drop:coordinator", "net_reset:coordinator",
+                 "kill:coordinator", "stop:agent"):  # fmt: skip
+        assert cut_of(fault(kind, 0, 1)) == set(), kind
+
+    def why(faults: list[dict[str, Any]], started: float = 9, t: float = 12) -> str:
+        return explain({"started": started, "t": t}, faults, pages=pages)
+
+    # a partition of one replica's link and the other replica killed: every copy of pages 0, 1
+    assert why([fault("kill:holder-1", 8, 14), fault("net_drop:holder-0", 10, 12)]) == (
+        "kill:holder-1@8+net_drop:holder-0@10"
+    )
+    assert why([fault("net_reset:holder-1", 10, 13), fault("stop:holder-2", 11, 12)]) == (
+        "net_reset:holder-1@10+stop:holder-2@11"
+    )
+    # holders 0 and 2 share no page: the replica on holder 1 served
+    assert why([fault("kill:holder-0", 8, 14), fault("net_drop:holder-2", 10, 12)]) == ""
+    # one at a time (windows apart by more than a rejoin), or one replica alone: not every copy
+    assert why([fault("kill:holder-1", 5, 8), fault("net_drop:holder-0", 10, 12)]) == ""
+    assert why([fault("net_reset:holder-1", 10, 12)]) == ""
+    # a delay removes no copy, on any link, whatever else is down
+    assert why([fault("kill:holder-1", 8, 14), fault("net_delay:holder-0", 10, 12)]) == ""
+    assert why([fault("net_delay:agent", 10, 12)]) == ""
+    # the coordinator's link holds no data: sessions fail over without it
+    assert why([fault("net_drop:coordinator", 10, 12), fault("kill:holder-1", 8, 14)]) == ""
+    # the clients' own link cut: the session's cache (on the agent alone) is out of reach
+    assert why([fault("net_drop:agent", 10, 12)]) == "net_drop:agent@10"
+    assert why([fault("net_reset:agent", 10, 12)]) == "net_reset:agent@10"
+    # both replicas taken before the session began, still within the grace: its fault
+    assert why([fault("kill:holder-1", 1, 6), fault("net_drop:holder-0", 2, 5)], 9, 10) == (
+        "kill:holder-1@1+net_drop:holder-0@2"
+    )
+    # without a placement, any two holders share a page (3 holders, 2 replicas)
+    two = [fault("kill:holder-0", 8, 14), fault("net_drop:holder-2", 10, 12)]
+    assert explain({"started": 9, "t": 12}, two) == "kill:holder-0@8+net_drop:holder-2@10"

@@ -23,6 +23,8 @@ def test_the_background_up_gets_every_flag(tmp_path: Path, monkeypatch: pytest.M
         timeout_s=99.0, coordinator_port=7001, holder_ports="7002,7003,7004", agent_port=7005,
         metrics_ports="7100", http_port=8000, calibrate="always", calibration_max_age_days=3.5,
         insecure=1, state="etcd", session_idle_s=7.5, max_sessions=3,
+        coordinator_advertise="10.0.0.1:7001,10.0.0.2:7001",
+        holder_advertise="10.0.0.1:7002,,10.0.0.1:7004", agent_primitive="route",
     )  # fmt: skip
     defaults = UpConfig()
     changed = {f.name for f in fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)}
@@ -90,3 +92,38 @@ def test_up_defaults_are_the_agents() -> None:
     agent = {f.name: f.default for f in fields(AgentConfig)}
     assert UpConfig().session_idle_s == agent["session_idle_s"]
     assert UpConfig().max_sessions == agent["max_sessions"]
+
+
+def test_advertised_addresses_are_checked_and_default_to_the_daemons_own() -> None:
+    assert UpConfig(holders=2).advertised() == ("", ["", ""])
+    cfg = UpConfig(holders=3, coordinator_advertise="lb:7000", holder_advertise="a:1,,c:3")
+    assert cfg.advertised() == ("lb:7000", ["a:1", "", "c:3"])
+    bad = {
+        "2 addresses for 3 holders": dict(holders=3, holder_advertise="a:1,b:2"),
+        "--holder-advertise must be host:port": dict(holders=1, holder_advertise="a"),
+        "port in 1..65535": dict(holders=1, holder_advertise="a:0"),
+        "2 addresses for 1 coordinators": dict(coordinator_advertise="a:1,b:2"),
+        "1 addresses for 2 coordinators": dict(coordinator_advertise="a:1", state="etcd"),
+        "--coordinator-advertise must be host:port": dict(coordinator_advertise=":7"),
+    }
+    for want, kw in bad.items():
+        with pytest.raises(ValueError, match=want):
+            UpConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_a_holder_advertises_one_address() -> None:
+    from holder.config import HolderConfig
+
+    assert HolderConfig(store="/s", state_dir="/d", advertise="lb:7002").advertise == "lb:7002"
+    for bad in ("lb", "lb:x", "a:1,b:2", "lb:70000"):
+        with pytest.raises(ValueError, match="advertise must be host:port"):
+            HolderConfig(store="/s", state_dir="/d", advertise=bad)
+
+
+def test_the_agent_primitives_up_offers_are_the_agents() -> None:
+    from corpusd.up_config import AGENT_PRIMITIVES
+    from requester.predicate import PRIMITIVES
+
+    assert ("auto", *PRIMITIVES) == AGENT_PRIMITIVES
+    with pytest.raises(ValueError, match="agent_primitive must be one of"):
+        UpConfig(agent_primitive="teleport")
