@@ -202,12 +202,27 @@ def _up_addresses(info: dict[str, Any]) -> set[str]:
     return {a for p in parts for a in str(p.get("address", "")).split(",") if a}
 
 
+#: gRPC's reconnect backoff grows 1.6× a failure up to 120 s, and a channel in backoff fails
+#: every call at once: a client whose daemon was down for a minute went on failing for up to two
+#: more after it was back (found by tools/soak.py). Capped, a daemon that returns is reached
+#: within RECONNECT_BACKOFF_MS (plus gRPC's 20 % jitter).
+RECONNECT_BACKOFF_MS = 2000
+RECONNECT = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+)
+
+
 def channel(
     address: str, options: Sequence[tuple[str, Any]] = (), ident: Identity | None = None
 ) -> grpc.aio.Channel:
     """A grpc.aio channel to ``address``: TLS (with a client certificate when there is one and
-    the bearer token as call credentials) when the identity has a CA, else plaintext."""
+    the bearer token as call credentials) when the identity has a CA, else plaintext. Its
+    reconnect backoff is capped at RECONNECT_BACKOFF_MS (``options`` may override it)."""
     me = ident if ident is not None else client_identity(address)
+    given = {k for k, _ in options}
+    options = [*options, *((k, v) for k, v in RECONNECT if k not in given)]
     if not me.tls:
         return grpc.aio.insecure_channel(address, options=list(options))
     creds = grpc.ssl_channel_credentials(
