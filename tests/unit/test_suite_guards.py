@@ -1,7 +1,7 @@
 """tests/conftest.py's own machinery: the guard that fails a test leaving torch's thread count,
-the environment or the working directory changed, and ``--shuffle`` / ``--torch-threads``
-(what ``.ci/run``'s second unit pass uses). Each runs pytest on a small file in a fresh process,
-with the suite's conftest as a plugin."""
+the environment or the working directory changed, and ``--shuffle`` / ``--torch-threads`` (what
+``.ci/run`` runs the suite with, under pytest-xdist). Each runs pytest on a small file in a fresh
+process, with the suite's conftest as a plugin."""
 
 from __future__ import annotations
 
@@ -100,3 +100,23 @@ def test_shuffle_and_threads_options_reach_the_run(tmp_path: Path) -> None:
     out = _pytest(tmp_path, "--shuffle", "--torch-threads", "1", threads=1)
     assert "torch threads: 1; tests shuffled: repeat with --shuffle=" in out, out
     assert "PASSED test_leaks.py::test_threads_seen" in out, out
+
+
+MANY = "\n".join(f"def test_{i}():\n    pass\n" for i in range(40))
+
+
+def test_shuffle_under_xdist_gives_every_worker_the_controllers_order(tmp_path: Path) -> None:
+    """``.ci/run`` shuffles under ``-n 2``: a worker that drew its own seed would collect
+    another order, and xdist stops with "Different tests were collected"."""
+    pytest.importorskip("xdist", reason="pytest-xdist is in the test extra")
+    for name in "abc":
+        (tmp_path / f"test_many_{name}.py").write_text(MANY)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PYTEST_ADDOPTS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider",
+         "-q", "-n", "2", "--dist", "loadfile", ".", "--shuffle"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "120 passed" in out, out
