@@ -388,9 +388,11 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             params = self.params(p.max_tokens, p.temperature, p.top_p, p.stop_token_ids, p.seed)
             async for tok, text, finish in self.generate(request.session_id, params):
                 yield agent_pb2.GenerateChunk(token_ids=[tok], text=text, finish_reason=finish)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             # The client cancelled the stream or went away (exited, killed, its connection
             # dropped): nobody is left to continue or close the session, so it ends here.
+            # CancelledError when gRPC cancels us awaiting the next token; GeneratorExit when
+            # it was cancelled awaiting a token's send, and drops (closes) this generator.
             self.client_gone(request.session_id)
             raise
         except Exception as e:

@@ -110,19 +110,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = shuffled(items, seed)
 
 
+#: modules whose tests are the steps of one scenario, in file order: a process tier module's
+#: tests share its module-scoped daemons, and a later step reads what an earlier one left there
+#: (a corpus pinned, then removed; request counters)
+SCENARIOS = "tests/procs/"
+
+
 def shuffled(items: list[_Item], seed: int) -> list[_Item]:
-    """Shuffle modules, then the tests inside each module: a module's tests stay together, so
-    module-scoped fixtures are still set up once, while any order dependence between tests or
-    modules shows. The same seed gives the same order."""
+    """Shuffle modules, then the tests inside each module except a scenario's (SCENARIOS): a
+    module's tests stay together, so module-scoped fixtures are still set up once, while any
+    order dependence between modules, and between the tests of an in-process module, shows.
+    The same seed gives the same order."""
     rng = random.Random(seed)
     modules: dict[str, list[_Item]] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
-    order = list(modules.values())
+    order = list(modules.items())
     rng.shuffle(order)
-    for group in order:
-        rng.shuffle(group)
-    return [item for group in order for item in group]
+    for path, group in order:
+        if not path.startswith(SCENARIOS):
+            rng.shuffle(group)
+    return [item for _, group in order for item in group]
 
 
 @pytest.fixture(autouse=True)

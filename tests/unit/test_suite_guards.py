@@ -90,6 +90,10 @@ def test_shuffle_keeps_modules_together_and_repeats_an_order_by_its_seed() -> No
     assert any(order != items for order in orders), "six seeds all kept the file order"
     assert len({tuple(x.nodeid for x in order) for order in orders}) > 1
     assert shuffled(list(items), 3) == orders[3]
+    steps = [SimpleNamespace(nodeid=f"tests/procs/{m}.py::t{i}") for m in "ab" for i in range(5)]
+    for seed in range(6):  # a process module's tests are one scenario's steps: file order
+        order = [x.nodeid for x in shuffled(list(steps), seed)]
+        assert [n for n in order if "/a.py" in n] == [x.nodeid for x in steps[:5]], order
     assert shuffle_seed(None) is None and shuffle_seed("7") == 7
     assert isinstance(shuffle_seed("random"), int)
     with pytest.raises(pytest.UsageError, match="took 'tests/unit' as its seed"):
