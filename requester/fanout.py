@@ -241,6 +241,7 @@ class CorpusBinding(CorpusIndexer):
         self.keys: dict[int, torch.Tensor] = {}  # replica indexer: layer → [T, D_I]
         self.local: LocalRows | None = None
         self.dead: set[int] = set()  # holders (view indices) that failed a call
+        self.failed_at: dict[str, float] = {}  # holder address → when it last failed a call
         # bound from the agent's coordinator snapshot (its time, Unix s) until the coordinator's
         # page table is read for it (table_refresh.py); None: bound from the coordinator or
         # from holders named to it
@@ -363,6 +364,7 @@ class CorpusBinding(CorpusIndexer):
             held = [i for i, a in enumerate(self.view.holders) if a == g.address]
             if held and not set(held) <= self.dead:
                 self.dead.update(held)
+                self.failed_at[g.address] = time.monotonic()
                 to = await self._fail_over()
                 to = (self._last_resort() or "local") if to == "local" else to
                 log.warning(

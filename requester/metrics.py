@@ -74,7 +74,8 @@ class RequesterMetrics(Metrics):
         self.rereads = self.counter(
             "table_rereads",
             "periodic re-reads of a bound corpus's page table: unchanged, changed (a new view, "
-            "adopted at the next step) or failed",
+            "adopted at the next step), revived (a holder that failed over REVIVE_S ago holds a "
+            "live lease: used again from the next step) or failed",
             ["result"],
         )
         self.rebalances = self.counter(

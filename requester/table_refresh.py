@@ -15,13 +15,18 @@ Cheap when nothing changed: one PageTable call per bound corpus and a comparison
 addresses and replicas (failover changes only which replica is chosen, so it is not mistaken
 for a change). Failover is kept: holders a binding marked failed stay failed in the new view
 (their pages served by other replicas when there are any), and a binding whose coordinator is
-down keeps the view it has.
+down keeps the view it has. Until REVIVE_S after its failure: a holder the table then shows with
+a live lease (restarted, or only slow past ``--holder-deadline-s`` for a moment) is used again,
+and the re-read stages the view that brings it back even when the table itself is unchanged.
+Otherwise a binding would avoid it for as long as it lives, and a restarted holder's pages would
+be served from one replica, or read from the page store, for days.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -35,6 +40,24 @@ log = logging.getLogger("corpusd.requester")
 
 #: corpus id → (the binding a re-read was for, its new view), waiting for a step boundary
 Staged = dict[str, tuple[CorpusBinding, CorpusView]]
+
+#: a holder a binding marked failed is tried again this long after, if its lease is live by then
+#: (the coordinator's lease is 10 s by default: a dead or stopped holder's has lapsed by then)
+REVIVE_S = 30.0
+
+
+def still_failed(b: CorpusBinding, view: CorpusView, now: float | None = None) -> set[str]:
+    """The addresses of holders ``b`` marked failed that stay failed in ``view`` (a fresh read
+    of the table): those that failed under REVIVE_S ago, and those whose lease ``view`` shows
+    lapsed (excluded); one with no time of failure on record stays failed."""
+    now = time.monotonic() if now is None else now
+    failed_at: dict[str, float] = getattr(b, "failed_at", {})
+    index = {a: i for i, a in enumerate(view.holders)}
+    return {
+        address
+        for address in {b.view.holders[i] for i in b.dead}
+        if now - failed_at.get(address, now) < REVIVE_S or index.get(address) in view.excluded
+    }
 
 
 class Follower(Protocol):
@@ -66,14 +89,18 @@ def adopt(corpora: Mapping[str, CorpusBinding], staged: Staged, only: str | None
             continue
         b, view = got
         if corpora.get(cid) is b:
-            b.view, b.dead = view.without({b.view.holders[i] for i in b.dead})
+            failed = still_failed(b, view)
+            for address in {b.view.holders[i] for i in b.dead} - failed:
+                getattr(b, "failed_at", {}).pop(address, None)  # used again: forgotten
+            b.view, b.dead = view.without(failed)
             n += 1
     return n
 
 
 class TableRefresh:
     """Re-reads the page table of every corpus bound to ``follower`` (``run``); counts
-    ``corpusd_requester_table_rereads_total{result}``: unchanged, changed, failed."""
+    ``corpusd_requester_table_rereads_total{result}``: unchanged, changed, revived (a failed
+    holder used again), failed."""
 
     def __init__(self, follower: Follower, coordinator: CoordinatorClient) -> None:
         self.follower, self.coordinator = follower, coordinator
@@ -98,12 +125,24 @@ class TableRefresh:
                          "coordinator's page table again", cid[:12])  # fmt: skip
             pending = f.staged.get(cid)
             current = pending[1] if pending is not None and pending[0] is b else b.view
-            if view.same_table(current):
+            back = {b.view.holders[i] for i in b.dead} - still_failed(b, view)
+            if view.same_table(current) and not back:
                 f.metrics.rereads.labels("unchanged").inc()
                 continue
             for address in view.holders:  # route transports set up now, not inside a step
                 await f.fanout.route(address)
             f.staged[cid] = (b, view)
+            staged += 1
+            if back:
+                f.metrics.rereads.labels("revived").inc()
+                log.info(
+                    "corpus %s: holders %s failed over %g s ago and hold live leases: used "
+                    "again from the next step",
+                    cid[:12],
+                    sorted(back),
+                    REVIVE_S,
+                )
+                continue
             f.metrics.rereads.labels("changed").inc()
             log.info(
                 "corpus %s's page table changed (%d holders, %d page replicas); adopted at the "
@@ -112,7 +151,6 @@ class TableRefresh:
                 len(view.holders),
                 sum(len(r) for r in view.replicas),
             )
-            staged += 1
         return staged
 
     async def run(self, every_s: Callable[[], float]) -> None:

@@ -1,6 +1,7 @@
 """Re-reading a bound corpus's page table (requester/table_refresh.py): a change of replicas is
 staged and adopted only between steps, an unchanged table (failover's choice aside) is not, and
-holders a binding marked failed stay failed in the new view."""
+holders a binding marked failed stay failed in the new view until REVIVE_S has passed with
+their lease live."""
 
 from __future__ import annotations
 
@@ -106,3 +107,44 @@ def test_a_changed_table_is_staged_and_adopted_between_steps_only() -> None:
     assert w.metrics.rereads.labels("failed")._value.get() == 1
     assert w.metrics.rereads.labels("changed")._value.get() == 1
     assert torch.equal(b.view.page_frame, torch.tensor([0, 11, 2, 13]))
+
+
+def test_a_failed_holder_with_a_live_lease_is_used_again_after_revive_s() -> None:
+    """A holder once failed (a deadline missed under load, or a restart) was avoided for the
+    binding's whole life, the table unchanged: its pages served by the other replica or read
+    from the page store for good. After REVIVE_S, if the table shows its lease live, the re-read
+    stages the view that uses it again; a holder whose lease lapsed stays failed."""
+    import time
+
+    from requester import table_refresh
+
+    two = CorpusView.from_page_table(TWO)  # type: ignore[arg-type]
+    view, dead = two.without({"addr-a"})
+    t_fail = time.monotonic()
+    b = SimpleNamespace(view=view, dead=dead, force=None, from_snapshot=None,
+                        failed_at={"addr-a": t_fail})  # fmt: skip
+
+    async def route(address: str) -> None:
+        pass
+
+    w = Worker.__new__(Worker)
+    w.corpora, w.staged, w._stepping = {"c0": b}, {}, 0  # type: ignore[dict-item]
+    w.metrics, w.fanout = RequesterMetrics(), SimpleNamespace(route=route)  # type: ignore[assignment]
+    co = Coordinator()
+    co.table = TWO
+    r = TableRefresh(w, co)  # type: ignore[arg-type]
+    assert asyncio.run(r.once()) == 0  # failed just now: still avoided
+    assert table_refresh.still_failed(b, two, t_fail + table_refresh.REVIVE_S - 1) == {"addr-a"}
+
+    b.failed_at["addr-a"] = t_fail - table_refresh.REVIVE_S  # as if it failed REVIVE_S ago
+    lapsed_view = CorpusView.from_page_table(  # type: ignore[arg-type]
+        SimpleNamespace(pages=TWO.pages, corpus=CORPUS, address=TWO.address,
+                        holders={"a": SimpleNamespace(live=False), "b": SimpleNamespace(live=True)})
+    )  # fmt: skip
+    assert table_refresh.still_failed(b, lapsed_view) == {"addr-a"}  # its lease lapsed: kept
+    assert asyncio.run(r.once()) == 1  # live lease, REVIVE_S on: staged, the table unchanged
+    assert w.metrics.rereads.labels("revived")._value.get() == 1
+    assert w.adopt_views() == 1
+    assert b.dead == set() and b.failed_at == {}
+    assert set(b.view.page_holder.tolist()) == {0, 1}  # a's pages are served by a again
+    assert asyncio.run(r.once()) == 0  # and then unchanged
