@@ -109,6 +109,25 @@ def cmd_client_env(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prometheus_config(a: argparse.Namespace) -> int:
+    """A Prometheus scrape config for the running ``up``'s metrics ports, to stdout or --out."""
+    from corpusd.prometheus_config import render
+
+    info = env.running_up(a.state_dir)
+    if info is None:
+        raise ValueError(f"no running `corpusd up` in {env.up_dir(a.state_dir)}")
+    text = render(info, a.scrape_interval)
+    if not a.out:
+        print(text, end="")
+        return 0
+    out = Path(a.out)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(out)  # a Prometheus reloading it never reads half a file
+    print(f"wrote {out}: {text.count('job_name')} jobs")
+    return 0
+
+
 def cmd_ps(a: argparse.Namespace) -> int:
     """The daemons of a ``corpusd up``: running or exited, pid, id, address, metrics, uptime."""
     from corpusd import ps
@@ -351,6 +370,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pe.add_argument("--state-dir", default="", help=up_state)
     pe.set_defaults(func=cmd_client_env)
+    pm = sub.add_parser(
+        "prometheus-config",
+        help="a Prometheus scrape config (YAML) for `corpusd up`'s metrics ports: a job per "
+        "role, with up's CA, client certificate and key for the mutual TLS they serve",
+    )
+    pm.add_argument("--state-dir", default="", help=up_state)
+    pm.add_argument("--out", default="", help="write it to this file (default: stdout)")
+    pm.add_argument(
+        "--scrape-interval",
+        default="15s",
+        help="each job's scrape_interval, a Prometheus duration (default 15s)",
+    )
+    pm.set_defaults(func=cmd_prometheus_config)
     px = sub.add_parser(
         "restart", help="restart one daemon of a running `corpusd up` (same ports, credentials)"
     )
