@@ -16,8 +16,9 @@ Each target's ``instance`` label is the daemon's name as ``corpusd ps`` shows it
 
 The ports are this ``up``'s: a later ``up`` picks free ones again unless it was started with
 ``--metrics-ports B``; then the config stays valid across restarts. A restart of one daemon by
-``up``'s supervisor keeps its port. The etcd standby coordinator (``up --state etcd``) is not in
-``up.json`` and so not scraped.
+``up``'s supervisor keeps its port. The etcd standby coordinator of ``up --state etcd``
+(``coordinator-1``) has no metrics port in ``up.json``: it is read from the ``endpoint.json`` in
+its directory, so both coordinators are scraped (``CorpusdNoLeader`` takes the max over them).
 
 The text is YAML written here (the structure is small and fixed; no YAML package needed):
 strings are JSON-quoted, which YAML reads as double-quoted scalars.
@@ -35,14 +36,19 @@ from corpusd.local_ca import LocalCA
 #: role → Prometheus job name (prefixed: the jobs go into an operator's own prometheus.yml)
 JOBS = {"coordinator": "corpusd-coordinator", "holder": "corpusd-holder", "agent": "corpusd-agent"}
 SCRAPE_INTERVAL = "15s"
+#: the directory (and ``corpusd ps`` name) of ``up --state etcd``'s standby coordinator
+STANDBY = "coordinator-1"
 
 
 def targets(info: dict[str, Any]) -> dict[str, list[tuple[str, str]]]:
     """``role → [(instance, host:port), …]`` of the metrics ports in ``up.json``'s ``info``
     (a daemon without one, ``metrics`` -1, is left out). Holders are named ``holder-<i>`` in
-    ``up.json``'s order, as ``up`` names their directories."""
+    ``up.json``'s order, as ``up`` names their directories; an etcd ``up``'s standby
+    coordinator is ``coordinator-1``."""
     out: dict[str, list[tuple[str, str]]] = {role: [] for role in JOBS}
     named = [("coordinator", "coordinator", info["coordinator"])]
+    if "," in str(info["coordinator"].get("address", "")):  # up --state etcd: and a standby
+        named.append(("coordinator", STANDBY, {"metrics": _standby_port(info)}))
     named += [("holder", f"holder-{i}", h) for i, h in enumerate(info["holders"])]
     named.append(("agent", "agent", info["agent"]))
     for role, name, d in named:
@@ -50,6 +56,15 @@ def targets(info: dict[str, Any]) -> dict[str, list[tuple[str, str]]]:
         if port >= 0:
             out[role].append((name, f"127.0.0.1:{port}"))
     return out
+
+
+def _standby_port(info: dict[str, Any]) -> int:
+    """The metrics port in the standby coordinator's ``endpoint.json`` (-1: none yet)."""
+    path = Path(info["state_dir"]) / STANDBY / "endpoint.json"
+    try:
+        return int(json.loads(path.read_text()).get("metrics_port", -1))
+    except (OSError, ValueError, AttributeError):
+        return -1
 
 
 def scrape_configs(info: dict[str, Any], interval: str = SCRAPE_INTERVAL) -> dict[str, Any]:

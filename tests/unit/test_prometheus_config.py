@@ -73,6 +73,20 @@ def test_insecure_up_is_plain_http_and_a_missing_port_is_left_out(tmp_path: Path
     assert all(j["scheme"] == "http" and "tls_config" not in j for j in jobs)
 
 
+def test_an_etcd_up_standby_coordinator_is_scraped_too(tmp_path: Path) -> None:
+    info = up_info(tmp_path, (9200, 9201, 9203))
+    info["coordinator"]["address"] = "127.0.0.1:40000,127.0.0.1:40001"  # up --state etcd
+    (job, *_) = scrape_configs(info)["scrape_configs"]
+    assert [s["labels"]["instance"] for s in job["static_configs"]] == ["coordinator"]  # not yet
+    (tmp_path / "coordinator-1").mkdir()
+    (tmp_path / "coordinator-1" / "endpoint.json").write_text(
+        json.dumps({"address": "127.0.0.1:40001", "metrics_port": 9300, "pid": 1})
+    )
+    (job, *_) = scrape_configs(info)["scrape_configs"]
+    got = [(s["labels"]["instance"], *s["targets"]) for s in job["static_configs"]]
+    assert got == [("coordinator", "127.0.0.1:9200"), ("coordinator-1", "127.0.0.1:9300")]
+
+
 def test_cli_writes_it_for_the_running_up(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
