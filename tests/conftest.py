@@ -1,7 +1,7 @@
 """Shared fixtures: the tiny checkpoint (written once per session) and the transformers oracle;
 a guard that fails any test leaving global state behind; ``--shuffle`` and ``--torch-threads``
-to run a tier in another order and at another thread count (``.ci/run`` does both for the unit
-tier)."""
+to run the suite in another order and at another thread count (``.ci/run`` does both, under
+pytest-xdist)."""
 
 from __future__ import annotations
 
