@@ -206,10 +206,11 @@ def _up_addresses(info: dict[str, Any]) -> set[str]:
 #: every call at once: a client whose daemon was down for a minute went on failing for up to two
 #: more after it was back (found by tools/soak.py). Capped, a daemon that returns is reached
 #: within RECONNECT_BACKOFF_MS (plus gRPC's 20 % jitter).
+#: Not ``grpc.min_reconnect_backoff_ms``: gRPC takes a connection attempt's timeout from it (20 s
+#: by default), and at 250 ms a TLS handshake over a slow link never finished.
 RECONNECT_BACKOFF_MS = 2000
 RECONNECT = (
     ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
 )
 

@@ -59,3 +59,29 @@ def test_a_daemon_back_after_an_outage_is_reached_within_the_capped_backoff() ->
     late = asyncio.run(_late_by([]))
     cap = security.RECONNECT_BACKOFF_MS / 1000
     assert late <= cap * 1.2 + 0.5, f"reached {late:.2f} s after the server came back"
+
+
+def test_a_slow_link_still_connects() -> None:
+    """The cap must not shorten a connection attempt: gRPC takes its connect timeout from
+    ``grpc.min_reconnect_backoff_ms`` (20 s by default). Set to 250 ms, every TLS handshake
+    over a link delayed 0.4 s a chunk failed ("Handshake read failed (Endpoint closing)":
+    7 sessions in the 60-minute soak, each during net_delay:agent)."""
+    from corpusd.testing.tcp_proxy import Proxy
+
+    async def go() -> None:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        proxy = Proxy(f"127.0.0.1:{port}")
+        proxy.set("delay", delay_s=0.4)
+        ch = security.channel(proxy.address, ident=security.Identity())
+        try:
+            stub = health_pb2_grpc.HealthStub(ch)
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=20)
+        finally:
+            proxy.set("pass")
+            await ch.close()
+            await server.stop(None)
+
+    asyncio.run(go())
