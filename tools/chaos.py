@@ -31,7 +31,6 @@ import random
 import signal
 import socket
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -111,17 +110,15 @@ def build(
     from corpusd.coordinator.launch import start_coordinator
     from corpusd.corpus.config import PinConfig
     from corpusd.corpus.pin import pin
+    from corpusd.testing.holders import text_tar
     from holder.launch import start_holder
     from requester.launch import start_agent
 
     store = root / "store"
     # ~1,500 byte tokens: a prefill of seconds on a shared 2-core CPU, 24 pages over 3 holders
     body = "".join(f"line {i}: the quick brown fox {i * 7919 % 1000}\n" for i in range(400))[:1500]
-    with tarfile.open(root / "repo.tar", "w") as tar:
-        info = tarfile.TarInfo("src/main.txt")
-        info.size = len(body.encode())
-        tar.addfile(info, io.BytesIO(body.encode()))
-    cid = pin(PinConfig(corpus=str(root / "repo.tar"), model=str(model), store=str(store)),
+    cid = pin(PinConfig(corpus=str(text_tar(root / "repo.tar", body)), model=str(model),
+                        store=str(store)),
               io.StringIO()).manifest.corpus_id  # fmt: skip
     port = free_port()
     coord_addr = f"127.0.0.1:{port}"

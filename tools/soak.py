@@ -63,7 +63,6 @@ import ssl
 import struct
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -73,6 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from corpusd.testing.holders import text_tar
 from corpusd.testing.tcp_proxy import Proxy
 
 QUESTIONS = [f"\nQ: what is on line {i * 7 % 50}?\nA:" for i in range(8)]
@@ -678,11 +678,8 @@ def _run(a: argparse.Namespace, home: Path, root: Path, argv: list[str] | None) 
     ident = security.identity_from(str(ca.ca), str(ca.cert), str(ca.key), ca.token("admin"))
     store, model = Path(info["store"]), Path(info["model"])
     body = "".join(f"line {i}: the quick brown fox {i * 7919 % 1000}\n" for i in range(400))[:1500]
-    with tarfile.open(home / "repo.tar", "w") as tar:
-        ti = tarfile.TarInfo("src/main.txt")
-        ti.size = len(body.encode())
-        tar.addfile(ti, io.BytesIO(body.encode()))
-    cid = pin(PinConfig(corpus=str(home / "repo.tar"), model=str(model), store=str(store)),
+    cid = pin(PinConfig(corpus=str(text_tar(home / "repo.tar", body)), model=str(model),
+                        store=str(store)),
               io.StringIO()).manifest.corpus_id  # fmt: skip
 
     async def publish() -> None:

@@ -22,6 +22,16 @@ from holder.launch import HolderProcess
 from holder.launch import start_holder as _start
 
 
+def text_tar(path: Path, body: str, name: str = "src/main.txt") -> Path:
+    """A tar at ``path`` holding one text file ``name`` with ``body``; returns ``path``."""
+    data = body.encode()
+    with tarfile.open(path, "w") as tar:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return path
+
+
 def pin_sample(
     tmp: Path, model_dir: Path, tokens: int = 1000, dtype: str = "float32", kv_format: str = "plain"
 ) -> str:
@@ -37,12 +47,7 @@ def pin_sample(
         body += line
         count += len(tok.encode(line))
     body = body[: len(body) * tokens // count]
-    src = tmp / "repo.tar"
-    with tarfile.open(src, "w") as tar:
-        info = tarfile.TarInfo("src/main.txt")
-        data = body.encode()
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
+    src = text_tar(tmp / "repo.tar", body)
     r = pin(
         PinConfig(
             corpus=str(src),
