@@ -67,6 +67,13 @@ T = TypeVar("T")
 #: query rows per ``holder_deadline_s`` of a step's holder call (a decode step of a full batch
 #: is one unit; a long prompt's prefill gets one per this many rows)
 DEADLINE_ROWS = 256
+
+
+def bucket(rows: int) -> int:
+    """The power of two at or above ``rows``: the shapes a holder warms up once each."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
 Offload = Callable[..., Awaitable[Any]]  # (fn, *args) → awaitable of fn(*args), off the loop
 #: (layer, page numbers) → their latent rows ``[len(pages), P, kv_dim]`` as the page store has
 #: them (what a holder loaded): the ``store`` fallback, blocking (run through ``offload``)
@@ -118,7 +125,8 @@ class Fanout(Connections):
         self.predicate, self.metrics, self.offload, self.trace = predicate, metrics, offload, trace
         self.rpc_timeout_s, self.fetch_cache_bytes = rpc_timeout_s, fetch_cache_bytes
         self.holder_deadline_s = holder_deadline_s
-        self.answered: set[str] = set()  # holders that answered a step's call: warmed up
+        # (holder, primitive, row bucket) a step's call answered: that shape is warmed up
+        self.answered: set[tuple[str, str, int]] = set()
         self.step = 0  # the caller's step number, for logs and the trace
         self.drift = Drift(
             profile=predicate.profile.source,
@@ -154,16 +162,23 @@ class Fanout(Connections):
         it (:meth:`Predicate.decide`'s ``fallback``) is counted as a fallback."""
         return counted(self.predicate.decide(shape), self.metrics)
 
-    def deadline(self, address: str, rows: int) -> float:
-        """Seconds a step's call of ``rows`` query rows to ``address`` may take before the
-        holder counts as failed: ``holder_deadline_s`` per DEADLINE_ROWS rows (at least once),
-        capped by ``rpc_timeout_s``; ``rpc_timeout_s`` alone for a holder's first call (its
-        kernels and graphs warm up) or with no deadline set. A SIGKILLed holder refuses at
-        once; a stopped one accepts and never answers, and only this bounds its stall."""
-        if self.holder_deadline_s is None or address not in self.answered:
+    def deadline(self, address: str, rows: int, pick: str = "route") -> float:
+        """Seconds a step's ``pick`` call of ``rows`` query rows to ``address`` may take before
+        the holder counts as failed: ``holder_deadline_s`` per DEADLINE_ROWS rows (at least
+        once), capped by ``rpc_timeout_s``. ``rpc_timeout_s`` alone with no deadline set, or
+        until the holder has answered a call of this primitive and row bucket (:func:`bucket`):
+        a holder's kernels compile and its graphs capture per shape, and on a GPU a new shape's
+        first call takes seconds on a healthy holder (it failed two GPU workers over to local
+        recompute before). A SIGKILLed holder refuses at once; a stopped one accepts and never
+        answers, and only this bounds its stall."""
+        if self.holder_deadline_s is None or (address, pick, bucket(rows)) not in self.answered:
             return self.rpc_timeout_s
         scaled = self.holder_deadline_s * max(1.0, rows / DEADLINE_ROWS)
         return min(self.rpc_timeout_s, scaled)
+
+    def warmed(self, address: str, rows: int, pick: str) -> None:
+        """``address`` answered a ``pick`` call of ``rows`` rows: later ones get the deadline."""
+        self.answered.add((address, pick, bucket(rows)))
 
     def failed(self, e: grpc.aio.AioRpcError | StatusError) -> tuple[grpc.StatusCode, str]:
         """Count a failed holder call (by status) and return its status and message."""
@@ -336,7 +351,7 @@ class CorpusBinding(CorpusIndexer):
             return await self._recover(call, g, decision.pick, e, tries)
         took = time.perf_counter() - t0
         if decision.pick in ("route", "fetch"):
-            self.engine.answered.add(g.address)
+            self.engine.warmed(g.address, len(g.keep), decision.pick)
         self.engine.record(call.layer, g, decision, took, forced)
         if decision.pick == "route":
             self.speed.observe(g.address, int((g.canon >= 0).sum()), took)
@@ -420,7 +435,7 @@ class CorpusBinding(CorpusIndexer):
                 geo.canonical(qg, og, geo.d_v),
                 g.rows,
                 scale,
-                timeout=self.engine.deadline(g.address, len(qg)),
+                timeout=self.engine.deadline(g.address, len(qg), "route"),
             )
             return part.o, part.lse
         uniq = g.canon[g.canon >= 0].unique()
@@ -453,7 +468,7 @@ class CorpusBinding(CorpusIndexer):
         missing = self.pages.missing(layer, pages)
         if missing:
             lat = await self.pull(
-                layer, g.address, missing, self.engine.deadline(g.address, len(g.keep))
+                layer, g.address, missing, self.engine.deadline(g.address, len(g.keep), "fetch")
             )
             self.pages.put(layer, missing, lat.to(self.geo.dtype))
         return self.pages.rows(layer, uniq)

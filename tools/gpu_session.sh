@@ -8,7 +8,7 @@
 #   bash tools/gpu_session.sh bad-binding    # issue 17: the pytest -m sglang bad-input test (~5 min)
 #   bash tools/gpu_session.sh predicate      # issue 17: forced route, forced fetch and auto, host path,
 #                                            #   8 teacher-forced steps a request = 64 (~9 min)
-#   bash tools/gpu_session.sh device-tests   # the GPU kernel, fp8 and device-path tests (~3 min)
+#   bash tools/gpu_session.sh device-tests   # pytest -m gpu tests/gpu, then the device-path tests (~5 min)
 #   bash tools/gpu_session.sh ttft           # issue 17: first token under 64 arrivals, per prefill (~3 min)
 #   bash tools/gpu_session.sh layer          # issue 17: the corpus path per layer, top-k variants (~2 min)
 #   bash tools/gpu_session.sh pin-check      # issue 18: GPU pin + kernel tests, index-score launch sweep (~3 min)
@@ -17,14 +17,16 @@
 #                                            #   its strict-xfail control, ~4 min: pytest -k control)
 #   bash tools/gpu_session.sh engine-agree   # issue 18: route on engine-true pages vs stock, fitted (~9 min)
 #   bash tools/gpu_session.sh fp8            # issue 18: fp8 GPU tests, then bench_sglang on fp8 (~8 min)
-#   bash tools/gpu_session.sh diag           # issue 36: layer-by-layer diff and the noise floor, the
-#                                            #   held-out-like 128-head x 4-layer random model (~9 min)
+#   bash tools/gpu_session.sh diag-layer     # issue 36: layer-by-layer diff, stock vs route, on the
+#                                            #   held-out-like 128-head x 4-layer random model (~5 min)
+#   bash tools/gpu_session.sh diag-floor     # issue 36: route vs stock beside stock's own noise floor,
+#                                            #   the same model (~5 min; reuses diag-layer's pin when warm)
 #   bash tools/gpu_session.sh share          # issue 35: equal-HBM bench, 2 workers + holder on one GPU;
 #                                            #   SHARE_FRACTIONS=0.5 then 0.25,1,2 in two calls (~6-9 min each)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag | share"}
-case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag|share) ;;
+step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | share"}
+case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|share) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
@@ -88,9 +90,8 @@ predicate)  # the JSON is saved after every mode, so a cut-short run keeps what 
     took predicate $?
     tail -14 "$OUT/sglang-predicate64-$GPU.log" ;;
 device-tests)  # after a change to the kernels or the device path that CPU CI cannot run
-    timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_fp8.py \
-        > "$OUT/gpu-kernel-tests.log" 2>&1
-    took "gpu kernel + fp8 tests" $?
+    timeout 330 python3 -m pytest -q -rs -m gpu tests/gpu > "$OUT/gpu-kernel-tests.log" 2>&1
+    took "pytest -m gpu tests/gpu" $?
     tail -2 "$OUT/gpu-kernel-tests.log"
     timeout 200 python3 -m pytest -q -m sglang tests/sglang/test_sglang_device_gpu.py \
         > "$OUT/device-path-gpu-tests.log" 2>&1
@@ -149,7 +150,7 @@ fp8)
         --out "$OUT/sglang-fp8-$GPU.json" > "$OUT/sglang-fp8-$GPU.log" 2>&1
     took "fp8 bench" $?
     grep "^holders:" "$OUT/sglang-fp8-$GPU.log"; tail -10 "$OUT/sglang-fp8-$GPU.log" ;;
-diag)  # 128 heads, 4 layers, hidden 1024, q LoRA 384, seed 20261127, random weights; stdlib corpus
+diag-layer|diag-floor)  # 128 heads, 4 layers, hidden 1024, q LoRA 384, seed 20261127, random weights
     python3 - <<'PY'
 from pathlib import Path
 from corpusd.model.tiny import init_tiny
@@ -160,17 +161,21 @@ if not Path("/tmp/d36/model/config.json").exists():
               mlp_layer_types=("dense", "sparse", "sparse", "sparse"), index_arith="fp8")
 stdlib_corpus(Path("/tmp/d36/src"), 3683)
 PY
-    timeout 280 python3 -m tools.diag_layer_diff --model /tmp/d36/model --corpus-dir /tmp/d36/src \
-        --holder-device cuda:0 --requests 4 --steps 4 --pin-engine --work /tmp/d36/diag \
-        --out "$OUT/diag-layer-diff-$GPU.json" > "$OUT/diag-layer-diff-$GPU.log" 2>&1
-    took diag_layer_diff $?
-    tail -15 "$OUT/diag-layer-diff-$GPU.log"
-    timeout 290 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
-        --tokens 16 --forced-steps 8 --holder-device cuda:0 --pin-engine --dump --no-cuda-graph \
-        --fit-steps 0 --work /tmp/d36 --out "$OUT/sglang-floor-128h-$GPU.json" \
-        > "$OUT/sglang-floor-128h-$GPU.log" 2>&1
-    took "bench_sglang floor" $?
-    tail -16 "$OUT/sglang-floor-128h-$GPU.log" ;;
+    if [ "$step" = diag-layer ]; then
+        timeout 570 python3 -m tools.diag_layer_diff --model /tmp/d36/model --corpus-dir /tmp/d36/src \
+            --holder-device cuda:0 --requests 4 --steps 4 --pin-engine --work /tmp/d36/diag \
+            --out "$OUT/diag-layer-diff-$GPU.json" > "$OUT/diag-layer-diff-$GPU.log" 2>&1
+        took diag_layer_diff $?
+        cp /tmp/d36/diag/*.log "$OUT/" 2>/dev/null
+        tail -15 "$OUT/diag-layer-diff-$GPU.log"
+    else
+        timeout 570 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
+            --tokens 16 --forced-steps 8 --holder-device cuda:0 --pin-engine --dump --no-cuda-graph \
+            --fit-steps 0 --work /tmp/d36 --out "$OUT/sglang-floor-128h-$GPU.json" \
+            > "$OUT/sglang-floor-128h-$GPU.log" 2>&1
+        took "bench_sglang floor" $?
+        tail -16 "$OUT/sglang-floor-128h-$GPU.log"
+    fi ;;
 share)  # the model and pin stay in /tmp/bsh: the second call on a warm machine reuses the model
     fr=${SHARE_FRACTIONS:-0.5}; SHARE_ARGS=${SHARE_ARGS:-}
     timeout 580 python3 -m tools.bench_share --servers 2 --fractions "$fr" --work /tmp/bsh $SHARE_ARGS \

@@ -59,6 +59,16 @@ async def main(model_dir: str, store_dir: str, cid: str, address: str) -> dict[s
         await w.generate(sessions)
         out[f"generate_{t}_s"] = time.perf_counter() - t0
         got[t] = ([s.generated for s in sessions], [torch.stack(s.logits or []) for s in sessions])
+    # a failed-over holder call recomputes locally: the same tokens, other bits
+    out["holder_errors"] = {
+        t: {
+            m.labels["kind"]: m.value
+            for f in w.metrics.errors.collect()
+            for m in f.samples
+            if m.name.endswith("_total") and m.value
+        }
+        for t, w in workers.items()
+    }
     out["tokens"] = got["nvshmem"][0]
     out["tokens_equal"] = got["grpc"][0] == got["nvshmem"][0]
     out["logits_equal"] = all(

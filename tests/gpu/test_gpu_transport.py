@@ -123,6 +123,7 @@ def test_decode_worker_routes_over_nvshmem_to_a_live_holder(tmp_path: Path, tiny
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"holder kernel {kernel}; worker: {json.dumps(out)}")
         assert out["routes"] == {"grpc": "grpc", "nvshmem": "nvshmem"}, out
+        assert out["holder_errors"] == {"grpc": {}, "nvshmem": {}}, out
         assert out["tokens_equal"] and out["logits_equal"], out
         assert all(out["partials_equal"]), out
         assert out["bad_rows"] == {"grpc": "OUT_OF_RANGE", "nvshmem": "OUT_OF_RANGE"}, out

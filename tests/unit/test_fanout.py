@@ -370,3 +370,40 @@ def test_a_forced_primitive_that_cannot_serve_a_group_falls_back_counted() -> No
     assert auto.pick == "route" and auto.fallback is None  # fetch and local: cost inf
     fits = Predicate(Profile(), "fetch").decide(replace(shape, fetch_ok=True))
     assert (fits.pick, fits.fallback) == ("fetch", None)  # forced and possible: obeyed
+
+
+class TimedRoute(FakeRoute):
+    """A FakeRoute that records the timeout each call was given."""
+
+    def __init__(self, pool: torch.Tensor, d_v: int) -> None:
+        super().__init__(pool, d_v)
+        self.timeouts: list[float | None] = []
+
+    async def attend_rows(
+        self, corpus_id: str, layer: int, q: torch.Tensor, rows: torch.Tensor, scale: float,
+        timeout: float | None = None,
+    ) -> Partial:  # fmt: skip
+        self.timeouts.append(timeout)
+        return await super().attend_rows(corpus_id, layer, q, rows, scale, timeout)
+
+
+def test_the_holder_deadline_waits_out_each_new_shapes_warm_up() -> None:
+    """The holder deadline (``--holder-deadline-s``) bounds a stopped holder's stall, and must
+    not fail over a healthy one that compiles a kernel or captures a graph for a row count it
+    has not served: on two H200s a 1 s deadline sent a GPU worker's calls of a new shape to
+    local recompute (the same tokens, other bits). A call of a row bucket the holder answered
+    before gets the deadline; the first of each new bucket gets ``rpc_timeout_s``."""
+    rows, _, _ = inputs(0)
+    view, fakes = placed(rows, ("a",), [[0] for _ in range(6)])
+    route = TimedRoute(fakes["a"].pool, GEO.d_v)
+    f = Fanout(Predicate(Profile(), "route"), RequesterMetrics(), holder_deadline_s=0.5)
+    f.routes["a"] = route  # type: ignore[assignment]
+    f.clients["a"] = route  # type: ignore[assignment]
+    b = CorpusBinding(f, view, GEO)
+    for n in (2, 2, 40, 40, 3):
+        _, q, canon = inputs(n, n=n)
+        run(b.attend(0, q, canon))
+    # 2 rows: warm-up, then the deadline; 40 rows: a new bucket warms up again; 3 rows: bucket
+    # 4, new again
+    assert route.timeouts == [60.0, 0.5, 60.0, 0.5, 60.0], route.timeouts
+    assert sum(m.value for m in f.metrics.errors.collect()[0].samples) == 0
