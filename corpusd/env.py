@@ -179,6 +179,12 @@ VARIABLES: tuple[Var, ...] = (
         low=0, also=(-1.0,),
         expect="seconds between re-reads of a bound corpus's page table, a number > 0; 0 or "
         "unset: the coordinator's lease / 3; -1: never"),
+    Var("CORPUSD_SGLANG_HOLDER_DEADLINE_S", "float",
+        "SGLang plugin, host path: a decode step's call to a holder that has answered that shape "
+        "before waits this long per 256 query rows; past it the holder counts as failed and its "
+        "rows fail over (replica, page store, local); `0`: no deadline but the call timeout",
+        default="1", low=0,
+        expect="seconds, a number >= 0 (0: only the 60 s call timeout)"),
     Var("CORPUSD_SGLANG_PROFILE", "path",
         "SGLang plugin: the calibration profile (`corpusd calibrate`) its predicate uses",
         shown="`$CORPUSD_HOME/profile.json` if present",

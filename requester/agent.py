@@ -42,6 +42,10 @@ log = logging.getLogger("corpusd.agent")
 Code = grpc.StatusCode
 #: ended sessions remembered, so a call on one says why it is gone (expired, closed, ...)
 ENDED_KEPT = 4096
+#: characters of text a prompt may have per token of ``--max-prompt-tokens``: past it the text
+#: is refused unread (tokenizers average 1 to about 6 characters a token; 64 leaves room for
+#: runs of whitespace that some vocabularies hold as one token)
+TEXT_CHARS_PER_TOKEN = 64
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _INTS = (torch.int32, torch.int64)
 
@@ -250,7 +254,11 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         which = request.WhichOneof("prompt")
         if which is None:
             raise Reject(Code.INVALID_ARGUMENT, "prompt: give text or tokens")
-        prompt = list(request.tokens.ids) if which == "tokens" else self.tok.encode(request.text)
+        if which == "tokens":
+            self.check_prompt_size(len(request.tokens.ids))  # before a Python int per id
+            prompt = list(request.tokens.ids)
+        else:
+            prompt = self.encode(request.text)
         s, st = await self.open_session(request.corpus, prompt)
         return agent_pb2.OpenSessionResponse(
             session_id=s.id,
@@ -260,6 +268,33 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             corpus_id=st.view.corpus_id,
         )
 
+    def check_prompt_size(self, tokens: int) -> None:
+        """Refuse a prompt of ``tokens`` tokens over ``--max-prompt-tokens``, before it is built:
+        a refused prompt of millions of ids made into Python ints left the agent's heap larger
+        after every such request (the fuzz run's RSS growth)."""
+        if tokens > self.cfg.max_prompt_tokens:
+            raise Reject(
+                Code.INVALID_ARGUMENT,
+                f"prompt: {tokens} tokens; this agent takes at most {self.cfg.max_prompt_tokens} "
+                "(--max-prompt-tokens)",
+            )
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids. A text longer than TEXT_CHARS_PER_TOKEN characters per token
+        ``--max-prompt-tokens`` allows is refused unread (INVALID_ARGUMENT), as an id list over
+        the limit is."""
+        limit = self.cfg.max_prompt_tokens * TEXT_CHARS_PER_TOKEN
+        if len(text) > limit:
+            raise Reject(
+                Code.INVALID_ARGUMENT,
+                f"prompt: {len(text):,} characters; this agent reads at most {limit:,} "
+                f"({TEXT_CHARS_PER_TOKEN} per token of --max-prompt-tokens "
+                f"{self.cfg.max_prompt_tokens})",
+            )
+        ids = self.tok.encode(text)
+        self.check_prompt_size(len(ids))
+        return ids
+
     async def open_session(self, corpus: str, prompt: list[int]) -> tuple[Session, CorpusBinding]:
         """Fork ``corpus`` (id, name or id prefix) with the token ids ``prompt`` after it: what
         OpenSession and the HTTP API's requests do. Raises Reject (every refusal OpenSession
@@ -267,12 +302,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         cfg = self.cfg
         if not prompt:
             raise Reject(Code.INVALID_ARGUMENT, "prompt: empty; a session needs at least a token")
-        if len(prompt) > cfg.max_prompt_tokens:
-            raise Reject(
-                Code.INVALID_ARGUMENT,
-                f"prompt: {len(prompt)} tokens; this agent takes at most {cfg.max_prompt_tokens} "
-                "(--max-prompt-tokens)",
-            )
+        self.check_prompt_size(len(prompt))
         vocab = self.worker.mcfg.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:

@@ -191,8 +191,11 @@ class OpenAIApi:
                 req.max_tokens, req.temperature, req.top_p, req.stop_token_ids, req.seed
             )
             text = chat_text(req.messages, self.deepseek) if chat else req.prompt
-            prompt = svc.tok.encode(text) if isinstance(text, str) else text
             where = "messages" if chat else "prompt"
+            try:
+                prompt = svc.encode(text) if isinstance(text, str) else text
+            except Exception as e:
+                raise api_error(e, where) from None
             session, _ = await _or_param(svc.open_session(req.corpus, prompt), where)
         except Exception as e:
             return self._refused(path, api_error(e))

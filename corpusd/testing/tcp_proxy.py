@@ -26,6 +26,7 @@ class Proxy:
         self.accepted = 0  # connections taken, whatever became of them
         self.upstream_errors: Counter[str] = Counter()
         self.loop = asyncio.new_event_loop()
+        self.server: asyncio.Server
         ready = threading.Event()
         self.address = ""
 
@@ -33,7 +34,7 @@ class Proxy:
             asyncio.set_event_loop(self.loop)
 
             async def start() -> None:
-                srv = await asyncio.start_server(self._conn, "127.0.0.1", listen)
+                srv = self.server = await asyncio.start_server(self._conn, "127.0.0.1", listen)
                 self.address = f"127.0.0.1:{srv.sockets[0].getsockname()[1]}"
                 ready.set()
 
@@ -48,6 +49,17 @@ class Proxy:
         self.mode, self.delay_s = mode, delay_s
         if mode == "reset":
             self.loop.call_soon_threadsafe(self._reset_all)
+
+    def close(self) -> None:
+        """Stop listening and reset every connection; the proxy's thread ends."""
+        self.mode = "reset"
+
+        def stop() -> None:
+            self._reset_all()
+            self.server.close()
+            self.loop.stop()
+
+        self.loop.call_soon_threadsafe(stop)
 
     def _reset_all(self) -> None:
         for w in list(self.conns):

@@ -32,6 +32,7 @@ class PluginConfig:
     primitive: str = _from("CORPUSD_SGLANG_PRIMITIVE")
     page_cache_mb: int = _from("CORPUSD_SGLANG_PAGE_CACHE_MB")
     table_refresh_s: float = _from("CORPUSD_SGLANG_TABLE_REFRESH_S")
+    holder_deadline_s: float = _from("CORPUSD_SGLANG_HOLDER_DEADLINE_S")
     profile: Path | None = _from("CORPUSD_SGLANG_PROFILE")  # noqa: RUF009 (a field())
     metrics_port: int | None = _from("CORPUSD_SGLANG_METRICS_PORT")
     trace: Path | None = _from("CORPUSD_SGLANG_TRACE")  # noqa: RUF009 (a field())
@@ -57,6 +58,10 @@ class PluginConfig:
         if not (self.table_refresh_s >= 0 or self.table_refresh_s == -1):
             raise ValueError(
                 f"corpusd plugin: table_refresh_s must be >= 0 or -1, got {self.table_refresh_s}"
+            )
+        if not self.holder_deadline_s >= 0:
+            raise ValueError(
+                f"corpusd plugin: holder_deadline_s must be >= 0, got {self.holder_deadline_s}"
             )
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ValueError(f"corpusd plugin: metrics_port {self.metrics_port}: 1-65535")

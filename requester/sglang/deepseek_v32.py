@@ -121,6 +121,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             cache_bytes=cfg.cache_bytes,
             store=str(cfg.store) if cfg.store is not None else None,
             table_refresh_s=cfg.table_refresh_s,
+            holder_deadline_s=cfg.holder_deadline_s or None,
         )
         if cfg.metrics_port is not None:
             serve(metrics, cfg.metrics_port)

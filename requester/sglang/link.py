@@ -37,7 +37,8 @@ class CorpusLink:
     (default: route, the defaults' profile); fetch keeps pages in a page cache of
     ``cache_bytes`` on the queries' device. ``store``: a page store this process can read, or
     None. ``table_refresh_s``: how often bound page tables are re-read (0: the coordinator's
-    lease / 3; -1: never)."""
+    lease / 3; -1: never). ``holder_deadline_s``: the fan-out's deadline for a warmed-up holder
+    (:meth:`requester.fanout.Fanout.deadline`; None: the call timeout only)."""
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class CorpusLink:
         cache_bytes: int = 0,
         store: str | None = None,
         table_refresh_s: float = 0.0,
+        holder_deadline_s: float | None = None,
     ) -> None:
         self.metrics = chooser.metrics if chooser is not None else PluginMetrics()
         self.chooser = chooser or Chooser(Predicate(Profile(), "route"), self.metrics)
@@ -57,7 +59,7 @@ class CorpusLink:
         # decides every planned group. Its trace is the chooser's (the step each was made in).
         fanout = Fanout(
             Predicate(Profile(), "route"), self.metrics, transport="grpc", rpc_timeout_s=timeout,
-            trace=self.chooser.trace,
+            holder_deadline_s=holder_deadline_s, trace=self.chooser.trace,
         )  # fmt: skip
         self.catalog = CorpusCatalog(
             fanout, coordinator, cfg, fingerprint, page_size, timeout, store, table_refresh_s

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from corpusd.corpus.store import PageStore
 from corpusd.kernels.reference import partial_attention
 from corpusd.model import ModelConfig, fingerprint
 from corpusd.testing.numeric import rel
+from corpusd.testing.tcp_proxy import Proxy
 from indexer.fp8 import hadamard
 from requester.predicate import Predicate, Profile
 from requester.sglang.binding import CorpusBindingError
@@ -144,6 +146,44 @@ def test_link_attend_fails_over_like_the_worker_when_a_holder_call_fails(
     finally:
         link.close()
     assert fallbacks == 1
+    assert torch.equal(failed_over[0], want[0]) and torch.equal(failed_over[1], want[1])
+
+
+def test_link_fails_a_silent_holder_over_at_the_holder_deadline(
+    cluster: Cluster, tiny_dir: Path
+) -> None:
+    """A holder that accepts and never answers (SIGSTOPped, or a partition): the plugin's calls
+    to it, once it has answered that shape, wait ``CORPUSD_SGLANG_HOLDER_DEADLINE_S`` (here
+    0.5 s), not the 60 s call timeout; its rows then go where the page table says, with the same
+    bits. Proxies stand in front of the holders, and the partition is theirs."""
+    cfg = ModelConfig.from_dir(tiny_dir)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(2, cfg.num_attention_heads, cfg.kv_dim, generator=g).bfloat16()
+    pos = torch.randint(-1, TOKENS, (2, 30), generator=g)
+    link = CorpusLink(cluster.coord.address, cfg, fingerprint(tiny_dir), 64, holder_deadline_s=0.5)
+    proxies: list[Proxy] = []
+    try:
+        b = link.bind(cluster.corpus_id)
+        link.attend(b, 0, q, pos, cfg.softmax_scale)  # the binding's view is made
+        binding = link.corpora[cluster.corpus_id]
+        view = binding.view
+        proxies = [Proxy(h) for h in view.holders]
+        binding.view = replace(view, holders=tuple(p.address for p in proxies))
+        want = link.attend(b, 0, q, pos, cfg.softmax_scale)  # warms the shape up via the proxies
+        for p in proxies:
+            p.set("drop")
+        t0 = time.monotonic()
+        failed_over = link.attend(b, 0, q, pos, cfg.softmax_scale)
+        stalled = time.monotonic() - t0
+        assert binding.view.holders == view.holders  # the table's, past the proxies
+        fallbacks = link.fanout.metrics.fallbacks.labels("route", "table")._value.get()
+        errors = link.fanout.metrics.errors.labels("DEADLINE_EXCEEDED")._value.get()
+    finally:
+        link.close()
+        for p in proxies:
+            p.close()
+    assert stalled < 5.0, f"a silent holder stalled the call {stalled:.1f} s"
+    assert fallbacks == 1 and errors >= 1
     assert torch.equal(failed_over[0], want[0]) and torch.equal(failed_over[1], want[1])
 
 

@@ -406,4 +406,4 @@ def test_the_holder_deadline_waits_out_each_new_shapes_warm_up() -> None:
     # 2 rows: warm-up, then the deadline; 40 rows: a new bucket warms up again; 3 rows: bucket
     # 4, new again
     assert route.timeouts == [60.0, 0.5, 60.0, 0.5, 60.0], route.timeouts
-    assert sum(m.value for m in f.metrics.errors.collect()[0].samples) == 0
+    assert sum(m.value for fam in f.metrics.errors.collect() for m in fam.samples) == 0
