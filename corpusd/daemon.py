@@ -30,9 +30,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 
-from corpusd import security
+from corpusd import env, heap, security
 from corpusd.rpc import DecodeGuard
 
 
@@ -288,6 +288,7 @@ async def listen(
         raise PortInUse(f"--port {port}: cannot listen on {host}:{port} (in use?)")
     mport = -1
     if metrics_port >= 0:
+        watch_process(registry)
         try:
             httpd, _ = start_http_server(
                 metrics_port, addr=host, registry=registry, **sec.metrics_tls
@@ -296,9 +297,17 @@ async def listen(
             raise PortInUse(f"--metrics-port {metrics_port}: {e.strerror}") from None
         mport = httpd.server_address[1]
     await server.start()
+    heap.start_trimming(env.get("CORPUSD_MALLOC_TRIM_S"))
     for name in (service, ""):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     return Listening(server, health, bound, mport, sec.scheme)
+
+
+def watch_process(registry: CollectorRegistry) -> None:
+    """The process's own gauges on ``registry``: prometheus_client's ``process_*`` (RSS, open
+    fds, CPU) and glibc's heap (``corpusd_heap_bytes``: in use against kept free)."""
+    ProcessCollector(registry=registry)
+    registry.register(heap.HeapCollector())
 
 
 def write_endpoint(state_dir: Path, endpoint: dict[str, Any]) -> None:

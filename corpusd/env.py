@@ -139,6 +139,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("CORPUSD_COORDINATOR", "str",
         "coordinator address (host:port) when `--coordinator` is not given",
         shown="the one `corpusd up` runs, if any"),
+    Var("CORPUSD_MALLOC_TRIM_S", "float",
+        "every daemon hands glibc's free heap pages back to the system this often (seconds; "
+        "`0`: never); its heap is `corpusd_heap_bytes{state}` on /metrics",
+        default="30", low=0, expect="seconds, a number >= 0 (0: never)"),
     Var("CORPUSD_TLS_CA", "path",
         "PEM CA every peer's certificate must chain to; with it, clients speak TLS",
         shown="a running secure `corpusd up`'s, for loopback addresses"),
