@@ -185,8 +185,9 @@ VARIABLES: tuple[Var, ...] = (
         "unset: the coordinator's lease / 3; -1: never"),
     Var("CORPUSD_SGLANG_HOLDER_DEADLINE_S", "float",
         "SGLang plugin, host path: a decode step's call to a holder that has answered that shape "
-        "before waits this long per 256 query rows; past it the holder counts as failed and its "
-        "rows fail over (replica, page store, local); `0`: no deadline but the call timeout",
+        "before waits this long per 256 query rows; past it, one that does not answer a health "
+        "check within 0.5 s counts as failed and its rows fail over (replica, page store, "
+        "local); `0`: no deadline but the call timeout",
         default="1", low=0,
         expect="seconds, a number >= 0 (0: only the 60 s call timeout)"),
     Var("CORPUSD_SGLANG_PROFILE", "path",

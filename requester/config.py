@@ -36,10 +36,11 @@ class WorkerConfig:
     holder_deadline_s: float = field(
         default=1.0,
         metadata={
-            "help": "a decode step's call to a holder that has answered before (route or "
-            "fetch) waits this long per 256 query rows, at least this long; past it the holder "
-            "counts as failed and its rows fail over (replica, page store, local), so a "
-            "stopped holder stalls its sessions about this long"
+            "help": "a decode step's call to a holder that has answered that shape before "
+            "(route or fetch) waits this long per 256 query rows, at least this long; past it, "
+            "a holder that does not answer a health check within 0.5 s counts as failed and "
+            "its rows fail over (replica, page store, local), so a stopped holder stalls its "
+            "sessions about this long plus 0.5 s"
         },
     )
     profile: str = field(

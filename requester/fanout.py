@@ -67,6 +67,8 @@ T = TypeVar("T")
 #: query rows per ``holder_deadline_s`` of a step's holder call (a decode step of a full batch
 #: is one unit; a long prompt's prefill gets one per this many rows)
 DEADLINE_ROWS = 256
+#: seconds a holder past its deadline gets to answer a health check (:meth:`Fanout.bounded`)
+PROBE_S = 0.5
 
 
 def bucket(rows: int) -> int:
@@ -175,6 +177,35 @@ class Fanout(Connections):
             return self.rpc_timeout_s
         scaled = self.holder_deadline_s * max(1.0, rows / DEADLINE_ROWS)
         return min(self.rpc_timeout_s, scaled)
+
+    async def bounded(
+        self, address: str, rows: int, pick: str, call: Callable[[float], Awaitable[T]]
+    ) -> T:
+        """``await call(timeout)`` for a step's ``pick`` call of ``rows`` rows to ``address``,
+        with the holder deadline (:meth:`deadline`) as a suspicion, not a verdict: past it the
+        holder's health service is asked (PROBE_S); one that answers is busy, not stopped (a
+        GPU holder compiling a kernel for a new shape, a loaded machine), and the call goes on,
+        up to ``rpc_timeout_s``. One that does not answer either is stopped or cut off: the
+        call is cancelled and raises StatusError DEADLINE_EXCEEDED, and its rows fail over."""
+        deadline = self.deadline(address, rows, pick)
+        if deadline >= self.rpc_timeout_s:
+            return await call(self.rpc_timeout_s)
+        task = asyncio.ensure_future(call(self.rpc_timeout_s))
+        give_up = time.monotonic() + self.rpc_timeout_s
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=deadline)
+            if done:
+                return task.result()
+            if time.monotonic() < give_up and await self.client(address).alive(PROBE_S):
+                self.metrics.slow_calls.labels(pick).inc()
+                continue
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise StatusError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"holder {address}: no {pick} reply within {deadline:g} s, and no answer to "
+                f"a health check within {PROBE_S:g} s (stopped or cut off?)",
+            )
 
     def warmed(self, address: str, rows: int, pick: str) -> None:
         """``address`` answered a ``pick`` call of ``rows`` rows: later ones get the deadline."""
@@ -429,14 +460,13 @@ class CorpusBinding(CorpusIndexer):
         qg, og = call.q[g.keep], call.offsets[g.keep]
         if pick == "route":
             route = await self.engine.route(g.address)
-            part = await route.attend_rows(
-                self.corpus_id,
-                layer,
-                geo.canonical(qg, og, geo.d_v),
-                g.rows,
-                scale,
-                timeout=self.engine.deadline(g.address, len(qg), "route"),
-            )
+            q = geo.canonical(qg, og, geo.d_v)
+            part = await self.engine.bounded(
+                g.address, len(qg), "route",
+                lambda timeout: route.attend_rows(
+                    self.corpus_id, layer, q, g.rows, scale, timeout=timeout
+                ),
+            )  # fmt: skip
             return part.o, part.lse
         uniq = g.canon[g.canon >= 0].unique()
         if pick == "fetch":
@@ -467,9 +497,10 @@ class CorpusBinding(CorpusIndexer):
         pages = (uniq // self.view.page_size).unique().tolist()
         missing = self.pages.missing(layer, pages)
         if missing:
-            lat = await self.pull(
-                layer, g.address, missing, self.engine.deadline(g.address, len(g.keep), "fetch")
-            )
+            lat = await self.engine.bounded(
+                g.address, len(g.keep), "fetch",
+                lambda timeout: self.pull(layer, g.address, missing, timeout),
+            )  # fmt: skip
             self.pages.put(layer, missing, lat.to(self.geo.dtype))
         return self.pages.rows(layer, uniq)
 

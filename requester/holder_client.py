@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from corpusd import security
 from corpusd.transport import cuda_ipc
@@ -43,6 +45,17 @@ class HolderClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+    async def alive(self, timeout: float) -> bool:
+        """Whether the holder's health service answers within ``timeout`` seconds (SERVING or
+        not: a draining holder is alive). A stopped process, or a cut link, does not."""
+        try:
+            await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return True
 
     async def attend_rows(
         self,

@@ -88,6 +88,12 @@ class RequesterMetrics(Metrics):
             "replicated pages are spread",
             ["holder"],
         )
+        self.slow_calls = self.counter(
+            "slow_calls",
+            "holder calls past the holder deadline whose holder answered a health check (busy, "
+            "not stopped): waited for, not failed over",
+            ["primitive"],
+        )
         self.fallbacks = self.counter(
             "fallbacks", "groups recomputed another way after a failure", ["from", "to"]
         )

@@ -83,7 +83,11 @@ class NvshmemRoute:
                             self._break(f"OpenStream: {e.details()}")
                         raise StatusError(e.code(), e.details() or "") from None
                     pending = self.client.attend(qd[a:b], idx[a:b])
-                    await self._wait(pending.done, deadline)
+                    try:
+                        await self._wait(pending.done, deadline)
+                    except asyncio.CancelledError:  # the fan-out gave up on the holder
+                        self._break("a call was cancelled with its reply outstanding")
+                        raise
                     try:
                         pending.check()
                     except RemoteRowError as e:

@@ -103,7 +103,6 @@ def slow_prefill_s(value: str | None) -> float | None:
     return seconds
 
 
-
 def log_triton_compiles() -> bool:
     """Log every Triton kernel compiled in this process from now on, with its specialisation
     (module, kernel, argument types and value classes: Triton compiles a kernel again for an

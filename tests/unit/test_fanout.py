@@ -6,6 +6,7 @@ is the corpus unavailable. The same engine serves corpusd's worker and the SGLan
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -395,15 +396,73 @@ def test_the_holder_deadline_waits_out_each_new_shapes_warm_up() -> None:
     before gets the deadline; the first of each new bucket gets ``rpc_timeout_s``."""
     rows, _, _ = inputs(0)
     view, fakes = placed(rows, ("a",), [[0] for _ in range(6)])
-    route = TimedRoute(fakes["a"].pool, GEO.d_v)
     f = Fanout(Predicate(Profile(), "route"), RequesterMetrics(), holder_deadline_s=0.5)
-    f.routes["a"] = route  # type: ignore[assignment]
-    f.clients["a"] = route  # type: ignore[assignment]
+    f.routes.update(fakes)  # type: ignore[arg-type]
+    f.clients.update(fakes)  # type: ignore[arg-type]
     b = CorpusBinding(f, view, GEO)
-    for n in (2, 2, 40, 40, 3):
+
+    def attend(n: int) -> None:
         _, q, canon = inputs(n, n=n)
         run(b.attend(0, q, canon))
-    # 2 rows: warm-up, then the deadline; 40 rows: a new bucket warms up again; 3 rows: bucket
-    # 4, new again
-    assert route.timeouts == [60.0, 0.5, 60.0, 0.5, 60.0], route.timeouts
+
+    assert f.deadline("a", 2, "route") == 60.0  # nothing answered yet
+    attend(2)
+    assert f.deadline("a", 2, "route") == 0.5  # bucket 2 answered
+    assert f.deadline("a", 3, "route") == 60.0 and f.deadline("a", 40, "route") == 60.0
+    assert f.deadline("a", 2, "fetch") == 60.0  # another primitive warms up on its own
+    attend(40)
+    assert f.deadline("a", 33, "route") == 0.5 and f.deadline("a", 64, "route") == 0.5
+    assert f.deadline("a", 65, "route") == 60.0
     assert sum(m.value for fam in f.metrics.errors.collect() for m in fam.samples) == 0
+
+
+class SlowRoute(TimedRoute):
+    """A holder that answers after ``delay_s`` (busy: its health check answers) or never (stopped:
+    neither does its health check)."""
+
+    def __init__(self, pool: torch.Tensor, d_v: int) -> None:
+        super().__init__(pool, d_v)
+        self.delay_s, self.stopped, self.probes = 0.0, False, 0
+
+    async def attend_rows(
+        self, corpus_id: str, layer: int, q: torch.Tensor, rows: torch.Tensor, scale: float,
+        timeout: float | None = None,
+    ) -> Partial:  # fmt: skip
+        await asyncio.sleep(3600 if self.stopped else self.delay_s)
+        return await super().attend_rows(corpus_id, layer, q, rows, scale, timeout)
+
+    async def alive(self, timeout: float) -> bool:
+        self.probes += 1
+        if self.stopped:
+            await asyncio.sleep(timeout)
+        return not self.stopped
+
+
+def test_past_the_deadline_a_busy_holder_is_waited_for_and_a_stopped_one_fails_over() -> None:
+    """The deadline is a suspicion: a warmed-up holder past it that answers a health check is
+    busy (on a fresh GPU machine a holder took over 1 s on a warm shape and two workers failed
+    over: the same tokens, other bits), and its reply is used; one that does not answer
+    either is stopped, and its rows go to the replica within the deadline plus the probe."""
+    rows, q, canon = inputs(3)
+    view, fakes = placed(rows, ("a", "b"), [[0, 1] for _ in range(6)])
+    slow = SlowRoute(fakes["a"].pool, GEO.d_v)
+    f = Fanout(Predicate(Profile(), "route"), RequesterMetrics(), holder_deadline_s=0.2)
+    f.routes.update({"a": slow, "b": fakes["b"]})  # type: ignore[dict-item]
+    f.clients.update({"a": slow, "b": fakes["b"]})  # type: ignore[dict-item]
+    b = CorpusBinding(f, view, GEO)
+    want = run(b.attend(0, q, canon))  # warms the shape up
+    assert slow.calls == 1, "holder a serves some pages"
+    slow.delay_s = 0.5  # busy: past the deadline, health answers
+    got = run(b.attend(0, q, canon))
+    assert slow.probes >= 1 and f.metrics.slow_calls.labels("route")._value.get() >= 1
+    assert count(f, "route", "replica") == 0 and slow.calls == 2
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    slow.stopped = True  # stopped: neither the call nor the health check answers
+    b_calls = fakes["b"].calls
+    t0 = time.monotonic()
+    got = run(b.attend(0, q, canon))
+    took = time.monotonic() - t0
+    assert took < 0.2 + 0.5 + 0.5, f"a stopped holder stalled {took:.2f} s"
+    assert count(f, "route", "replica") == 1 and fakes["b"].calls > b_calls
+    assert f.metrics.errors.labels("DEADLINE_EXCEEDED")._value.get() == 1
+    assert rel(got[0], want[0]) < 1e-6
