@@ -45,6 +45,8 @@ class CorpusIndexer:
     keys: dict[int, torch.Tensor]  # replica indexer: layer → [T, D_I]
     dead: set[int]
     _failing: asyncio.Lock
+    #: ``(layer, pages) → [len(pages), P, D_I]`` index keys from the page store, or None
+    stored_keys: Callable[[int, list[int]], torch.Tensor] | None
 
     @property
     def corpus_id(self) -> str:
@@ -105,7 +107,48 @@ class CorpusIndexer:
                 await self._lost(i, part, "index top-k")
             elif isinstance(part, BaseException):
                 raise part
-        return [part for part in parts if not isinstance(part, BaseException)]
+        got = [part for part in parts if not isinstance(part, BaseException)]
+        orphans = self._orphans()
+        if orphans:
+            got.append(await self._stored_topk(layer, orphans, iq, iw, limit))
+        return got
+
+    def _orphans(self) -> list[int]:
+        """Pages no live holder has a replica of (their holders failed, none took them)."""
+        return [
+            p for p, reps in enumerate(self.view.replicas)
+            if all(h in self.dead for h, _ in reps)
+        ]  # fmt: skip
+
+    async def _stored_topk(
+        self, layer: int, pages: list[int], iq: torch.Tensor, iw: torch.Tensor, limit: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The local top-k over ``pages`` scored here from the page store's index keys, as a
+        holder of them would (same arithmetic): a failed holder's pages stay candidates. Before,
+        they silently were not, and the selection lost them (wrong tokens after a failover of a
+        single-replica holder). Raises CorpusUnavailable without a page store to read."""
+        view, g = self.view, self.geo
+        if self.stored_keys is None:
+            raise CorpusUnavailable(
+                f"corpus {view.corpus_id}: pages {pages[:8]} have no live holder and no page "
+                "store here to score their index keys from"
+            )
+        stored_keys = self.stored_keys
+
+        def score() -> tuple[torch.Tensor, torch.Tensor]:
+            p = view.page_size
+            keys = stored_keys(layer, pages).reshape(len(pages) * p, -1).to(g.dtype)
+            pos = (torch.tensor(pages)[:, None] * p + torch.arange(p)[None, :]).reshape(-1)
+            keep = pos < view.token_count
+            keys, pos = keys[keep], pos[keep]
+            scores = index_scores(iq, iw, keys, g.index_dim**-0.5, g.index_arith).float()
+            scores = scores.masked_fill(pos[None, :] >= limit[:, None], float("-inf"))
+            cols = select_topk(scores, g.index_topk)
+            picked = torch.where(cols >= 0, pos[cols.clamp(min=0)], -1)
+            return picked, scores.gather(1, cols.clamp(min=0))
+
+        self.engine.metrics.fallbacks.labels("index", "store").inc()
+        return await self.engine.offload(score)
 
     async def _lost(self, holder: int, e: grpc.aio.AioRpcError, what: str) -> None:
         """A holder failed an indexer call: fail it over, as a failed attention call is. Raises
@@ -120,7 +163,12 @@ class CorpusIndexer:
                 "holder %s failed (%s: %s) during %s; failing it over",
                 self.view.holders[holder], code.name, detail, what,
             )  # fmt: skip
-            self.view = self.view.failover(self.dead)
+            try:
+                self.view = self.view.failover(self.dead)
+            except CorpusUnavailable:
+                if self.stored_keys is None:
+                    raise
+                return  # pages left with no replica are scored from the store (_stored_topk)
             self.engine.metrics.fallbacks.labels("index", "replica").inc()
 
     async def topk(self, layer: int, iq: torch.Tensor, iw: torch.Tensor) -> torch.Tensor:

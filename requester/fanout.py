@@ -146,17 +146,19 @@ class Fanout(Connections):
         refresh: Callable[[], Awaitable[CorpusView]] | None = None,
         kv_format: str = "plain",
         stored: Stored | None = None,
+        stored_keys: Stored | None = None,
     ) -> CorpusBinding:
         """A binding of the corpus ``view`` describes; route transports to its holders are
         chosen (NVSHMEM joined) now, before any decoding. ``model`` and ``tokens`` make
         ``local`` possible (re-prefill here, its rows in the pin's ``kv_format``); ``refresh``
         re-reads the page table on failover; ``stored`` reads pages from the page store (the
-        ``store`` fallback)."""
+        ``store`` fallback), ``stored_keys`` their index keys (the distributed indexer's, for
+        pages no live holder has)."""
         for address in view.holders:
             await self.route(address)
         return CorpusBinding(
             self, view, geometry, model=model, tokens=tokens, refresh=refresh,
-            kv_format=kv_format, stored=stored,
+            kv_format=kv_format, stored=stored, stored_keys=stored_keys,
         )  # fmt: skip
 
     def decide(self, shape: Group) -> Decision:
@@ -277,9 +279,10 @@ class CorpusBinding(CorpusIndexer):
         force: str | None = None,
         kv_format: str = "plain",
         stored: Stored | None = None,
+        stored_keys: Stored | None = None,
     ) -> None:
         self.engine, self.view, self.geo = engine, view, geometry
-        self.stored = stored
+        self.stored, self.stored_keys = stored, stored_keys
         self.model, self.tokens, self.refresh = model, tokens, refresh
         self.kv_format = kv_format
         self.force = force  # the monolithic baseline pins "local"

@@ -126,15 +126,16 @@ class Worker:
     async def _bind(
         self, view: CorpusView, refresh: Callable[[], Awaitable[CorpusView]] | None = None
     ) -> CorpusBinding:
-        tokens, kv_format, stored = None, "plain", None
+        tokens, kv_format, stored, stored_keys = None, "plain", None, None
         if self.store is not None and view.corpus_id in self.store.ids():
             tokens = self.store.read_tokens(view.corpus_id).to(torch.int64)
             kv_format = self.store.manifest(view.corpus_id).kv_format
             if kv_format == "plain":  # a failed holder's pages, read where it loaded them from
                 stored = functools.partial(_stored_latent, self.store, view.corpus_id)
+                stored_keys = functools.partial(_stored_keys, self.store, view.corpus_id)
         b = await self.fanout.bind(
             view, self.geometry, model=self.model, tokens=tokens, kv_format=kv_format,
-            refresh=refresh, stored=stored,
+            refresh=refresh, stored=stored, stored_keys=stored_keys,
         )  # fmt: skip
         if self.cfg.indexer == "replica":
             for layer in range(self.mcfg.num_hidden_layers):
@@ -399,3 +400,8 @@ class Worker:
 def _stored_latent(store: PageStore, corpus_id: str, layer: int, pages: list[int]) -> torch.Tensor:
     """Latent rows ``[len(pages), P, kv_dim]`` of a plain corpus, as its page store has them."""
     return store.read_pages(corpus_id, layer, pages)[0]
+
+
+def _stored_keys(store: PageStore, corpus_id: str, layer: int, pages: list[int]) -> torch.Tensor:
+    """Index keys ``[len(pages), P, index_dim]`` of a plain corpus, as its page store has them."""
+    return store.read_pages(corpus_id, layer, pages)[1]

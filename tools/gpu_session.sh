@@ -61,6 +61,19 @@ decode_run() {  # name [--pin-engine]: stock vs graphed route, 8 and 64 streams,
     tail -12 "$OUT/$name-$GPU.log"
 }
 
+diag_model() {  # 128 heads, 4 layers, hidden 1024, q LoRA 384, seed 20261127, random weights
+    python3 - <<'PY'
+from pathlib import Path
+from corpusd.model.tiny import init_tiny
+from tools.bench_share import stdlib_corpus
+if not Path("/tmp/d36/model/config.json").exists():
+    init_tiny("/tmp/d36/model", seed=20261127, preset="sglang", num_attention_heads=128,
+              num_hidden_layers=4, hidden_size=1024, q_lora_rank=384, index_topk=2048,
+              mlp_layer_types=("dense", "sparse", "sparse", "sparse"), index_arith="fp8")
+stdlib_corpus(Path("/tmp/d36/src"), 3683)
+PY
+}
+
 case "$step" in
 fanin)
     for spread in speed page; do
@@ -150,32 +163,22 @@ fp8)
         --out "$OUT/sglang-fp8-$GPU.json" > "$OUT/sglang-fp8-$GPU.log" 2>&1
     took "fp8 bench" $?
     grep "^holders:" "$OUT/sglang-fp8-$GPU.log"; tail -10 "$OUT/sglang-fp8-$GPU.log" ;;
-diag-layer|diag-floor)  # 128 heads, 4 layers, hidden 1024, q LoRA 384, seed 20261127, random weights
-    python3 - <<'PY'
-from pathlib import Path
-from corpusd.model.tiny import init_tiny
-from tools.bench_share import stdlib_corpus
-if not Path("/tmp/d36/model/config.json").exists():
-    init_tiny("/tmp/d36/model", seed=20261127, preset="sglang", num_attention_heads=128,
-              num_hidden_layers=4, hidden_size=1024, q_lora_rank=384, index_topk=2048,
-              mlp_layer_types=("dense", "sparse", "sparse", "sparse"), index_arith="fp8")
-stdlib_corpus(Path("/tmp/d36/src"), 3683)
-PY
-    if [ "$step" = diag-layer ]; then
-        timeout 570 python3 -m tools.diag_layer_diff --model /tmp/d36/model --corpus-dir /tmp/d36/src \
-            --holder-device cuda:0 --requests 4 --steps 4 --pin-engine --work /tmp/d36/diag \
-            --out "$OUT/diag-layer-diff-$GPU.json" > "$OUT/diag-layer-diff-$GPU.log" 2>&1
-        took diag_layer_diff $?
-        cp /tmp/d36/diag/*.log "$OUT/" 2>/dev/null
-        tail -15 "$OUT/diag-layer-diff-$GPU.log"
-    else
-        timeout 570 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
-            --tokens 16 --forced-steps 8 --holder-device cuda:0 --pin-engine --dump --no-cuda-graph \
-            --fit-steps 0 --work /tmp/d36 --out "$OUT/sglang-floor-128h-$GPU.json" \
-            > "$OUT/sglang-floor-128h-$GPU.log" 2>&1
-        took "bench_sglang floor" $?
-        tail -16 "$OUT/sglang-floor-128h-$GPU.log"
-    fi ;;
+diag-layer)
+    diag_model
+    timeout 570 python3 -m tools.diag_layer_diff --model /tmp/d36/model --corpus-dir /tmp/d36/src \
+        --holder-device cuda:0 --requests 4 --steps 4 --pin-engine --work /tmp/d36/diag \
+        --out "$OUT/diag-layer-diff-$GPU.json" > "$OUT/diag-layer-diff-$GPU.log" 2>&1
+    took diag_layer_diff $?
+    cp /tmp/d36/diag/*.log "$OUT/" 2>/dev/null
+    tail -15 "$OUT/diag-layer-diff-$GPU.log" ;;
+diag-floor)
+    diag_model
+    timeout 570 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
+        --tokens 16 --forced-steps 8 --holder-device cuda:0 --pin-engine --dump --no-cuda-graph \
+        --fit-steps 0 --work /tmp/d36 --out "$OUT/sglang-floor-128h-$GPU.json" \
+        > "$OUT/sglang-floor-128h-$GPU.log" 2>&1
+    took "bench_sglang floor" $?
+    tail -16 "$OUT/sglang-floor-128h-$GPU.log" ;;
 share)  # the model and pin stay in /tmp/bsh: the second call on a warm machine reuses the model
     fr=${SHARE_FRACTIONS:-0.5}; SHARE_ARGS=${SHARE_ARGS:-}
     timeout 580 python3 -m tools.bench_share --servers 2 --fractions "$fr" --work /tmp/bsh $SHARE_ARGS \

@@ -19,6 +19,8 @@ from corpusd.kernels.reference import partial_attention
 from corpusd.model import DeepseekV32
 from corpusd.rpc import StatusError
 from corpusd.testing.numeric import rel
+from indexer import index_scores
+from indexer.select import select_topk
 from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.fanout import CorpusBinding, Fanout
 from requester.holder_client import Partial
@@ -466,3 +468,69 @@ def test_past_the_deadline_a_busy_holder_is_waited_for_and_a_stopped_one_fails_o
     assert count(f, "route", "replica") == 1 and fakes["b"].calls > b_calls
     assert f.metrics.errors.labels("DEADLINE_EXCEEDED")._value.get() == 1
     assert rel(got[0], want[0]) < 1e-6
+
+
+class IndexRoute(FakeRoute):
+    """A holder's IndexTopK over the index keys of the pages it holds, as a holder scores them:
+    its local top-k (positions, scores), ``-1`` padded."""
+
+    async def index_topk(  # type: ignore[override]
+        self, corpus_id: str, layer: int, iq: torch.Tensor, iw: torch.Tensor,
+        limit: torch.Tensor, k: int, arith: str = "exact",
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self._check()
+        pos = torch.cat([torch.arange(pg * P, pg * P + P) for pg in sorted(self.keys)])
+        keys = torch.cat([self.keys[pg] for pg in sorted(self.keys)])
+        keep = pos < T
+        pos, keys = pos[keep], keys[keep]
+        scores = index_scores(iq, iw, keys, GEO.index_dim**-0.5, arith).float()
+        scores = scores.masked_fill(pos[None, :] >= limit[:, None], float("-inf"))
+        cols = select_topk(scores, k)
+        return torch.where(cols >= 0, pos[cols.clamp(min=0)], -1), scores.gather(
+            1, cols.clamp(min=0)
+        )
+
+
+def test_the_distributed_indexer_keeps_a_failed_single_replica_holders_pages() -> None:
+    """A holder with the only replica of its pages fails: its attention rows are read from the
+    page store, and its pages must stay candidates of the distributed indexer too, scored here
+    from the store's index keys. Before, the live holders' top-k alone was merged: the failed
+    holder's keys were never selected again, and the agent decoded other tokens than
+    transformers (CI, tests/procs/test_decode_oracle.py, 3 holders x 1 replica, a holder past
+    its deadline on a loaded machine)."""
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randn(T, GEO.kv_dim, generator=g)
+    keys = torch.randn(T + 2, GEO.index_dim, generator=g)  # the last page is partial
+    view, fakes = placed(rows, ("a", "b"), [[p % 2] for p in range(6)], keys=keys)
+    routes = {h: IndexRoute(r.pool, GEO.d_v) for h, r in fakes.items()}
+    for h, r in fakes.items():
+        routes[h].keys = r.keys
+    f = engine(routes)  # type: ignore[arg-type]
+    padded = torch.zeros(6 * P, GEO.index_dim)
+    padded[: T + 2] = keys
+
+    def stored_keys(layer: int, pages: list[int]) -> torch.Tensor:
+        return torch.stack([padded[p * P : (p + 1) * P] for p in pages])
+
+    iq = torch.randn(3, 2, GEO.index_dim, generator=g)
+    iw = torch.randn(3, 2, generator=g)
+    want = select_topk(
+        index_scores(iq, iw, keys[:T], GEO.index_dim**-0.5, "exact").float(), GEO.index_topk
+    )
+    b = CorpusBinding(f, view, GEO, stored_keys=stored_keys)
+    assert torch.equal(run(b.topk(0, iq, iw)), want)
+    routes["b"].down = True
+    assert torch.equal(run(b.topk(0, iq, iw)), want)  # b fails an index call: store
+    assert count(f, "index", "store") >= 1
+    # b failed an attention call first (as in CI): the binding marked it dead and reads its rows
+    # from the store; the next step's top-k asks only a, and b's pages are scored here
+    c = CorpusBinding(f, view, GEO, stored_keys=stored_keys)
+    c.dead.add(view.holders.index("b"))
+    assert torch.equal(run(c.topk(0, iq, iw)), want)
+    # without a page store: refused, never a selection short of b's pages
+    with pytest.raises(CorpusUnavailable, match="no replica outside the failed holders"):
+        run(CorpusBinding(f, view, GEO).topk(0, iq, iw))
+    d = CorpusBinding(f, view, GEO)
+    d.dead.add(view.holders.index("b"))
+    with pytest.raises(CorpusUnavailable, match="no page store here"):
+        run(d.topk(0, iq, iw))

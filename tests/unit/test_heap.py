@@ -12,12 +12,12 @@ pytestmark = pytest.mark.skipif(heap.heap() is None, reason="needs glibc's malli
 
 def test_in_use_counts_a_live_block_and_drops_when_it_is_freed() -> None:
     h0 = heap.heap()
-    block = bytearray(64 << 20)  # over glibc's mmap threshold: a block of its own
+    block = bytearray(64 << 20)  # mmapped, or from free heap glibc kept (CI: 584 MB of it)
     h1 = heap.heap()
     del block
     h2 = heap.heap()
     assert h0 is not None and h1 is not None and h2 is not None
-    assert h1.in_use - h0.in_use >= 64 << 20 and h1.mmapped - h0.mmapped >= 64 << 20
+    assert h1.in_use - h0.in_use >= 64 << 20
     assert h1.in_use - h2.in_use >= 64 << 20
 
 

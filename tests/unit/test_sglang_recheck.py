@@ -50,6 +50,7 @@ def test_a_corpus_unpinned_or_placed_anew_is_forgotten_and_never_read_from_old_f
 
     async def corpus(cid: str) -> Any:  # as the link's: the cached view, read once per id
         if cid not in link.corpora:
+
             async def index_keys(layer: int) -> torch.Tensor:
                 return keys[layer]
 
