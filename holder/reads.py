@@ -14,7 +14,8 @@ import torch
 from corpusd.kernels import fp8_cache
 from holder.pool import FramePool
 from holder.requests import TopKCall
-from indexer import index_scores, select_topk
+from indexer import index_scores
+from indexer.modes import local_topk
 
 KEY_CHUNK_PAGES = 256  # pages per IndexKeys message
 
@@ -96,10 +97,6 @@ class PoolReads:
 
         def compute() -> tuple[torch.Tensor, torch.Tensor]:
             scores = index_scores(call.q, call.weights, keys[rows], scale, call.arith)
-            scores = scores.masked_fill(pos[None, :] >= call.limit[:, None], float("-inf"))
-            cols = select_topk(scores, call.k)
-            picked = torch.where(cols >= 0, pos[cols.clamp(min=0)], -1)
-            vals = torch.where(cols >= 0, scores.gather(1, cols.clamp(min=0)), float("-inf"))
-            return picked, vals
+            return local_topk(scores, pos, call.limit, call.k)
 
         return compute

@@ -17,6 +17,29 @@ import torch
 from indexer.select import merge_topk, select_topk
 
 
+def local_topk(
+    scores: torch.Tensor, pos: torch.Tensor, limit: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``distributed``, phase one: the top-``k`` of the keys one party holds (a holder's pages,
+    or a failed holder's scored from the page store), for :func:`merge_topk` to merge.
+
+    Args:
+        scores: ``[n, m]`` index scores of the held keys.
+        pos: int64 ``[m]`` their canonical positions, ascending.
+        limit: int64 ``[n]``: row ``i`` may only select positions ``< limit[i]``.
+        k: ``index_topk``.
+
+    Returns:
+        positions int64 ``[n, k]`` (``-1`` where fewer than ``k`` keys lie below the limit) and
+        their scores (``-inf`` there).
+    """
+    scores = scores.masked_fill(pos[None, :] >= limit[:, None], float("-inf"))
+    cols = select_topk(scores, k)
+    picked = torch.where(cols >= 0, pos[cols.clamp(min=0)], -1)
+    vals = torch.where(cols >= 0, scores.gather(1, cols.clamp(min=0)), float("-inf"))
+    return picked, vals
+
+
 def select_replica(
     private_scores: torch.Tensor,
     corpus_scores: torch.Tensor,

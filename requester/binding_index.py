@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from indexer import index_scores
+from indexer.modes import local_topk
 from indexer.select import merge_topk, select_topk
 from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.holder_client import HolderClient
@@ -142,10 +143,7 @@ class CorpusIndexer:
             keep = pos < view.token_count
             keys, pos = keys[keep], pos[keep]
             scores = index_scores(iq, iw, keys, g.index_dim**-0.5, g.index_arith).float()
-            scores = scores.masked_fill(pos[None, :] >= limit[:, None], float("-inf"))
-            cols = select_topk(scores, g.index_topk)
-            picked = torch.where(cols >= 0, pos[cols.clamp(min=0)], -1)
-            return picked, scores.gather(1, cols.clamp(min=0))
+            return local_topk(scores, pos, limit, g.index_topk)
 
         self.engine.metrics.fallbacks.labels("index", "store").inc()
         return await self.engine.offload(score)

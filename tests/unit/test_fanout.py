@@ -20,6 +20,7 @@ from corpusd.model import DeepseekV32
 from corpusd.rpc import StatusError
 from corpusd.testing.numeric import rel
 from indexer import index_scores
+from indexer.modes import local_topk
 from indexer.select import select_topk
 from requester.corpus_view import CorpusUnavailable, CorpusView
 from requester.fanout import CorpusBinding, Fanout
@@ -484,11 +485,7 @@ class IndexRoute(FakeRoute):
         keep = pos < T
         pos, keys = pos[keep], keys[keep]
         scores = index_scores(iq, iw, keys, GEO.index_dim**-0.5, arith).float()
-        scores = scores.masked_fill(pos[None, :] >= limit[:, None], float("-inf"))
-        cols = select_topk(scores, k)
-        return torch.where(cols >= 0, pos[cols.clamp(min=0)], -1), scores.gather(
-            1, cols.clamp(min=0)
-        )
+        return local_topk(scores, pos, limit, k)
 
 
 def test_the_distributed_indexer_keeps_a_failed_single_replica_holders_pages() -> None:
