@@ -34,9 +34,15 @@ async def held(h: HolderProcess) -> dict[str, dict[int, int]]:
     return {x.corpus_id: {pf.page: pf.frame for pf in x.frames} for x in info.corpora}
 
 
-async def until(cond, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+async def until(  # type: ignore[no-untyped-def]
+    cond, timeout: float = 60.0, task: asyncio.Task | None = None
+) -> None:
+    """Wait for ``cond``; fail with ``task``'s error at once when it ends first (a pin that was
+    refused will never load anything)."""
     deadline = time.monotonic() + timeout
     while not await cond():
+        if task is not None and task.done():
+            raise AssertionError(f"the call ended before the condition held: {task.exception()!r}")
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
 
@@ -198,7 +204,11 @@ def test_coordinator_crash_mid_publish_is_rolled_back_on_restart(
 ) -> None:
     store = tmp_path / "store"
     b = synthetic_corpus(store, tiny_dir, 600)
-    co = start_coordinator(tmp_path / "coord", store, *state_flags)
+    # a holder lease no load can run out (the leader's stays 10 s, for etcd's restart): hs[1] is
+    # stopped, and a stopped holder whose lease ran out before the pin reached the coordinator is
+    # not placed on (CI: the pin was refused, "replicas 2 > 1 live holders", hs[0] never loaded)
+    lease = ("--lease-s", "600", "--leader-lease-s", "10")
+    co = start_coordinator(tmp_path / "coord", store, *state_flags, *lease)
     hs = start_holders(store, tmp_path, tiny_dir, co.address, 2, "--capacity-tokens", "2048")
 
     async def crash() -> None:
@@ -206,7 +216,7 @@ def test_coordinator_crash_mid_publish_is_rolled_back_on_restart(
             await c.wait_holders(2)
             os.kill(hs[1].proc.pid, signal.SIGSTOP)
             pin = asyncio.create_task(c.pin(b, replicas=2))
-            await until(lambda: _holds(hs[0], b))
+            await until(lambda: _holds(hs[0], b), task=pin)
             co.kill()  # with hs[0] loaded and hs[1]'s Assign in flight
             # gRPC may or may not run hs[1]'s Assign now that its caller is gone; either way
             # the restarted coordinator must clean up both
@@ -227,7 +237,7 @@ def test_coordinator_crash_mid_publish_is_rolled_back_on_restart(
 
     try:
         asyncio.run(crash())
-        co = start_coordinator(tmp_path / "coord", store, *state_flags, "--port", _port(co))
+        co = start_coordinator(tmp_path / "coord", store, *state_flags, *lease, "--port", _port(co))
         asyncio.run(recovered())
         assert (
             "1 half-done pins rolled back" in (tmp_path / "coord" / "coordinator.log").read_text()
