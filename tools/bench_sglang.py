@@ -47,14 +47,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from corpusd.testing import span_qa
 from corpusd.tokenizer import ByteTokenizer
 from indexer import ARITHS
 from requester.sglang import dump
+from tools.bench_share import stdlib_corpus
 from tools.layer_compare import selection_vs_stock, tag
 from tools.sglang_compare import PRIMITIVES as PRIMS
 from tools.sglang_compare import (
     against_floor,
     compare,
+    corpus_kl,
     exactness,
     forced_primitive,
     free_running,
@@ -65,6 +68,7 @@ from tools.sglang_compare import (
     primitive_modes,
     report,
     vectors,
+    where_corpus_matters,
 )
 from tools.sglang_probe import (
     binding_probe,
@@ -95,6 +99,22 @@ QUESTIONS = [
     "How is the README's first command run?",
 ]
 
+
+#: what fit_tiny's span task needs beyond --steps: sequences long enough for three questions
+FIT_TASK_FLAGS = {"lm": [], "span": ["--seq-len", "1024", "--batch", "4"]}
+
+
+def question_suffixes(kind: str, corpus_tokens: list[int], n: int) -> list[list[int]]:
+    """The ``n`` questions asked after a corpus, as byte tokens: ``fixed`` (:data:`QUESTIONS`) or
+    ``span`` (quotes of the corpus itself, :func:`corpusd.testing.span_qa.questions`; the
+    corpus's tokens are bytes, BOS first)."""
+    if kind == "fixed":
+        return [ByteTokenizer().encode(f"\n\nQ: {q}\nA:") for q in QUESTIONS[:n]]
+    text = ByteTokenizer().decode(corpus_tokens)
+    return [ByteTokenizer().encode(q.prompt) for q in span_qa.questions(text, n, seed=SPAN_SEED)]
+
+
+SPAN_SEED = 20261128
 
 #: the pseudo-mode that starts a second stock server for the two-servers floor
 FLOOR_RESTART = "stock#2"
@@ -152,6 +172,9 @@ def measure(
     result["forced"] = teacher_forced(
         server, mode, corpus, prompts, ref, vocab, steps, tagged=tagged
     )
+    if mode == "stock":  # the same answers without the corpus: where does the corpus matter?
+        bare = [corpus_tokens[:1] + s for s in suffixes]
+        result["forced_bare"] = teacher_forced(server, mode, corpus, bare, ref, vocab, steps)
     if sequential_floor:  # the same contexts one request at a time: the batching floor
         result["forced_sequential"] = teacher_forced(
             server, mode, corpus, prompts, ref, vocab, steps, concurrent=False
@@ -201,7 +224,7 @@ def teacher_forced(
 
 def restart_floor(
     a: argparse.Namespace, model: Path, cd: Corpusd, runs: dict[str, dict[str, Any]],
-    suffixes: list[list[int]], vocab: int,
+    suffixes: dict[str, list[list[int]]], vocab: int,
 ) -> None:  # fmt: skip
     """A second, freshly started stock server, teacher-forced on stock's answers as the first
     was: ``runs[r]["stock"]["forced_restart"]`` (the two-servers floor)."""
@@ -214,7 +237,7 @@ def restart_floor(
             st = by_mode.get("stock")
             if st is None:
                 continue
-            prompts = [cd.tokens[r] + sfx for sfx in suffixes]
+            prompts = [cd.tokens[r] + sfx for sfx in suffixes[r]]
             ref = [g["tokens"] for g in st["greedy"]]
             steps = len(st["forced"][0]) if st["forced"] else 0
             st["forced_restart"] = teacher_forced(server, "stock", r, prompts, ref, vocab, steps)
@@ -263,15 +286,19 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     model = work / "model"
+    if a.src_model and not a.fit_steps:
+        model = Path(a.src_model)
     if not (model / "config.json").exists():
-        init = work / "model-init" if a.fit_steps else model
-        cmd = [sys.executable, "-m", "corpusd", "model", "init", str(init), "--preset", "sglang"]
-        cmd += ["--index-topk", "2048"]
-        # fp8: the pin prefill selects with SGLang's indexer arithmetic (indexer/fp8.py)
-        subprocess.run([*cmd, "--index-arith", a.index_arith], check=True)
+        init = Path(a.src_model) if a.src_model else work / "model-init" if a.fit_steps else model
+        if not a.src_model:
+            cmd = [sys.executable, "-m", "corpusd", "model", "init", str(init)]
+            cmd += ["--preset", "sglang", "--index-topk", "2048"]
+            # fp8: the pin prefill selects with SGLang's indexer arithmetic (indexer/fp8.py)
+            subprocess.run([*cmd, "--index-arith", a.index_arith], check=True)
         if a.fit_steps:  # decisive logits: near-ties no longer flip free-running greedy tokens
             fit = [sys.executable, "-m", "tools.fit_tiny", "--src", str(init), "--out", str(model)]
             fit += ["--steps", str(a.fit_steps), "--device", a.fit_device or a.holder_device]
+            fit += ["--task", a.fit_task, *FIT_TASK_FLAGS[a.fit_task]]
             subprocess.run([*fit, "--log-every", "50"], check=True)
     cfg = json.loads((model / "config.json").read_text())
     got = cfg.get("index_arith", "exact")
@@ -282,12 +309,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.probe_only:  # a route server and its binding probe only (no stock, no timing)
         return probe_only(a, work, model, regimes, vocab)
     assert modes[0] == "stock", "stock runs first: it is the reference"
+    sources = None
+    if a.corpus == "stdlib":
+        sources = {r: stdlib_corpus(work / "stdlib" / r, n) for r, (n, _) in regimes.items()}
     cd = start_pinned(work, model, regimes, a.holders, a.holder_device, a.kv_cache_dtype,
-                      a.port + 7 if a.pin_engine else 0)  # fmt: skip
+                      a.port + 7 if a.pin_engine else 0, sources)  # fmt: skip
     cd.held = cd.residency(model, pin_format(a.kv_cache_dtype), a.holder_device)  # before serving
     print(f"holders: {json.dumps(cd.held)}", flush=True)
-    tok = ByteTokenizer()
-    suffixes = [tok.encode(f"\n\nQ: {q}\nA:") for q in QUESTIONS[: a.requests]]
+    suffixes = {r: question_suffixes(a.questions, cd.tokens[r], a.requests) for r in regimes}
     runs: dict[str, dict[str, Any]] = {r: {} for r in regimes}
     failed: dict[str, str] = {}
     floors = [f for f in a.floor.split(",") if f]
@@ -315,7 +344,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     if mode != "stock":
                         teacher = [g["tokens"] for g in runs[r]["stock"]["greedy"]]
                     m = measure(
-                        server, mode, r, cd.tokens[r], suffixes, a.tokens, vocab, teacher,
+                        server, mode, r, cd.tokens[r], suffixes[r], a.tokens, vocab, teacher,
                         forced_steps=a.forced_steps, streams=a.streams, bursts=a.bursts,
                         first_token_reps=a.first_token_reps,
                         sequential_floor=mode == "stock" and "sequential" in floors,
@@ -326,7 +355,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         runs[r][mode]["plugin_metrics"] = plugin_metrics(server)
                     if is_route(mode):  # last: a probe that kills the server loses no timing
                         save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
-                        probe = binding_probe(server, r, suffixes[0], vocab)
+                        probe = binding_probe(server, r, suffixes[r][0], vocab)
                         runs[r][mode]["binding_probe"] = probe
                         print(f"binding probe: {probe}", flush=True)
                     # after every step, so a run cut short by a time limit keeps what it measured
@@ -394,7 +423,7 @@ def save(path: str, out: dict[str, Any]) -> None:
 
 def summarize(
     a: argparse.Namespace, cd: Corpusd, runs: dict[str, dict[str, Any]], failed: dict[str, str],
-    topk: int, suffixes: list[list[int]],
+    topk: int, suffixes: dict[str, list[list[int]]],
 ) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {
         "command": "python -m tools.bench_sglang " + " ".join(sys.argv[1:]),
@@ -403,7 +432,11 @@ def summarize(
         "index_arith": a.index_arith,
         "fit_steps": a.fit_steps,
         "pinned_by": "sglang (capture backend)" if a.pin_engine else "corpusd",
-        "requests": len(suffixes),
+        "requests": a.requests,
+        "corpus": a.corpus,
+        "questions": a.questions,
+        "fit_task": a.fit_task if a.fit_steps else None,
+        "src_model": a.src_model or None,
         "tokens_each": a.tokens,
         "holders": a.holders,
         "holder_device": a.holder_device,
@@ -420,7 +453,8 @@ def summarize(
             continue
         out["regimes"][r] = {
             "corpus_tokens": len(cd.tokens[r]),
-            "prompt_tokens_max": len(cd.tokens[r]) + max(map(len, suffixes)) + a.tokens,
+            "prompt_tokens_max": len(cd.tokens[r]) + max(map(len, suffixes[r])) + a.tokens,
+            "question_text": [ByteTokenizer().decode(s) for s in suffixes[r]],
             "tokens": {m: [g["tokens"] for g in v["greedy"]] for m, v in by_mode.items()},
             "cached_tokens": {
                 m: [g["cached_tokens"] for g in v["greedy"]] for m, v in by_mode.items()
@@ -461,6 +495,23 @@ def summarize(
             ),
             "text": [ByteTokenizer().decode(t) for t in stock],
         }
+        dep = out["regimes"][r]["stock_answers"]["corpus_dependent"]
+        # issue 36: an agreement figure counts only where most answers depend on the corpus
+        out["regimes"][r]["stock_answers"]["agreement_counts"] = 4 * dep >= 3 * len(stock)
+        st = by_mode["stock"]
+        if st.get("forced_bare"):
+            kls = corpus_kl(st["forced"], st["forced_bare"])
+            matters = {
+                m: where_corpus_matters(st["forced"], v["forced"], kls)
+                for m, v in by_mode.items()
+                if m != "stock" and v.get("forced")
+            }
+            for name, key in (("batched_vs_sequential", "forced_sequential"),
+                              ("two_servers", "forced_restart")):  # fmt: skip
+                if st.get(key):
+                    matters[f"floor:{name}"] = where_corpus_matters(st["forced"], st[key], kls)
+            out["regimes"][r]["where_corpus_matters"] = matters
+            out["regimes"][r]["corpus_kl_nats"] = kls
         ft = {m: v.get("first_token", {}) for m, v in by_mode.items()}
         if "cold_p50_ms" in ft["stock"] and "cold_p50_ms" in ft.get("route", {}):
             out["regimes"][r]["first_token_score"] = first_token_score(
@@ -553,6 +604,27 @@ def main(argv: list[str] | None = None) -> int:
         help="fit the tiny model to this repo's text first (tools/fit_tiny.py); 0: random weights",
     )
     ap.add_argument("--fit-device", default="", help="where to fit (default: --holder-device)")
+    ap.add_argument(
+        "--fit-task", choices=("lm", "span"), default="lm",
+        help="what --fit-steps trains: lm (next token on this repo's text) or span (answer "
+        "questions quoting the standard library with what follows the quote: answers that "
+        "depend on the corpus; corpusd/testing/span_qa.py)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--src-model", default="",
+        help="a checkpoint to serve, or to fit from with --fit-steps (default: `corpusd model "
+        "init --preset sglang`), e.g. another geometry",
+    )  # fmt: skip
+    ap.add_argument(
+        "--corpus", choices=("repo", "stdlib"), default="repo",
+        help="what each regime pins: this repo's text, or the standard library's top-level "
+        "modules (not this repo's text; what --fit-task span never trained on)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--questions", choices=("fixed", "span"), default="fixed",
+        help="fixed: the eight questions about corpusd; span: questions quoting each pinned "
+        "corpus, answered by what follows the quote (with --fit-task span)",
+    )  # fmt: skip
     ap.add_argument(
         "--index-arith",
         choices=ARITHS,

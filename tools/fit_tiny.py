@@ -26,9 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import shutil
+import sysconfig
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,8 @@ import torch.nn.functional as F
 
 from corpusd.cli import add_dataclass_flags
 from corpusd.corpus.layout import FILE_HEADER
-from corpusd.model import DeepseekV32, load_model, save_checkpoint
+from corpusd.model import DeepseekV32, KVCache, forward_tokens, load_model, save_checkpoint
+from corpusd.testing import span_qa
 from corpusd.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,6 +172,19 @@ class FitConfig:
     seed: int = _opt(0, "torch seed and the sequence sampler's")
     log_every: int = _opt(10, "print the loss every this many steps")
     device: str = _opt("cpu", "where to train (cuda:0 fits 200 steps in seconds)")
+    task: str = field(
+        default="lm",
+        metadata={
+            "help": "lm: next-token training on the text; span: the text followed by questions "
+            "quoting it, trained to answer with what follows the quote (corpusd/testing/span_qa.py;"
+            " text: the standard library's packages)",
+            "choices": ("lm", "span"),
+        },
+    )
+    questions_per_seq: int = _opt(3, "span: questions after each sequence's text")
+    answer_weight: float = _opt(4.0, "span: loss weight of an answer's tokens (the text's: 1)")
+    eval_questions: int = _opt(8, "span: questions asked of the fitted model at the end (0: none)")
+    eval_tokens: int = _opt(3600, "span: corpus length the end-of-fit questions are asked over")
 
     def __post_init__(self) -> None:
         if not 2 <= self.seq_len <= 1024:
@@ -180,6 +196,8 @@ class FitConfig:
             raise ValueError("--minutes and --lr must be > 0")
         if self.index_weight < 0:
             raise ValueError(f"--index-weight must be >= 0, got {self.index_weight}")
+        if self.task == "span" and not (self.questions_per_seq > 0 and self.answer_weight > 0):
+            raise ValueError("--questions-per-seq and --answer-weight must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +207,7 @@ class FitResult:
     losses: list[float]  # mean next-token loss (nats/token) per step
     index_kl: list[float]  # the indexers' KL (nats/query, summed over layers) per step; or empty
     text_tokens: int
+    span: dict[str, Any] | None = None  # --task span: span_eval's answers of the fitted model
 
 
 def lr_at(step: int, cfg: FitConfig) -> float:
@@ -211,17 +230,22 @@ def fit(cfg: FitConfig) -> FitResult:
         )
     mc = model.cfg
     tokenizer = load_tokenizer(cfg.src, mc.bos_token_id, mc.eos_token_id)
-    files = [Path(t) for t in cfg.text] if cfg.text else default_text_files()
-    tokens = text_tokens(files, tokenizer=tokenizer)
-    tokens = tokens.to(cfg.device)
-    if tokens.numel() <= cfg.seq_len:
-        raise ValueError(f"the text has {tokens.numel()} tokens, not more than --seq-len")
+    bos_id = model.cfg.bos_token_id
+    sample: Any
+    if cfg.task == "span":
+        files = [Path(t) for t in cfg.text] if cfg.text else span_qa.training_files()
+        sample = SpanSequences(rendered(files), tokenizer, bos_id, cfg)
+        n_text = len(sample.text)
+    else:
+        files = [Path(t) for t in cfg.text] if cfg.text else default_text_files()
+        tokens = text_tokens(files, tokenizer=tokenizer)
+        if tokens.numel() <= cfg.seq_len:
+            raise ValueError(f"the text has {tokens.numel()} tokens, not more than --seq-len")
+        sample = TextSequences(tokens, bos_id, cfg)
+        n_text = int(tokens.numel())
     with_index = cfg.index_weight > 0
     params = trainable(model, index=with_index)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    bos_id = model.cfg.bos_token_id
-    bos = torch.tensor([] if bos_id is None else [bos_id], dtype=torch.int64, device=cfg.device)
     losses: list[float] = []
     kls: list[float] = []
     t0 = time.monotonic()
@@ -231,13 +255,17 @@ def fit(cfg: FitConfig) -> FitResult:
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        starts = torch.randint(0, tokens.numel() - cfg.seq_len, (cfg.batch,), generator=gen)
         total = total_kl = 0.0
-        for s in starts.tolist():
-            # BOS first, as a pinned corpus starts
-            seq = torch.cat([bos, tokens[s : s + cfg.seq_len + 1 - bos.numel()]])
+        for _ in range(cfg.batch):
+            ids, weights = sample()
+            seq = torch.tensor(ids, dtype=torch.int64, device=cfg.device)
             logits, kl = train_forward(model, seq[:-1], index_loss=with_index)
-            loss = F.cross_entropy(logits, seq[1:]) / cfg.batch
+            if weights is None:
+                loss = F.cross_entropy(logits, seq[1:]) / cfg.batch
+            else:
+                w = torch.tensor(weights, device=cfg.device)
+                ce = F.cross_entropy(logits, seq[1:], reduction="none")
+                loss = (w * ce).sum() / w.sum() / cfg.batch
             total += loss.item()
             if kl is not None:
                 total_kl += kl.item() / cfg.batch
@@ -259,8 +287,155 @@ def fit(cfg: FitConfig) -> FitResult:
                 flush=True,
             )
     wall = time.monotonic() - t0
-    write_like(model.cpu().eval(), Path(cfg.src), Path(cfg.out))
-    return FitResult(len(losses), wall, losses, kls, int(tokens.numel()))
+    model = model.cpu().eval()
+    write_like(model, Path(cfg.src), Path(cfg.out))
+    span = None
+    if cfg.task == "span" and cfg.eval_questions:
+        span = span_eval(load_model(cfg.out, dtype=torch.float32), tokenizer, cfg)  # as written
+    result = FitResult(len(losses), wall, losses, kls, n_text, span)
+    (Path(cfg.out) / "fit.json").write_text(
+        json.dumps({"config": asdict(cfg), **asdict(result)}, indent=1)
+    )
+    return result
+
+
+class TextSequences:
+    """``--task lm``'s sequences: BOS, then a random stretch of the text; every token weighs
+    the same (weights None)."""
+
+    def __init__(self, tokens: torch.Tensor, bos_id: int | None, cfg: FitConfig) -> None:
+        self.tokens, self.cfg = tokens.tolist(), cfg
+        self.bos = [] if bos_id is None else [bos_id]
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+
+    def __call__(self) -> tuple[list[int], list[float] | None]:
+        s = int(torch.randint(0, len(self.tokens) - self.cfg.seq_len, (1,), generator=self.gen))
+        # BOS first, as a pinned corpus starts
+        return self.bos + self.tokens[s : s + self.cfg.seq_len + 1 - len(self.bos)], None
+
+
+class SpanSequences:
+    """``--task span``'s sequences: BOS, a random stretch of the text, then questions quoting
+    it (:mod:`corpusd.testing.span_qa`), each followed by its answer and a newline. Returns the
+    tokens and each target's loss weight (an answer's tokens ``--answer-weight``, others 1)."""
+
+    def __init__(self, text: str, tok: Tokenizer, bos_id: int | None, cfg: FitConfig) -> None:
+        self.text, self.tok, self.cfg = text, tok, cfg
+        self.bos = [] if bos_id is None else [bos_id]
+        self.rng = random.Random(cfg.seed)
+        per_q = len(span_qa.question_text("x" * span_qa.QUOTE_CHARS)) + span_qa.ANSWER_CHARS + 2
+        self.window = cfg.seq_len + 1 - len(self.bos) - cfg.questions_per_seq * per_q
+        if self.window < 4 * (span_qa.QUOTE_CHARS + span_qa.ANSWER_CHARS):
+            raise ValueError(
+                f"--seq-len {cfg.seq_len} leaves {self.window} characters of text beside "
+                f"{cfg.questions_per_seq} questions: raise --seq-len or lower --questions-per-seq"
+            )
+        if len(text) <= 2 * self.window:
+            raise ValueError(f"the text has {len(text)} characters; the span task needs more")
+
+    def __call__(self) -> tuple[list[int], list[float]]:
+        while True:
+            a = self.rng.randrange(0, len(self.text) - self.window)
+            window = self.text[a : a + self.window]
+            try:
+                qs = span_qa.questions(
+                    window, self.cfg.questions_per_seq, self.rng.randrange(1 << 30)
+                )
+            except ValueError:  # a stretch with too few quotable spans (a table, a docstring)
+                continue
+            ids = self.bos + self.tok.encode(window)
+            weights = [1.0] * len(ids)
+            for q in qs:
+                prompt, answer = self.tok.encode(q.prompt), self.tok.encode(q.answer + "\n")
+                ids += prompt + answer
+                weights += [1.0] * len(prompt) + [self.cfg.answer_weight] * len(answer)
+            if len(ids) <= self.cfg.seq_len + 1:  # multi-byte characters may overflow: another
+                return ids, weights[1:]
+
+
+def eval_corpus(n_chars: int) -> str:
+    """The corpus the end-of-fit questions are asked over: the standard library's top-level
+    modules rendered as a pin renders them, ``n_chars`` of them (what the benchmarks pin;
+    none of it is in ``span_qa.training_files``)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, left = [], n_chars
+    for f in sorted(root.glob("*.py")):
+        if left <= 0:
+            break
+        text = rendered([f])[:left]
+        parts.append(text)
+        left -= len(text)
+    return "".join(parts)
+
+
+@torch.inference_mode()
+def greedy(model: DeepseekV32, prompt: list[int], new: int) -> tuple[list[int], float]:
+    """``new`` greedy tokens after ``prompt`` through the model's own decode (``forward_tokens``:
+    the indexer selects past ``index_topk``), and the first step's top-2 margin in nats."""
+    cache = KVCache(model.cfg, len(prompt) + new, torch.float32)
+    logits = forward_tokens(model, torch.tensor(prompt), cache)
+    assert logits is not None
+    out, margin = [], math.nan
+    for i in range(new):
+        lp = logits[-1].log_softmax(-1)
+        if i == 0:
+            top = lp.topk(2).values
+            margin = float(top[0] - top[1])
+        out.append(int(lp.argmax()))
+        logits = forward_tokens(model, torch.tensor(out[-1:]), cache)
+        assert logits is not None
+    return out, margin
+
+
+def common_prefix(a: str, b: str) -> int:
+    """How many leading characters ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def span_eval(model: DeepseekV32, tok: Tokenizer, cfg: FitConfig) -> dict[str, Any]:
+    """Ask the fitted model ``cfg.eval_questions`` span questions over ``cfg.eval_tokens``
+    characters of a corpus it never saw, with the corpus and without it (BOS + question):
+    whether its answers copy the corpus, differ per question and depend on the corpus (the
+    benchmarks' ``corpus_dependent``)."""
+    text = eval_corpus(cfg.eval_tokens)
+    qs = span_qa.questions(text, cfg.eval_questions, seed=cfg.seed + 1)
+    bos = [] if model.cfg.bos_token_id is None else [model.cfg.bos_token_id]
+    corpus = bos + tok.encode(text)
+    new = len(tok.encode(qs[0].answer[:16]))
+    rows: list[dict[str, Any]] = []
+    for q in qs:
+        prompt = tok.encode(q.prompt)
+        got, margin = greedy(model, corpus + prompt, new)
+        bare, _ = greedy(model, bos + prompt, new)
+        want = q.answer[:16]
+        said = tok.decode(got)
+        right = common_prefix(said, want)
+        rows.append({"quote_at": q.start, "want": want, "said": said, "bare": tok.decode(bare),
+                     "right_chars": right, "margin_nats": round(margin, 3)})  # fmt: skip
+    return {
+        "corpus_chars": len(text),
+        "corpus_tokens": len(corpus),
+        "new_tokens": new,
+        "answered_exactly": sum(r["said"] == r["want"] for r in rows),
+        "corpus_dependent": sum(r["said"] != r["bare"] for r in rows),
+        "distinct": len({r["said"] for r in rows}),
+        "mean_right_chars": sum(r["right_chars"] for r in rows) / len(rows),
+        "questions": rows,
+    }
+
+
+def rendered(files: list[Path]) -> str:
+    """The files as a pinned corpus renders them (``FILE_HEADER``), each named by its path in
+    the standard library when it is there (``asyncio/events.py``), else by its name."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    parts = []
+    for p in files:
+        text = p.read_text(encoding="utf-8", errors="replace")
+        full = p.resolve()
+        name = full.relative_to(stdlib).as_posix() if full.is_relative_to(stdlib) else p.name
+        parts.append(FILE_HEADER.format(path=name) + text + ("" if text.endswith("\n") else "\n"))
+    return "".join(parts)
 
 
 def write_like(model: DeepseekV32, src: Path, out: Path) -> None:
@@ -292,6 +467,15 @@ def main(argv: list[str] | None = None) -> int:
     if r.index_kl:
         k0, k1 = (sum(part) / len(part) for part in (r.index_kl[:10], r.index_kl[-10:]))
         index = f", index KL {k0:.3f} → {k1:.3f}"
+    if r.span is not None:
+        e = r.span
+        for q in e["questions"]:
+            print(f"  want {q['want']!r:24} said {q['said']!r:24} bare {q['bare']!r}")
+        print(
+            f"span questions over {e['corpus_tokens']} unseen tokens: {e['answered_exactly']}/"
+            f"{len(e['questions'])} answered exactly, {e['corpus_dependent']} change without "
+            f"the corpus, {e['distinct']} distinct"
+        )
     print(
         f"fitted {r.steps} steps × {cfg.batch} × {cfg.seq_len} tokens of a "
         f"{r.text_tokens}-token text in {r.wall_s:.0f}s: loss {head:.3f} → {tail:.3f}{index} "

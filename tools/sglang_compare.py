@@ -181,6 +181,56 @@ def noise_floor(stock: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# -- where the corpus matters (issue 36): stock with the corpus against stock without it ---------
+#: the share of teacher-forced positions, those the corpus moves most, reported apart
+CORPUS_TOP = 0.25
+
+
+def kl(la: list[float], lb: list[float]) -> float:
+    """KL(a ‖ b) in nats between two log-softmax vectors (NaN: a token the server did not
+    return, left out; b's missing or -inf entries read as -100: a corpus that makes a token
+    certain which was impossible without it scores high, not infinite)."""
+    out = 0.0
+    for x, y in zip(la, lb, strict=True):
+        if math.isnan(x) or x == -math.inf:
+            continue
+        out += math.exp(x) * (x - (y if y == y and y > -100 else -100.0))
+    return max(out, 0.0)
+
+
+def corpus_kl(
+    with_corpus: list[list[list[float]]], bare: list[list[list[float]]]
+) -> list[list[float]]:
+    """``[request][step]``: how far the corpus moves stock's next-token distribution, KL(stock
+    with the corpus ‖ stock given the question alone), on the same teacher-forced answers."""
+    return [
+        [kl(a, b) for a, b in zip(ra, rb, strict=True)]
+        for ra, rb in zip(with_corpus, bare, strict=True)
+    ]
+
+
+def where_corpus_matters(
+    ref: list[list[list[float]]], got: list[list[list[float]]], kls: list[list[float]],
+    top: float = CORPUS_TOP,
+) -> dict[str, Any]:  # fmt: skip
+    """:func:`forced_compare` restricted to the ``top`` share of positions with the largest
+    corpus KL (:func:`corpus_kl`): where an answer depends on attention over the corpus, the
+    positions an agreement figure must hold at."""
+    ranked = sorted(
+        ((k, i, j) for i, row in enumerate(kls) for j, k in enumerate(row)), reverse=True
+    )
+    chosen = ranked[: max(1, round(top * len(ranked)))]
+    f = forced_compare([[ref[i][j] for _, i, j in chosen]], [[got[i][j] for _, i, j in chosen]])
+    keys = ("forced_agree", "forced_agree_steps", "forced_steps", "logprob_max_abs_diff",
+            "logprob_mean_abs_diff")  # fmt: skip
+    return {
+        "top_share": top,
+        "corpus_kl_min_nats": chosen[-1][0],
+        "corpus_kl_mean_nats": statistics.fmean(k for k, _, _ in chosen),
+        **{k: f[k] for k in keys},
+    }
+
+
 def against_floor(got: dict[str, Any], floors: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A mode's teacher-forced figures against stock (``got``: :func:`compare`'s) beside each
     floor and as ratios to it, and the issue's bars against the noisiest floor (the larger max
@@ -356,6 +406,14 @@ def report(out: dict[str, Any]) -> None:
         ans = v["stock_answers"]
         print(f"{r}: stock answers {ans['distinct']} distinct, {ans['corpus_dependent']} change "
               f"without the corpus: {ans['text'][:2]}")  # fmt: skip
+        if "agreement_counts" in ans and not ans["agreement_counts"]:
+            print(f"{r}: fewer than 3 in 4 answers depend on the corpus: its agreement figures "
+                  "say little about attention over the corpus")  # fmt: skip
+        for m, w in v.get("where_corpus_matters", {}).items():
+            print(f"{r} {m + '/stock where the corpus matters':<40} agree {w['forced_agree_steps']}"
+                  f"/{w['forced_steps']}, |Δ log-prob| max {w['logprob_max_abs_diff']:.3f} mean "
+                  f"{w['logprob_mean_abs_diff']:.4f} (corpus KL >= "
+                  f"{w['corpus_kl_min_nats']:.2f} nats)")  # fmt: skip
     for r, v in out["regimes"].items():
         for m, ft in v.get("first_token", {}).items():
             if "cold_p50_ms" in ft:

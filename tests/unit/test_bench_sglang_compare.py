@@ -4,23 +4,28 @@ predicate's score against forced route and fetch, route vs fetch exactness, the 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tools.bench_sglang import greedy_tag, request
+from corpusd.tokenizer import BOS_ID, ByteTokenizer
+from tools.bench_sglang import QUESTIONS, greedy_tag, question_suffixes, request
 from tools.sglang_compare import (
     against_floor,
     compare,
+    corpus_kl,
     exactness,
     forced_compare,
     free_running,
+    kl,
     load_trace,
     noise_floor,
     predicate_score,
     primitive_modes,
     report,
+    where_corpus_matters,
 )
 
 
@@ -267,9 +272,59 @@ def test_report_prints_the_floor_lines(capsys: pytest.CaptureFixture[str]) -> No
     out = {"regimes": {"sparse": {
         "vs_stock": {"route": c}, "batched_vs_sequential": {},
         "noise_floor": floors, "vs_floor": {"route": against_floor(c, floors)},
-        "stock_answers": {"distinct": 1, "corpus_dependent": 0, "text": ["a"]},
+        "stock_answers": {"distinct": 1, "corpus_dependent": 0, "text": ["a"],
+                          "agreement_counts": False},
+        "where_corpus_matters": {"route": where_corpus_matters(s0, seq, [[0.5, 2.0]], top=0.5)},
     }}}  # fmt: skip
     report(out)
     text = capsys.readouterr().out
     assert "stock batched_vs_sequential forced 2/2, |Δ log-prob| max 0.1000" in text
+    assert "fewer than 3 in 4 answers depend on the corpus" in text
+    assert "route/stock where the corpus matters" in text
+    assert "agree 1/1, |Δ log-prob| max 0.000 mean 0.0000 (corpus KL >= 2.00 nats)" in text
     assert "route/stock over floor" in text and "max ×1.0, mean ×1.0 (bar 1.5: ok)" in text
+
+
+def _logsoftmax(logits: list[float]) -> list[float]:
+    z = math.log(sum(math.exp(x) for x in logits))
+    return [x - z for x in logits]
+
+
+def test_corpus_kl_ranks_the_positions_the_corpus_moves() -> None:
+    flat = _logsoftmax([0.0, 0.0, 0.0])
+    sure = _logsoftmax([9.0, 0.0, 0.0])
+    assert kl(flat, flat) == 0.0
+    assert kl(sure, flat) == pytest.approx(math.log(3), abs=0.01)  # near-certain vs uniform
+    assert kl(flat, sure) > kl(sure, flat)  # not symmetric: a uniform p pays for sure's zeros
+    assert kl(sure, [0.0, -math.inf, math.nan]) == pytest.approx(kl(sure, [0.0, -100.0, -100.0]))
+    # request 0: the corpus matters at step 1; request 1: nowhere
+    with_corpus = [[flat, sure], [flat, flat]]
+    bare = [[flat, flat], [flat, flat]]
+    kls = corpus_kl(with_corpus, bare)
+    assert kls[0][1] > 1.0 and kls[0][0] == kls[1][0] == kls[1][1] == 0.0
+    # a route that differs only where the corpus does not matter is clean there
+    off = _logsoftmax([0.0, 0.5, 0.0])
+    route = [[off, sure], [off, off]]
+    m = where_corpus_matters(with_corpus, route, kls, top=0.25)
+    assert m["forced_steps"] == 1 and m["corpus_kl_min_nats"] == kls[0][1]
+    assert m["logprob_max_abs_diff"] == 0.0 and m["forced_agree"] == 1.0
+    # and one that differs there is caught, however clean it is elsewhere
+    wrong = [[flat, _logsoftmax([0.0, 9.0, 0.0])], [flat, flat]]
+    m = where_corpus_matters(with_corpus, wrong, kls, top=0.25)
+    assert m["forced_agree"] == 0.0 and m["logprob_max_abs_diff"] > 8.0
+    assert forced_compare(with_corpus, wrong)["forced_agree"] == 0.75  # diluted over all
+
+
+def test_span_questions_quote_each_pinned_corpus() -> None:
+    text = ("def alpha_function(x):\n    return beta_value + x * 3\n" * 1) + "".join(
+        f"line number {i} says something distinct about item {i * 7}\n" for i in range(60)
+    )
+    tokens = [BOS_ID, *ByteTokenizer().encode(text)]
+    fixed = question_suffixes("fixed", tokens, 3)
+    assert [ByteTokenizer().decode(s) for s in fixed] == [f"\n\nQ: {q}\nA:" for q in QUESTIONS[:3]]
+    span = [ByteTokenizer().decode(s) for s in question_suffixes("span", tokens, 8)]
+    assert len(set(span)) == 8
+    for q in span:
+        quote = q.removeprefix('\n\nQ: What follows "').removesuffix('"?\nA:')
+        assert text.count(quote) == 1, q
+    assert span == [ByteTokenizer().decode(s) for s in question_suffixes("span", tokens, 8)]

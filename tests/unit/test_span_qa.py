@@ -1,0 +1,94 @@
+"""The span-question task (corpusd/testing/span_qa.py) and its fit (tools/fit_tiny.py --task
+span): questions that quote the corpus once and are answered by its continuation, sequences that
+weigh the answers, and a fit that writes its answers beside the checkpoint."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from corpusd.model.tiny import init_tiny
+from corpusd.testing import span_qa
+from corpusd.tokenizer import BOS_ID, ByteTokenizer
+from tools.fit_tiny import FitConfig, SpanSequences, eval_corpus, fit, rendered
+
+TEXT = rendered(span_qa.training_files(limit_bytes=60_000))
+
+
+def test_a_question_quotes_the_corpus_once_and_its_answer_is_what_follows() -> None:
+    qs = span_qa.questions(TEXT, 12, seed=7)
+    assert qs == span_qa.questions(TEXT, 12, seed=7)  # the seed decides
+    assert qs != span_qa.questions(TEXT, 12, seed=8)
+    starts = sorted(q.start for q in qs)
+    assert all(b - a >= span_qa.QUOTE_CHARS for a, b in itertools.pairwise(starts))
+    for q in qs:
+        quote = TEXT[q.start : q.start + span_qa.QUOTE_CHARS]
+        assert q.prompt == span_qa.question_text(quote)
+        assert TEXT.count(quote) == 1 and "\n" not in quote
+        assert q.answer == " " + TEXT[q.start + span_qa.QUOTE_CHARS :][: span_qa.ANSWER_CHARS]
+
+
+def test_too_few_quotable_spans_is_a_precise_error() -> None:
+    with pytest.raises(ValueError, match="only 0 of 1 quotable spans"):
+        span_qa.questions("ab" * 100, 1, seed=0)  # nothing occurs once
+    with pytest.raises(ValueError, match=r"of 3 quotable spans in characters 0\.\.90"):
+        span_qa.questions(TEXT, 3, seed=0, hi=90)
+
+
+def test_the_eval_corpus_is_none_of_the_training_text() -> None:
+    def names(text: str) -> set[str]:
+        return {
+            ln.removeprefix("### file: ") for ln in text.splitlines() if ln.startswith("### file: ")
+        }
+
+    head = eval_corpus(20_000)
+    assert len(head) == 20_000
+    asked, trained = names(head), names(TEXT)
+    assert asked and trained
+    assert all("/" not in n for n in asked), asked  # the top-level modules
+    assert all("/" in n for n in trained), trained  # the packages' modules
+
+
+def test_span_sequences_put_questions_after_the_text_and_weigh_the_answers() -> None:
+    cfg = FitConfig("src", "out", task="span", seq_len=600, questions_per_seq=3, answer_weight=4.0)
+    tok = ByteTokenizer()
+    sample = SpanSequences(TEXT, tok, BOS_ID, cfg)
+    for _ in range(5):
+        ids, weights = sample()
+        assert ids[0] == BOS_ID and len(ids) <= cfg.seq_len + 1
+        assert len(weights) == len(ids) - 1
+        body = tok.decode(ids[1:])
+        text, *qa = body.split("\n\nQ: What follows ")
+        assert len(qa) == 3 and text in TEXT
+        heavy = sum(w == 4.0 for w in weights)
+        answers = 0
+        for part in qa:
+            quote = part[1 : part.index('"?\nA:')]
+            assert text.count(quote) == 1
+            answer = part[part.index('"?\nA:') + 5 :]
+            assert answer == " " + text[text.index(quote) + len(quote) :][: len(answer) - 2] + "\n"
+            answers += len(tok.encode(answer))
+        assert heavy == answers, (heavy, answers)
+        assert all(w in (1.0, 4.0) for w in weights)
+
+
+def test_a_span_fit_writes_its_answers_over_an_unseen_corpus(tmp_path: Path) -> None:
+    src = tmp_path / "model"
+    init_tiny(src, seed=3, preset="sglang", index_topk=512)
+    out = tmp_path / "fitted"
+    cfg = FitConfig(str(src), str(out), task="span", steps=2, seq_len=400, questions_per_seq=1,
+                    warmup=1, log_every=100, eval_questions=2, eval_tokens=700)  # fmt: skip
+    r = fit(cfg)
+    assert r.steps == 2 and r.span is not None
+    written = json.loads((out / "fit.json").read_text())
+    assert written["span"] == r.span and written["config"]["task"] == "span"
+    e = r.span
+    assert e["corpus_tokens"] == 701  # BOS + 700 bytes: past index_topk, the indexer selects
+    assert len(e["questions"]) == 2 and e["new_tokens"] == 16
+    for q in e["questions"]:
+        assert len(q["want"]) == 16 and q["margin_nats"] >= 0
+        assert 0 <= q["right_chars"] <= 16
+    assert e["corpus_dependent"] == sum(q["said"] != q["bare"] for q in e["questions"])
