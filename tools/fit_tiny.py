@@ -207,6 +207,7 @@ class FitResult:
     losses: list[float]  # mean next-token loss (nats/token) per step
     index_kl: list[float]  # the indexers' KL (nats/query, summed over layers) per step; or empty
     text_tokens: int
+    answer_losses: list[float] = field(default_factory=list)  # --task span: per step
     span: dict[str, Any] | None = None  # --task span: span_eval's answers of the fitted model
 
 
@@ -248,6 +249,7 @@ def fit(cfg: FitConfig) -> FitResult:
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     losses: list[float] = []
     kls: list[float] = []
+    answer_losses: list[float] = []  # --task span: the answers' mean loss per step
     t0 = time.monotonic()
     for step in range(cfg.steps):
         if time.monotonic() - t0 > 60 * cfg.minutes:
@@ -255,9 +257,9 @@ def fit(cfg: FitConfig) -> FitResult:
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        total = total_kl = 0.0
+        total = total_kl = total_answer = 0.0
         for _ in range(cfg.batch):
-            ids, weights = sample()
+            ids, weights, answer = sample()
             seq = torch.tensor(ids, dtype=torch.int64, device=cfg.device)
             logits, kl = train_forward(model, seq[:-1], index_loss=with_index)
             if weights is None:
@@ -266,6 +268,8 @@ def fit(cfg: FitConfig) -> FitResult:
                 w = torch.tensor(weights, device=cfg.device)
                 ce = F.cross_entropy(logits, seq[1:], reduction="none")
                 loss = (w * ce).sum() / w.sum() / cfg.batch
+                on = torch.tensor(answer, device=cfg.device)
+                total_answer += ce.detach()[on].mean().item() / cfg.batch
             total += loss.item()
             if kl is not None:
                 total_kl += kl.item() / cfg.batch
@@ -277,9 +281,14 @@ def fit(cfg: FitConfig) -> FitResult:
         losses.append(total)
         if with_index:
             kls.append(total_kl)
+        if cfg.task == "span":
+            answer_losses.append(total_answer)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             recent = losses[-cfg.log_every :]
             index = f"  index KL {total_kl:.3f}" if with_index else ""
+            if answer_losses:  # the answers alone: near 0 once the model copies the corpus
+                last = answer_losses[-cfg.log_every :]
+                index += f"  answers {sum(last) / len(last):.3f}"
             print(
                 f"step {step:4d}  loss {total:.3f}  (mean of last {len(recent)}: "
                 f"{sum(recent) / len(recent):.3f}){index}  lr {lr_at(step, cfg):.2e}  "
@@ -292,7 +301,7 @@ def fit(cfg: FitConfig) -> FitResult:
     span = None
     if cfg.task == "span" and cfg.eval_questions:
         span = span_eval(load_model(cfg.out, dtype=torch.float32), tokenizer, cfg)  # as written
-    result = FitResult(len(losses), wall, losses, kls, n_text, span)
+    result = FitResult(len(losses), wall, losses, kls, n_text, answer_losses, span)
     (Path(cfg.out) / "fit.json").write_text(
         json.dumps({"config": asdict(cfg), **asdict(result)}, indent=1)
     )
@@ -308,16 +317,17 @@ class TextSequences:
         self.bos = [] if bos_id is None else [bos_id]
         self.gen = torch.Generator().manual_seed(cfg.seed)
 
-    def __call__(self) -> tuple[list[int], list[float] | None]:
+    def __call__(self) -> tuple[list[int], None, None]:
         s = int(torch.randint(0, len(self.tokens) - self.cfg.seq_len, (1,), generator=self.gen))
         # BOS first, as a pinned corpus starts
-        return self.bos + self.tokens[s : s + self.cfg.seq_len + 1 - len(self.bos)], None
+        return self.bos + self.tokens[s : s + self.cfg.seq_len + 1 - len(self.bos)], None, None
 
 
 class SpanSequences:
     """``--task span``'s sequences: BOS, a random stretch of the text, then questions quoting
     it (:mod:`corpusd.testing.span_qa`), each followed by its answer and a newline. Returns the
-    tokens and each target's loss weight (an answer's tokens ``--answer-weight``, others 1)."""
+    tokens, each target's loss weight (an answer's tokens ``--answer-weight``, others 1) and
+    whether it is an answer's."""
 
     def __init__(self, text: str, tok: Tokenizer, bos_id: int | None, cfg: FitConfig) -> None:
         self.text, self.tok, self.cfg = text, tok, cfg
@@ -333,7 +343,7 @@ class SpanSequences:
         if len(text) <= 2 * self.window:
             raise ValueError(f"the text has {len(text)} characters; the span task needs more")
 
-    def __call__(self) -> tuple[list[int], list[float]]:
+    def __call__(self) -> tuple[list[int], list[float], list[bool]]:
         while True:
             a = self.rng.randrange(0, len(self.text) - self.window)
             window = self.text[a : a + self.window]
@@ -344,13 +354,14 @@ class SpanSequences:
             except ValueError:  # a stretch with too few quotable spans (a table, a docstring)
                 continue
             ids = self.bos + self.tok.encode(window)
-            weights = [1.0] * len(ids)
+            answers = [False] * len(ids)
             for q in qs:
                 prompt, answer = self.tok.encode(q.prompt), self.tok.encode(q.answer + "\n")
                 ids += prompt + answer
-                weights += [1.0] * len(prompt) + [self.cfg.answer_weight] * len(answer)
+                answers += [False] * len(prompt) + [True] * len(answer)
             if len(ids) <= self.cfg.seq_len + 1:  # multi-byte characters may overflow: another
-                return ids, weights[1:]
+                w = self.cfg.answer_weight
+                return ids, [w if a else 1.0 for a in answers[1:]], answers[1:]
 
 
 def eval_corpus(n_chars: int) -> str:

@@ -21,12 +21,16 @@
 #                                            #   held-out-like 128-head x 4-layer random model (~5 min)
 #   bash tools/gpu_session.sh diag-floor     # issue 36: route vs stock beside stock's own noise floor,
 #                                            #   the same model (~5 min; reuses diag-layer's pin when warm)
+#   bash tools/gpu_session.sh span           # issue 36: a span-fitted checkpoint (fit_tiny --task span,
+#                                            #   <= 3 min) then route vs stock and both floors over the
+#                                            #   standard library with span questions; SPAN_GEOMETRY=
+#                                            #   g64x2 | g128x4 | g64x8, one a call (~9 min each)
 #   bash tools/gpu_session.sh share          # issue 35: equal-HBM bench, 2 workers + holder on one GPU;
 #                                            #   SHARE_FRACTIONS=0.5 then 0.25,1,2 in two calls (~6-9 min each)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | share"}
-case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|share) ;;
+step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | share"}
+case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|share) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
@@ -71,6 +75,27 @@ if not Path("/tmp/d36/model/config.json").exists():
               num_hidden_layers=4, hidden_size=1024, q_lora_rank=384, index_topk=2048,
               mlp_layer_types=("dense", "sparse", "sparse", "sparse"), index_arith="fp8")
 stdlib_corpus(Path("/tmp/d36/src"), 3683)
+PY
+}
+span_model() {  # geometry: its random init under /tmp/span36/<geometry>/init (rope 64 throughout)
+    python3 - "$1" <<'PY'
+import sys
+from pathlib import Path
+from corpusd.model.tiny import init_tiny
+g = sys.argv[1]
+geometries = {  # the sglang preset (64 heads, 2 layers, hidden 256) and two others
+    "g64x2": {},
+    "g128x4": dict(num_attention_heads=128, num_hidden_layers=4, hidden_size=1024,
+                   q_lora_rank=384, mlp_layer_types=("dense",) + ("sparse",) * 3),
+    "g64x8": dict(num_hidden_layers=8, hidden_size=512, q_lora_rank=256, first_k_dense_replace=2,
+                  mlp_layer_types=("dense",) * 2 + ("sparse",) * 6),
+}
+if g not in geometries:
+    sys.exit(f"SPAN_GEOMETRY={g}: one of {', '.join(geometries)}")
+out = Path(f"/tmp/span36/{g}/init")
+if not (out / "config.json").exists():
+    init_tiny(out, seed=20261128, preset="sglang", index_topk=2048, index_arith="fp8",
+              **geometries[g])
 PY
 }
 
@@ -179,6 +204,25 @@ diag-floor)
         > "$OUT/sglang-floor-128h-$GPU.log" 2>&1
     took "bench_sglang floor" $?
     tail -16 "$OUT/sglang-floor-128h-$GPU.log" ;;
+span)  # issue 36 item 2: fitted so that answers copy the corpus; fit.json says whether they do
+    g=${SPAN_GEOMETRY:-g64x2}
+    span_model "$g" || exit 2
+    d=/tmp/span36/$g
+    if [ ! -f "$d/model/fit.json" ]; then
+        timeout 200 python3 -m tools.fit_tiny --src "$d/init" --out "$d/model" --task span \
+            --steps 4000 --minutes 3 --seq-len 1024 --batch 4 --device cuda:0 --log-every 250 \
+            > "$OUT/span-fit-$g-$GPU.log" 2>&1
+        took "fit $g" $?
+        tail -12 "$OUT/span-fit-$g-$GPU.log"
+    fi
+    cp "$d/model/fit.json" "$OUT/span-fit-$g-$GPU.json" 2>/dev/null
+    timeout 360 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
+        --tokens 16 --forced-steps 8 --streams 8 --bursts 1 --first-token-reps 1 \
+        --holder-device cuda:0 --pin-engine --dump --no-cuda-graph --src-model "$d/model" \
+        --corpus stdlib --questions span --work "$d/bench" --out "$OUT/sglang-span-$g-$GPU.json" \
+        > "$OUT/sglang-span-$g-$GPU.log" 2>&1
+    took "bench_sglang span $g" $?
+    tail -20 "$OUT/sglang-span-$g-$GPU.log" ;;
 share)  # the model and pin stay in /tmp/bsh: the second call on a warm machine reuses the model
     fr=${SHARE_FRACTIONS:-0.5}; SHARE_ARGS=${SHARE_ARGS:-}
     timeout 580 python3 -m tools.bench_share --servers 2 --fractions "$fr" --work /tmp/bsh $SHARE_ARGS \

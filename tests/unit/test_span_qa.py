@@ -57,9 +57,10 @@ def test_span_sequences_put_questions_after_the_text_and_weigh_the_answers() -> 
     tok = ByteTokenizer()
     sample = SpanSequences(TEXT, tok, BOS_ID, cfg)
     for _ in range(5):
-        ids, weights = sample()
+        ids, weights, is_answer = sample()
         assert ids[0] == BOS_ID and len(ids) <= cfg.seq_len + 1
-        assert len(weights) == len(ids) - 1
+        assert len(weights) == len(is_answer) == len(ids) - 1
+        assert [w == 4.0 for w in weights] == is_answer
         body = tok.decode(ids[1:])
         text, *qa = body.split("\n\nQ: What follows ")
         assert len(qa) == 3 and text in TEXT
@@ -82,7 +83,7 @@ def test_a_span_fit_writes_its_answers_over_an_unseen_corpus(tmp_path: Path) -> 
     cfg = FitConfig(str(src), str(out), task="span", steps=2, seq_len=400, questions_per_seq=1,
                     warmup=1, log_every=100, eval_questions=2, eval_tokens=700)  # fmt: skip
     r = fit(cfg)
-    assert r.steps == 2 and r.span is not None
+    assert r.steps == 2 and r.span is not None and len(r.answer_losses) == 2
     written = json.loads((out / "fit.json").read_text())
     assert written["span"] == r.span and written["config"]["task"] == "span"
     e = r.span
