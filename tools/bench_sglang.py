@@ -48,10 +48,10 @@ from pathlib import Path
 from typing import Any
 
 from corpusd.testing import span_qa
+from corpusd.testing.span_qa import stdlib_corpus
 from corpusd.tokenizer import ByteTokenizer
 from indexer import ARITHS
 from requester.sglang import dump
-from tools.bench_share import stdlib_corpus
 from tools.layer_compare import selection_vs_stock, tag
 from tools.sglang_compare import PRIMITIVES as PRIMS
 from tools.sglang_compare import (

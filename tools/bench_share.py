@@ -22,6 +22,11 @@ first-token latencies the servers' own histograms (their deltas over a trial), b
 client's per-token gaps (a chunk of ``k`` new tokens counts as ``k`` gaps). Sessions held at
 once: the most ``sglang:num_running_reqs`` summed over the workers, sampled every 50 ms.
 
+Exactness beside the speed (issue 36): after each side's warm-up, 8 sessions are teacher-forced
+8 steps on every worker, on stock's first worker's greedy answers (:func:`probe`); each point's
+``exactness`` reads route's first worker against stock's beside stock's two workers against
+each other (two separately started servers: the noise floor) and route's two workers.
+
 Run on a GPU host with ``.sglang-deps`` installed (``bash tools/gpu_session.sh share``)::
 
     python -m tools.bench_share --servers 2 --out bench/results/share-h100.json
@@ -39,7 +44,6 @@ import re
 import statistics
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 import urllib.request
@@ -47,7 +51,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from corpusd.testing.span_qa import stdlib_corpus
 from corpusd.tokenizer import ByteTokenizer
+from tools.bench_sglang import teacher_forced
+from tools.sglang_compare import against_floor, forced_compare
 from tools.sglang_server import Corpusd, Server, request, sglang_flags, start_corpusd
 
 #: The SGLang flags the bench sets beyond tools/sglang_server.sglang_flags, and why (the JSON
@@ -119,21 +126,6 @@ def histogram(text: str, name: str) -> dict[float, float]:
 
 def delta(after: dict[float, float], before: dict[float, float]) -> dict[float, float]:
     return {le: v - before.get(le, 0.0) for le, v in after.items()}
-
-
-def stdlib_corpus(out: Path, n_bytes: int) -> Path:
-    """A directory of ``n_bytes`` of Python's standard library source (not this repo's text),
-    in a fixed order, as the corpus every session asks about."""
-    src = Path(sysconfig.get_paths()["stdlib"])
-    out.mkdir(parents=True, exist_ok=True)
-    left = n_bytes
-    for f in sorted(src.glob("*.py")):
-        if left <= 0:
-            break
-        text = f.read_text(errors="replace")[:left]
-        (out / f.name).write_text(text)
-        left -= len(text.encode())
-    return out
 
 
 def questions(corpus: Path, n: int) -> list[str]:
@@ -301,6 +293,54 @@ def headline(points: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+#: the exactness probe (issue 36): sessions teacher-forced on every worker, and steps each
+PROBE_SESSIONS, PROBE_STEPS = 8, 8
+
+
+def probe(
+    servers: list[Server], mode: str, corpus: str, prompts: list[list[int]], vocab: int,
+    ref: list[list[int]] | None,
+) -> tuple[list[list[int]], list[list[list[list[float]]]]]:  # fmt: skip
+    """The first :data:`PROBE_SESSIONS` sessions teacher-forced :data:`PROBE_STEPS` steps on
+    every worker, on ``ref`` (stock's first worker's greedy answers; this side's first worker's
+    when None): (the answers, per worker ``[session][step][vocab]`` log-softmax)."""
+    prompts = prompts[:PROBE_SESSIONS]
+    if ref is None:
+        ref = [
+            servers[0].post(request(p, PROBE_STEPS, mode, corpus, i, vocab, False))["output_ids"]
+            for i, p in enumerate(prompts)
+        ]
+    return ref, [teacher_forced(s, mode, corpus, prompts, ref, vocab, PROBE_STEPS) for s in servers]
+
+
+def exactness(stock: list[Any] | None, route: list[Any] | None) -> dict[str, Any]:
+    """Route's first worker against stock's on the same teacher-forced contexts, beside stock's
+    two workers against each other (two separately started servers: the noise floor) and route's
+    two workers; each :func:`tools.sglang_compare.forced_compare`, route against the floor
+    as :func:`tools.sglang_compare.against_floor` reads it. A side that did not run is left out."""
+    out: dict[str, Any] = {"sessions": PROBE_SESSIONS, "steps": PROBE_STEPS}
+    floors = {}
+    if stock and len(stock) > 1:
+        floors["two_servers"] = out["stock_vs_stock"] = forced_compare(stock[0], stock[1])
+    if route and len(route) > 1:
+        out["route_vs_route"] = forced_compare(route[0], route[1])
+    if stock and route:
+        got = forced_compare(stock[0], route[0])
+        out["route_vs_stock"] = got
+        out["vs_floor"] = against_floor(got, floors)
+    return out
+
+
+SIDES = ("stock", "corpusd")
+
+
+def stock_ref(point: dict[str, Any]) -> list[list[int]] | None:
+    """Stock's probe answers at this point, for route to be forced on (None: stock did not
+    run here, route's own first worker answers)."""
+    got = point.get("stock", {}).get("_probe")
+    return got[0] if got else None
+
+
 def start_side(
     mode: str,
     n: int,
@@ -351,8 +391,12 @@ def run_side(
     corpus: str,
     prompts: list[list[int]],
     work: Path,
+    vocab: int = 0,
+    ref: list[list[int]] | None = None,
 ) -> dict[str, Any]:
-    """One side at one KV budget: start its workers, sweep the concurrency, stop them."""
+    """One side at one KV budget: start its workers, sweep the concurrency, stop them. With
+    ``vocab``, first :func:`probe` the workers (on ``ref``): ``out["_probe"]`` = (answers,
+    vectors), for the caller to compare and drop."""
     ctx = len(cd.tokens[corpus]) + 4096
     graph_bs = tuple(int(c) for c in a.graph_bs.split(",") if c)
     t0 = time.monotonic()
@@ -366,6 +410,11 @@ def run_side(
     try:
         warm = trial(servers, mode, corpus, prompts, 1, a.tokens, 1)  # radix cache, first graphs
         out["warmup"] = {"errors": warm["errors"], "examples": warm["error_examples"]}
+        if vocab:
+            try:
+                out["_probe"] = probe(servers, mode, corpus, prompts, vocab, ref)
+            except (OSError, RuntimeError, KeyError) as e:  # the timing still runs
+                out["probe_error"] = f"{type(e).__name__}: {e}"[:500]
         points = []
         for c in (int(x) for x in a.concurrency.split(",")):
             trial(servers, mode, corpus, prompts, c, a.tokens, 1)  # the first burst: discarded
@@ -452,6 +501,26 @@ def print_table(out: dict[str, Any]) -> None:
             f"{ratio if ratio else float('nan'):>6.2f} "
             f"{hs.get('sessions_held_max', 0):>4.0f}/{hc.get('sessions_held_max', 0):<4.0f}"
         )
+    for p in out["points"]:
+        for line in exactness_lines(p.get("exactness", {})):
+            print(f"{p['fraction']:>8g} {line}")
+
+
+def exactness_lines(e: dict[str, Any]) -> list[str]:
+    """:func:`exactness` in a line per comparison: teacher-forced agreement and |Δ log-prob|."""
+    out = []
+    for name in ("stock_vs_stock", "route_vs_stock", "route_vs_route"):
+        if name in e:
+            c = e[name]
+            out.append(f"{name:<15} forced {c['forced_agree_steps']}/{c['forced_steps']}, "
+                       f"|Δ log-prob| max {c['logprob_max_abs_diff']:.3f} mean "
+                       f"{c['logprob_mean_abs_diff']:.4f}")  # fmt: skip
+    nf = e.get("vs_floor", {}).get("noisiest_floor")
+    if nf:
+        ratios = [nf[k] for k in ("max_over_floor", "mean_over_floor")]
+        mx, mean = ("—" if r is None else f"{r:.2f}" for r in ratios)
+        out.append(f"route over the floor: max ×{mx}, mean ×{mean}")
+    return out
 
 
 def merge(paths: list[str], out_path: str) -> int:
@@ -524,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     cfg = json.loads((model / "config.json").read_text())
     b = pool_bytes(cfg)
+    vocab = int(cfg["vocab_size"])
     src = stdlib_corpus(work / "src", a.corpus_tokens - 1)  # + the BOS
     asks = questions(src, 4096)
     name = "shared"
@@ -586,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
                         "stock cannot hold the corpus and one session",
                     }
                 else:
-                    point["stock"] = run_side(a, "stock", model, cd, k, name, prompts, work)
+                    point["stock"] = run_side(a, "stock", model, cd, k, name, prompts, work, vocab)
             if "corpusd" in a.sides:
                 if k_route < 64 + a.tokens:
                     why = (
@@ -594,15 +664,21 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens a worker at equal HBM"
                     )
                     if a.over_budget:  # served at all: each worker gets stock's K besides
-                        point["corpusd"] = run_side(a, "route", model, cd, k, name, suffixes, work)
+                        point["corpusd"] = run_side(
+                            a, "route", model, cd, k, name, suffixes, work, vocab, stock_ref(point)
+                        )
                         point["corpusd"]["equal_hbm"] = False
                         point["corpusd"]["why_not_equal"] = why
                     else:
                         point["corpusd"] = {"k_tokens": k_route, "started": False, "error": why}
                 else:
                     point["corpusd"] = run_side(
-                        a, "route", model, cd, k_route, name, suffixes, work
-                    )
+                        a, "route", model, cd, k_route, name, suffixes, work, vocab,
+                        stock_ref(point),
+                    )  # fmt: skip
+            vectors = {s: point.get(s, {}).pop("_probe", (None, None))[1] for s in SIDES}
+            if any(vectors.values()):
+                point["exactness"] = exactness(vectors["stock"], vectors["corpusd"])
             sat = {
                 s: point.get(s, {}).get("headline", {}).get("tokens_per_s_saturation")
                 for s in ("stock", "corpusd")

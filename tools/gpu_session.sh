@@ -69,7 +69,7 @@ diag_model() {  # 128 heads, 4 layers, hidden 1024, q LoRA 384, seed 20261127, r
     python3 - <<'PY'
 from pathlib import Path
 from corpusd.model.tiny import init_tiny
-from tools.bench_share import stdlib_corpus
+from corpusd.testing.span_qa import stdlib_corpus
 if not Path("/tmp/d36/model/config.json").exists():
     init_tiny("/tmp/d36/model", seed=20261127, preset="sglang", num_attention_heads=128,
               num_hidden_layers=4, hidden_size=1024, q_lora_rank=384, index_topk=2048,

@@ -16,7 +16,7 @@ once in the corpus, so its continuation is the one right answer.
 
 The corpora are Python's standard library source (not this repository's text): the fit trains on
 the packages' modules (``training_files``), the benchmarks ask about the top-level modules
-(:func:`tools.bench_share.stdlib_corpus`), so no answer was seen in training.
+(:func:`stdlib_corpus`), so no answer was seen in training.
 """
 
 from __future__ import annotations
@@ -109,3 +109,18 @@ def training_files(limit_bytes: int = 2_000_000) -> list[Path]:
         if total >= limit_bytes:
             break
     return files
+
+
+def stdlib_corpus(out: Path, n_bytes: int) -> Path:
+    """A directory of ``n_bytes`` of Python's standard library source (not this repo's text),
+    in a fixed order, as the corpus every session asks about."""
+    src = Path(sysconfig.get_paths()["stdlib"])
+    out.mkdir(parents=True, exist_ok=True)
+    left = n_bytes
+    for f in sorted(src.glob("*.py")):
+        if left <= 0:
+            break
+        text = f.read_text(errors="replace")[:left]
+        (out / f.name).write_text(text)
+        left -= len(text.encode())
+    return out

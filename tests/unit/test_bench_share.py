@@ -7,7 +7,16 @@ import math
 
 import pytest
 
-from tools.bench_share import counter, headline, histogram, pool_bytes, quantile, route_budget
+from tools.bench_share import (
+    counter,
+    exactness,
+    exactness_lines,
+    headline,
+    histogram,
+    pool_bytes,
+    quantile,
+    route_budget,
+)
 
 CFG = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128, "num_hidden_layers": 4}
 
@@ -62,3 +71,24 @@ def test_headline_takes_the_best_point_and_the_best_within_the_latency_bound() -
     assert h["tokens_per_s_saturation"] == 500  # the erroring point does not count
     assert h["tokens_per_s_at_2x_itl"] == 300  # p99 9 ms ≤ 2 × 5 ms; 30 ms is not
     assert headline([point(1, 1, errors=2)]) == {"served": False}
+
+
+def test_exactness_reads_route_against_two_stock_servers() -> None:
+    def runs(shift: float) -> list[list[list[float]]]:  # [session][step][vocab]
+        return [[[-0.1 - shift, -2.5, -9.0], [-3.0, -0.06, -4.0]]]
+
+    stock = [runs(0.0), runs(0.02)]  # two stock servers: 0.02 apart
+    close = exactness(stock, [runs(0.01), runs(0.01)])
+    assert close["stock_vs_stock"]["logprob_max_abs_diff"] == pytest.approx(0.02)
+    assert close["route_vs_stock"]["logprob_max_abs_diff"] == pytest.approx(0.01)
+    assert close["route_vs_route"]["logprob_max_abs_diff"] == 0.0
+    assert close["vs_floor"]["noisiest_floor"]["max_over_floor"] == pytest.approx(0.5)
+    assert close["vs_floor"]["within_floor"] == {"logprob": True, "forced_agree": True}
+    far = exactness(stock, [[[[-3.0, -0.06, -9.0], [-3.0, -0.06, -4.0]]]])
+    assert far["route_vs_stock"]["forced_agree_steps"] == 1
+    assert far["vs_floor"]["within_floor"]["logprob"] is False
+    assert "route_vs_route" not in far  # one route worker: nothing to compare it with
+    assert set(exactness(None, [runs(0.0), runs(0.0)])) == {"sessions", "steps", "route_vs_route"}
+    lines = exactness_lines(close)
+    assert lines[0].startswith("stock_vs_stock  forced 2/2, |Δ log-prob| max 0.020")
+    assert lines[-1] == "route over the floor: max ×0.50, mean ×0.50"
