@@ -182,7 +182,8 @@ class FitConfig:
         },
     )
     questions_per_seq: int = _opt(3, "span: questions after each sequence's text")
-    answer_weight: float = _opt(4.0, "span: loss weight of an answer's tokens (the text's: 1)")
+    answer_weight: float = _opt(4.0, "span: loss weight of an answer's tokens")
+    text_weight: float = _opt(1.0, "span: loss weight of the other tokens (text and questions)")
     eval_questions: int = _opt(8, "span: questions asked of the fitted model at the end (0: none)")
     eval_tokens: int = _opt(3600, "span: corpus length the end-of-fit questions are asked over")
 
@@ -198,6 +199,8 @@ class FitConfig:
             raise ValueError(f"--index-weight must be >= 0, got {self.index_weight}")
         if self.task == "span" and not (self.questions_per_seq > 0 and self.answer_weight > 0):
             raise ValueError("--questions-per-seq and --answer-weight must be > 0")
+        if self.text_weight < 0:
+            raise ValueError(f"--text-weight must be >= 0, got {self.text_weight}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,8 +329,8 @@ class TextSequences:
 class SpanSequences:
     """``--task span``'s sequences: BOS, a random stretch of the text, then questions quoting
     it (:mod:`corpusd.testing.span_qa`), each followed by its answer and a newline. Returns the
-    tokens, each target's loss weight (an answer's tokens ``--answer-weight``, others 1) and
-    whether it is an answer's."""
+    tokens, each target's loss weight (an answer's ``--answer-weight``, the others'
+    ``--text-weight``) and whether it is an answer's."""
 
     def __init__(self, text: str, tok: Tokenizer, bos_id: int | None, cfg: FitConfig) -> None:
         self.text, self.tok, self.cfg = text, tok, cfg
@@ -360,8 +363,8 @@ class SpanSequences:
                 ids += prompt + answer
                 answers += [False] * len(prompt) + [True] * len(answer)
             if len(ids) <= self.cfg.seq_len + 1:  # multi-byte characters may overflow: another
-                w = self.cfg.answer_weight
-                return ids, [w if a else 1.0 for a in answers[1:]], answers[1:]
+                w, t = self.cfg.answer_weight, self.cfg.text_weight
+                return ids, [w if a else t for a in answers[1:]], answers[1:]
 
 
 def eval_corpus(n_chars: int) -> str:

@@ -1,14 +1,18 @@
 """Questions whose answers are spans copied from the corpus: the task the fitted benchmark
 checkpoints learn (``tools/fit_tiny.py --task span``) and the benchmarks ask.
 
-A question quotes a short stretch of the corpus and asks what follows it::
+A question quotes a short stretch of the corpus and asks what follows it; the prompt ends with
+the quote, and the answer is the corpus's own continuation of it::
 
     <corpus …>
 
-    Q: What follows "def _splitparam(param):"?
-    A:  a, sep, b = str(param).partition(';')
+    Q: What follows?
+    A: def _splitparam(param):
+        a, sep, b = str(param).partition(';')
 
-The answer is the corpus's own continuation of the quote. A model that learned the task answers
+The prompt ends in the quote so that the first answer token is the corpus's next one (what an
+induction head copies), not a separator the model must first learn to skip (with a closing quote
+mark and ``A:`` between, a small model fitted 1,600 steps on CPU had not learned to copy). A model that learned the task answers
 every question differently, and cannot answer any without the corpus: agreement between two
 serving paths then says something about attention over the corpus, which a model that loops
 on whitespace whatever it is asked does not (issue 36). A quote is taken only where it occurs
@@ -34,8 +38,8 @@ MIN_LETTERS = 8
 
 @dataclass(frozen=True, slots=True)
 class SpanQuestion:
-    """A question about ``text`` (a corpus): ``prompt`` (what follows the corpus; it ends in
-    ``"A:"``) and ``answer`` (the corpus's continuation of the quote, from a space)."""
+    """A question about ``text`` (a corpus): ``prompt`` (what follows the corpus; it ends with
+    the quote) and ``answer`` (the corpus's continuation of the quote)."""
 
     start: int  # the quote's offset in the corpus text
     prompt: str
@@ -44,7 +48,7 @@ class SpanQuestion:
 
 def question_text(quote: str) -> str:
     """The suffix asking what follows ``quote``: the benchmark's question format."""
-    return f'\n\nQ: What follows "{quote}"?\nA:'
+    return f"\n\nQ: What follows?\nA: {quote}"
 
 
 def _quotable(text: str, start: int) -> bool:
@@ -61,7 +65,7 @@ def span_question(text: str, start: int, answer_chars: int = ANSWER_CHARS) -> Sp
     """The question quoting ``text[start : start + QUOTE_CHARS]``; the caller checked it occurs
     once (:func:`questions`)."""
     end = start + QUOTE_CHARS
-    return SpanQuestion(start, question_text(text[start:end]), " " + text[end : end + answer_chars])
+    return SpanQuestion(start, question_text(text[start:end]), text[end : end + answer_chars])
 
 
 def questions(

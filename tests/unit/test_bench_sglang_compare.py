@@ -325,6 +325,6 @@ def test_span_questions_quote_each_pinned_corpus() -> None:
     span = [ByteTokenizer().decode(s) for s in question_suffixes("span", tokens, 8)]
     assert len(set(span)) == 8
     for q in span:
-        quote = q.removeprefix('\n\nQ: What follows "').removesuffix('"?\nA:')
+        quote = q.removeprefix("\n\nQ: What follows?\nA: ")
         assert text.count(quote) == 1, q
     assert span == [ByteTokenizer().decode(s) for s in question_suffixes("span", tokens, 8)]

@@ -28,7 +28,8 @@ def test_a_question_quotes_the_corpus_once_and_its_answer_is_what_follows() -> N
         quote = TEXT[q.start : q.start + span_qa.QUOTE_CHARS]
         assert q.prompt == span_qa.question_text(quote)
         assert TEXT.count(quote) == 1 and "\n" not in quote
-        assert q.answer == " " + TEXT[q.start + span_qa.QUOTE_CHARS :][: span_qa.ANSWER_CHARS]
+        assert q.answer == TEXT[q.start + span_qa.QUOTE_CHARS :][: span_qa.ANSWER_CHARS]
+        assert q.prompt.endswith(quote)  # the answer's first token is the corpus's next
 
 
 def test_too_few_quotable_spans_is_a_precise_error() -> None:
@@ -62,15 +63,14 @@ def test_span_sequences_put_questions_after_the_text_and_weigh_the_answers() -> 
         assert len(weights) == len(is_answer) == len(ids) - 1
         assert [w == 4.0 for w in weights] == is_answer
         body = tok.decode(ids[1:])
-        text, *qa = body.split("\n\nQ: What follows ")
+        text, *qa = body.split("\n\nQ: What follows?\nA: ")
         assert len(qa) == 3 and text in TEXT
         heavy = sum(w == 4.0 for w in weights)
         answers = 0
         for part in qa:
-            quote = part[1 : part.index('"?\nA:')]
+            quote, answer = part[: span_qa.QUOTE_CHARS], part[span_qa.QUOTE_CHARS :]
             assert text.count(quote) == 1
-            answer = part[part.index('"?\nA:') + 5 :]
-            assert answer == " " + text[text.index(quote) + len(quote) :][: len(answer) - 2] + "\n"
+            assert answer == text[text.index(quote) + len(quote) :][: len(answer) - 1] + "\n"
             answers += len(tok.encode(answer))
         assert heavy == answers, (heavy, answers)
         assert all(w in (1.0, 4.0) for w in weights)
