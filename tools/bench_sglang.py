@@ -101,7 +101,7 @@ QUESTIONS = [
 
 
 #: what fit_tiny's span task needs beyond --steps: sequences long enough for three questions
-FIT_TASK_FLAGS = {"lm": [], "span": ["--seq-len", "1024", "--batch", "4"]}
+FIT_TASK_FLAGS = {"lm": [], "span": ["--seq-len", "2048", "--batch", "2"]}
 
 
 def question_suffixes(kind: str, corpus_tokens: list[int], n: int) -> list[list[int]]:

@@ -163,7 +163,11 @@ class FitConfig:
     text: tuple[str, ...] = ()  # files to fit; empty: default_text_files()
     steps: int = _opt(200, "optimizer steps")
     minutes: float = _opt(12.0, "wall-clock cap: training stops at this or --steps, first")
-    seq_len: int = _opt(512, "tokens per sequence (BOS + text), at most 1024 and index_topk")
+    seq_len: int = _opt(
+        512,
+        "tokens per sequence (BOS + text), at most 2048 and index_topk; attention is dense, "
+        "so memory grows as seq-len² × heads × layers (2048 × 128 heads: 2 GiB a layer)",
+    )
     batch: int = _opt(1, "sequences per step (gradients accumulated)")
     lr: float = _opt(3e-3, "AdamW peak learning rate")
     warmup: int = _opt(10, "linear warm-up steps, then cosine decay to 10 %% of --lr")
@@ -188,8 +192,8 @@ class FitConfig:
     eval_tokens: int = _opt(3600, "span: corpus length the end-of-fit questions are asked over")
 
     def __post_init__(self) -> None:
-        if not 2 <= self.seq_len <= 1024:
-            raise ValueError(f"--seq-len must be in 2..1024, got {self.seq_len}")
+        if not 2 <= self.seq_len <= 2048:
+            raise ValueError(f"--seq-len must be in 2..2048, got {self.seq_len}")
         for key in ("steps", "batch", "log_every"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"--{key.replace('_', '-')} must be > 0")

@@ -210,7 +210,7 @@ span)  # issue 36 item 2: fitted so that answers copy the corpus; fit.json says 
     d=/tmp/span36/$g
     if [ ! -f "$d/model/fit.json" ]; then
         timeout 200 python3 -m tools.fit_tiny --src "$d/init" --out "$d/model" --task span \
-            --steps 4000 --minutes 3 --seq-len 1024 --batch 4 --device cuda:0 --log-every 250 \
+            --steps 20000 --minutes 3 --seq-len 2048 --batch 2 --device cuda:0 --log-every 250 \
             > "$OUT/span-fit-$g-$GPU.log" 2>&1
         took "fit $g" $?
         tail -12 "$OUT/span-fit-$g-$GPU.log"
