@@ -561,6 +561,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--device", default="cuda:0", help="the holder's device")
+    ap.add_argument(
+        "--index-arith", choices=("exact", "fp8"), default="fp8",
+        help="the model's indexer arithmetic when --work has none yet (fp8: SGLang's)",
+    )  # fmt: skip
     ap.add_argument("--mem-fraction", type=float, default=0.25)
     ap.add_argument("--graph-bs", default="8,32,128")
     ap.add_argument("--port", type=int, default=30200)
@@ -590,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
             hidden_size=a.hidden,
             index_topk=2048,
             mlp_layer_types=("dense",) + ("sparse",) * (a.layers - 1),
+            # the pin selects with SGLang's fp8 index arithmetic, so that the pinned rows are
+            # stock's and the exactness probe compares like with like
+            index_arith=a.index_arith,
         )
     cfg = json.loads((model / "config.json").read_text())
     b = pool_bytes(cfg)
@@ -625,7 +632,9 @@ def main(argv: list[str] | None = None) -> int:
                 "qk_rope_head_dim",
                 "index_head_dim",
                 "index_topk",
+                "index_arith",
             )
+            if k in cfg
         },
         "sglang_pool_bytes_per_token": b,
         "flags_differing_from_sglang_defaults": WHY_FLAGS,
