@@ -4,14 +4,16 @@ predicate's score against forced route and fetch, route vs fetch exactness, the 
 
 from __future__ import annotations
 
+import argparse
 import math
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from corpusd.tokenizer import BOS_ID, ByteTokenizer
-from tools.bench_sglang import QUESTIONS, greedy_tag, question_suffixes, request
+from tools.bench_sglang import QUESTIONS, greedy_tag, question_suffixes, request, summarize
 from tools.sglang_compare import (
     against_floor,
     compare,
@@ -328,3 +330,47 @@ def test_span_questions_quote_each_pinned_corpus() -> None:
         quote = q.removeprefix("\n\nQ: What follows?\nA: ")
         assert text.count(quote) == 1, q
     assert span == [ByteTokenizer().decode(s) for s in question_suffixes("span", tokens, 8)]
+
+
+def test_summarize_reads_a_span_run_against_its_floors_where_the_corpus_matters() -> None:
+    """The bench's JSON from a stock and a route run (synthetic): the floors, the corpus KL per
+    position, every mode and floor where the corpus matters, agreement_counts."""
+    flat, sure = _logsoftmax([0.0, 0.0, 0.0]), _logsoftmax([0.0, 9.0, 0.0])
+    surer, near = _logsoftmax([0.0, 10.0, 0.0]), _logsoftmax([0.0, 9.9, 0.0])
+
+    def side(forced: list[list[list[float]]], **more: Any) -> dict[str, Any]:
+        greedy = [{"tokens": [1, 1], "cached_tokens": 0}, {"tokens": [1, 2], "cached_tokens": 0}]
+        timed = {"tokens": [[1, 1], [1, 2]]}
+        return {"greedy": greedy, "forced": forced, "concurrent": timed,
+                "concurrent_by_streams": {"8": timed}, **more}  # fmt: skip
+
+    # request 0's first step is where the corpus matters most; route and a second stock server
+    # differ from stock there by 0.1 nats
+    stock = side([[surer, flat], [sure, flat]], bare=[[0, 0], [1, 2]],
+                 forced_bare=[[flat, flat], [flat, flat]],
+                 forced_restart=[[near, flat], [sure, flat]])  # fmt: skip
+    route = side([[near, flat], [sure, flat]])
+    a = argparse.Namespace(
+        index_arith="fp8", fit_steps=0, pin_engine=False, requests=2, corpus="stdlib",
+        questions="span", fit_task="lm", src_model="", tokens=2, holders=1, holder_device="cpu",
+        no_cuda_graph=True, graph_bs=(), streams=(8,), kv_cache_dtype="auto", dump=False,
+        work="/nonexistent",
+    )  # fmt: skip
+    cd = types.SimpleNamespace(tokens={"sparse": [BOS_ID, 65, 66]}, held={})
+    sfx = {"sparse": [ByteTokenizer().encode("\n\nQ: What follows?\nA: AB")] * 2}
+    out = summarize(a, cd, {"sparse": {"stock": stock, "route": route}}, {}, 2048, sfx)  # type: ignore[arg-type]
+    r = out["regimes"]["sparse"]
+    assert out["corpus"] == "stdlib" and out["questions"] == "span"
+    assert r["question_text"] == ["\n\nQ: What follows?\nA: AB"] * 2
+    assert (
+        r["stock_answers"]["corpus_dependent"] == 1 and not r["stock_answers"]["agreement_counts"]
+    )
+    assert r["corpus_kl_nats"][0][0] > 1.0 and r["corpus_kl_nats"][0][1] == 0.0
+    w = r["where_corpus_matters"]
+    assert set(w) == {"route", "floor:two_servers"}
+    assert (
+        w["route"]["forced_steps"] == 1
+    )  # a quarter of 4 positions, the one the corpus moves most
+    assert w["route"]["logprob_max_abs_diff"] == pytest.approx(0.1, abs=1e-3)
+    assert w["route"]["logprob_max_abs_diff"] == w["floor:two_servers"]["logprob_max_abs_diff"]
+    assert r["vs_floor"]["route"]["within_floor"] == {"logprob": True, "forced_agree": True}
