@@ -12,11 +12,12 @@ the quote, and the answer is the corpus's own continuation of it::
 
 The prompt ends in the quote so that the first answer token is the corpus's next one (what an
 induction head copies), not a separator the model must first learn to skip (with a closing quote
-mark and ``A:`` between, a small model fitted 1,600 steps on CPU had not learned to copy). A model that learned the task answers
-every question differently, and cannot answer any without the corpus: agreement between two
-serving paths then says something about attention over the corpus, which a model that loops
-on whitespace whatever it is asked does not (issue 36). A quote is taken only where it occurs
-once in the corpus, so its continuation is the one right answer.
+mark and ``A:`` between, a small model fitted 1,600 steps on CPU had not learned to copy).
+
+A model that learned the task answers every question differently, and cannot answer any without
+the corpus: agreement between two serving paths then says something about attention over the
+corpus, which a model that loops on whitespace whatever it is asked does not (issue 36). A quote
+is taken only where it occurs once in the corpus, so its continuation is the one right answer.
 
 The corpora are Python's standard library source (not this repository's text): the fit trains on
 the packages' modules (``training_files``), the benchmarks ask about the top-level modules
