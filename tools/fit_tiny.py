@@ -231,8 +231,8 @@ def fit(cfg: FitConfig) -> FitResult:
     length exceeds the model's ``index_topk`` or the text is shorter than one sequence."""
     torch.manual_seed(cfg.seed)
     if torch.device(cfg.device).type == "cuda":
-        # float32 training's matmuls on tensor cores (TF32: 10-bit mantissas in, float32 sums):
-        # several times the tokens a minute, the weights still float32 and written as bf16
+        # float32 training's matmuls on tensor cores (TF32: 10-bit mantissas in, float32 sums;
+        # the weights stay float32 and are written as bf16); the speed-up is not measured yet
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     model = load_model(cfg.src, dtype=torch.float32).to(cfg.device).train()
