@@ -312,7 +312,8 @@ def fit(cfg: FitConfig) -> FitResult:
     write_like(model, Path(cfg.src), Path(cfg.out))
     span = None
     if cfg.task == "span" and cfg.eval_questions:
-        span = span_eval(load_model(cfg.out, dtype=torch.float32), tokenizer, cfg)  # as written
+        written = load_model(cfg.out, dtype=torch.float32).to(cfg.device)  # as written: bf16
+        span = span_eval(written, tokenizer, cfg)
     result = FitResult(len(losses), wall, losses, kls, n_text, answer_losses, span)
     (Path(cfg.out) / "fit.json").write_text(
         json.dumps({"config": asdict(cfg), **asdict(result)}, indent=1)
@@ -395,8 +396,9 @@ def eval_corpus(n_chars: int) -> str:
 def greedy(model: DeepseekV32, prompt: list[int], new: int) -> tuple[list[int], float]:
     """``new`` greedy tokens after ``prompt`` through the model's own decode (``forward_tokens``:
     the indexer selects past ``index_topk``), and the first step's top-2 margin in nats."""
-    cache = KVCache(model.cfg, len(prompt) + new, torch.float32)
-    logits = forward_tokens(model, torch.tensor(prompt), cache)
+    dev = next(model.parameters()).device
+    cache = KVCache(model.cfg, len(prompt) + new, torch.float32, device=str(dev))
+    logits = forward_tokens(model, torch.tensor(prompt, device=dev), cache)
     assert logits is not None
     out, margin = [], math.nan
     for i in range(new):
@@ -405,7 +407,7 @@ def greedy(model: DeepseekV32, prompt: list[int], new: int) -> tuple[list[int], 
             top = lp.topk(2).values
             margin = float(top[0] - top[1])
         out.append(int(lp.argmax()))
-        logits = forward_tokens(model, torch.tensor(out[-1:]), cache)
+        logits = forward_tokens(model, torch.tensor(out[-1:], device=dev), cache)
         assert logits is not None
     return out, margin
 

@@ -21,10 +21,11 @@
 #                                            #   held-out-like 128-head x 4-layer random model (~5 min)
 #   bash tools/gpu_session.sh diag-floor     # issue 36: route vs stock beside stock's own noise floor,
 #                                            #   the same model (~5 min; reuses diag-layer's pin when warm)
-#   bash tools/gpu_session.sh span           # issue 36: a span-fitted checkpoint (fit_tiny --task span,
-#                                            #   <= 3 min) then route vs stock and both floors over the
-#                                            #   standard library with span questions; SPAN_GEOMETRY=
-#                                            #   g64x2 | g128x4 | g64x8, one a call (~9 min each)
+#   bash tools/gpu_session.sh span           # issue 36: a span-fitted checkpoint (fit_tiny --task span)
+#                                            #   then route vs stock and both floors over the standard
+#                                            #   library with span questions; SPAN_GEOMETRY=g64x2 |
+#                                            #   g128x4 | g64x8; SPAN_PHASE=fit then bench (two calls,
+#                                            #   ~9 min each) or both (one call, a 3-min fit)
 #   bash tools/gpu_session.sh share          # issue 35: equal-HBM bench, 2 workers + holder on one GPU;
 #                                            #   SHARE_FRACTIONS=0.5 then 0.25,1,2 in two calls (~6-9 min each)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
@@ -204,23 +205,28 @@ diag-floor)
         > "$OUT/sglang-floor-128h-$GPU.log" 2>&1
     took "bench_sglang floor" $?
     tail -16 "$OUT/sglang-floor-128h-$GPU.log" ;;
-span)  # issue 36 item 2: fitted so that answers copy the corpus; fit.json says whether they do
-    g=${SPAN_GEOMETRY:-g64x2}
+span)  # issue 36 item 2: fitted so that answers copy the corpus; fit.json says whether they do.
+    # SPAN_PHASE=fit (up to SPAN_FIT_MINUTES, default 8) then =bench, two calls on one warm
+    # machine; the default, both, fits 3 minutes and benches in one call
+    g=${SPAN_GEOMETRY:-g64x2}; phase=${SPAN_PHASE:-both}
+    case "$phase" in fit) minutes=${SPAN_FIT_MINUTES:-8} ;; both) minutes=3 ;; bench) ;;
+        *) echo "SPAN_PHASE=$phase: fit, bench or both" >&2; exit 2 ;; esac
     span_model "$g" || exit 2
     d=/tmp/span36/$g
-    if [ ! -f "$d/model/fit.json" ]; then
-        timeout 200 python3 -m tools.fit_tiny --src "$d/init" --out "$d/model" --task span \
-            --steps 20000 --minutes 3 --seq-len 2048 --batch 2 --device cuda:0 --log-every 250 \
-            > "$OUT/span-fit-$g-$GPU.log" 2>&1
+    if [ "$phase" != bench ] && [ ! -f "$d/model/fit.json" ]; then
+        timeout $(( minutes * 60 + 70 )) python3 -m tools.fit_tiny --src "$d/init" \
+            --out "$d/model" --task span --steps 100000 --minutes "$minutes" --seq-len 2048 \
+            --batch 2 --device cuda:0 --log-every 250 > "$OUT/span-fit-$g-$GPU.log" 2>&1
         took "fit $g" $?
         tail -12 "$OUT/span-fit-$g-$GPU.log"
     fi
     cp "$d/model/fit.json" "$OUT/span-fit-$g-$GPU.json" 2>/dev/null
-    timeout 360 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
-        --tokens 16 --forced-steps 8 --streams 8 --bursts 1 --first-token-reps 1 \
-        --holder-device cuda:0 --pin-engine --dump --no-cuda-graph --src-model "$d/model" \
-        --corpus stdlib --questions span --work "$d/bench" --out "$OUT/sglang-span-$g-$GPU.json" \
-        > "$OUT/sglang-span-$g-$GPU.log" 2>&1
+    [ "$phase" = fit ] && exit 0
+    timeout $([ "$phase" = both ] && echo 330 || echo 570) python3 -m tools.bench_sglang \
+        --modes stock,route --regimes sparse --requests 8 --tokens 16 --forced-steps 8 \
+        --streams 8 --bursts 1 --first-token-reps 1 --holder-device cuda:0 --pin-engine --dump \
+        --no-cuda-graph --src-model "$d/model" --corpus stdlib --questions span \
+        --work "$d/bench" --out "$OUT/sglang-span-$g-$GPU.json" > "$OUT/sglang-span-$g-$GPU.log" 2>&1
     took "bench_sglang span $g" $?
     tail -20 "$OUT/sglang-span-$g-$GPU.log" ;;
 share)  # the model and pin stay in /tmp/bsh: the second call on a warm machine reuses the model
