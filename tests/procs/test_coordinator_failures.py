@@ -131,7 +131,10 @@ def test_holder_killed_while_publishing_leaves_nothing_and_a_retry_succeeds(
     store = tmp_path / "store"
     a = synthetic_corpus(store, tiny_dir, 1050)  # 17 pages
     b = synthetic_corpus(store, tiny_dir, 600)  # 10 pages
-    co = start_coordinator(tmp_path / "coord", store, *state_flags)
+    # hs[2] is stopped below: its lease must outlast any load until the pin arrives (see
+    # test_coordinator_crash_mid_publish…); its death is marked at once, not by the lease
+    lease = ("--lease-s", "600", "--leader-lease-s", "10")
+    co = start_coordinator(tmp_path / "coord", store, *state_flags, *lease)
     hs = start_holders(store, tmp_path, tiny_dir, co.address, 3, "--capacity-tokens", "2048")
 
     async def go() -> None:
@@ -152,7 +155,7 @@ def test_holder_killed_while_publishing_leaves_nothing_and_a_retry_succeeds(
                 loaded = [len((await held(h)).get(a, {})) for h in hs[:2]]
                 return states.get(a) == "pinning" and loaded == [17, 17]
 
-            await until(publishing)
+            await until(publishing, task=pin)
             hs[2].proc.kill()  # ... and the holder dies mid-publish
             hs[2].proc.wait(10)
             with pytest.raises(CoordinatorError) as err:

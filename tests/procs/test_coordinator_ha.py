@@ -44,8 +44,9 @@ def test_leader_killed_mid_publish_standby_takes_over_and_the_retried_pin_succee
     store = tmp_path / "store"
     cid = synthetic_corpus(store, tiny_dir, 1050)  # 17 pages
     etcd = start_etcd(tmp_path / "etcd", 3)
-    # holders' leases outlast the SIGSTOP below; the leader's is short
-    flags = ("--state", etcd.url("ha"), "--leader-lease-s", str(LEASE_S), "--lease-s", "8")
+    # holders' leases outlast the SIGSTOP below under any load (a stopped holder whose lease
+    # ran out before the pin arrived would be refused: replicas 2 > 1 live); the leader's is short
+    flags = ("--state", etcd.url("ha"), "--leader-lease-s", str(LEASE_S), "--lease-s", "30")
     flags += ("--retry-s", "0.2")
     cos = [start_coordinator(tmp_path / f"c{i}", store, *flags) for i in range(2)]
     both = ",".join(c.address for c in cos)
@@ -82,7 +83,7 @@ def test_leader_killed_mid_publish_standby_takes_over_and_the_retried_pin_succee
                 states = {x.corpus_id: x.state for x in await c.list_corpora()}
                 return states.get(cid) == "pinning" and cid in await held(hs[0])
 
-            await until(publishing)
+            await until(publishing, task=pin)
             cos[0].kill()  # SIGKILL, mid-publish
             t0 = time.monotonic()
             os.kill(hs[1].proc.pid, signal.SIGCONT)
