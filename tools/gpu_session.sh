@@ -35,6 +35,12 @@ case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|tt
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
+if [ "$step" = span ]; then  # its settings are checked before anything is installed
+    case "${SPAN_PHASE:-both}" in fit|bench|both) ;;
+        *) echo "SPAN_PHASE=$SPAN_PHASE: fit, bench or both" >&2; exit 2 ;; esac
+    case "${SPAN_GEOMETRY:-g64x2}" in g64x2|g128x4|g64x8) ;;
+        *) echo "SPAN_GEOMETRY=$SPAN_GEOMETRY: g64x2, g128x4 or g64x8" >&2; exit 2 ;; esac
+fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -208,9 +214,8 @@ diag-floor)
 span)  # issue 36 item 2: fitted so that answers copy the corpus; fit.json says whether they do.
     # SPAN_PHASE=fit (up to SPAN_FIT_MINUTES, default 8) then =bench, two calls on one warm
     # machine; the default, both, fits 3 minutes and benches in one call
-    g=${SPAN_GEOMETRY:-g64x2}; phase=${SPAN_PHASE:-both}
-    case "$phase" in fit) minutes=${SPAN_FIT_MINUTES:-8} ;; both) minutes=3 ;; bench) ;;
-        *) echo "SPAN_PHASE=$phase: fit, bench or both" >&2; exit 2 ;; esac
+    g=${SPAN_GEOMETRY:-g64x2}; phase=${SPAN_PHASE:-both}; minutes=3
+    [ "$phase" = fit ] && minutes=${SPAN_FIT_MINUTES:-8}
     span_model "$g" || exit 2
     d=/tmp/span36/$g
     if [ "$phase" != bench ] && [ ! -f "$d/model/fit.json" ]; then

@@ -29,3 +29,12 @@ def test_an_unknown_step_exits_2_before_any_install(tmp_path: Path) -> None:
                          capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 2 and "unknown step no-such-step" in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_span_setting_exits_2_before_any_install(tmp_path: Path) -> None:
+    for var, value in (("SPAN_PHASE", "train"), ("SPAN_GEOMETRY", "g256x1")):
+        env = {**os.environ, "OUT": str(tmp_path / "out"), var: value}
+        run = subprocess.run(["bash", str(SCRIPT), "span"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True)  # fmt: skip
+        assert run.returncode == 2 and f"{var}={value}:" in run.stderr, run.stderr
+        assert not (tmp_path / "out").exists()
