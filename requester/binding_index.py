@@ -125,9 +125,9 @@ class CorpusIndexer:
         self, layer: int, pages: list[int], iq: torch.Tensor, iw: torch.Tensor, limit: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The local top-k over ``pages`` scored here from the page store's index keys, as a
-        holder of them would (same arithmetic): a failed holder's pages stay candidates. Before,
-        they silently were not, and the selection lost them (wrong tokens after a failover of a
-        single-replica holder). Raises CorpusUnavailable without a page store to read."""
+        holder of them would (same arithmetic), so that a failed holder's pages stay candidates
+        (a selection without them decodes other tokens). Raises CorpusUnavailable without a page
+        store to read."""
         view, g = self.view, self.geo
         if self.stored_keys is None:
             raise CorpusUnavailable(

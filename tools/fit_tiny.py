@@ -28,7 +28,6 @@ import json
 import math
 import random
 import shutil
-import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,8 +38,9 @@ import torch.nn.functional as F
 
 from corpusd.cli import add_dataclass_flags
 from corpusd.corpus.layout import FILE_HEADER
-from corpusd.model import DeepseekV32, KVCache, forward_tokens, load_model, save_checkpoint
+from corpusd.model import DeepseekV32, KVCache, load_model, save_checkpoint
 from corpusd.testing import span_qa
+from corpusd.testing.decode import greedy, model_device
 from corpusd.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,19 +54,26 @@ def default_text_files(root: Path = ROOT) -> list[Path]:
     return [root / "README.md", *files]
 
 
+def render_files(files: list[Path], root: Path, errors: str = "strict") -> str:
+    """The files as a pinned corpus renders them (``FILE_HEADER`` with the path under ``root``,
+    else the file's name; the text ending in a newline), concatenated. ``errors``: how bytes
+    that are not UTF-8 are read (``str.decode``'s)."""
+    base, parts = root.resolve(), []
+    for p in files:
+        text = p.read_text(encoding="utf-8", errors=errors)
+        full = p.resolve()
+        path = full.relative_to(base).as_posix() if full.is_relative_to(base) else p.name
+        parts.append(FILE_HEADER.format(path=path) + text + ("" if text.endswith("\n") else "\n"))
+    return "".join(parts)
+
+
 def text_tokens(
     files: list[Path], root: Path = ROOT, tokenizer: Tokenizer | None = None
 ) -> torch.Tensor:
-    """The files as a pinned corpus renders them (``FILE_HEADER`` with the path, the text ending
-    in a newline), concatenated and tokenized (the model's tokenizer; bytes by default): int64
-    ``[n]``. No BOS: each training sequence gets its own."""
-    parts = []
-    for p in files:
-        text = p.read_text(encoding="utf-8")
-        path = p.resolve().relative_to(root) if p.resolve().is_relative_to(root) else p.name
-        parts.append(FILE_HEADER.format(path=path) + text + ("" if text.endswith("\n") else "\n"))
+    """:func:`render_files` tokenized (the model's tokenizer; bytes by default): int64 ``[n]``.
+    No BOS: each training sequence gets its own."""
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
-    return torch.tensor(tok.encode("".join(parts)), dtype=torch.int64)
+    return torch.tensor(tok.encode(render_files(files, root)), dtype=torch.int64)
 
 
 def causal_probs(q: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
@@ -381,9 +388,8 @@ def eval_corpus(n_chars: int) -> str:
     """The corpus the end-of-fit questions are asked over: the standard library's top-level
     modules rendered as a pin renders them, ``n_chars`` of them (what the benchmarks pin;
     none of it is in ``span_qa.training_files``)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     parts, left = [], n_chars
-    for f in sorted(root.glob("*.py")):
+    for f in span_qa.top_level_modules():
         if left <= 0:
             break
         text = rendered([f])[:left]
@@ -393,23 +399,12 @@ def eval_corpus(n_chars: int) -> str:
 
 
 @torch.inference_mode()
-def greedy(model: DeepseekV32, prompt: list[int], new: int) -> tuple[list[int], float]:
+def first_answer(model: DeepseekV32, prompt: list[int], new: int) -> tuple[list[int], float]:
     """``new`` greedy tokens after ``prompt`` through the model's own decode (``forward_tokens``:
     the indexer selects past ``index_topk``), and the first step's top-2 margin in nats."""
-    dev = next(model.parameters()).device
-    cache = KVCache(model.cfg, len(prompt) + new, torch.float32, device=str(dev))
-    logits = forward_tokens(model, torch.tensor(prompt, device=dev), cache)
-    assert logits is not None
-    out, margin = [], math.nan
-    for i in range(new):
-        lp = logits[-1].log_softmax(-1)
-        if i == 0:
-            top = lp.topk(2).values
-            margin = float(top[0] - top[1])
-        out.append(int(lp.argmax()))
-        logits = forward_tokens(model, torch.tensor(out[-1:], device=dev), cache)
-        assert logits is not None
-    return out, margin
+    cache = KVCache(model.cfg, len(prompt) + new, torch.float32, device=str(model_device(model)))
+    tokens, margins = greedy(model, cache, prompt, new)
+    return tokens, margins[0]
 
 
 def common_prefix(a: str, b: str) -> int:
@@ -431,8 +426,8 @@ def span_eval(model: DeepseekV32, tok: Tokenizer, cfg: FitConfig) -> dict[str, A
     rows: list[dict[str, Any]] = []
     for q in qs:
         prompt = tok.encode(q.prompt)
-        got, margin = greedy(model, corpus + prompt, new)
-        bare, _ = greedy(model, bos + prompt, new)
+        got, margin = first_answer(model, corpus + prompt, new)
+        bare, _ = first_answer(model, bos + prompt, new)
         want = q.answer[:16]
         said = tok.decode(got)
         right = common_prefix(said, want)
@@ -451,16 +446,10 @@ def span_eval(model: DeepseekV32, tok: Tokenizer, cfg: FitConfig) -> dict[str, A
 
 
 def rendered(files: list[Path]) -> str:
-    """The files as a pinned corpus renders them (``FILE_HEADER``), each named by its path in
-    the standard library when it is there (``asyncio/events.py``), else by its name."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
-    parts = []
-    for p in files:
-        text = p.read_text(encoding="utf-8", errors="replace")
-        full = p.resolve()
-        name = full.relative_to(stdlib).as_posix() if full.is_relative_to(stdlib) else p.name
-        parts.append(FILE_HEADER.format(path=name) + text + ("" if text.endswith("\n") else "\n"))
-    return "".join(parts)
+    """:func:`render_files` for the span task: each file named by its path in the standard
+    library when it is there (``asyncio/events.py``), else by its name; bytes that are not
+    UTF-8 read as U+FFFD."""
+    return render_files(files, span_qa.STDLIB, errors="replace")
 
 
 def write_like(model: DeepseekV32, src: Path, out: Path) -> None:

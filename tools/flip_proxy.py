@@ -40,6 +40,7 @@ import torch
 from corpusd.corpus.ingest import ingest
 from corpusd.corpus.layout import render
 from corpusd.model import DeepseekV32, KVCache, forward_tokens, load_model
+from corpusd.testing.decode import greedy, model_device
 from corpusd.tokenizer import ByteTokenizer
 from tools.bench_sglang import QUESTIONS, REGIMES
 from tools.sglang_server import corpus_source
@@ -56,46 +57,21 @@ def corpus_tokens(regime: str) -> list[int]:
         return list(render(ingest(src), ByteTokenizer(), 1 << 20).tokens)
 
 
-def _device(model: DeepseekV32) -> torch.device:
-    return model.model.embed_tokens.weight.device
-
-
 def prefill(model: DeepseekV32, tokens: list[int], capacity: int, dtype: torch.dtype) -> tuple[
     KVCache, torch.Tensor
 ]:  # fmt: skip
     """The cache after ``tokens`` and the float32 logits ``[len(tokens), vocab]``."""
-    cache = KVCache(model.cfg, capacity, dtype, device=str(_device(model)))
-    t = torch.tensor(tokens, device=_device(model))
+    cache = KVCache(model.cfg, capacity, dtype, device=str(model_device(model)))
+    t = torch.tensor(tokens, device=model_device(model))
     logits = [forward_tokens(model, t[i : i + CHUNK], cache) for i in range(0, len(t), CHUNK)]
     return cache, torch.cat([x for x in logits if x is not None])
 
 
-def greedy(
-    model: DeepseekV32, cache: KVCache, suffix: list[int], n: int
-) -> tuple[list[int], list[float]]:
-    """``n`` free-running greedy tokens after ``suffix`` and each step's top-2 margin (nats).
-    Mutates ``cache``."""
-    dev = _device(model)
-    logits = forward_tokens(model, torch.tensor(suffix, device=dev), cache)
-    assert logits is not None
-    last = logits[-1]
-    tokens: list[int] = []
-    margins: list[float] = []
-    for _ in range(n):
-        top = last.topk(2).values
-        margins.append(float(top[0] - top[1]))
-        tokens.append(int(last.argmax()))
-        if len(tokens) == n:
-            break
-        step = forward_tokens(model, torch.tensor(tokens[-1:], device=dev), cache)
-        assert step is not None
-        last = step[-1]
-    return tokens, margins
-
-
 def forced(model: DeepseekV32, cache: KVCache, suffix: list[int], ref: list[int]) -> list[int]:
     """Argmax at each step given ``suffix + ref[:j]`` (teacher forcing). Mutates ``cache``."""
-    logits = forward_tokens(model, torch.tensor(suffix + ref[:-1], device=_device(model)), cache)
+    logits = forward_tokens(
+        model, torch.tensor(suffix + ref[:-1], device=model_device(model)), cache
+    )
     assert logits is not None
     return logits[len(suffix) - 1 :].argmax(-1).tolist()
 

@@ -35,6 +35,8 @@ QUOTE_CHARS = 24  # characters quoted from the corpus
 ANSWER_CHARS = 32  # characters of the continuation a question is trained to produce
 #: leave out quotes that are mostly blank or punctuation: they rarely occur once
 MIN_LETTERS = 8
+#: where this Python's standard library lives: the span task's text and the benchmarks' corpora
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +102,9 @@ def training_files(limit_bytes: int = 2_000_000) -> list[Path]:
     """Standard-library modules inside packages (``email/``, ``json/`` …; tests and generated
     tables left out), sorted, up to ``limit_bytes``: the span fit's text. The benchmarks' corpora
     are the top-level modules, none of these."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     files, total = [], 0
-    for p in sorted(root.glob("*/**/*.py")):
-        rel = p.relative_to(root).as_posix()
+    for p in sorted(STDLIB.glob("*/**/*.py")):
+        rel = p.relative_to(STDLIB).as_posix()
         if any(part in rel for part in ("test", "site-packages", "idlelib", "lib2to3")):
             continue
         size = p.stat().st_size
@@ -119,13 +120,18 @@ def training_files(limit_bytes: int = 2_000_000) -> list[Path]:
 def stdlib_corpus(out: Path, n_bytes: int) -> Path:
     """A directory of ``n_bytes`` of Python's standard library source (not this repo's text),
     in a fixed order, as the corpus every session asks about."""
-    src = Path(sysconfig.get_paths()["stdlib"])
     out.mkdir(parents=True, exist_ok=True)
     left = n_bytes
-    for f in sorted(src.glob("*.py")):
+    for f in top_level_modules():
         if left <= 0:
             break
         text = f.read_text(errors="replace")[:left]
         (out / f.name).write_text(text)
         left -= len(text.encode())
     return out
+
+
+def top_level_modules() -> list[Path]:
+    """The standard library's top-level modules (``*.py`` beside ``os.py``), sorted: what the
+    benchmarks pin and the span fit asks over, none of them in :func:`training_files`."""
+    return sorted(STDLIB.glob("*.py"))
