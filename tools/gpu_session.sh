@@ -25,7 +25,8 @@
 #                                            #   then route vs stock and both floors over the standard
 #                                            #   library with span questions; SPAN_GEOMETRY=g64x2 |
 #                                            #   g128x4 | g64x8; SPAN_PHASE=fit then bench (two calls,
-#                                            #   ~9 min each) or both (one call, a 3-min fit)
+#                                            #   ~9 min each) or both (one call, a 3-min fit);
+#                                            #   SPAN_PORT, SPAN_BENCH_S: the bench's port, limit
 #   bash tools/gpu_session.sh share          # issue 35: equal-HBM bench, 2 workers + holder on one GPU;
 #                                            #   SHARE_FRACTIONS=0.5 then 0.25,1,2 in two calls (~6-9 min each)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
@@ -227,7 +228,9 @@ span)  # issue 36 item 2: fitted so that answers copy the corpus; fit.json says 
     fi
     cp "$d/model/fit.json" "$OUT/span-fit-$g-$GPU.json" 2>/dev/null
     [ "$phase" = fit ] && exit 0
-    timeout $([ "$phase" = both ] && echo 330 || echo 570) python3 -m tools.bench_sglang \
+    # SPAN_PORT and CUDA_VISIBLE_DEVICES let two geometries bench at once on a 2-GPU machine
+    timeout $([ "$phase" = both ] && echo 330 || echo "${SPAN_BENCH_S:-570}") python3 -m tools.bench_sglang \
+        --port "${SPAN_PORT:-30123}" \
         --modes stock,route --regimes sparse --requests 8 --tokens 16 --forced-steps 8 \
         --streams 8 --bursts 1 --first-token-reps 1 --holder-device cuda:0 --pin-engine --dump \
         --no-cuda-graph --src-model "$d/model" --corpus stdlib --questions span \
