@@ -190,6 +190,12 @@ VARIABLES: tuple[Var, ...] = (
         "local); `0`: no deadline but the call timeout",
         default="1", low=0,
         expect="seconds, a number >= 0 (0: only the 60 s call timeout)"),
+    Var("CORPUSD_SGLANG_HOLDER_PROBE_S", "float",
+        "SGLang plugin, device path: ask each holder mapped on this GPU whether it is alive this "
+        "often (seconds); one that misses two health checks in a row is failed over before the "
+        "next step (its pages read from live replicas); `0`: never",
+        default="0.25", low=0,
+        expect="seconds between health checks of the mapped holders, a number >= 0 (0: never)"),
     Var("CORPUSD_SGLANG_PROFILE", "path",
         "SGLang plugin: the calibration profile (`corpusd calibrate`) its predicate uses",
         shown="`$CORPUSD_HOME/profile.json` if present",

@@ -9,6 +9,12 @@ page's replicas. A plan changes between steps, never inside a captured graph: wh
 fails, :meth:`DevicePlan.failover` re-plans its pages onto live replicas and the executor
 writes the new placement into its tables before the next step.
 
+A page no live replica holds is read, after its holder's death, from that holder's pool when
+its transport keeps the pool readable (:data:`RETAINED`): a pool mapped over CUDA IPC outlives
+the process that exported it, and a pinned page never changes (docs/sglang.md measured it).
+Only the pages of corpora planned before the death are read so (``kept``): a plan made later
+excludes the dead holder outright, since a holder restarted at its address serves a new pool.
+
 Each page is read from its first replica (the placement's frame) while that holder lives,
 never from a load replica the coordinator added for a hot holder: such a copy's frames go back
 to its holder a grace after it leaves the page table, and a graph reading them would read
@@ -25,6 +31,9 @@ from requester.corpus_view import CorpusUnavailable, CorpusView
 #: Device transports, by name: CUDA IPC to a holder on the worker's own GPU (its pool mapped
 #: into this process); NVSHMEM put/signal to a holder on another GPU of the host.
 TRANSPORTS = ("cuda_ipc", "nvshmem")
+#: Transports whose pool stays readable after its holder's process dies (the importer's mapping
+#: holds the memory); over NVSHMEM a dead holder answers no put.
+RETAINED = frozenset({"cuda_ipc"})
 
 
 class NoDeviceTransport(CorpusUnavailable):
@@ -46,7 +55,8 @@ class HolderGroup:
 class DevicePlan:
     """One corpus's device plan (see the module docstring). ``replicas[p]``: every (holder
     address, frame) of page ``p``, the placement's first; ``transports``: the reachable holders
-    and how; ``dead``: holders failed over."""
+    and how; ``dead``: holders failed over; ``kept``: those of them whose pool this plan may
+    still read, for pages no live replica holds (:data:`RETAINED`)."""
 
     corpus_id: str
     page_size: int
@@ -54,6 +64,7 @@ class DevicePlan:
     replicas: tuple[tuple[tuple[str, int], ...], ...]
     transports: Mapping[str, str]
     dead: frozenset[str] = frozenset()
+    kept: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         for address, t in self.transports.items():
@@ -70,11 +81,15 @@ class DevicePlan:
     def _source(self, page: int) -> tuple[str, int] | None:
         """The replica page ``page`` is read from: its first replica on a holder not failed
         over, when the device path reaches that holder (a later, reachable replica is no
-        substitute while the first one lives: it may be a load replica's copy)."""
+        substitute while the first one lives: it may be a load replica's copy); else its first
+        replica on a failed holder whose pool is ``kept``."""
+        kept = None
         for address, frame in self.replicas[page]:
             if address not in self.dead:
-                return (address, frame) if address in self.transports else None
-        return None
+                return (address, frame) if address in self.transports else kept
+            if kept is None and address in self.kept:
+                kept = (address, frame)
+        return kept
 
     def _holders(self, pages: Collection[int]) -> set[str]:
         return {a for p in pages for a, _ in self.replicas[p]}
@@ -103,18 +118,39 @@ class DevicePlan:
 
     def failover(self, failed: Collection[str]) -> DevicePlan:
         """The plan with the holders ``failed`` left out: their pages read from the next live
-        replica. Raises NoDeviceTransport naming the pages left with none (the caller serves
-        those another way: the host path's route, fetch or local)."""
+        replica, or, with none, from the failed holder's own pool where its transport keeps it
+        readable (:data:`RETAINED`). Raises NoDeviceTransport naming the pages left with
+        neither (the caller serves those another way: the host path's route, fetch or
+        local)."""
+        failed = frozenset(failed)
+        kept = {a for a in failed if self.transports.get(a) in RETAINED}
         return DevicePlan(
             self.corpus_id, self.page_size, self.tokens, self.replicas, self.transports,
-            self.dead | frozenset(failed),
+            self.dead | failed, self.kept | kept,
         )  # fmt: skip
 
+    def moved(self, before: DevicePlan) -> tuple[int, int]:
+        """(pages now read from another live replica, pages now read from a failed holder's
+        kept pool), against the plan ``before`` (this plan's predecessor)."""
+        replica = kept = 0
+        for (a0, f0), (a1, f1) in zip(before.placement, self.placement, strict=True):
+            if a1 in self.dead:
+                kept += 1
+            elif (a0, f0) != (a1, f1):
+                replica += 1
+        return replica, kept
 
-def plan_device(view: CorpusView, transports: Mapping[str, str]) -> DevicePlan:
+
+def plan_device(
+    view: CorpusView, transports: Mapping[str, str], dead: Collection[str] = ()
+) -> DevicePlan:
     """The device plan of the corpus ``view`` describes, over the holders in ``transports``
-    (address → transport name). Every replica of the page table is kept, the placement's first
-    (``view.replicas``' order), whichever replica ``view`` itself chose. Raises
-    NoDeviceTransport when some page has no replica on a holder in ``transports``."""
+    (address → transport name), none of it read from the holders ``dead`` (failed since they
+    were mapped: a pool they had is not read for a corpus planned after). Every replica of the
+    page table is kept, the placement's first (``view.replicas``' order), whichever replica
+    ``view`` itself chose. Raises NoDeviceTransport when some page has no replica on a live
+    holder in ``transports``."""
     replicas = tuple(tuple((view.holders[h], int(f)) for h, f in page) for page in view.replicas)
-    return DevicePlan(view.corpus_id, view.page_size, view.token_count, replicas, transports)
+    return DevicePlan(
+        view.corpus_id, view.page_size, view.token_count, replicas, transports, frozenset(dead)
+    )

@@ -35,7 +35,7 @@ from sglang.srt.layers.attention.nsa_backend import NativeSparseAttnBackend, NSA
 from corpusd.kernels.flashmla import pad_heads, sparse_lse_base2
 from indexer.scores import index_scores
 from indexer.select import select_topk
-from requester.sglang import device, device_scores, topk
+from requester.sglang import device, device_failover, device_scores, topk
 from requester.sglang import lse as lse_mod
 from requester.sglang.binding import Binding
 from requester.sglang.dump import Dumper
@@ -191,6 +191,22 @@ class CorpusNSABackend(NativeSparseAttnBackend):
             return None
         # The device path runs for every decode batch (its graphs serve any binding).
         return cb if cb.resident is not None or any(cb.bindings) else None
+
+    # Before every forward, eager or a graph's replay, on the thread and stream that launch it:
+    # holders found dead since the last step are failed over there (device_failover.py).
+    def init_forward_metadata(self, *args: Any, **kw: Any) -> Any:
+        device_failover.at_step_boundary()
+        return super().init_forward_metadata(*args, **kw)
+
+    def init_forward_metadata_replay_cuda_graph(self, *args: Any, **kw: Any) -> Any:
+        device_failover.at_step_boundary()
+        return super().init_forward_metadata_replay_cuda_graph(*args, **kw)
+
+    def init_forward_metadata_replay_cuda_graph_from_precomputed(
+        self, *args: Any, **kw: Any
+    ) -> Any:
+        device_failover.at_step_boundary()
+        return super().init_forward_metadata_replay_cuda_graph_from_precomputed(*args, **kw)
 
     def set_nsa_prefill_impl(self, forward_batch: Any = None) -> None:
         super().set_nsa_prefill_impl(forward_batch)

@@ -33,6 +33,7 @@ class PluginConfig:
     page_cache_mb: int = _from("CORPUSD_SGLANG_PAGE_CACHE_MB")
     table_refresh_s: float = _from("CORPUSD_SGLANG_TABLE_REFRESH_S")
     holder_deadline_s: float = _from("CORPUSD_SGLANG_HOLDER_DEADLINE_S")
+    holder_probe_s: float = _from("CORPUSD_SGLANG_HOLDER_PROBE_S")
     profile: Path | None = _from("CORPUSD_SGLANG_PROFILE")  # noqa: RUF009 (a field())
     metrics_port: int | None = _from("CORPUSD_SGLANG_METRICS_PORT")
     trace: Path | None = _from("CORPUSD_SGLANG_TRACE")  # noqa: RUF009 (a field())
@@ -62,6 +63,10 @@ class PluginConfig:
         if not self.holder_deadline_s >= 0:
             raise ValueError(
                 f"corpusd plugin: holder_deadline_s must be >= 0, got {self.holder_deadline_s}"
+            )
+        if not self.holder_probe_s >= 0:
+            raise ValueError(
+                f"corpusd plugin: holder_probe_s must be >= 0, got {self.holder_probe_s}"
             )
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ValueError(f"corpusd plugin: metrics_port {self.metrics_port}: 1-65535")

@@ -130,6 +130,9 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         if self.corpusd_slow_s is not None:
             log_triton_compiles()  # which kernel a slow prefill compiled, after the warm-up
         self.corpusd_resident = self._device_path(args, mcfg, cfg)
+        if self.corpusd_resident is not None and cfg.holder_probe_s > 0:
+            # a holder that dies is failed over between steps (device_failover.py)
+            self.corpusd_link.watch_holders(self.corpusd_resident, cfg.holder_probe_s)
         if self.corpusd_resident is not None and force == "fetch":
             raise RuntimeError(
                 "corpusd plugin: CORPUSD_SGLANG_PRIMITIVE=fetch is for the host path "

@@ -17,8 +17,11 @@ import torch
 
 from corpusd.transport import cuda_ipc
 from requester.corpus_view import CorpusView
+from requester.sglang import device_failover
 from requester.sglang.binding import Binding, CorpusBindingError
 from requester.sglang.catalog import CorpusCatalog
+from requester.sglang.device_failover import HolderWatch
+from requester.sglang.metrics import PluginMetrics
 from requester.sglang.pages import engine_index_pages
 from requester.sglang.resident import ArenaCorpus, Resident
 
@@ -70,6 +73,18 @@ class DevicePath:
         log.info("corpusd plugin: %d holder pools on this GPU mapped (%s rows): %s",
                  len(mapped), res.kv_format, mapped)  # fmt: skip
         return mapped
+
+    def watch_holders(self, res: Resident, every_s: float, metrics: PluginMetrics) -> HolderWatch:
+        """Health-check ``res``'s mapped holders every ``every_s`` seconds on the catalog's loop
+        and fail dead ones over between steps (:mod:`.device_failover`); returns the watch."""
+        fanout = self.catalog.fanout
+
+        async def alive(address: str, timeout: float) -> bool:
+            return await fanout.client(address).alive(timeout)
+
+        watch = HolderWatch(res, alive, metrics, every_s)
+        device_failover.start(watch, self.catalog.loop)
+        return watch
 
     def load_resident(self, b: Binding, res: Resident, admitted: bool = False) -> ArenaCorpus:
         """Corpus ``b`` in ``res``'s arena (loaded once: its device plan and every layer's

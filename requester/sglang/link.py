@@ -23,6 +23,7 @@ from requester.predicate import Predicate, Profile
 from requester.sglang.binding import Binding
 from requester.sglang.catalog import RECHECK_S, CorpusCatalog
 from requester.sglang.choose import Chooser
+from requester.sglang.device_failover import HolderWatch
 from requester.sglang.device_path import DevicePath
 from requester.sglang.host_path import HostPath, Pending
 from requester.sglang.metrics import PluginMetrics, Timings
@@ -128,6 +129,9 @@ class CorpusLink:
     # -- the device path -------------------------------------------------------------------------
     def map_holders(self, res: Resident, device: torch.device) -> list[str]:
         return self.device.map_holders(res, device)
+
+    def watch_holders(self, res: Resident, every_s: float) -> HolderWatch:
+        return self.device.watch_holders(res, every_s, self.metrics)
 
     def load_resident(self, b: Binding, res: Resident, admitted: bool = False) -> ArenaCorpus:
         return self.device.load_resident(b, res, admitted)

@@ -45,6 +45,17 @@ class PluginMetrics(RequesterMetrics):
         self.cache_pages = self.gauge(
             "sglang_page_cache_pages", "SGLang plugin: pages resident in the fetch page cache"
         )
+        self.failed_holders = self.counter(
+            "sglang_failed_holders",
+            "SGLang plugin, device path: holders on this GPU found dead and failed over",
+            ["holder"],
+        )
+        self.failover_pages = self.counter(
+            "sglang_failover_pages",
+            "SGLang plugin, device path: corpus pages moved off a dead holder, to a live replica "
+            "or kept on its still-mapped pool",
+            ["to"],
+        )
 
     def decided(self, pick: str, forced: bool, layer: int, holder: str) -> None:
         super().decided(pick, forced, layer, holder)

@@ -24,13 +24,15 @@ Each page is read from its first replica, the placement's own frame, never from 
 the coordinator added for a hot holder: the map is not re-read (NOTES.md, item 4), and a copy's
 frames are released a grace after the copy leaves the page table, when the holder may give them
 to another corpus — a graph reading them would get another corpus's rows, with no call to fail.
+A holder that dies is the one reason to read another replica (:meth:`Resident.fail_over`, driven
+by :mod:`.device_failover`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -74,6 +76,18 @@ class ArenaCorpus:
     #: per page, the (holder address, frame) its rows are read from: what the arena's tables
     #: hold, kept on the host so a changed placement is found without reading the GPU
     placement: tuple[tuple[str, int], ...] = ()
+    #: the device plan the tables hold now: ``placement`` until a holder fails (fail_over)
+    plan: DevicePlan | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FailedOver:
+    """One corpus's pages moved off failed holders: to another live replica, or ``kept`` on the
+    failed holder's still-mapped pool."""
+
+    corpus_id: str
+    replica: int
+    kept: int
 
 
 class Resident:
@@ -109,6 +123,7 @@ class Resident:
         self.pools: list[list[torch.Tensor]] = []  # [holder slot][layer] → [rows, kv_dim]
         self.holder_slot: dict[str, int] = {}  # holder address → slot
         self.incarnation: dict[str, str] = {}  # holder address → the mapped pools' process
+        self.dead: set[str] = set()  # mapped holders failed over (fail_over)
         self.kv_format: str | None = None  # the mapped pools' row format (KV_FORMATS)
         self.corpora: dict[str, ArenaCorpus] = {}
         self.retired: dict[str, ArenaCorpus] = {}  # forgotten: admitted requests may still use
@@ -191,12 +206,18 @@ class Resident:
 
     def plan(self, view: CorpusView) -> DevicePlan:
         """``view``'s device plan (:mod:`requester.fanout_device`) over the holders mapped here,
-        each reached by CUDA IPC. Raises CorpusBindingError when a page's first replica is on a
-        holder not mapped here."""
+        each reached by CUDA IPC, none read from a holder failed over since. Raises
+        CorpusBindingError when a page's first replica is on a holder not mapped here, or only
+        on failed ones."""
         try:
-            return plan_device(view, dict.fromkeys(self.holder_slot, "cuda_ipc"))
-        except NoDeviceTransport:
+            return plan_device(view, dict.fromkeys(self.holder_slot, "cuda_ipc"), self.dead)
+        except NoDeviceTransport as e:
             missing = sorted({view.holders[r[0][0]] for r in view.replicas} - set(self.holder_slot))
+            if not missing:  # every first replica mapped: some page lives only on failed holders
+                raise CorpusBindingError(
+                    f"{e}; a holder restarted at a failed one's address is mapped only by a "
+                    "restarted SGLang server"
+                ) from None
             raise CorpusBindingError(
                 f"corpus {view.corpus_id} has pages on holders {missing}, which are not on this "
                 f"GPU (or started after this server); with CUDA graphs on the plugin serves "
@@ -225,21 +246,35 @@ class Resident:
             self.pages[layer][base : base + n] = pages.to(self.device)
         self._place(base, plan)
         self._next_page += n
-        c = ArenaCorpus(cid, base, n, view.token_count, plan.placement)
+        c = ArenaCorpus(cid, base, n, view.token_count, placement(view), plan)
         self.corpora[cid] = c
         self.retired.pop(cid, None)
         log.info("corpus %s resident: %d pages at arena page %d", cid, n, base)
         return c
 
-    def apply(self, plan: DevicePlan) -> None:
-        """Read loaded corpus ``plan.corpus_id``'s pages where ``plan`` says (a failed-over
-        plan, :meth:`requester.fanout_device.DevicePlan.failover`): its arena rows of holder
-        slot and frame are rewritten in place. Between steps only, never while a graph that
-        reads them replays. The corpus's ``placement`` stays its page table's (what a recheck
-        compares). Raises KeyError for a corpus not loaded."""
-        c = self.corpora[plan.corpus_id]
-        assert plan.n_pages == c.n_pages, f"{plan.n_pages=} vs {c.n_pages=}"
-        self._place(c.base_page, plan)
+    def fail_over(self, failed: set[str]) -> list[FailedOver]:
+        """Read no page from the holders ``failed`` (mapped here, found dead): every corpus in
+        the arena, loaded or retired (admitted requests still read those), is re-planned
+        (:meth:`requester.fanout_device.DevicePlan.failover`) and its arena rows of holder slot
+        and frame rewritten in place. Between steps only, on the stream the next step runs on,
+        never while a graph that reads them replays. A corpus's ``placement`` stays its page
+        table's (what a recheck compares). Corpora planned later leave ``failed`` out
+        (:meth:`plan`). Returns what moved, per corpus that read a failed holder. A page no
+        live replica holds stays on its failed holder's pool (CUDA IPC keeps it mapped: pinned
+        rows, unchanged), counted as ``kept``."""
+        new = set(failed) - self.dead
+        self.dead |= new
+        out = []
+        for table in (self.corpora, self.retired):
+            for cid, c in list(table.items()):
+                if c.plan is None or not new & {a for a, _ in c.plan.placement}:
+                    continue
+                plan = c.plan.failover(new)  # never raises: every pool here is CUDA IPC's
+                self._place(c.base_page, plan)
+                table[cid] = replace(c, plan=plan)
+                replica, kept = plan.moved(c.plan)
+                out.append(FailedOver(cid, replica, kept))
+        return out
 
     def _place(self, base: int, plan: DevicePlan) -> None:
         """Write ``plan``'s (holder slot, frame) per page into the arena from page ``base``."""

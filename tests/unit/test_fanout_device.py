@@ -63,9 +63,34 @@ def test_failover_moves_a_failed_holders_pages_to_their_next_live_replica() -> N
     assert after.dead == {"gpu0:1"} and plan.dead == frozenset()  # the old plan is unchanged
     assert after.placement == (("gpu1:1", 0), ("gpu1:1", 7), ("gpu2:1", 3))
     assert {g.address: g.pages for g in after.groups} == {"gpu1:1": (0, 1), "gpu2:1": (2,)}
-    # page 0 lives only on gpu0 and gpu1: with both failed no device route is left for it
+    # page 0 lives only on gpu0 and gpu1: with both failed, it is read from gpu0's pool, which
+    # its CUDA IPC mapping keeps (RETAINED); gpu1's NVSHMEM pool is not kept
+    both = after.failover({"gpu1:1"})
+    assert both.kept == {"gpu0:1"} and both.placement[0] == ("gpu0:1", 5)
+    assert both.placement[1:] == (("gpu2:1", 1), ("gpu2:1", 3))
+    assert both.moved(after) == (1, 1)  # page 1 to gpu2's replica, page 0 to gpu0's kept pool
+
+
+def test_a_failed_holder_over_nvshmem_leaves_its_only_pages_with_no_route() -> None:
+    view = _view([[(0, 5), (1, 0)], [(1, 7), (2, 1)]])
+    plan = plan_device(view, dict.fromkeys(HOLDERS, "nvshmem"))
     with pytest.raises(NoDeviceTransport, match=r"pages \[0\].*failed: \['gpu0:1', 'gpu1:1'\]"):
-        after.failover({"gpu1:1"})
+        plan.failover({"gpu0:1", "gpu1:1"})
+
+
+def test_a_plan_made_after_a_death_never_reads_the_dead_holders_pool() -> None:
+    """A holder restarted at a dead one's address serves a new pool; the mapping this process
+    kept is the old one. So only corpora planned before the death read it (failover); one
+    planned after is refused when a page has no live replica, and reads a replica otherwise."""
+    view = _view([[(0, 5), (1, 0)], [(0, 7)]])
+    ipc = dict.fromkeys(HOLDERS, "cuda_ipc")
+    with pytest.raises(NoDeviceTransport, match=r"pages \[1\].*failed: \['gpu0:1'\]"):
+        plan_device(view, ipc, dead={"gpu0:1"})
+    assert plan_device(view, ipc).failover({"gpu0:1"}).placement == (
+        ("gpu1:1", 0), ("gpu0:1", 7),
+    )  # fmt: skip
+    later = plan_device(_view([[(0, 5), (1, 0)]]), ipc, dead={"gpu0:1"})
+    assert later.placement == (("gpu1:1", 0),) and later.kept == frozenset()
 
 
 def test_transports_are_the_registered_names() -> None:

@@ -17,7 +17,7 @@ from indexer.scores import index_scores
 from requester.corpus_view import CorpusView
 from requester.sglang import device, device_scores, pagehash, topk
 from requester.sglang.binding import CorpusBindingError
-from requester.sglang.resident import Resident, index_pages
+from requester.sglang.resident import FailedOver, Resident, index_pages
 from tests.unit.test_table_refresh import TWO
 
 SEED = 20261124
@@ -309,10 +309,12 @@ def test_a_failed_over_plan_moves_the_arenas_reads_to_the_replicas_between_steps
     scale = d**-0.5
     want = partial_attention(q, canon, pos, scale, 512)
     before = device.corpus_partial(res, 1, q, pos, base, scale, 512, base2=False)
-    res.apply(res.plan(view).failover({"h0"}))
+    res.forget("c")  # retired: an admitted request still reads it, so it fails over too
+    assert res.fail_over({"h0"}) == [FailedOver("c", replica=2, kept=0)]
     assert res.page_holder[span].tolist() == [1] * 4
     assert res.page_frame[span].tolist() == [13, 7 + 10, 11, 5 + 10]
-    assert res.corpora["c"].placement == c.placement  # the page table's, for the recheck
+    assert res.retired["c"].placement == c.placement  # the page table's, for the recheck
+    assert res.fail_over({"h0"}) == []  # once
     pools["h0"][1].normal_(generator=g)  # a failed holder's pool: its rows no longer count
     after = device.corpus_partial(res, 1, q, pos, base, scale, 512, base2=False)
     for o, lse in (before, after):
