@@ -131,7 +131,7 @@ def corpus_source(out: Path, n_bytes: int, first: str) -> Path:
 def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], holders: int,
                   device: str, kv_format: str = "plain", engine: str = "",
                   capacity_tokens: int = 16384, sources: dict[str, Path] | None = None,
-                  pin_device: str = "",
+                  pin_device: str = "", replicas: int = 1,
                   ) -> Corpusd:  # fmt: skip
     """A coordinator, ``holders`` holders and an agent; each of ``corpora`` (name → bytes, first
     file) pinned through them, its latent rows in ``kv_format`` (``fp8_e4m3``: FlashMLA's fp8
@@ -139,7 +139,8 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
     (``Server("capture", …)``) whose prefill the pins store instead of corpusd's own (the
     engine's KV cache dtype then decides the format). ``capacity_tokens``: each holder's frames;
     ``sources``: a directory to pin per corpus name instead of this repo's text; ``pin_device``:
-    where the pins prefill (``corpusd pin --device``; default its own, the CPU)."""
+    where the pins prefill (``corpusd pin --device``; default its own, the CPU); ``replicas``:
+    copies of each page on distinct holders."""
     from corpusd.coordinator.launch import start_coordinator
     from holder.launch import start_holder
     from requester.launch import start_agent
@@ -165,7 +166,7 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
             pin = [sys.executable, "-m", "corpusd", "pin", "--corpus", str(src), "--name", name]
             pin += ["--model", str(model), "--store", str(store), "--coordinator", coord.address]
             pin += ["--dtype", "float32" if device == "cpu" else "bfloat16"]  # the holders' dtype
-            pin += ["--kv-format", kv_format]
+            pin += ["--kv-format", kv_format, "--replicas", str(replicas)]
             if engine:
                 pin += ["--engine", engine]
             if pin_device:
