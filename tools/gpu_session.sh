@@ -27,12 +27,14 @@
 #                                            #   g128x4 | g64x8; SPAN_PHASE=fit then bench (two calls,
 #                                            #   ~9 min each) or both (one call, a 3-min fit);
 #                                            #   SPAN_PORT, SPAN_BENCH_S: the bench's port, limit
+#   bash tools/gpu_session.sh failover       # issue 35: the pytest -m sglang device-path failover test,
+#                                            #   a holder SIGKILLed under 32 streams (~5 min)
 #   bash tools/gpu_session.sh share          # issue 35: equal-HBM bench, 2 workers + holder on one GPU;
 #                                            #   SHARE_FRACTIONS=0.5 then 0.25,1,2 in two calls (~6-9 min each)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | share"}
-case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|share) ;;
+step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | failover | share"}
+case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|failover|share) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
@@ -237,6 +239,13 @@ span)  # issue 36 item 2: fitted so that answers copy the corpus; fit.json says 
         --work "$d/bench" --out "$OUT/sglang-span-$g-$GPU.json" > "$OUT/sglang-span-$g-$GPU.log" 2>&1
     took "bench_sglang span $g" $?
     tail -20 "$OUT/sglang-span-$g-$GPU.log" ;;
+failover)
+    timeout 570 python3 -m pytest -x -q -s -m sglang tests/sglang/test_sglang_device_failover.py \
+        --basetemp=/tmp/fo > "$OUT/sglang-failover-test-$GPU.log" 2>&1
+    took failover $?
+    cp /tmp/fo/*/failover.json "$OUT/sglang-failover-$GPU.json" 2>/dev/null
+    cp /tmp/fo/*/work/sglang-route.log "$OUT/sglang-failover-route-$GPU.log" 2>/dev/null
+    tail -25 "$OUT/sglang-failover-test-$GPU.log" ;;
 share)  # the model and pin stay in /tmp/bsh: the second call on a warm machine reuses the model
     fr=${SHARE_FRACTIONS:-0.5}; SHARE_ARGS=${SHARE_ARGS:-}
     timeout 580 python3 -m tools.bench_share --servers 2 --fractions "$fr" --work /tmp/bsh $SHARE_ARGS \
