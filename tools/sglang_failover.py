@@ -6,9 +6,12 @@ pinned with two replicas of every page, an SGLang route server with the plugin a
 (the device path). Then ``--streams`` concurrent greedy streams, each the corpus plus its own
 question, four times:
 
-- ``reference`` and ``floor``: uninterrupted; their token agreement is the noise floor (two runs
-  of one batch may differ where a batch's composition changes its arithmetic);
-- ``killed``: holder 1 is SIGKILLed once the streams have ``--kill-after`` tokens among them;
+- ``reference``, ``floor`` and ``floor2``: uninterrupted; the floors' agreement with the
+  reference is the noise floor (two runs of one batch differ where the batch's composition,
+  which depends on when each request arrived, changes its arithmetic);
+- ``killed``: the holder serving most pages' first replicas (the copy the device path reads) is
+  SIGKILLed once the streams have ``--kill-after`` tokens among them (default: a twentieth), so
+  the decode goes on well past the health checks that find it dead;
 - ``after``: once the coordinator has dropped the dead holder (or ``--settle-s`` passed), the
   same streams again: the server still serves, corpora re-read from the page table included.
 
@@ -131,8 +134,36 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-def holder(cd: Corpusd, name: str) -> Any:
-    return next(d for d in cd.daemons if d.state_dir.name == name)
+def first_replicas(cd: Corpusd) -> dict[str, int]:
+    """Holder address → how many of the corpus's pages have their first replica there (the
+    copy the device path reads while its holder lives)."""
+    from corpusd.coordinator.client import CoordinatorClient
+
+    async def table() -> dict[str, int]:
+        async with CoordinatorClient(cd.coordinator) as c:
+            (s,) = [s for s in await c.list_corpora() if s.name == CORPUS]
+            t = await c.page_table(s.corpus_id)
+            out: dict[str, int] = {}
+            for reps in t.pages:
+                out[t.address(reps[0][0])] = out.get(t.address(reps[0][0]), 0) + 1
+            return out
+
+    return asyncio.run(table())
+
+
+def victim(cd: Corpusd) -> Any:
+    """The holder daemon that serves the most pages' first replicas: its death moves pages."""
+    firsts = first_replicas(cd)
+    address = max(firsts, key=lambda a: firsts[a])
+    return next(d for d in cd.daemons if d.address == address)
+
+
+def common_prefix(a: list[int] | None, b: list[int] | None) -> int:
+    if a is None or b is None:
+        return 0
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 def gone(cd: Corpusd, address: str, timeout: float) -> float:
@@ -156,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="", help="default: the sglang preset, initialised in --work")
     ap.add_argument("--corpus-bytes", type=int, default=8192)
     ap.add_argument("--streams", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=128, help="new tokens per stream")
-    ap.add_argument("--kill-after", type=int, default=0, help="default: a third of all tokens")
+    ap.add_argument("--tokens", type=int, default=1024, help="new tokens per stream")
+    ap.add_argument("--kill-after", type=int, default=0, help="default: a twentieth of all tokens")
     ap.add_argument("--settle-s", type=float, default=40.0)
     ap.add_argument("--port", type=int, default=30150)
     ap.add_argument("--device", default="cuda:0")
@@ -191,21 +222,32 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, dict[str, Any]] = {}
             runs["reference"] = streams(server, prompts, a.tokens, vocab, "ref")
             runs["floor"] = streams(server, prompts, a.tokens, vocab, "floor")
-            victim = holder(cd, "holder-1")
-            kill_after = a.kill_after or a.streams * a.tokens // 3
-            sigkill = (kill_after, lambda: victim.proc.send_signal(signal.SIGKILL))
+            runs["floor2"] = streams(server, prompts, a.tokens, vocab, "floor2")
+            out["first_replicas"] = first_replicas(cd)
+            dead = victim(cd)
+            kill_after = a.kill_after or a.streams * a.tokens // 20
+            sigkill = (kill_after, lambda: dead.proc.send_signal(signal.SIGKILL))
             runs["killed"] = streams(server, prompts, a.tokens, vocab, "kill", sigkill)
-            out["killed_holder"] = victim.address
-            out["coordinator_dropped_it_after_s"] = round(gone(cd, victim.address, a.settle_s), 1)
+            out["killed_holder"] = dead.address
+            murl = f"http://127.0.0.1:{port + 1}/metrics"
+            out["metrics_after_killed_run"] = metrics(murl)  # failed over during the decode?
+            out["coordinator_dropped_it_after_s"] = round(gone(cd, dead.address, a.settle_s), 1)
             runs["after"] = streams(server, prompts, a.tokens, vocab, "after")
             ref = runs["reference"]["tokens"]
             out["runs"] = {
                 name: {"failed": len(r["errors"]), "errors": r["errors"][:4],
-                       "complete": r["complete"], "same_as_reference": same(r["tokens"], ref)}
+                       "complete": r["complete"], "same_as_reference": same(r["tokens"], ref),
+                       "mean_common_prefix": round(statistics.mean(
+                           common_prefix(t, u) for t, u in zip(r["tokens"], ref, strict=True)), 1),
+                       "decode_s": round(max(max(t) for t in r["times"] if t)
+                                         - min(min(t) for t in r["times"] if t), 3)}
                 for name, r in runs.items()
             }  # fmt: skip
+            out["killed_at_s_into_decode"] = round(
+                runs["killed"]["killed_at"] - min(min(t) for t in runs["killed"]["times"] if t), 3
+            )
             out["stall"] = gaps(runs["killed"])
-            out["metrics"] = metrics(f"http://127.0.0.1:{port + 1}/metrics")
+            out["metrics"] = metrics(murl)
             with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
                 out["server_alive"] = r.status == 200
         finally:

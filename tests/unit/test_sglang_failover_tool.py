@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tools.sglang_failover import gaps, same, streams
+from tools.sglang_failover import common_prefix, gaps, same, streams
 
 
 class _Generate(BaseHTTPRequestHandler):
@@ -65,3 +65,9 @@ def test_gaps_split_at_the_kill() -> None:
     run = {"killed_at": 10.0, "times": [[9.0, 9.5, 10.0, 10.8, 11.0], [9.9, 10.3]]}
     assert gaps(run) == {"median_gap_before_s": 0.5, "max_gap_after_kill_s": 0.8,
                          "gaps_after_kill": 3}  # fmt: skip
+
+
+def test_common_prefix_counts_equal_leading_tokens_and_a_failed_stream_as_none() -> None:
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix(None, [1]) == 0
