@@ -230,11 +230,23 @@ def selection_vs_stock(
     stock: list[dict[str, Any]], route: list[dict[str, Any]], k: int, group: str = ""
 ) -> dict[str, Any]:
     """What the bench reports of a mode's selection against stock's on the teacher-forced rows
-    of ``group``: per layer (:func:`selection_agreement`: overlap, ties at the cut, route equal
-    at the ties) and per layer and step (:func:`overlap_by_layer_and_step`)."""
-    rows = {key: compare_records(a, b, k) for key, a, b in pair(stock, route, group)}
+    of ``group`` recorded at the same logical position on both sides (the others counted in
+    ``position_mismatch``): per layer (:func:`selection_agreement`: overlap, ties at the cut,
+    route equal at the ties) and per layer and step (:func:`overlap_by_layer_and_step`)."""
+    pairs = pair(stock, route, group)
+    # A pair recorded at two different logical positions is not one row computed twice (a
+    # dump's row mapping gone wrong, issue 36): left out of the figures, and listed.
+    apart = [(key, a.get("position"), b.get("position")) for key, a, b in pairs
+             if a.get("position") != b.get("position")]  # fmt: skip
+    rows = {
+        key: compare_records(a, b, k)
+        for key, a, b in pairs
+        if a.get("position") == b.get("position")
+    }
     return {
         "rows": len(rows),
+        "position_mismatch": len(apart),
+        "mismatched": [{"key": f"s{s}q{q}", "positions": [pa, pb]} for (s, q), pa, pb in apart[:8]],
         "per_layer": selection_agreement(list(rows.values())),
         "per_layer_step": overlap_by_layer_and_step(rows),
     }

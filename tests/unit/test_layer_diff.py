@@ -47,11 +47,13 @@ def _scores(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed))
 
 
-def _write(out: Path, rid: str, layers: dict[int, dict[str, torch.Tensor]]) -> None:
+def _write(
+    out: Path, rid: str, layers: dict[int, dict[str, torch.Tensor]], position: int = 9
+) -> None:
     """One forward of one request through the Dumper: selection per layer, attn and hidden as
-    [rows, d] tensors of which the last row is the request's."""
+    [rows, d] tensors of which the last row is the request's (at logical ``position``)."""
     d = dump.Dumper(out)
-    d.begin([rid], [1], [9])
+    d.begin([rid], [1], [position])
     for li, c in layers.items():
         d.selection(li, 1, torch.cat([c["sel"], torch.tensor([-1])]), c["scores"])
         d.selection(li, 0, torch.tensor([5]), None)  # not a last row: ignored
@@ -132,9 +134,14 @@ def test_selection_vs_stock_per_layer_and_step(tmp_path: Path) -> None:
             rl = {0: base, 1: moved if (step, q) == (1, 0) else base}
             _write(tmp_path / "route", "corpusd:c:route-" + tag(step, q, "sparse") + "0-1", rl)
     _write(tmp_path / "stock", tag(0, 0, "dense") + "1", {0: moved, 1: moved})  # another regime
+    # a pair whose two records sit at different positions is two rows, not one: left out, listed
+    _write(tmp_path / "stock", tag(2, 0, "sparse") + "1", {0: base, 1: base}, position=9)
+    _write(tmp_path / "route", "corpusd:c:route-" + tag(2, 0, "sparse") + "0-1",
+           {0: moved, 1: moved}, position=10)  # fmt: skip
     got = selection_vs_stock(dump.load(tmp_path / "stock"), dump.load(tmp_path / "route"), K,
                              "sparse")  # fmt: skip
-    assert got["rows"] == 4
+    assert got["rows"] == 4 and got["position_mismatch"] == 1
+    assert got["mismatched"] == [{"key": "s2q0", "positions": [9, 10]}]
     assert got["per_layer"]["0"]["overlap_min"] == 1.0
     assert got["per_layer"]["1"]["rows_below_1"] == 1
     assert got["per_layer"]["1"]["overlap_mean"] == pytest.approx((3 + (K - 1) / K) / 4)
