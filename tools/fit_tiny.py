@@ -15,8 +15,11 @@ DeepSeek-V3.2's dense warm-up stage trains it: a KL loss from the main attention
 that only the indexer learns from it (``--index-weight 0`` leaves it as initialised). A random
 indexer selects keys the fitted attention weighs heavily and drops others; two implementations
 that break its near-ties differently then attend different keys that matter. The router's
-score-correction biases are written back unchanged. The output directory has the layout and
-``config.json`` of ``corpusd model init``'s, weights in bf16.
+score-correction biases are written back unchanged. By default a step runs its sequences as one
+batch through ``tools/fit_fast.py`` (the same logits in MLA's per-head form, attention through
+SDPA, the indexer's KL on sampled rows); ``--forward reference`` runs the form described here.
+The output directory has the layout and ``config.json`` of ``corpusd model init``'s, weights in
+bf16.
 
     python -m tools.fit_tiny --src MODEL_DIR --out OUT_DIR [--steps 200] [--minutes 12]
 """
@@ -42,6 +45,7 @@ from corpusd.model import DeepseekV32, KVCache, load_model, save_checkpoint
 from corpusd.testing import span_qa
 from corpusd.testing.decode import greedy, model_device
 from corpusd.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from tools.fit_fast import train_forward_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 _GENERATED = ("corpusd/v1/",)  # protobuf output: serialized descriptors, not text worth fitting
@@ -197,6 +201,16 @@ class FitConfig:
     text_weight: float = _opt(1.0, "span: loss weight of the other tokens (text and questions)")
     eval_questions: int = _opt(8, "span: questions asked of the fitted model at the end (0: none)")
     eval_tokens: int = _opt(3600, "span: corpus length the end-of-fit questions are asked over")
+    forward: str = field(
+        default="fast",
+        metadata={
+            "help": "fast: the batch at once, per-head attention through SDPA (fused on a GPU), "
+            "the indexer's KL on --index-rows sampled rows (tools/fit_fast.py); reference: one "
+            "sequence at a time, absorbed attention with its weights materialised, every row",
+            "choices": ("fast", "reference"),
+        },
+    )
+    index_rows: int = _opt(256, "fast: query rows per sequence the indexer's KL is taken over")
 
     def __post_init__(self) -> None:
         if not 2 <= self.seq_len <= 2048:
@@ -212,6 +226,8 @@ class FitConfig:
             raise ValueError("--questions-per-seq and --answer-weight must be > 0")
         if self.text_weight < 0:
             raise ValueError(f"--text-weight must be >= 0, got {self.text_weight}")
+        if self.index_rows <= 0:
+            raise ValueError(f"--index-rows must be > 0, got {self.index_rows}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +282,7 @@ def fit(cfg: FitConfig) -> FitResult:
     with_index = cfg.index_weight > 0
     params = trainable(model, index=with_index)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    rows_gen = torch.Generator().manual_seed(cfg.seed)  # the fast forward's KL rows
     losses: list[float] = []
     kls: list[float] = []
     answer_losses: list[float] = []  # --task span: the answers' mean loss per step
@@ -276,24 +293,11 @@ def fit(cfg: FitConfig) -> FitResult:
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        total = total_kl = total_answer = 0.0
-        for _ in range(cfg.batch):
-            ids, weights, answer = sample()
-            seq = torch.tensor(ids, dtype=torch.int64, device=cfg.device)
-            logits, kl = train_forward(model, seq[:-1], index_loss=with_index)
-            if weights is None:
-                loss = F.cross_entropy(logits, seq[1:]) / cfg.batch
-            else:
-                w = torch.tensor(weights, device=cfg.device)
-                ce = F.cross_entropy(logits, seq[1:], reduction="none")
-                loss = (w * ce).sum() / w.sum() / cfg.batch
-                on = torch.tensor(answer, device=cfg.device)
-                total_answer += ce.detach()[on].mean().item() / cfg.batch
-            total += loss.item()
-            if kl is not None:
-                total_kl += kl.item() / cfg.batch
-                loss = loss + cfg.index_weight * kl / cfg.batch
-            loss.backward()
+        seqs = [sample() for _ in range(cfg.batch)]
+        if cfg.forward == "fast":
+            total, total_kl, total_answer = fast_step(model, seqs, cfg, with_index, rows_gen)
+        else:
+            total, total_kl, total_answer = reference_step(model, seqs, cfg, with_index)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -326,6 +330,66 @@ def fit(cfg: FitConfig) -> FitResult:
         json.dumps({"config": asdict(cfg), **asdict(result)}, indent=1)
     )
     return result
+
+
+Sample = tuple[list[int], list[float] | None, list[bool] | None]
+
+
+def reference_step(
+    model: DeepseekV32, seqs: list[Sample], cfg: FitConfig, with_index: bool
+) -> tuple[float, float, float]:
+    """One step's gradients through :func:`train_forward`, a sequence at a time: returns the
+    step's loss, indexer KL and answers' loss (each a mean over the sequences)."""
+    total = total_kl = total_answer = 0.0
+    for ids, weights, answer in seqs:
+        seq = torch.tensor(ids, dtype=torch.int64, device=cfg.device)
+        logits, kl = train_forward(model, seq[:-1], index_loss=with_index)
+        if weights is None:
+            loss = F.cross_entropy(logits, seq[1:]) / cfg.batch
+        else:
+            w = torch.tensor(weights, device=cfg.device)
+            ce = F.cross_entropy(logits, seq[1:], reduction="none")
+            loss = (w * ce).sum() / w.sum() / cfg.batch
+            on = torch.tensor(answer, device=cfg.device)
+            total_answer += ce.detach()[on].mean().item() / cfg.batch
+        total += loss.item()
+        if kl is not None:
+            total_kl += kl.item() / cfg.batch
+            loss = loss + cfg.index_weight * kl / cfg.batch
+        loss.backward()
+    return total, total_kl, total_answer
+
+
+def fast_step(
+    model: DeepseekV32, seqs: list[Sample], cfg: FitConfig, with_index: bool,
+    rows: torch.Generator,
+) -> tuple[float, float, float]:  # fmt: skip
+    """:func:`reference_step`'s losses through :func:`tools.fit_fast.train_forward_batch`, the
+    sequences padded to one length (zero weight past each one's end) and run at once."""
+    width = max(len(ids) for ids, _, _ in seqs)
+    tok = torch.zeros(len(seqs), width, dtype=torch.int64)
+    w = torch.zeros(len(seqs), width - 1)
+    on = torch.zeros(len(seqs), width - 1, dtype=torch.bool)
+    for i, (ids, weights, answer) in enumerate(seqs):
+        tok[i, : len(ids)] = torch.tensor(ids)
+        w[i, : len(ids) - 1] = torch.tensor(weights) if weights is not None else 1.0
+        if answer is not None:
+            on[i, : len(ids) - 1] = torch.tensor(answer)
+    tok, w, on = tok.to(cfg.device), w.to(cfg.device), on.to(cfg.device)
+    index_rows = cfg.index_rows if with_index else 0
+    logits, kl = train_forward_batch(model, tok[:, :-1], index_rows, rows)
+    ce = F.cross_entropy(logits.flatten(0, 1), tok[:, 1:].flatten(), reduction="none")
+    ce = ce.view_as(w)
+    loss = ((w * ce).sum(dim=1) / w.sum(dim=1)).mean()
+    answers = torch.zeros((), device=ce.device)
+    if bool(on.any()):
+        per = (ce.detach() * on).sum(dim=1) / on.sum(dim=1).clamp(min=1)
+        answers = per.mean()
+    full = loss if kl is None else loss + cfg.index_weight * kl
+    full.backward()
+    kl_v = kl.detach() if kl is not None else torch.zeros((), device=ce.device)
+    got = torch.stack([loss.detach(), kl_v, answers]).tolist()  # one host sync a step
+    return got[0], got[1], got[2]
 
 
 class TextSequences:
