@@ -47,7 +47,7 @@ fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-if [ ! -f /tmp/site/.corpusd-installed ]; then
+if [ -d .sglang-deps/whl ] && [ ! -f /tmp/site/.corpusd-installed ]; then  # carried this call
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
         .sglang-deps/whl/*.whl && touch /tmp/site/.corpusd-installed
 fi
