@@ -199,6 +199,11 @@ class FitConfig:
     questions_per_seq: int = _opt(3, "span: questions after each sequence's text")
     answer_weight: float = _opt(4.0, "span: loss weight of an answer's tokens")
     text_weight: float = _opt(1.0, "span: loss weight of the other tokens (text and questions)")
+    repeat_frac: float = _opt(
+        0.0,
+        "span: this share of sequences are a stretch of text twice over, the second copy "
+        "weighed as answers (induction heads form fastest on plain repeats)",
+    )
     eval_questions: int = _opt(8, "span: questions asked of the fitted model at the end (0: none)")
     eval_tokens: int = _opt(3600, "span: corpus length the end-of-fit questions are asked over")
     forward: str = field(
@@ -226,6 +231,8 @@ class FitConfig:
             raise ValueError("--questions-per-seq and --answer-weight must be > 0")
         if self.text_weight < 0:
             raise ValueError(f"--text-weight must be >= 0, got {self.text_weight}")
+        if not 0 <= self.repeat_frac <= 1:
+            raise ValueError(f"--repeat-frac must be in [0, 1], got {self.repeat_frac}")
         if self.index_rows <= 0:
             raise ValueError(f"--index-rows must be > 0, got {self.index_rows}")
 
@@ -428,6 +435,8 @@ class SpanSequences:
             raise ValueError(f"the text has {len(text)} characters; the span task needs more")
 
     def __call__(self) -> tuple[list[int], list[float], list[bool]]:
+        if self.cfg.repeat_frac and self.rng.random() < self.cfg.repeat_frac:
+            return self.repeat()
         while True:
             a = self.rng.randrange(0, len(self.text) - self.window)
             window = self.text[a : a + self.window]
@@ -446,6 +455,20 @@ class SpanSequences:
             if len(ids) <= self.cfg.seq_len + 1:  # multi-byte characters may overflow: another
                 w, t = self.cfg.answer_weight, self.cfg.text_weight
                 return ids, [w if a else t for a in answers[1:]], answers[1:]
+
+    def repeat(self) -> tuple[list[int], list[float], list[bool]]:
+        """A stretch of the text twice over (``--repeat-frac``): the second copy is what copying
+        predicts, weighed and reported as an answer. A plain repeat is the task on which
+        induction heads, the circuit the span answers need, form fastest."""
+        half = (self.cfg.seq_len + 1 - len(self.bos)) // 2
+        while True:
+            a = self.rng.randrange(0, len(self.text) - half)
+            once = self.tok.encode(self.text[a : a + half])[:half]
+            ids = self.bos + once + once
+            if len(ids) <= self.cfg.seq_len + 1 and len(once) > 8:
+                answers = [False] * (len(self.bos) + len(once)) + [True] * len(once)
+                w, t = self.cfg.answer_weight, self.cfg.text_weight
+                return ids, [w if x else t for x in answers[1:]], answers[1:]
 
 
 def eval_corpus(n_chars: int) -> str:

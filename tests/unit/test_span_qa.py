@@ -76,6 +76,21 @@ def test_span_sequences_put_questions_after_the_text_and_weigh_the_answers() -> 
         assert all(w in (1.0, 4.0) for w in weights)
 
 
+def test_repeat_sequences_are_a_stretch_twice_with_the_second_copy_as_answers() -> None:
+    cfg = FitConfig("src", "out", task="span", seq_len=600, repeat_frac=1.0, answer_weight=4.0)
+    tok = ByteTokenizer()
+    sample = SpanSequences(TEXT, tok, BOS_ID, cfg)
+    for _ in range(5):
+        ids, weights, is_answer = sample()
+        assert ids[0] == BOS_ID and len(ids) <= cfg.seq_len + 1
+        half = (len(ids) - 1) // 2
+        assert ids[1 : 1 + half] == ids[1 + half :] and tok.decode(ids[1 : 1 + half]) in TEXT
+        assert is_answer == [False] * half + [True] * half  # the targets: ids[1:]
+        assert [w == 4.0 for w in weights] == is_answer
+    with pytest.raises(ValueError, match="repeat-frac"):
+        FitConfig("src", "out", repeat_frac=1.5)
+
+
 def test_a_span_fit_writes_its_answers_over_an_unseen_corpus(tmp_path: Path) -> None:
     src = tmp_path / "model"
     init_tiny(src, seed=3, preset="sglang", index_topk=512)
