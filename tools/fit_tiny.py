@@ -457,18 +457,30 @@ class SpanSequences:
                 return ids, [w if a else t for a in answers[1:]], answers[1:]
 
     def repeat(self) -> tuple[list[int], list[float], list[bool]]:
-        """A stretch of the text twice over (``--repeat-frac``): the second copy is what copying
-        predicts, weighed and reported as an answer. A plain repeat is the task on which
+        """A stretch of the text that comes again later in the sequence (``--repeat-frac``):
+        text, the stretch, other text, the stretch again, with every length drawn, so the
+        distance between the copies varies (a fixed one is learned as a fixed offset, not as
+        copying: a proxy fitted on stretches repeated back to back copied at that one distance
+        and guessed wildly at any other). The second copy, its first token aside, is what
+        copying predicts: weighed and reported as answers. A repeat is the task on which
         induction heads, the circuit the span answers need, form fastest."""
-        half = (self.cfg.seq_len + 1 - len(self.bos)) // 2
+        n = self.cfg.seq_len + 1 - len(self.bos)
+        rng = self.rng
         while True:
-            a = self.rng.randrange(0, len(self.text) - half)
-            once = self.tok.encode(self.text[a : a + half])[:half]
-            ids = self.bos + once + once
-            if len(ids) <= self.cfg.seq_len + 1 and len(once) > 8:
-                answers = [False] * (len(self.bos) + len(once)) + [True] * len(once)
-                w, t = self.cfg.answer_weight, self.cfg.text_weight
-                return ids, [w if x else t for x in answers[1:]], answers[1:]
+            seg = rng.randrange(max(8, n // 16), n // 2)
+            gap = rng.randrange(0, n - 2 * seg + 1)
+            pre = n - 2 * seg - gap
+            a, b, c = (rng.randrange(0, len(self.text) - n) for _ in range(3))
+            parts = [self.tok.encode(self.text[a : a + pre])[:pre],
+                     self.tok.encode(self.text[b : b + seg])[:seg],
+                     self.tok.encode(self.text[c : c + gap])[:gap]]  # fmt: skip
+            ids = self.bos + parts[0] + parts[1] + parts[2] + parts[1]
+            if len(ids) > self.cfg.seq_len + 1 or len(parts[1]) < 8:
+                continue
+            copy = len(parts[1])
+            answers = [False] * (len(ids) - copy + 1) + [True] * (copy - 1)
+            w, t = self.cfg.answer_weight, self.cfg.text_weight
+            return ids, [w if x else t for x in answers[1:]], answers[1:]
 
 
 def eval_corpus(n_chars: int) -> str:

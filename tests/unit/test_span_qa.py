@@ -76,17 +76,23 @@ def test_span_sequences_put_questions_after_the_text_and_weigh_the_answers() -> 
         assert all(w in (1.0, 4.0) for w in weights)
 
 
-def test_repeat_sequences_are_a_stretch_twice_with_the_second_copy_as_answers() -> None:
+def test_repeat_sequences_copy_a_stretch_at_a_distance_that_varies() -> None:
     cfg = FitConfig("src", "out", task="span", seq_len=600, repeat_frac=1.0, answer_weight=4.0)
     tok = ByteTokenizer()
     sample = SpanSequences(TEXT, tok, BOS_ID, cfg)
-    for _ in range(5):
+    distances = set()
+    for _ in range(12):
         ids, weights, is_answer = sample()
         assert ids[0] == BOS_ID and len(ids) <= cfg.seq_len + 1
-        half = (len(ids) - 1) // 2
-        assert ids[1 : 1 + half] == ids[1 + half :] and tok.decode(ids[1 : 1 + half]) in TEXT
-        assert is_answer == [False] * half + [True] * half  # the targets: ids[1:]
+        assert len(weights) == len(is_answer) == len(ids) - 1
+        copy = sum(is_answer) + 1  # the second copy: its first token is not an answer
+        assert is_answer[-(copy - 1) :] == [True] * (copy - 1) and not any(is_answer[: -copy + 1])
+        second = ids[-copy:]
+        starts = [i for i in range(1, len(ids) - 2 * copy + 1) if ids[i : i + copy] == second]
+        assert starts, "the stretch occurs before its copy"
+        distances.add(len(ids) - copy - starts[-1])
         assert [w == 4.0 for w in weights] == is_answer
+    assert len(distances) > 6, distances
     with pytest.raises(ValueError, match="repeat-frac"):
         FitConfig("src", "out", repeat_frac=1.5)
 
