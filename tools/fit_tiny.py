@@ -533,6 +533,7 @@ def span_eval(model: DeepseekV32, tok: Tokenizer, cfg: FitConfig) -> dict[str, A
         rows.append({"quote_at": q.start, "want": want, "said": said, "bare": tok.decode(bare),
                      "right_chars": right, "margin_nats": round(margin, 3)})  # fmt: skip
     return {
+        "copy_probe": copy_probe(model, tok, text),
         "corpus_chars": len(text),
         "corpus_tokens": len(corpus),
         "new_tokens": new,
@@ -542,6 +543,43 @@ def span_eval(model: DeepseekV32, tok: Tokenizer, cfg: FitConfig) -> dict[str, A
         "mean_right_chars": sum(r["right_chars"] for r in rows) / len(rows),
         "questions": rows,
     }
+
+
+COPY_SEGMENT = 64  # tokens of the stretch copy_probe repeats
+COPY_GAPS = (0, 100, 400, 1200)  # tokens of other text between its two copies
+
+
+@torch.inference_mode()
+def copy_probe(
+    model: DeepseekV32, tok: Tokenizer, text: str, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Whether the model copies, measured directly: per gap, 4 sequences of unseen ``text``
+    (BOS, text, a 64-token stretch, ``gap`` tokens of other text, the stretch again) and the
+    mean loss in nats per token on the stretch's first occurrence and on its copy (its first
+    token aside). A model that copies predicts the copy far better than the first occurrence,
+    at every gap; one that learned a fixed offset does so at one distance only."""
+    rng = random.Random(seed)
+    ids_all = tok.encode(text)
+    bos = [] if model.cfg.bos_token_id is None else [model.cfg.bos_token_id]
+    out = []
+    dev = model_device(model)
+    for gap in COPY_GAPS:
+        n = 64 + 2 * COPY_SEGMENT + gap
+        if n + len(bos) > min(model.cfg.index_topk, len(ids_all)):
+            continue
+        first = second = 0.0
+        for _ in range(4):
+            a = rng.randrange(0, len(ids_all) - n)
+            pre, seg = ids_all[a : a + 64], ids_all[a + 64 : a + 64 + COPY_SEGMENT]
+            other = ids_all[a + 64 + COPY_SEGMENT : a + 64 + COPY_SEGMENT + gap]
+            seq = torch.tensor(bos + pre + seg + other + seg, device=dev)
+            logits, _ = train_forward_batch(model, seq[None, :-1])
+            ce = F.cross_entropy(logits[0].float(), seq[1:], reduction="none")
+            s0 = len(bos) + 64 - 1  # target index of the stretch's first token
+            first += float(ce[s0 : s0 + COPY_SEGMENT].mean()) / 4
+            second += float(ce[-(COPY_SEGMENT - 1) :].mean()) / 4
+        out.append({"gap": gap, "first_nats": round(first, 3), "copy_nats": round(second, 3)})
+    return out
 
 
 def rendered(files: list[Path]) -> str:
@@ -584,6 +622,9 @@ def main(argv: list[str] | None = None) -> int:
         e = r.span
         for q in e["questions"]:
             print(f"  want {q['want']!r:24} said {q['said']!r:24} bare {q['bare']!r}")
+        probe = ", ".join(f"gap {c['gap']}: {c['first_nats']} → {c['copy_nats']}"
+                          for c in e["copy_probe"])  # fmt: skip
+        print(f"copy probe (nats/token, first occurrence → copy): {probe}")
         print(
             f"span questions over {e['corpus_tokens']} unseen tokens: {e['answered_exactly']}/"
             f"{len(e['questions'])} answered exactly, {e['corpus_dependent']} change without "

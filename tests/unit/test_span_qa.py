@@ -114,3 +114,45 @@ def test_a_span_fit_writes_its_answers_over_an_unseen_corpus(tmp_path: Path) -> 
         assert len(q["want"]) == 16 and q["margin_nats"] >= 0
         assert 0 <= q["right_chars"] <= 16
     assert e["corpus_dependent"] == sum(q["said"] != q["bare"] for q in e["questions"])
+    # the copy probe: gaps whose sequence fits index_topk (512) and the 700-token text
+    assert [c["gap"] for c in e["copy_probe"]] == [0, 100]
+    assert all(c["first_nats"] > 0 and c["copy_nats"] > 0 for c in e["copy_probe"])
+
+
+def test_the_copy_probe_sees_a_model_that_copies(tmp_path: Path) -> None:
+    """A stand-in whose logits put all mass on the token ``COPY_SEGMENT + gap`` back for the
+    copy (what an induction head does) scores the copy near 0 nats and the first occurrence
+    high; the probe reads the right rows."""
+    import torch
+
+    from tools import fit_tiny
+
+    src = tmp_path / "model"
+    init_tiny(src, seed=3, preset="sglang", index_topk=2048)
+    from corpusd.model import load_model
+
+    model = load_model(src, dtype=torch.float32)
+    seen: dict[str, int] = {}
+
+    def oracle(m: object, seq: torch.Tensor, *a: object) -> tuple[torch.Tensor, None]:
+        n = seq.shape[1]
+        gap = n + 1 - 1 - 64 - 2 * fit_tiny.COPY_SEGMENT
+        logits = torch.zeros(1, n, 256)
+        for i in range(n):  # predicts token i + 1
+            j = i + 1
+            src_j = j - fit_tiny.COPY_SEGMENT - gap
+            if j >= n + 1 - fit_tiny.COPY_SEGMENT + 1 and src_j >= 0:
+                logits[0, i, int(seq[0, src_j])] = 50.0
+        seen["calls"] = seen.get("calls", 0) + 1
+        return logits, None
+
+    orig = fit_tiny.train_forward_batch
+    fit_tiny.train_forward_batch = oracle  # type: ignore[assignment]
+    try:
+        text = fit_tiny.eval_corpus(3600)
+        got = fit_tiny.copy_probe(model, ByteTokenizer(), text)
+    finally:
+        fit_tiny.train_forward_batch = orig
+    assert [c["gap"] for c in got] == list(fit_tiny.COPY_GAPS) and seen["calls"] == 16
+    for c in got:
+        assert c["copy_nats"] < 1e-3 and c["first_nats"] > 5.0, c
