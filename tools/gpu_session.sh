@@ -26,7 +26,8 @@
 #                                            #   library with span questions; SPAN_GEOMETRY=g64x2 |
 #                                            #   g128x4 | g64x8; SPAN_PHASE=fit then bench (two calls,
 #                                            #   ~9 min each) or both (one call, a 3-min fit);
-#                                            #   SPAN_PORT, SPAN_BENCH_S: the bench's port, limit
+#                                            #   SPAN_PORT, SPAN_BENCH_S: the bench's port, limit;
+#                                            #   SPAN_FIT_ARGS: fit_tiny flags (--repeat-frac 0.25)
 #   bash tools/gpu_session.sh failover       # issue 35: the pytest -m sglang device-path failover test,
 #                                            #   a holder SIGKILLed under 32 streams (~5 min)
 #   bash tools/gpu_session.sh share          # issue 35: equal-HBM bench, 2 workers + holder on one GPU;
@@ -224,7 +225,8 @@ span)  # issue 36 item 2: fitted so that answers copy the corpus; fit.json says 
     if [ "$phase" != bench ] && [ ! -f "$d/model/fit.json" ]; then
         timeout $(( minutes * 60 + 70 )) python3 -m tools.fit_tiny --src "$d/init" \
             --out "$d/model" --task span --steps 100000 --minutes "$minutes" --seq-len 2048 \
-            --batch 2 --device cuda:0 --log-every 250 > "$OUT/span-fit-$g-$GPU.log" 2>&1
+            --batch 2 --device cuda:0 --log-every 250 ${SPAN_FIT_ARGS---repeat-frac 0.25} \
+            > "$OUT/span-fit-$g-$GPU.log" 2>&1
         took "fit $g" $?
         tail -12 "$OUT/span-fit-$g-$GPU.log"
     fi
