@@ -271,7 +271,8 @@ class Resident:
                     continue
                 plan = c.plan.failover(new)  # never raises: every pool here is CUDA IPC's
                 self._place(c.base_page, plan)
-                table[cid] = replace(c, plan=plan)
+                if table.get(cid) is c:  # not forgotten meanwhile (a recheck on another thread)
+                    table[cid] = replace(c, plan=plan)
                 replica, kept = plan.moved(c.plan)
                 out.append(FailedOver(cid, replica, kept))
         return out
