@@ -43,6 +43,9 @@ class CorpusView:
     # relative speed per holder idx (rows/s, any scale), None: page p → replica p mod n
     weights: tuple[float, ...] | None = None
     excluded: frozenset[int] = frozenset()  # holders the chosen replicas avoid (failover's dead)
+    # each page's first ``pinned`` replicas are the pin's own (kept while it is pinned; the
+    # coordinator appends load replicas after them, releasing those later); 0: not known
+    pinned: int = 0
 
     @property
     def n_pages(self) -> int:
@@ -142,6 +145,7 @@ class CorpusView:
             page_holder=torch.zeros(len(reps), dtype=torch.int64),
             page_frame=torch.zeros(len(reps), dtype=torch.int64),
             replicas=reps,
+            pinned=c.replicas,
         )
         expired = {index[h] for h in ids if not table.holders[h].live}
         try:

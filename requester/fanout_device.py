@@ -15,10 +15,13 @@ the process that exported it, and a pinned page never changes (docs/sglang.md me
 Only the pages of corpora planned before the death are read so (``kept``): a plan made later
 excludes the dead holder outright, since a holder restarted at its address serves a new pool.
 
-Each page is read from its first replica (the placement's frame) while that holder lives,
-never from a load replica the coordinator added for a hot holder: such a copy's frames go back
-to its holder a grace after it leaves the page table, and a graph reading them would read
-another corpus's rows with no call to fail. Failover is the one reason to read another replica.
+Each page is read from one of its pin replicas: the first ``pinned`` entries of its replica
+list, the copies the pin placed, kept while the corpus is pinned. The first of them the device
+path reaches and whose holder lives is read, so a worker on a GPU that holds the second copy
+reads that one (a data-parallel rank, say). A load replica the coordinator added for a hot
+holder is never read: such a copy's frames go back to its holder a grace after it leaves the
+page table, and a graph reading them would read another corpus's rows with no call to fail.
+With the pin count unknown (0), only the first replica counts as the pin's.
 """
 
 from __future__ import annotations
@@ -65,8 +68,10 @@ class DevicePlan:
     transports: Mapping[str, str]
     dead: frozenset[str] = frozenset()
     kept: frozenset[str] = frozenset()
+    pinned: int = 1  # each page's leading replicas that are the pin's own (see the docstring)
 
     def __post_init__(self) -> None:
+        assert self.pinned >= 1, f"{self.pinned=}: a page has at least its first replica"
         for address, t in self.transports.items():
             assert t in TRANSPORTS, f"holder {address}: transport {t!r} not in {TRANSPORTS}"
         lost = [p for p in range(len(self.replicas)) if self._source(p) is None]
@@ -79,15 +84,14 @@ class DevicePlan:
             )
 
     def _source(self, page: int) -> tuple[str, int] | None:
-        """The replica page ``page`` is read from: its first replica on a holder not failed
-        over, when the device path reaches that holder (a later, reachable replica is no
-        substitute while the first one lives: it may be a load replica's copy); else its first
-        replica on a failed holder whose pool is ``kept``."""
+        """The replica page ``page`` is read from: its first pin replica on a live holder the
+        device path reaches; else its first pin replica on a failed holder whose pool is
+        ``kept``; else None. Load replicas (past the first ``pinned``) are never read."""
         kept = None
-        for address, frame in self.replicas[page]:
-            if address not in self.dead:
-                return (address, frame) if address in self.transports else kept
-            if kept is None and address in self.kept:
+        for address, frame in self.replicas[page][: self.pinned]:
+            if address not in self.dead and address in self.transports:
+                return address, frame
+            if kept is None and address in self.dead and address in self.kept:
                 kept = (address, frame)
         return kept
 
@@ -126,7 +130,7 @@ class DevicePlan:
         kept = {a for a in failed if self.transports.get(a) in RETAINED}
         return DevicePlan(
             self.corpus_id, self.page_size, self.tokens, self.replicas, self.transports,
-            self.dead | failed, self.kept | kept,
+            self.dead | failed, self.kept | kept, self.pinned,
         )  # fmt: skip
 
     def moved(self, before: DevicePlan) -> tuple[int, int]:
@@ -148,9 +152,16 @@ def plan_device(
     (address → transport name), none of it read from the holders ``dead`` (failed since they
     were mapped: a pool they had is not read for a corpus planned after). Every replica of the
     page table is kept, the placement's first (``view.replicas``' order), whichever replica
-    ``view`` itself chose. Raises NoDeviceTransport when some page has no replica on a live
-    holder in ``transports``."""
+    ``view`` itself chose; ``view.pinned`` of them are the pin's (0, unknown: the first).
+    Raises NoDeviceTransport when some page has no pin replica on a live holder in
+    ``transports``."""
     replicas = tuple(tuple((view.holders[h], int(f)) for h, f in page) for page in view.replicas)
     return DevicePlan(
-        view.corpus_id, view.page_size, view.token_count, replicas, transports, frozenset(dead)
+        view.corpus_id,
+        view.page_size,
+        view.token_count,
+        replicas,
+        transports,
+        frozenset(dead),
+        pinned=max(1, view.pinned),
     )

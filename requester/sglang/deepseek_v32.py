@@ -177,7 +177,11 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
         with this GPU). The host path calls holders per layer from the host, which a CUDA graph
         cannot capture, so it needs ``--disable-cuda-graph``."""
         choice = cfg.path
-        tp = int(getattr(args, "tp_size", 1))
+        # the attention's own split over GPUs: 1 under --enable-dp-attention with dp = tp (each
+        # rank attends its own requests with every head, as one GPU does), --tp without it
+        from sglang.srt.layers.dp_attention import get_attention_tp_size
+
+        tp = int(get_attention_tp_size())
         res = None
         if choice != "host" and tp == 1:
             dev = torch.device("cuda", torch.cuda.current_device())
@@ -218,7 +222,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 "corpusd plugin: CORPUSD_SGLANG_PATH=device, but no holder shares its pool with "
                 "this GPU (start holders with --device on this GPU and --dtype bfloat16, plain or "
                 "--kv-format fp8_e4m3, first; "
-                "tensor parallelism is host path only)"
+                "attention split over GPUs, --tp without --enable-dp-attention, is host path only)"
             )
         if res is None and not args.disable_cuda_graph:
             raise RuntimeError(

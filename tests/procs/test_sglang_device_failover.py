@@ -51,7 +51,7 @@ def _resident(addresses: tuple[str, str]) -> tuple[Resident, torch.Tensor, Corpu
     first = [r[0] for r in replicas]
     view = CorpusView("c", len(FRAMES) * 64, 64, addresses,
                       torch.tensor([h for h, _ in first]), torch.tensor([f for _, f in first]),
-                      replicas)  # fmt: skip
+                      replicas, pinned=2)  # fmt: skip
     res.load(view, [torch.randn(view.token_count, 128, generator=g) for _ in range(2)])
     return res, canon, view
 

@@ -15,15 +15,18 @@ P = 64
 HOLDERS = ("gpu0:1", "gpu1:1", "gpu2:1")
 
 
-def _view(replicas: list[list[tuple[int, int]]], tokens: int | None = None) -> CorpusView:
+def _view(
+    replicas: list[list[tuple[int, int]]], tokens: int | None = None, pinned: int = 0
+) -> CorpusView:
     """A view whose page ``p`` has the (holder index, frame) replicas ``replicas[p]``, the
-    placement's first; the view itself routes each page to its last replica (as one spread over
-    a load replica would), which the device plan must not follow."""
+    placement's first, ``pinned`` of them the pin's (default: all); the view itself routes each
+    page to its last replica (as one spread over a load replica would), which the device plan
+    must not follow."""
     last = [r[-1] for r in replicas]
     return CorpusView(
         "c0", tokens if tokens is not None else len(replicas) * P, P, HOLDERS,
         torch.tensor([h for h, _ in last]), torch.tensor([f for _, f in last]),
-        tuple(tuple(r) for r in replicas),
+        tuple(tuple(r) for r in replicas), pinned=pinned or max(map(len, replicas)),
     )  # fmt: skip
 
 
@@ -43,16 +46,27 @@ def test_the_plan_reads_first_replicas_grouped_by_holder_over_their_transport() 
     assert plan.replicas[0] == (("gpu0:1", 5), ("gpu1:1", 0))
 
 
-def test_a_page_whose_first_replica_is_out_of_reach_is_refused_not_read_from_a_copy() -> None:
-    """Page 1's first replica is on a holder the device path does not reach; its copy on a
-    reachable holder may be a load replica whose frames are released later: refused, naming
+def test_a_page_whose_pin_replicas_are_out_of_reach_is_refused_not_read_from_a_load_copy() -> None:
+    """Page 1's one pin replica is on a holder the device path does not reach; its other copy
+    on a reachable holder is a load replica, whose frames are released later: refused, naming
     the page and the holders."""
-    view = _view([[(0, 0)], [(1, 4), (0, 1)]])
+    view = _view([[(0, 0)], [(1, 4), (0, 1)]], pinned=1)
     with pytest.raises(NoDeviceTransport, match=r"pages \[1\] .*gpu0:1', 'gpu1:1'.*reachable"):
         plan_device(view, {"gpu0:1": "cuda_ipc"})
     assert plan_device(view, {"gpu0:1": "cuda_ipc", "gpu1:1": "nvshmem"}).placement[1] == (
         "gpu1:1", 4,
     )  # fmt: skip
+
+
+def test_a_pin_replica_on_a_reachable_holder_is_read_when_the_first_is_out_of_reach() -> None:
+    """Pinned with two replicas, each page has a copy the pin placed on gpu1: a worker that
+    reaches gpu1 alone (a data-parallel rank on that GPU, say) reads every page there."""
+    view = _view([[(0, 5), (1, 0)], [(1, 7), (0, 2)], [(0, 3), (1, 9), (2, 4)]], pinned=2)
+    plan = plan_device(view, {"gpu1:1": "cuda_ipc"})
+    assert plan.placement == (("gpu1:1", 0), ("gpu1:1", 7), ("gpu1:1", 9))
+    # page 2's copy on gpu2 is its third: a load replica, never read
+    with pytest.raises(NoDeviceTransport, match=r"pages \[0, 1, 2\]"):
+        plan_device(view, {"gpu2:1": "cuda_ipc"})
 
 
 def test_failover_moves_a_failed_holders_pages_to_their_next_live_replica() -> None:

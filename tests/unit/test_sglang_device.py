@@ -298,7 +298,7 @@ def test_a_failed_over_plan_moves_the_arenas_reads_to_the_replicas_between_steps
     first = [r[0] for r in replicas]
     view = CorpusView("c", len(frames) * 64, 64, ("h0", "h1"),
                       torch.tensor([h for h, _ in first]), torch.tensor([f for _, f in first]),
-                      replicas)  # fmt: skip
+                      replicas, pinned=2)  # fmt: skip
     c = res.load(view, [torch.randn(view.token_count, 128, generator=g) for _ in range(2)])
     span = slice(c.base_page, c.base_page + c.n_pages)
     assert res.page_holder[span].tolist() == [0, 1, 0, 1]

@@ -22,7 +22,7 @@ from requester.worker import Worker
 P = 64
 
 
-CORPUS = SimpleNamespace(corpus_id="c0", state="ready", tokens=4 * P, page_size=P)
+CORPUS = SimpleNamespace(corpus_id="c0", state="ready", tokens=4 * P, page_size=P, replicas=1)
 
 
 @dataclass
