@@ -41,7 +41,7 @@ from typing import Any
 
 from corpusd.testing.span_qa import stdlib_corpus
 from corpusd.tokenizer import ByteTokenizer
-from tools.sglang_server import Corpusd, Server, request, start_corpusd
+from tools.sglang_server import Corpusd, Server, request, start_corpusd, stream_chunks
 
 CORPUS = "stdlib"
 METRICS = ("corpusd_requester_fallbacks_total", "corpusd_requester_sglang_failed_holders_total",
@@ -65,29 +65,18 @@ def streams(
     def one(i: int) -> None:
         body = request(prompts[i], new, "route", CORPUS, i, vocab, False, tag)
         try:
-            req = urllib.request.Request(
-                server.url + "/generate", json.dumps({**body, "stream": True}).encode(),
-                {"Content-Type": "application/json"},
-            )  # fmt: skip
-            with urllib.request.urlopen(req, timeout=300) as r:
-                for line in r:
-                    if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                        continue
-                    got = json.loads(line[5:])
-                    if "error" in got:
-                        raise RuntimeError(str(got["error"])[:300])
-                    now = time.monotonic()
-                    with lock:
-                        n = len(got["output_ids"]) - len(tokens[i] or [])
-                        tokens[i] = got["output_ids"]
-                        times[i].append(now)
-                        seen[0] += n
-                        due = kill is not None and not killed_at and seen[0] >= kill[0]
-                        if due:
-                            killed_at.append(now)
+            for ids in stream_chunks(server.url, body, 300):
+                now = time.monotonic()
+                with lock:
+                    seen[0] += len(ids) - len(tokens[i] or [])
+                    tokens[i] = ids
+                    times[i].append(now)
+                    due = kill is not None and not killed_at and seen[0] >= kill[0]
                     if due:
-                        assert kill is not None
-                        kill[1]()
+                        killed_at.append(now)
+                if due:
+                    assert kill is not None
+                    kill[1]()
         except Exception as e:  # a failed request is what this counts
             tokens[i] = None
             with lock:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -326,18 +327,11 @@ class Server:
         """Arrival times (monotonic) of each streamed chunk that carries new tokens, and the
         tokens (SGLang's chunks carry every token so far, unless --incremental-streaming-output).
         """
-        req = urllib.request.Request(
-            self.url + "/generate",
-            json.dumps({**body, "stream": True}).encode(),
-            {"Content-Type": "application/json"},
-        )
         times: list[float] = []
         tokens: list[int] = []
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            for line in r:
-                if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
-                    times.append(time.monotonic())
-                    tokens = json.loads(line[5:])["output_ids"]
+        for ids in stream_chunks(self.url, body, timeout):
+            times.append(time.monotonic())
+            tokens = ids
         return times, tokens
 
     def used_tokens(self) -> float:
@@ -345,6 +339,25 @@ class Server:
             text = r.read().decode()
         vals = [float(m) for m in re.findall(r"^sglang:num_used_tokens\{[^}]*\} (\S+)", text, re.M)]
         return max(vals, default=math.nan)
+
+
+def stream_chunks(url: str, body: dict[str, Any], timeout: float = 600) -> Iterator[list[int]]:
+    """``body`` streamed from the SGLang server at ``url``: each chunk's ``output_ids`` (every
+    token so far), as it arrives. Raises RuntimeError with the server's message for a chunk
+    that reports an error."""
+    req = urllib.request.Request(
+        url + "/generate",
+        json.dumps({**body, "stream": True}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for line in r:
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            got = json.loads(line[5:])
+            if "error" in got:
+                raise RuntimeError(str(got["error"])[:300])
+            yield got["output_ids"]
 
 
 def request(
