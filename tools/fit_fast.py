@@ -91,7 +91,14 @@ def _index_kl(
     si = torch.einsum("brhd,bkd->brhk", iq.float() * ix.scale, ik.float()).relu()
     si = (iw.float()[..., None] * si).sum(dim=2)
     logq = si.masked_fill(future[None], float("-inf")).log_softmax(dim=-1)
-    kl = torch.special.xlogy(target, target) - target * logq.masked_fill(future[None], 0.0)
+    return attention_kl(target, logq, future[None])
+
+
+def attention_kl(target: torch.Tensor, logq: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
+    """Mean over query rows of KL(``target`` ‖ exp ``logq``), each row a distribution over keys
+    (``[..., rows, keys]``), ``future`` (broadcast to them) masking the keys a row cannot see,
+    where ``logq`` is ``-inf`` and ``target`` 0."""
+    kl = torch.special.xlogy(target, target) - target * logq.masked_fill(future, 0.0)
     return kl.sum(dim=-1).mean()
 
 

@@ -45,7 +45,7 @@ from corpusd.model import DeepseekV32, KVCache, load_model, save_checkpoint
 from corpusd.testing import span_qa
 from corpusd.testing.decode import greedy, model_device
 from corpusd.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from tools.fit_fast import train_forward_batch
+from tools.fit_fast import attention_kl, train_forward_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 _GENERATED = ("corpusd/v1/",)  # protobuf output: serialized descriptors, not text worth fitting
@@ -117,9 +117,7 @@ def index_kl(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     logq = index_log_probs(iq, iw, ik, attn.indexer.scale)
     target = probs.detach().sum(dim=1)
     target = target / target.sum(dim=-1, keepdim=True)
-    future = _future(target.shape[0], target.device)
-    kl = torch.special.xlogy(target, target) - target * logq.masked_fill(future, 0.0)
-    return kl.sum(dim=-1).mean()
+    return attention_kl(target, logq, _future(target.shape[0], target.device))
 
 
 def train_forward(model: DeepseekV32, tokens: torch.Tensor, index_loss: bool = False) -> tuple[
