@@ -196,6 +196,11 @@ VARIABLES: tuple[Var, ...] = (
         "next step (its pages read from live replicas); `0`: never",
         default="0.25", low=0,
         expect="seconds between health checks of the mapped holders, a number >= 0 (0: never)"),
+    Var("CORPUSD_SGLANG_PEER", "bool",
+        "SGLang plugin, device path: also map the pools of holders on other GPUs of this host "
+        "that this GPU reaches by peer access (NVLink), read in place inside the decode graphs; "
+        "the server must see those GPUs (`CUDA_VISIBLE_DEVICES`); `0`: only its own GPU's",
+        default="1"),
     Var("CORPUSD_SGLANG_PROFILE", "path",
         "SGLang plugin: the calibration profile (`corpusd calibrate`) its predicate uses",
         shown="`$CORPUSD_HOME/profile.json` if present",

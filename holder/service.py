@@ -298,11 +298,12 @@ class HolderService(holder_pb2_grpc.HolderServicer):
                 "shared (start the holder with --device cuda:N)",
             )
         here = cuda_ipc.device_uuid(geo.device)
-        if request.device_uuid != here:
+        if request.device_uuid != here and not request.peer:
             raise Reject(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"holder {self.cfg.holder_id} is on GPU {here}, not {request.device_uuid!r}: "
-                "CUDA IPC works on one device only; use Attend",
+                "a pool is shared with a requester on its own GPU, or (peer) on another GPU of "
+                "this host that reaches it over NVLink; else use Attend",
             )
         # fp8 pools go as they are (uint8 [whole 64-row blocks, 656]): the requester's device
         # path runs FlashMLA's fp8 decode over them as this holder does
@@ -310,8 +311,10 @@ class HolderService(holder_pb2_grpc.HolderServicer):
         # from now on a released frame may still be read in place by a running request
         self.pool.reuse_delay_s = self.cfg.shared_reuse_delay_s
         log.info(
-            "pool shared over CUDA IPC (%d layers) with a requester on %s; released frames wait "
-            "%.0f s before reuse", len(latent), here, self.pool.reuse_delay_s,
+            "pool shared over CUDA IPC (%d layers) with a requester on %s%s; released frames "
+            "wait %.0f s before reuse", len(latent), request.device_uuid,
+            "" if request.device_uuid == here else f" (peer access to {here})",
+            self.pool.reuse_delay_s,
         )  # fmt: skip
         return holder_pb2.SharePoolResponse(
             latent=latent, page_size=geo.page_size, d_v=geo.d_v, holder_id=self.cfg.holder_id,

@@ -32,11 +32,30 @@ from dataclasses import dataclass
 from requester.corpus_view import CorpusUnavailable, CorpusView
 
 #: Device transports, by name: CUDA IPC to a holder on the worker's own GPU (its pool mapped
-#: into this process); NVSHMEM put/signal to a holder on another GPU of the host.
-TRANSPORTS = ("cuda_ipc", "nvshmem")
+#: into this process); the same mapping of a holder on another GPU of the host, read over NVLink
+#: peer access (``cuda_p2p``: the worker's kernels read only the selected rows across the link);
+#: NVSHMEM put/signal to a holder on another GPU of the host (route: the query goes, not rows).
+TRANSPORTS = ("cuda_ipc", "cuda_p2p", "nvshmem")
 #: Transports whose pool stays readable after its holder's process dies (the importer's mapping
-#: holds the memory); over NVSHMEM a dead holder answers no put.
-RETAINED = frozenset({"cuda_ipc"})
+#: holds the memory, on the holder's GPU or across the link); over NVSHMEM a dead holder answers
+#: no put.
+RETAINED = frozenset({"cuda_ipc", "cuda_p2p"})
+
+
+def device_transport(here: str, holder_gpu: str, peer: bool = True) -> str | None:
+    """The transport the device path reaches a holder on GPU ``holder_gpu`` with, from this
+    process's GPU ``here`` (both UUIDs): ``cuda_ipc`` on the same GPU, ``cuda_p2p`` on another
+    GPU this process sees with peer access to it (when ``peer``), else None (another host, a
+    GPU outside ``CUDA_VISIBLE_DEVICES``, or no peer access: the host path serves such a
+    holder). The one rule, so the executor's mapping and its reports agree."""
+    from corpusd.transport import cuda_ipc
+
+    if holder_gpu == here:
+        return "cuda_ipc"
+    mine = cuda_ipc.local_device(here)
+    if not peer or mine is None:
+        return None
+    return "cuda_p2p" if cuda_ipc.peer_reachable(mine, holder_gpu) else None
 
 
 class NoDeviceTransport(CorpusUnavailable):

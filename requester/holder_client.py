@@ -144,11 +144,17 @@ class HolderClient:
     async def info(self, timeout: float | None = None) -> holder_pb2.InfoResponse:
         return await self.stub.Info(holder_pb2.InfoRequest(), timeout=timeout)
 
-    async def share_pool(self, device_uuid: str) -> tuple[list[SharedTensor], int, int, str]:
+    async def share_pool(
+        self, device_uuid: str, peer: bool = False
+    ) -> tuple[list[SharedTensor], int, int, str]:
         """The holder's per-layer latent pools as CUDA IPC handles, with its page size, value
         width and incarnation (a random id of the holder process: another after a restart), for
-        a requester on GPU ``device_uuid``. Raises grpc.aio.AioRpcError (FAILED_PRECONDITION)
-        when the holder is on the CPU or on another GPU."""
-        r = await self.stub.SharePool(holder_pb2.SharePoolRequest(device_uuid=device_uuid))
+        a requester on GPU ``device_uuid``; ``peer``: or on another GPU of the host, which maps
+        them over NVLink peer access (each handle names the holder's GPU). Raises
+        grpc.aio.AioRpcError (FAILED_PRECONDITION) when the holder is on the CPU, or on another
+        GPU without ``peer``."""
+        r = await self.stub.SharePool(
+            holder_pb2.SharePoolRequest(device_uuid=device_uuid, peer=peer)
+        )
         shared = [cuda_ipc.from_wire(t) for t in r.latent]
         return shared, int(r.page_size), int(r.d_v), r.incarnation

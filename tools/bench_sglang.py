@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -282,6 +283,15 @@ REGIMES = {
 }
 
 
+def mapped_line(log: Path) -> str | None:
+    """The route server's log line naming the holder pools its device path mapped and over
+    which transport (``cuda_ipc`` on its GPU, ``cuda_p2p`` across the link), or None."""
+    if not log.exists():
+        return None
+    found = re.findall(r"corpusd plugin: \d+ holder pools mapped onto .*", log.read_text())
+    return found[-1].strip() if found else None
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -297,7 +307,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             subprocess.run([*cmd, "--index-arith", a.index_arith], check=True)
         if a.fit_steps:  # decisive logits: near-ties no longer flip free-running greedy tokens
             fit = [sys.executable, "-m", "tools.fit_tiny", "--src", str(init), "--out", str(model)]
-            fit += ["--steps", str(a.fit_steps), "--device", a.fit_device or a.holder_device]
+            fit_on = a.fit_device or a.holder_device.split(",")[0]
+            fit += ["--steps", str(a.fit_steps), "--device", fit_on]
             fit += ["--task", a.fit_task, *FIT_TASK_FLAGS[a.fit_task]]
             subprocess.run([*fit, "--log-every", "50"], check=True)
     cfg = json.loads((model / "config.json").read_text())
@@ -313,7 +324,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.corpus == "stdlib":
         sources = {r: stdlib_corpus(work / "stdlib" / r, n) for r, (n, _) in regimes.items()}
     cd = start_pinned(work, model, regimes, a.holders, a.holder_device, a.kv_cache_dtype,
-                      a.port + 7 if a.pin_engine else 0, sources)  # fmt: skip
+                      a.port + 7 if a.pin_engine else 0, sources, a.holder_capacity)  # fmt: skip
     cd.held = cd.residency(model, pin_format(a.kv_cache_dtype), a.holder_device)  # before serving
     print(f"holders: {json.dumps(cd.held)}", flush=True)
     suffixes = {r: question_suffixes(a.questions, cd.tokens[r], a.requests) for r in regimes}
@@ -440,6 +451,8 @@ def summarize(
         "tokens_each": a.tokens,
         "holders": a.holders,
         "holder_device": a.holder_device,
+        "holder_capacity_tokens": a.holder_capacity,
+        "route_holders_mapped": mapped_line(Path(a.work) / "sglang-route.log"),
         "cuda_graph_bs": [] if a.no_cuda_graph else list(a.graph_bs or a.streams),
         "streams": list(a.streams),
         **formats(a.kv_cache_dtype),
@@ -564,7 +577,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forced-steps", type=int, default=16, help="teacher-forced per request")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--holders", type=int, default=2)
-    ap.add_argument("--holder-device", default="cpu")
+    ap.add_argument(
+        "--holder-device", default="cpu",
+        help="the holders' device, or a comma-separated list dealt to them in turn (cuda:1: "
+        "every holder on the second GPU, read from the server's over peer access; cuda:0,cuda:1: "
+        "one on each)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--holder-capacity", type=int, default=16384,
+        help="each holder's capacity in tokens; below a corpus's length its pin is spread "
+        "over holders (the LSE merge of their partials runs inside the server's graphs)",
+    )  # fmt: skip
     ap.add_argument(
         "--streams",
         type=lambda v: tuple(int(x) for x in v.split(",")),

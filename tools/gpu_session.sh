@@ -30,12 +30,17 @@
 #                                            #   SPAN_FIT_ARGS: fit_tiny flags (--repeat-frac 0.25)
 #   bash tools/gpu_session.sh failover       # issue 35: the pytest -m sglang device-path failover test,
 #                                            #   a holder SIGKILLed under 32 streams (~5 min)
+#   bash tools/gpu_session.sh peer-tests     # issue 35, 2 GPUs, .gpu-deps carried: the peer-pool GPU test
+#                                            #   (a holder on GPU 1 read from GPU 0), then pytest -m gpu (~4 min)
+#   bash tools/gpu_session.sh peer           # issue 35, 2 GPUs: stock vs graphed route with the holders on
+#                                            #   GPU 1 (PEER_HOLDERS), the corpus split over two, 8 and 64
+#                                            #   streams, 4 bursts (the first is warm-up) (~6 min)
 #   bash tools/gpu_session.sh share          # issue 35: equal-HBM bench, 2 workers + holder on one GPU;
 #                                            #   SHARE_FRACTIONS=0.5 then 0.25,1,2 in two calls (~6-9 min each)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | failover | share"}
-case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|failover|share) ;;
+step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | failover | peer-tests | peer | share"}
+case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|failover|peer-tests|peer|share) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
@@ -248,6 +253,19 @@ failover)
     cp /tmp/fo/*/failover.json "$OUT/sglang-failover-$GPU.json" 2>/dev/null
     cp /tmp/fo/*/work/sglang-route.log "$OUT/sglang-failover-route-$GPU.log" 2>/dev/null
     tail -25 "$OUT/sglang-failover-test-$GPU.log" ;;
+peer-tests)  # FlashMLA from .gpu-deps (no sglang needed); the daemons' gRPC from .corpusd-deps
+    export PYTHONPATH=$PYTHONPATH:$PWD/.gpu-deps/site
+    timeout 240 python3 -m pytest -q -s -rs tests/gpu/test_gpu_peer_pool.py \
+        > "$OUT/peer-pool-test-$GPU.log" 2>&1
+    took "peer-pool test" $?
+    tail -6 "$OUT/peer-pool-test-$GPU.log"
+    timeout 300 python3 -m pytest -q -rs -m gpu tests/gpu > "$OUT/pytest-gpu-$GPU-x2.log" 2>&1
+    took "pytest -m gpu tests/gpu" $?
+    tail -4 "$OUT/pytest-gpu-$GPU-x2.log" ;;
+peer)  # the server on GPU 0 reads the holders' pools on PEER_HOLDERS over NVLink, split over two
+    decode_run "sglang-peer-${PEER_NAME:-gpu1}" --holder-device "${PEER_HOLDERS:-cuda:1}" \
+        --holder-capacity 2048 --bursts 4 --first-token-reps 4
+    grep -h "holder pools mapped" "/tmp/bsg-$step/sglang-route.log" | tail -1 ;;
 share)  # the model and pin stay in /tmp/bsh: the second call on a warm machine reuses the model
     fr=${SHARE_FRACTIONS:-0.5}; SHARE_ARGS=${SHARE_ARGS:-}
     timeout 580 python3 -m tools.bench_share --servers 2 --fractions "$fr" --work /tmp/bsh $SHARE_ARGS \

@@ -138,7 +138,10 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
     file) pinned through them, its latent rows in ``kv_format`` (``fp8_e4m3``: FlashMLA's fp8
     rows, held and attended as such). ``engine``: the URL of an SGLang server in capture mode
     (``Server("capture", …)``) whose prefill the pins store instead of corpusd's own (the
-    engine's KV cache dtype then decides the format). ``capacity_tokens``: each holder's frames;
+    engine's KV cache dtype then decides the format). ``device``: the holders', or a
+    comma-separated list dealt to them in turn (``cuda:1`` puts every holder on the second GPU,
+    ``cuda:0,cuda:1`` spreads them over two). ``capacity_tokens``: each holder's frames (below
+    a corpus's length the pin spreads it over holders);
     ``sources``: a directory to pin per corpus name instead of this repo's text; ``pin_device``:
     where the pins prefill (``corpusd pin --device``; default its own, the CPU); ``replicas``:
     copies of each page on distinct holders."""
@@ -151,15 +154,18 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
     try:
         coord = start_coordinator(work / "coordinator", store)
         daemons.append(coord)
+        devices = device.split(",")
+        device = devices[0]
+        assert all((d == "cpu") == (device == "cpu") for d in devices), f"{devices=}: CPU or GPUs"
         extra = ["--coordinator", coord.address, "--capacity-tokens", str(capacity_tokens)]
-        extra += ["--device", device]
         extra += ["--kv-format", kv_format]
         if device != "cpu":  # bf16 pages (as SGLang's pool), our Triton sparse-MLA kernel;
             # fp8 rows: the kernel auto picks, FlashMLA's fp8 decode on SM90 (stock fp8's kernel)
             kernel = "triton" if kv_format == "plain" else "auto"
             extra += ["--dtype", "bfloat16", "--kernel", kernel]
         for i in range(holders):
-            daemons.append(start_holder(store, work / f"holder-{i}", model, *extra))
+            on = ["--device", devices[i % len(devices)]]
+            daemons.append(start_holder(store, work / f"holder-{i}", model, *extra, *on))
         daemons.append(start_agent(store, work / "agent", model, "--coordinator", coord.address))
         tokens = {}
         for name, (n_bytes, first) in corpora.items():
@@ -185,6 +191,7 @@ def start_corpusd(work: Path, model: Path, corpora: dict[str, tuple[int, str]], 
 def start_pinned(
     work: Path, model: Path, corpora: dict[str, tuple[int, str]], holders: int, device: str,
     kv_cache_dtype: str, engine_port: int = 0, sources: dict[str, Path] | None = None,
+    capacity_tokens: int = 16384,
 ) -> Corpusd:  # fmt: skip
     """:func:`start_corpusd` with the pins' format following SGLang's ``kv_cache_dtype``; with
     ``engine_port`` the corpora are pinned through a stock SGLang server in capture mode on that
@@ -193,12 +200,14 @@ def start_pinned(
     verbatim indexer pages when it can read the store)."""
     fmt = pin_format(kv_cache_dtype)
     if not engine_port:
-        return start_corpusd(work, model, corpora, holders, device, fmt, sources=sources)
+        return start_corpusd(work, model, corpora, holders, device, fmt, sources=sources,
+                             capacity_tokens=capacity_tokens)  # fmt: skip
     capture = Server("capture", model, engine_port, None, work / "sglang-capture.log", (),
                      kv_cache_dtype)  # fmt: skip
     try:
         capture.wait()
-        cd = start_corpusd(work, model, corpora, holders, device, fmt, capture.url, sources=sources)
+        cd = start_corpusd(work, model, corpora, holders, device, fmt, capture.url,
+                           capacity_tokens, sources)  # fmt: skip
     finally:
         capture.stop()
     os.environ["CORPUSD_STORE"] = str(cd.store)

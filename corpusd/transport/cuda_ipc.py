@@ -1,4 +1,4 @@
-"""Same-device transport: a holder's frame pool mapped into a requester process by CUDA IPC.
+"""Same-host transport: a holder's frame pool mapped into a requester process by CUDA IPC.
 
 When the holder and the requester run on one GPU, nothing needs to move: the requester maps the
 holder's per-layer latent pools (``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle``, through
@@ -7,6 +7,12 @@ its own stream, so the call can be captured in the requester's CUDA graph. A cro
 (the requester waits on the device for a kernel the holder launches) does not work well here:
 two processes on one GPU without MPS are time-sliced, so a spinning wait in one process holds
 the GPU from the other for a whole time slice.
+
+On another GPU of the host the same mapping works over peer access (:func:`open_shared`'s
+``on``): the requester's kernels read the holder's rows across NVLink, a sparse read of only
+the selected rows, with nothing running in the holder's process. It costs the selected rows'
+bytes over the link per step (route would send the query instead), and needs both GPUs visible
+to the requester (``CUDA_VISIBLE_DEVICES``).
 
 What the requester gets is read-only by contract: the holder still owns the frames, assigns and
 releases them, and a requester reads only rows its page table (from the holders' reports) names.
@@ -80,12 +86,29 @@ def local_device(uuid: str) -> int | None:
     return None
 
 
-def open_shared(s: SharedTensor) -> torch.Tensor:
+def peer_reachable(here: int, uuid: str) -> bool:
+    """Whether this process's GPU ``here`` reads GPU ``uuid``'s memory directly: the same GPU,
+    or another visible GPU of this host with peer access to it (NVLink or PCIe P2P)."""
+    there = local_device(uuid)
+    if there is None:
+        return False
+    return there == here or bool(torch.cuda.can_device_access_peer(here, there))
+
+
+def open_shared(s: SharedTensor, on: int | None = None) -> torch.Tensor:
     """Map ``s`` into this process: a tensor of its shape and dtype over the exporter's memory.
-    Raises ValueError when this process cannot see that GPU."""
-    dev = local_device(s.device_uuid)
-    if dev is None:
+    ``on``: the GPU to map it onto (default the exporter's). Mapped onto another GPU than the
+    exporter's, the memory stays where it is and the tensor is that GPU's: its kernels read
+    the rows over peer access (``cudaIpcMemLazyEnablePeerAccess``, which torch's open passes),
+    so a kernel on ``on``'s stream, or a graph captured there, reads it like its own memory.
+    Raises ValueError when this process cannot see the exporter's GPU, or ``on`` cannot reach
+    it (:func:`peer_reachable`)."""
+    there = local_device(s.device_uuid)
+    if there is None:
         raise ValueError(f"GPU {s.device_uuid} is not visible to this process")
+    dev = there if on is None else on
+    if not peer_reachable(dev, s.device_uuid):
+        raise ValueError(f"GPU {dev} has no peer access to GPU {there} ({s.device_uuid})")
     with torch.cuda.device(dev):
         storage = torch.UntypedStorage._new_shared_cuda(
             dev,

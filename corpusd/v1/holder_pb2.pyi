@@ -174,10 +174,12 @@ class InfoResponse(_message.Message):
     def __init__(self, holder_id: _Optional[str] = ..., device: _Optional[str] = ..., kernel: _Optional[str] = ..., page_size: _Optional[int] = ..., n_layers: _Optional[int] = ..., capacity_frames: _Optional[int] = ..., used_frames: _Optional[int] = ..., active_flows: _Optional[int] = ..., queued_flows: _Optional[int] = ..., corpora: _Optional[_Iterable[_Union[CorpusHeld, _Mapping]]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class SharePoolRequest(_message.Message):
-    __slots__ = ("device_uuid",)
+    __slots__ = ("device_uuid", "peer")
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
     device_uuid: str
-    def __init__(self, device_uuid: _Optional[str] = ...) -> None: ...
+    peer: bool
+    def __init__(self, device_uuid: _Optional[str] = ..., peer: _Optional[bool] = ...) -> None: ...
 
 class SharedTensor(_message.Message):
     __slots__ = ("device_uuid", "shape", "dtype", "storage_offset", "handle", "alloc_bytes", "alloc_offset", "ref_counter", "ref_counter_offset", "event", "event_sync")

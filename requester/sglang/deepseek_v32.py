@@ -167,14 +167,17 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             len(self.corpusd_indexers),
             self.corpusd_link.coordinator,
             "ue8m0" if self.corpusd_key_ue8m0 else "fp32",
-            "host (gRPC)" if self.corpusd_resident is None else "device (CUDA IPC)",
+            "host (gRPC)"
+            if self.corpusd_resident is None
+            else f"device ({', '.join(sorted(set(self.corpusd_resident.transport.values())))})",
             force if self.corpusd_resident is None else "route (device path: pools read in place)",
         )
 
     def _device_path(self, args: Any, mcfg: ModelConfig, cfg: PluginConfig) -> Resident | None:
         """The device path's tables with this GPU's holders mapped, or None for the host path
         (``CORPUSD_SGLANG_PATH``: ``auto`` takes the device path when a holder shares its pool
-        with this GPU). The host path calls holders per layer from the host, which a CUDA graph
+        with this GPU, its own or, ``CORPUSD_SGLANG_PEER``, one it reaches by peer access). The
+        host path calls holders per layer from the host, which a CUDA graph
         cannot capture, so it needs ``--disable-cuda-graph``."""
         choice = cfg.path
         # the attention's own split over GPUs: 1 under --enable-dp-attention with dp = tp (each
@@ -194,7 +197,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 device=dev,
                 ue8m0=True,  # set from the indexers below
             )
-            mapped = self.corpusd_link.map_holders(res, dev)
+            mapped = self.corpusd_link.map_holders(res, dev, cfg.peer)
             if not mapped:
                 res = None
             else:  # the kernels' LSE bases: probed now, never inside a graph capture

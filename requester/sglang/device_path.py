@@ -3,9 +3,11 @@
 The device path's per-layer executor (:func:`.device.corpus_partial`, captured in SGLang's
 graphs) reads only tables on the GPU (:class:`.resident.Resident`). This module fills them,
 eagerly and outside any graph: at start it maps the pools of the holders on this GPU (CUDA IPC,
-the transport the device plan names ``cuda_ipc``); at a request's admission or prefill it loads
-the request's corpus, whose device plan (:mod:`requester.fanout_device`, built from the page
-table the catalog's fan-out binding holds) says which holder and frame each page is read from.
+the transport the device plan names ``cuda_ipc``) and of those on other GPUs of the host this one
+reaches by peer access (the same mapping over NVLink, ``cuda_p2p``); at a request's admission or
+prefill it loads the request's corpus, whose device plan (:mod:`requester.fanout_device`, built
+from the page table the catalog's fan-out binding holds) says which holder and frame each page is
+read from.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from corpusd.transport import cuda_ipc
 from requester.corpus_view import CorpusView
+from requester.fanout_device import device_transport
 from requester.sglang import device_failover
 from requester.sglang.binding import Binding, CorpusBindingError
 from requester.sglang.catalog import CorpusCatalog
@@ -36,14 +39,16 @@ class DevicePath:
     def __init__(self, catalog: CorpusCatalog) -> None:
         self.catalog = catalog
 
-    def map_holders(self, res: Resident, device: torch.device) -> list[str]:
-        """Map the pools of every registered holder on ``device`` into ``res`` (CUDA IPC);
-        returns their addresses. Holders elsewhere, on the CPU, with other pages or float32
-        rows are skipped (logged); bf16 and fp8 rows are mapped, and holders of both formats,
-        or a pool FlashMLA cannot read, raise CorpusBindingError (``Resident.add_pool``)."""
-        return self.catalog.run(self._map_holders(res, device))
+    def map_holders(self, res: Resident, device: torch.device, peer: bool = True) -> list[str]:
+        """Map the pools of every registered holder on ``device`` into ``res`` (CUDA IPC), and,
+        with ``peer``, of every holder on another GPU this one reaches by peer access (the same
+        mapping, read over NVLink: ``cuda_p2p``); returns their addresses. Holders on other
+        hosts or unreachable GPUs, on the CPU, with other pages or float32 rows are skipped
+        (logged); bf16 and fp8 rows are mapped, and holders of both formats, or a pool FlashMLA
+        cannot read, raise CorpusBindingError (``Resident.add_pool``)."""
+        return self.catalog.run(self._map_holders(res, device, peer))
 
-    async def _map_holders(self, res: Resident, device: torch.device) -> list[str]:
+    async def _map_holders(self, res: Resident, device: torch.device, peer: bool) -> list[str]:
         async with self.catalog.client() as c:
             holders = [h.info for h in await c.list_holders()]
         here = cuda_ipc.device_uuid(device)
@@ -53,10 +58,18 @@ class DevicePath:
                 continue
             try:
                 shared, page_size, _, inc = await self.catalog.fanout.client(h.address).share_pool(
-                    here
+                    here, peer
                 )
             except grpc.aio.AioRpcError as e:
                 log.info("holder %s not mapped: %s", h.address, e.details())
+                continue
+            transport = device_transport(here, shared[0].device_uuid, peer)
+            if transport is None:
+                log.info(
+                    "holder %s not mapped: its GPU %s is not one this process sees with peer "
+                    "access from %s (another host, CUDA_VISIBLE_DEVICES, or no P2P); the host "
+                    "path serves it", h.address, shared[0].device_uuid, here,
+                )  # fmt: skip
                 continue
             if page_size != res.page_size or shared[0].dtype not in ("bfloat16", "uint8"):
                 log.warning(
@@ -67,11 +80,18 @@ class DevicePath:
             meta = [torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta")
                     for s in shared]  # fmt: skip
             res.pool_format(h.address, meta)  # a bad shape raises before anything is mapped
-            res.add_pool(h.address, [cuda_ipc.open_shared(s) for s in shared])
+            if transport == "cuda_ipc":
+                layers = [cuda_ipc.open_shared(s) for s in shared]
+            else:  # the holder's memory, mapped onto this GPU: read over the link
+                layers = [cuda_ipc.open_shared(s, res.device.index or 0) for s in shared]
+            res.add_pool(h.address, layers, transport)
+            if isinstance(m := self.catalog.metrics, PluginMetrics):
+                m.holder_transport.labels(h.address, transport).set(1)
             res.incarnation[h.address] = inc
             mapped.append(h.address)
-        log.info("corpusd plugin: %d holder pools on this GPU mapped (%s rows): %s",
-                 len(mapped), res.kv_format, mapped)  # fmt: skip
+        log.info("corpusd plugin: %d holder pools mapped onto %s (%s rows): %s", len(mapped),
+                 res.device, res.kv_format,
+                 {a: res.transport[a] for a in mapped})  # fmt: skip
         return mapped
 
     def watch_holders(self, res: Resident, every_s: float, metrics: PluginMetrics) -> HolderWatch:
@@ -125,7 +145,8 @@ class DevicePath:
             if mapped is None:
                 continue  # mapped without an incarnation (a test's pool)
             try:
-                _, _, _, now = await self.catalog.fanout.client(address).share_pool(here)
+                peer = res.transport.get(address) == "cuda_p2p"
+                _, _, _, now = await self.catalog.fanout.client(address).share_pool(here, peer)
             except grpc.aio.AioRpcError as e:
                 raise CorpusBindingError(
                     f"corpus {view.corpus_id}: holder {address} does not answer "

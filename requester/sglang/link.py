@@ -127,8 +127,8 @@ class CorpusLink:
         self.host.abandon(p)
 
     # -- the device path -------------------------------------------------------------------------
-    def map_holders(self, res: Resident, device: torch.device) -> list[str]:
-        return self.device.map_holders(res, device)
+    def map_holders(self, res: Resident, device: torch.device, peer: bool = True) -> list[str]:
+        return self.device.map_holders(res, device, peer)
 
     def watch_holders(self, res: Resident, every_s: float) -> HolderWatch:
         return self.device.watch_holders(res, every_s, self.metrics)

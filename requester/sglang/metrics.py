@@ -45,9 +45,15 @@ class PluginMetrics(RequesterMetrics):
         self.cache_pages = self.gauge(
             "sglang_page_cache_pages", "SGLang plugin: pages resident in the fetch page cache"
         )
+        self.holder_transport = self.gauge(
+            "sglang_holder_transport",
+            "SGLang plugin, device path: 1 per holder mapped, labelled with how it is reached "
+            "(cuda_ipc: on this GPU; cuda_p2p: another GPU's pool read over peer access)",
+            ["holder", "transport"],
+        )
         self.failed_holders = self.counter(
             "sglang_failed_holders",
-            "SGLang plugin, device path: holders on this GPU found dead and failed over",
+            "SGLang plugin, device path: mapped holders found dead and failed over",
             ["holder"],
         )
         self.failover_pages = self.counter(

@@ -122,6 +122,7 @@ class Resident:
         self.req_tokens = torch.zeros(req_slots, dtype=torch.int32, device=dev)
         self.pools: list[list[torch.Tensor]] = []  # [holder slot][layer] → [rows, kv_dim]
         self.holder_slot: dict[str, int] = {}  # holder address → slot
+        self.transport: dict[str, str] = {}  # holder address → how it is mapped (cuda_ipc, …)
         self.incarnation: dict[str, str] = {}  # holder address → the mapped pools' process
         self.dead: set[str] = set()  # mapped holders failed over (fail_over)
         self.kv_format: str | None = None  # the mapped pools' row format (KV_FORMATS)
@@ -142,10 +143,14 @@ class Resident:
             self.req_tokens = torch.zeros(req_slots, dtype=torch.int32, device=self.device)
             log.info("corpusd plugin: %d request slots", req_slots)
 
-    def add_pool(self, address: str, layers: list[torch.Tensor]) -> int:
-        """Map holder ``address``'s pools (one tensor per layer, :meth:`pool_format`); returns
-        its slot. Raises CorpusBindingError for a pool of another shape or format than the
-        pools mapped before it (the device path attends one row format)."""
+    def add_pool(
+        self, address: str, layers: list[torch.Tensor], transport: str = "cuda_ipc"
+    ) -> int:
+        """Map holder ``address``'s pools (one tensor per layer, :meth:`pool_format`), reached
+        over ``transport`` (:data:`requester.fanout_device.TRANSPORTS`: ``cuda_ipc`` on this GPU,
+        ``cuda_p2p`` on a peer GPU); returns its slot. Raises CorpusBindingError for a pool of
+        another shape or format than the pools mapped before it (the device path attends one
+        row format)."""
         assert len(layers) == self.n_layers, f"{address}: {len(layers)=} vs {self.n_layers=}"
         fmt = self.pool_format(address, layers)
         if self.kv_format is not None and fmt != self.kv_format:
@@ -155,6 +160,7 @@ class Resident:
                 f"restart the holders on this GPU with one --kv-format (and pin for it)"
             )
         self.kv_format = fmt
+        self.transport[address] = transport
         self.holder_slot[address] = len(self.pools)
         self.pools.append(layers)
         return self.holder_slot[address]
@@ -206,11 +212,11 @@ class Resident:
 
     def plan(self, view: CorpusView) -> DevicePlan:
         """``view``'s device plan (:mod:`requester.fanout_device`) over the holders mapped here,
-        each reached by CUDA IPC, none read from a holder failed over since. Raises
-        CorpusBindingError when a page's first replica is on a holder not mapped here, or only
-        on failed ones."""
+        each by the transport it was mapped with, none read from a holder failed over since.
+        Raises CorpusBindingError when a page's first replica is on a holder not mapped here,
+        or only on failed ones."""
         try:
-            return plan_device(view, dict.fromkeys(self.holder_slot, "cuda_ipc"), self.dead)
+            return plan_device(view, self.transport, self.dead)
         except NoDeviceTransport as e:
             missing = sorted({view.holders[r[0][0]] for r in view.replicas} - set(self.holder_slot))
             if not missing:  # every first replica mapped: some page lives only on failed holders
@@ -219,9 +225,10 @@ class Resident:
                     "restarted SGLang server"
                 ) from None
             raise CorpusBindingError(
-                f"corpus {view.corpus_id} has pages on holders {missing}, which are not on this "
-                f"GPU (or started after this server); with CUDA graphs on the plugin serves "
-                f"corpora from holders on its own GPU"
+                f"corpus {view.corpus_id} has pages on holders {missing}, which are neither on "
+                f"this GPU nor on a GPU it reaches by peer access (or started after this server); "
+                f"with CUDA graphs on the plugin serves corpora from holders on the GPUs it "
+                f"sees (CUDA_VISIBLE_DEVICES) and reaches over NVLink"
             ) from None
 
     def load(self, view: CorpusView, keys: list[torch.Tensor]) -> ArenaCorpus:

@@ -111,5 +111,5 @@ def test_transports_are_the_registered_names() -> None:
     view = _view([[(0, 0)]])
     with pytest.raises(AssertionError, match="not in"):
         plan_device(view, {"gpu0:1": "tcp"})
-    assert TRANSPORTS == ("cuda_ipc", "nvshmem")
+    assert TRANSPORTS == ("cuda_ipc", "cuda_p2p", "nvshmem")
     assert isinstance(plan_device(view, {"gpu0:1": "cuda_ipc"}), DevicePlan)

@@ -195,7 +195,7 @@ def test_resident_refuses_what_it_cannot_serve_and_changes_nothing() -> None:
     keys = [torch.randn(300, 128) for _ in range(2)]
     with pytest.raises(CorpusBindingError, match="scores at most 256"):
         res.load(_view("big", 300, ("h0",), g), keys)
-    with pytest.raises(CorpusBindingError, match="not on this GPU"):
+    with pytest.raises(CorpusBindingError, match="neither on this GPU nor on a GPU it reaches"):
         res.load(_view("far", 200, ("h0", "elsewhere:1"), g), [k[:200] for k in keys])
     res.load(_view("a", 256, ("h0",), g), [k[:256] for k in keys])
     res.load(_view("b", 256, ("h0",), g), [k[:256] for k in keys])

@@ -185,7 +185,9 @@ def fake_device_link(
         def __init__(self, address: str) -> None:
             self.address = address
 
-        async def share_pool(self, uuid: str) -> tuple[list[cuda_ipc.SharedTensor], int, int, str]:
+        async def share_pool(
+            self, uuid: str, peer: bool = False
+        ) -> tuple[list[cuda_ipc.SharedTensor], int, int, str]:
             shared = [_shared((FRAMES * P, D), "bfloat16") for _ in range(layers)]
             return shared, P, D_V, incarnation[self.address]
 
@@ -221,7 +223,9 @@ def test_map_holders_maps_fp8_pools_and_refuses_mixed_formats(
         def __init__(self, address: str) -> None:
             self.address = address
 
-        async def share_pool(self, uuid: str) -> tuple[list[cuda_ipc.SharedTensor], int, int, str]:
+        async def share_pool(
+            self, uuid: str, peer: bool = False
+        ) -> tuple[list[cuda_ipc.SharedTensor], int, int, str]:
             page, shape, dtype = pools[self.address]
             return [_shared(shape, dtype) for _ in range(layers)], page, D_V, "inc-1"
 
