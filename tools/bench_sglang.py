@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,7 @@ from tools.sglang_server import (
     formats,
     pin_format,
     request,
+    sglang_flags,
     start_corpusd,
     start_pinned,
 )
@@ -231,7 +233,8 @@ def restart_floor(
     was: ``runs[r]["stock"]["forced_restart"]`` (the two-servers floor)."""
     graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
     log = Path(a.work) / "sglang-stock-2.log"
-    server = Server("stock", model, a.port, cd, log, graph_bs, a.kv_cache_dtype)
+    server = Server("stock", model, a.port, cd, log, graph_bs, a.kv_cache_dtype,
+                    flags=server_flags(a))  # fmt: skip
     try:
         server.wait()
         for r, by_mode in runs.items():
@@ -281,6 +284,12 @@ REGIMES = {
     # corpus > index_topk: the indexer's top-k selects 2048 keys of the corpus and the request
     "sparse": (3600, "README.md"),
 }
+
+
+def server_flags(a: argparse.Namespace) -> list[str]:
+    """Every server's SGLang flags: :func:`sglang_flags` for the KV cache dtype, then
+    ``--sglang-extra`` (the same on every side, e.g. data-parallel attention)."""
+    return [*sglang_flags(a.kv_cache_dtype), *shlex.split(a.sglang_extra)]
 
 
 def mapped_line(log: Path) -> str | None:
@@ -347,7 +356,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             log = work / f"sglang-{mode}.log"
             graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
             server = Server(mode, model, a.port, cd, log, graph_bs, a.kv_cache_dtype,
-                            extra_env=dump_env(a, mode))  # fmt: skip
+                            flags=server_flags(a), extra_env=dump_env(a, mode))  # fmt: skip
             try:
                 start_s = server.wait()
                 for r in regimes:
@@ -398,7 +407,8 @@ def probe_only(
     try:
         graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
         log = work / "sglang-route.log"
-        server = Server("route", model, a.port, cd, log, graph_bs, a.kv_cache_dtype)
+        server = Server("route", model, a.port, cd, log, graph_bs, a.kv_cache_dtype,
+                        flags=server_flags(a))  # fmt: skip
         try:
             out["server_start_s"] = server.wait()
             suffix = ByteTokenizer().encode(f"\n\nQ: {QUESTIONS[0]}\nA:")
@@ -456,6 +466,7 @@ def summarize(
         "cuda_graph_bs": [] if a.no_cuda_graph else list(a.graph_bs or a.streams),
         "streams": list(a.streams),
         **formats(a.kv_cache_dtype),
+        "sglang_flags": server_flags(a),  # every side's, --sglang-extra included
         "holder_residency": cd.held,
         "sglang_env": SGLANG_ENV,
         "failed": failed,
@@ -582,6 +593,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the holders' device, or a comma-separated list dealt to them in turn (cuda:1: "
         "every holder on the second GPU, read from the server's over peer access; cuda:0,cuda:1: "
         "one on each)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--sglang-extra", default="",
+        help="more SGLang flags for every server, stock and route alike, e.g. '--tp 2 --dp 2 "
+        "--enable-dp-attention' (each DP rank maps the holders its GPU reaches)",
     )  # fmt: skip
     ap.add_argument(
         "--holder-capacity", type=int, default=16384,

@@ -35,12 +35,15 @@
 #   bash tools/gpu_session.sh peer           # issue 35, 2 GPUs: stock vs graphed route with the holders on
 #                                            #   GPU 1 (PEER_HOLDERS), the corpus split over two, 8 and 64
 #                                            #   streams, 4 bursts (the first is warm-up) (~6 min)
+#   bash tools/gpu_session.sh dp             # issue 35, 2 GPUs: stock vs route under --tp 2 --dp 2
+#                                            #   --enable-dp-attention, a holder on each GPU, the corpus
+#                                            #   split over both, teacher-forced beside both floors (~8 min)
 #   bash tools/gpu_session.sh share          # issue 35: equal-HBM bench, 2 workers + holder on one GPU;
 #                                            #   SHARE_FRACTIONS=0.5 then 0.25,1,2 in two calls (~6-9 min each)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | failover | peer-tests | peer | share"}
-case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|failover|peer-tests|peer|share) ;;
+step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | failover | peer-tests | peer | dp | share"}
+case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|failover|peer-tests|peer|dp|share) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
@@ -250,8 +253,9 @@ failover)
     timeout 570 python3 -m pytest -x -q -s -m sglang tests/sglang/test_sglang_device_failover.py \
         --basetemp=/tmp/fo > "$OUT/sglang-failover-test-$GPU.log" 2>&1
     took failover $?
-    cp /tmp/fo/*/failover.json "$OUT/sglang-failover-$GPU.json" 2>/dev/null
-    cp /tmp/fo/*/work/sglang-route.log "$OUT/sglang-failover-route-$GPU.log" 2>/dev/null
+    # (pytest also links the latest tmp dir as *current: take the numbered one)
+    cp /tmp/fo/*0/failover.json "$OUT/sglang-failover-$GPU.json" 2>/dev/null
+    cp /tmp/fo/*0/work/sglang-route.log "$OUT/sglang-failover-route-$GPU.log" 2>/dev/null
     tail -25 "$OUT/sglang-failover-test-$GPU.log" ;;
 peer-tests)  # FlashMLA from .gpu-deps (no sglang needed); the daemons' gRPC from .corpusd-deps
     export PYTHONPATH=$PYTHONPATH:$PWD/.gpu-deps/site
@@ -266,6 +270,10 @@ peer)  # the server on GPU 0 reads the holders' pools on PEER_HOLDERS over NVLin
     decode_run "sglang-peer-${PEER_NAME:-gpu1}" --holder-device "${PEER_HOLDERS:-cuda:1}" \
         --holder-capacity 2048 --bursts 4 --first-token-reps 4
     grep -h "holder pools mapped" "/tmp/bsg-$step/sglang-route.log" | tail -1 ;;
+dp)  # each DP rank is a requester of its own over the one pinned copy (own GPU's pages by IPC)
+    decode_run sglang-dp2 --holder-device cuda:0,cuda:1 --holder-capacity 2048 --bursts 4 \
+        --first-token-reps 4 --sglang-extra "--tp 2 --dp 2 --enable-dp-attention"
+    grep -h "holder pools mapped" "/tmp/bsg-$step/sglang-route.log" | tail -2 ;;
 share)  # the model and pin stay in /tmp/bsh: the second call on a warm machine reuses the model
     fr=${SHARE_FRACTIONS:-0.5}; SHARE_ARGS=${SHARE_ARGS:-}
     timeout 580 python3 -m tools.bench_share --servers 2 --fractions "$fr" --work /tmp/bsh $SHARE_ARGS \

@@ -354,7 +354,7 @@ def test_summarize_reads_a_span_run_against_its_floors_where_the_corpus_matters(
         index_arith="fp8", fit_steps=0, pin_engine=False, requests=2, corpus="stdlib",
         questions="span", fit_task="lm", src_model="", tokens=2, holders=1, holder_device="cpu",
         no_cuda_graph=True, graph_bs=(), streams=(8,), kv_cache_dtype="auto", dump=False,
-        work="/nonexistent", holder_capacity=16384,
+        work="/nonexistent", holder_capacity=16384, sglang_extra="",
     )  # fmt: skip
     cd = types.SimpleNamespace(tokens={"sparse": [BOS_ID, 65, 66]}, held={})
     sfx = {"sparse": [ByteTokenizer().encode("\n\nQ: What follows?\nA: AB")] * 2}
