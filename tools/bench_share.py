@@ -31,7 +31,11 @@ Run on a GPU host with ``.sglang-deps`` installed (``bash tools/gpu_session.sh s
 
     python -m tools.bench_share --servers 2 --out bench/results/share-h100.json
 
-All N workers and the holder share ``--device`` unless ``--devices`` lists one GPU per worker.
+All N workers and the holder share ``--device``'s GPU unless ``--gpus G`` deals the workers over
+GPUs 0 … G−1 (SGLang's ``--base-gpu-id``, worker ``i`` on GPU ``i mod G``), on both sides alike;
+the holder stays on ``--device`` and corpusd's workers on the other GPUs read its one copy over
+peer access (the device path's ``cuda_p2p``). Each worker still spends ``--mem-fraction`` of its
+GPU and ``K`` tokens of KV.
 """
 
 from __future__ import annotations
@@ -352,7 +356,9 @@ def start_side(
     mem: float,
     graph_bs: tuple[int, ...],
     work: Path,
+    gpus: int = 1,
 ) -> list[Server]:
+    """``n`` workers of side ``mode``; ``gpus`` > 1: worker ``i`` on GPU ``i mod gpus``."""
     flags = sglang_flags()
     for name, value in (
         ("--max-total-tokens", k),
@@ -360,6 +366,7 @@ def start_side(
         ("--mem-fraction-static", mem),
     ):
         flags[flags.index(name) + 1] = str(value)
+    on = [[] if gpus <= 1 else ["--base-gpu-id", str(i % gpus)] for i in range(n)]
     servers = [
         Server(
             mode,
@@ -368,7 +375,7 @@ def start_side(
             cd if mode != "stock" else None,
             work / f"sglang-{mode}-{k}-{i}.log",
             graph_bs,
-            flags=flags,
+            flags=[*flags, *on[i]],
         )
         for i in range(n)
     ]
@@ -402,7 +409,7 @@ def run_side(
     t0 = time.monotonic()
     try:
         servers = start_side(
-            mode, a.servers, model, cd, a.port, k, ctx, a.mem_fraction, graph_bs, work
+            mode, a.servers, model, cd, a.port, k, ctx, a.mem_fraction, graph_bs, work, a.gpus
         )
     except (RuntimeError, TimeoutError) as e:
         return {"k_tokens": k, "started": False, "error": str(e)[-1500:]}
@@ -562,6 +569,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--device", default="cuda:0", help="the holder's device")
     ap.add_argument(
+        "--gpus", type=int, default=1,
+        help="deal the workers over this many GPUs (worker i on GPU i mod G, both sides); "
+        "1: every worker on --device's GPU",
+    )  # fmt: skip
+    ap.add_argument(
         "--index-arith", choices=("exact", "fp8"), default="fp8",
         help="the model's indexer arithmetic when --work has none yet (fp8: SGLang's)",
     )  # fmt: skip
@@ -576,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--merge", nargs="+", default=[], help="result JSONs to merge into --out")
     a = ap.parse_args(argv)
+    if a.gpus < 1:
+        ap.error(f"--gpus {a.gpus}: at least 1")
     if a.merge:
         return merge(a.merge, a.out)
 
@@ -621,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m tools.bench_share " + " ".join(argv or sys.argv[1:]),
         "gpu": gpu_name(),
         "servers": a.servers,
-        "devices": [a.device],
+        "devices": [a.device],  # the holder's
+        "worker_gpus": [i % a.gpus for i in range(a.servers)] if a.gpus > 1 else [a.device],
         "model": {
             k: cfg[k]
             for k in (

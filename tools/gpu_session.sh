@@ -39,7 +39,9 @@
 #                                            #   --enable-dp-attention, a holder on each GPU, the corpus
 #                                            #   split over both, teacher-forced beside both floors (~8 min)
 #   bash tools/gpu_session.sh share          # issue 35: equal-HBM bench, 2 workers + holder on one GPU;
-#                                            #   SHARE_FRACTIONS=0.5 then 0.25,1,2 in two calls (~6-9 min each)
+#                                            #   SHARE_FRACTIONS=0.5 then 0.25,1,2 in two calls (~6-9 min each);
+#                                            #   on 4 GPUs: SHARE_SERVERS=4 SHARE_ARGS="--gpus 4" (one
+#                                            #   holder copy on GPU 0, read by the others over peer access)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
 step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | failover | peer-tests | peer | dp | share"}
@@ -276,7 +278,8 @@ dp)  # each DP rank is a requester of its own over the one pinned copy (own GPU'
     grep -h "holder pools mapped" "/tmp/bsg-$step/sglang-route.log" | tail -2 ;;
 share)  # the model and pin stay in /tmp/bsh: the second call on a warm machine reuses the model
     fr=${SHARE_FRACTIONS:-0.5}; SHARE_ARGS=${SHARE_ARGS:-}
-    timeout 580 python3 -m tools.bench_share --servers 2 --fractions "$fr" --work /tmp/bsh $SHARE_ARGS \
+    timeout 580 python3 -m tools.bench_share --servers "${SHARE_SERVERS:-2}" --fractions "$fr" \
+        --work /tmp/bsh $SHARE_ARGS \
         --out "$OUT/share-$GPU-${fr//,/_}.json" > "$OUT/share-$GPU-${fr//,/_}.log" 2>&1
     took share $?
     cp /tmp/bsh/sglang-route-*-0.log "$OUT/" 2>/dev/null

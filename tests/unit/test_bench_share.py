@@ -4,6 +4,8 @@ and counters read from Prometheus text (the GPU run itself is a script, not a te
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,3 +94,33 @@ def test_exactness_reads_route_against_two_stock_servers() -> None:
     lines = exactness_lines(close)
     assert lines[0].startswith("stock_vs_stock  forced 2/2, |Δ log-prob| max 0.020")
     assert lines[-1] == "route over the floor: max ×0.50, mean ×0.50"
+
+
+def test_gpus_deal_the_workers_over_gpus_on_both_sides(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--gpus 2``: worker i starts with ``--base-gpu-id i mod 2``, stock and corpusd alike, the
+    budget flags unchanged; ``--gpus 1`` adds no GPU flag (every worker on the holder's GPU)."""
+    import tools.bench_share as bs
+
+    started: list[tuple[str, list[str]]] = []
+
+    class FakeServer:
+        def __init__(self, mode: str, *args: Any, flags: list[str], **kw: Any) -> None:
+            started.append((mode, flags))
+
+        def wait(self, timeout: float) -> float:
+            return 0.0
+
+    monkeypatch.setattr(bs, "Server", FakeServer)
+    cd: Any = None
+    for mode in ("stock", "route"):
+        bs.start_side(mode, 3, tmp_path, cd, 1, 4096, 8192, 0.2, (8,), tmp_path, gpus=2)
+    gpu = [f[f.index("--base-gpu-id") + 1] for _, f in started]
+    assert gpu == ["0", "1", "0"] * 2
+    assert all(f[f.index("--max-total-tokens") + 1] == "4096" for _, f in started)
+    started.clear()
+    bs.start_side("route", 2, tmp_path, cd, 1, 4096, 8192, 0.2, (8,), tmp_path)
+    assert all("--base-gpu-id" not in f for _, f in started)
+    with pytest.raises(SystemExit):
+        bs.main(["--gpus", "0"])
