@@ -149,7 +149,7 @@ def part_tune(dev: torch.device) -> dict[str, Any]:
         for bh in (16, 32, 64):
             for bn in (32, 64):
                 for warps in (4, 8):
-                    cfg = {"block_h": bh, "block_n": bn, "num_warps": warps}
+                    cfg: dict[str, Any] = {"block_h": bh, "block_n": bn, "num_warps": warps}
                     try:
                         t = med(
                             graph_us(

@@ -162,14 +162,15 @@ def run_split(
     num_warps: int | None,
     num_stages: int,
     warps_for: Callable[[int], int],
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The launch both partial kernels share: the plan (head block, split of the k indices), O
     and LSE allocated, the empty cases, then one ``launch(grid, k_per_split, o, lse, (s_on,
     s_os, s_oh, s_ln, s_ls), base2, meta)`` straight into ``[n, h, d_v]`` when k is not split,
     or into float32 per-split partials in base 2 merged by :func:`_merge_kernel`.
-    ``warps_for(block_h)``: the kernel's tuned warps."""
+    ``warps_for(block_h)``: the kernel's tuned warps; ``out_dtype``: O's (default q's)."""
     n, h, _ = q.shape
-    o = torch.empty(n, h, d_v, dtype=q.dtype, device=q.device)
+    o = torch.empty(n, h, d_v, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(n, h, dtype=torch.float32, device=q.device)
     if n == 0 or h == 0:
         return o, lse

@@ -76,6 +76,7 @@ def triton_partial_attention(
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    out_dtype: torch.dtype | None = None,
 ) -> PartialOut:
     """Sparse absorbed-MLA partial attention (the ``partial_attention`` contract).
 
@@ -85,9 +86,12 @@ def triton_partial_attention(
         indices: int32/int64 ``[n, k]``; ``-1`` (or any value outside ``[0, N)``) = unused.
         scale: softmax scale; d_v: value width (512 for V3.2).
         block_h / block_n / splits / num_warps / num_stages: tuning; ``None`` = ``plan``.
+        out_dtype: O's dtype (default q's). ``torch.float32`` keeps the accumulator unrounded,
+            for a caller that merges this partial with others before rounding once (the SGLang
+            plugin's corpus partial: a bf16 O would be rounded twice).
 
     Returns:
-        O ``[n, h, d_v]`` in q's dtype and LSE ``[n, h]`` float32, natural log; rows with no
+        O ``[n, h, d_v]`` in ``out_dtype`` and LSE ``[n, h]`` float32, natural log; rows with no
         valid index get O = 0, LSE = -inf. Unlike the reference, an index ``>= N`` is not an
         error here but an unused slot: the caller validates rows (``FramePool.check_rows``).
     """
@@ -116,7 +120,7 @@ def triton_partial_attention(
 
     k = indices.shape[1]
     return run_split(launch, q, k, d_v, block_h, block_n, splits, num_warps, num_stages,
-                     lambda bh: 4 if bh == 32 else 8)  # fmt: skip
+                     lambda bh: 4 if bh == 32 else 8, out_dtype)  # fmt: skip
 
 
 @triton.jit

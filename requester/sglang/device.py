@@ -189,8 +189,9 @@ def sparse_partial(
     if splits is None and (prefer_triton(n, h) or not flashmla.usable(str(q.device))):
         from corpusd.kernels.triton_mla import triton_partial_attention
 
-        o, lse = triton_partial_attention(q, kv, rows, scale, d_v)
-        return o.float(), lse
+        # float32 O: merged with the request's own partial, then rounded once (as stock rounds
+        # its one attention), not rounded to bf16 here first
+        return triton_partial_attention(q, kv, rows, scale, d_v, out_dtype=torch.float32)
     return flashmla.split_sparse_partial(q, kv, rows, scale, d_v, base2,
                                          SPLITS if splits is None else splits)  # fmt: skip
 

@@ -41,7 +41,19 @@ def main() -> None:
     o, lse = triton_partial_attention(q, kv, wild, 0.1, 32)
     ro, rl = partial_attention(q, kv, ref, 0.1, 32)
     assert rel(o, ro) < 1e-5 and float((lse - rl).abs().max()) < 1e-5, "past-the-pool indices"
-    print(f"{len(CASES) + 1} cases ok")
+    # float32 O from bf16 inputs: the accumulator unrounded, within one bf16 step of the bf16 O
+    # (the interpreter's conversion need not round to nearest, so not its rounding exactly)
+    q, kv, idx = inputs(g, 3, 16, 70, 64, 48, torch.bfloat16, "cpu")
+    for splits in (1, 2):
+        o16, l16 = triton_partial_attention(q, kv, idx, 0.1, 32, splits=splits, block_n=32)
+        o32, l32 = triton_partial_attention(q, kv, idx, 0.1, 32, splits=splits, block_n=32,
+                                            out_dtype=torch.float32)  # fmt: skip
+        assert o32.dtype == torch.float32 and torch.equal(l32, l16), f"{splits=}"
+        step = (o32 - o16.float()).abs() <= 2**-7 * o32.abs()
+        assert bool(step.all()), f"{splits=}: O is the bf16 O before rounding"
+        ro, _ = partial_attention(q.double(), kv.double(), idx, 0.1, 32)
+        assert rel(o32.double(), ro) < rel(o16.double(), ro), f"{splits=}: closer unrounded"
+    print(f"{len(CASES) + 2} cases ok")
 
 
 if __name__ == "__main__":
