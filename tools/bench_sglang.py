@@ -66,6 +66,7 @@ from tools.sglang_compare import (
     is_route,
     load_trace,
     noise_floor,
+    over_trials,
     predicate_score,
     primitive_modes,
     report,
@@ -249,6 +250,34 @@ def restart_floor(
         server.stop()
 
 
+def route_trials(
+    a: argparse.Namespace, model: Path, cd: Corpusd, runs: dict[str, dict[str, Any]],
+    suffixes: dict[str, list[list[int]]], vocab: int,
+) -> None:  # fmt: skip
+    """``--route-trials N``: N − 1 more freshly started route servers, each teacher-forced on
+    stock's answers as the first route server was; ``runs[r]["route"]["forced_trials"]`` holds
+    every trial's log-softmax, the first server's first."""
+    graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
+    for t in range(2, a.route_trials + 1):
+        print(f"== route, trial {t} of {a.route_trials} (a fresh server)", flush=True)
+        log = Path(a.work) / f"sglang-route-{t}.log"
+        server = Server("route", model, a.port, cd, log, graph_bs, a.kv_cache_dtype,
+                        flags=server_flags(a))  # fmt: skip
+        try:
+            server.wait()
+            for r, by_mode in runs.items():
+                st, rt = by_mode.get("stock"), by_mode.get("route")
+                if st is None or rt is None or not rt.get("forced"):
+                    continue
+                prompts = [cd.tokens[r] + sfx for sfx in suffixes[r]]
+                ref = [g["tokens"] for g in st["greedy"]]
+                steps = len(rt["forced"][0])
+                trial = teacher_forced(server, "route", r, prompts, ref, vocab, steps)
+                rt.setdefault("forced_trials", [rt["forced"]]).append(trial)
+        finally:
+            server.stop()
+
+
 def dump_dir(a: argparse.Namespace, mode: str) -> Path:
     return Path(a.work) / f"dump-{mode.replace('@', '-')}"
 
@@ -380,6 +409,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         print(f"binding probe: {probe}", flush=True)
                     # after every step, so a run cut short by a time limit keeps what it measured
                     save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
+                if mode == "route" and a.route_trials > 1:
+                    server.stop()
+                    route_trials(a, model, cd, runs, suffixes, vocab)
+                    save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
             except Exception as e:  # the other modes still run; the result says what failed
                 failed[mode] = f"{type(e).__name__}: {e}"[:2000]
                 save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
@@ -509,6 +542,10 @@ def summarize(
         out["regimes"][r]["vs_floor"] = {
             m: against_floor(c, floors) for m, c in out["regimes"][r]["vs_stock"].items()
         }
+        if by_mode.get("route", {}).get("forced_trials"):  # --route-trials: median and spread
+            out["regimes"][r]["route_trials"] = over_trials(
+                by_mode["stock"]["forced"], by_mode["route"]["forced_trials"], floors
+            )
         stock = [g["tokens"] for g in by_mode["stock"]["greedy"]]
         out["regimes"][r]["stock_answers"] = {
             # free-running agreement tests the corpus attention only if the answers differ per
@@ -593,6 +630,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the holders' device, or a comma-separated list dealt to them in turn (cuda:1: "
         "every holder on the second GPU, read from the server's over peer access; cuda:0,cuda:1: "
         "one on each)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--route-trials", type=int, default=1,
+        help="teacher-force route on this many freshly started route servers (the first is the "
+        "timed one); the JSON's route_trials gives each figure's median and spread, and the "
+        "floor bars read on the medians",
     )  # fmt: skip
     ap.add_argument(
         "--sglang-extra", default="",

@@ -27,7 +27,8 @@
 #                                            #   g128x4 | g64x8; SPAN_PHASE=fit then bench (two calls,
 #                                            #   ~9 min each) or both (one call, a 3-min fit);
 #                                            #   SPAN_PORT, SPAN_BENCH_S: the bench's port, limit;
-#                                            #   SPAN_FIT_ARGS: fit_tiny flags (--repeat-frac 0.25)
+#                                            #   SPAN_FIT_ARGS: fit_tiny flags (--repeat-frac 0.25);
+#                                            #   ROUTE_TRIALS: fresh route servers teacher-forced (3)
 #   bash tools/gpu_session.sh failover       # issue 35: the pytest -m sglang device-path failover test,
 #                                            #   a holder SIGKILLed under 32 streams (~5 min)
 #   bash tools/gpu_session.sh peer-tests     # issue 35, 2 GPUs, .gpu-deps carried: the peer-pool GPU test
@@ -248,7 +249,7 @@ span)  # issue 36 item 2: fitted so that answers copy the corpus; fit.json says 
         --modes stock,route --regimes sparse --requests 8 --tokens 16 --forced-steps 8 \
         --streams 8 --bursts 1 --first-token-reps 1 --holder-device cuda:0 --pin-engine --dump \
         --no-cuda-graph --src-model "$d/model" --corpus stdlib --questions span \
-        --work "$d/bench" --out "$OUT/sglang-span-$g-$GPU.json" > "$OUT/sglang-span-$g-$GPU.log" 2>&1
+        --route-trials "${ROUTE_TRIALS:-3}" --work "$d/bench" --out "$OUT/sglang-span-$g-$GPU.json" > "$OUT/sglang-span-$g-$GPU.log" 2>&1
     took "bench_sglang span $g" $?
     tail -20 "$OUT/sglang-span-$g-$GPU.log" ;;
 failover)
@@ -274,7 +275,8 @@ peer)  # the server on GPU 0 reads the holders' pools on PEER_HOLDERS over NVLin
     grep -h "holder pools mapped" "/tmp/bsg-$step/sglang-route.log" | tail -1 ;;
 dp)  # each DP rank is a requester of its own over the one pinned copy (own GPU's pages by IPC)
     decode_run sglang-dp2 --holder-device cuda:0,cuda:1 --holder-capacity 2048 --bursts 4 \
-        --first-token-reps 4 --sglang-extra "--tp 2 --dp 2 --enable-dp-attention"
+        --first-token-reps 4 --sglang-extra "--tp 2 --dp 2 --enable-dp-attention" \
+        --route-trials "${ROUTE_TRIALS:-3}"
     grep -h "holder pools mapped" "/tmp/bsg-$step/sglang-route.log" | tail -2 ;;
 share)  # the model and pin stay in /tmp/bsh: the second call on a warm machine reuses the model
     fr=${SHARE_FRACTIONS:-0.5}; SHARE_ARGS=${SHARE_ARGS:-}

@@ -269,6 +269,42 @@ def against_floor(got: dict[str, Any], floors: dict[str, dict[str, Any]]) -> dic
     return out
 
 
+def over_trials(
+    ref: list[list[list[float]]], trials: list[list[list[list[float]]]],
+    floors: dict[str, dict[str, Any]],
+) -> dict[str, Any]:  # fmt: skip
+    """Route's teacher-forced figures over several freshly started servers (``trials``, each
+    ``[request][step][vocab]`` on ``ref``'s contexts): per trial :func:`forced_compare` against
+    ``ref`` and its ratios to the noisiest floor (:func:`against_floor`), then the median, min
+    and max of each figure over the trials, the bars read on the medians."""
+    per = []
+    for t in trials:
+        c = forced_compare(ref, t)
+        c.pop("ref_top2_margin_where_forced_differs")
+        nf = against_floor(c, floors).get("noisiest_floor", {})
+        per.append(c | {k: nf[k] for k in ("max_over_floor", "mean_over_floor") if k in nf})
+    keys = ["forced_agree_steps", "logprob_max_abs_diff", "logprob_mean_abs_diff"]
+    if floors:
+        keys += ["max_over_floor", "mean_over_floor"]
+    stats: dict[str, Any] = {}
+    for name in keys:
+        xs = [p[name] for p in per if p.get(name) is not None]
+        if xs:
+            stats[name] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    steps = sum(len(r) for r in ref)
+    out: dict[str, Any] = {"trials": len(trials), "forced_steps": steps, "stats": stats}
+    if floors and "max_over_floor" in stats and "mean_over_floor" in stats:
+        fagree = min(f["forced_agree_steps"] for f in floors.values())
+        out["within_floor_on_medians"] = {
+            "logprob": stats["max_over_floor"]["median"] <= FLOOR_FACTOR
+            and stats["mean_over_floor"]["median"] <= FLOOR_FACTOR,
+            "forced_agree": stats["forced_agree_steps"]["median"]
+            >= fagree - max(1, steps // FLOOR_AGREE_SLACK),
+        }  # fmt: skip
+    out["per_trial"] = per
+    return out
+
+
 # -- the plugin's predicate against forced runs ------------------------------------------------
 def load_trace(path: Path) -> list[dict[str, Any]]:
     """The plugin's decisions (``CORPUSD_SGLANG_TRACE``, JSON lines); [] when none was written."""
@@ -387,6 +423,17 @@ def report(out: dict[str, Any]) -> None:
                   f"×{nf['mean_over_floor']} (bar {FLOOR_FACTOR}: "
                   f"{'ok' if ok['logprob'] else 'FAILS'}), forced agreement "
                   f"{'ok' if ok['forced_agree'] else 'BELOW'} the floor's")  # fmt: skip
+        if "route_trials" in v and "max_over_floor" in v["route_trials"]["stats"]:
+            t = v["route_trials"]
+            s = {k: t["stats"][k] for k in ("max_over_floor", "mean_over_floor",
+                                            "forced_agree_steps")}  # fmt: skip
+            who = f"route, {t['trials']} servers"
+            print(f"{r:<7} {who:<27} "
+                  f"over floor, median [min–max]: max ×{s['max_over_floor']['median']:.2f} "
+                  f"[{s['max_over_floor']['min']:.2f}–{s['max_over_floor']['max']:.2f}], mean "
+                  f"×{s['mean_over_floor']['median']:.2f} [{s['mean_over_floor']['min']:.2f}–"
+                  f"{s['mean_over_floor']['max']:.2f}], forced "
+                  f"{s['forced_agree_steps']['median']}/{t['forced_steps']}")  # fmt: skip
     for r, v in out["regimes"].items():
         if "primitive_exactness" in v:
             e = v["primitive_exactness"]

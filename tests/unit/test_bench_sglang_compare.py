@@ -24,6 +24,7 @@ from tools.sglang_compare import (
     kl,
     load_trace,
     noise_floor,
+    over_trials,
     predicate_score,
     primitive_modes,
     report,
@@ -266,6 +267,27 @@ def test_noise_floor_and_route_against_it() -> None:
     assert against_floor(c, zero)["noisiest_floor"]["max_over_floor"] is None  # x / 0
 
 
+def test_route_trials_give_median_and_spread_and_read_the_bars_on_the_medians() -> None:
+    """``--route-trials``: each fresh route server's forced figures against stock, then the
+    median, min and max over the trials; one noisy trial of three does not move the medians."""
+    s0 = [[[-0.1, -2.5, -9.0], [-3.0, -0.06, -4.0]]] * 2
+    two = [[[-0.1, -2.5, -9.0], [-3.2, -0.06, -4.0]], [[-0.1, -2.5, -9.0], [-3.0, -0.06, -4.0]]]
+    floors = noise_floor({**_run(s0), "forced_restart": two})  # max 0.2
+    near = [[[-0.1, -2.5, -9.0], [-3.1, -0.06, -4.0]]] * 2  # max 0.1
+    flip = [[[-2.6, -0.1, -9.0], [-3.0, -0.06, -4.0]], s0[0]]  # one argmax flipped, max 2.5
+    got = over_trials(s0, [near, near, flip], floors)
+    assert got["trials"] == 3 and got["forced_steps"] == 4 and len(got["per_trial"]) == 3
+    st = got["stats"]
+    assert st["logprob_max_abs_diff"]["median"] == pytest.approx(0.1)
+    assert st["logprob_max_abs_diff"]["max"] == pytest.approx(2.5)
+    assert st["forced_agree_steps"] == {"median": 4, "min": 3, "max": 4}
+    assert st["max_over_floor"]["median"] == pytest.approx(0.5)
+    assert got["within_floor_on_medians"] == {"logprob": True, "forced_agree": True}
+    worse = over_trials(s0, [flip, flip, near], floors)
+    assert worse["within_floor_on_medians"]["logprob"] is False
+    assert "within_floor_on_medians" not in over_trials(s0, [near], {})
+
+
 def test_report_prints_the_floor_lines(capsys: pytest.CaptureFixture[str]) -> None:
     s0 = [[[-0.1, -2.5, -9.0], [-3.0, -0.06, -4.0]]]
     seq = [[[-0.1, -2.6, -9.0], [-3.0, -0.06, -4.0]]]
@@ -277,6 +299,7 @@ def test_report_prints_the_floor_lines(capsys: pytest.CaptureFixture[str]) -> No
         "stock_answers": {"distinct": 1, "corpus_dependent": 0, "text": ["a"],
                           "agreement_counts": False},
         "where_corpus_matters": {"route": where_corpus_matters(s0, seq, [[0.5, 2.0]], top=0.5)},
+        "route_trials": over_trials(s0, [seq, s0, seq], floors),
     }}}  # fmt: skip
     report(out)
     text = capsys.readouterr().out
@@ -285,6 +308,7 @@ def test_report_prints_the_floor_lines(capsys: pytest.CaptureFixture[str]) -> No
     assert "route/stock where the corpus matters" in text
     assert "agree 1/1, |Δ log-prob| max 0.000 mean 0.0000 (corpus KL >= 2.00 nats)" in text
     assert "route/stock over floor" in text and "max ×1.0, mean ×1.0 (bar 1.5: ok)" in text
+    assert "route, 3 servers" in text and "max ×1.00 [0.00–1.00]" in text and "forced 2/2" in text
 
 
 def _logsoftmax(logits: list[float]) -> list[float]:
