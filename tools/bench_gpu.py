@@ -391,6 +391,10 @@ def main(argv: list[str] | None = None) -> None:
     pr = sub.add_parser("pair", help="two GPUs: NVSHMEM/gRPC route, crossover, decode step")
     pr.add_argument("--out", type=Path, default=Path("bench/results/gpu-pair.json"))
     pr.add_argument("--quick", action="store_true", help="fewer repetitions")
+    pr.add_argument(
+        "--step-only", action="store_true",
+        help="only (4), the distributed decode step against monolithic (a short device call)",
+    )  # fmt: skip
     ph = sub.add_parser("pair-holder", help="(internal) the holder process of `pair`")
     ph.add_argument("--port-file", type=Path, required=True)
     ph.add_argument("--device", type=int, default=0)
@@ -401,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "pair":
         from tools.bench_gpu_pair import pair
 
-        pair(args.out, args.quick)
+        pair(args.out, args.quick, args.step_only)
     else:
         from tools.bench_gpu_pair import holder_main
 

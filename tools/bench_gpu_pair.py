@@ -160,8 +160,8 @@ async def requester_main(
     quick: bool,
     stop_holder: Callable[[], None],
     checkpoint: Callable[[dict[str, Any]], None],
+    step_only: bool = False,
 ) -> dict[str, Any]:
-    from corpusd.kernels.merge import merge_partials
     from corpusd.kernels.reference import partial_attention
     from corpusd.kernels.registry import REGISTRY, choose
     from requester.holder_client import HolderClient
@@ -180,7 +180,7 @@ async def requester_main(
     out: dict[str, Any] = {"holder_kernel": holder_kernel}
     n = 64
     idx = corpus_rows(g, n, K, HOLDER_TOKENS, dev)
-    if not quick:  # (2b) gRPC Attend before any NVSHMEM init in either process
+    if not quick and not step_only:  # (2b) gRPC Attend before any NVSHMEM init in either process
         out["grpc_before_join"] = {}
         for heads in (16, 128):
             qh = torch.randn(n, heads, D, generator=g, device=dev, dtype=torch.bfloat16)
@@ -193,6 +193,16 @@ async def requester_main(
     join_s = time.perf_counter() - t0
     print(f"joined NVSHMEM job {nv.job_id} as rank {nv.rank} in {join_s:.2f} s", flush=True)
     out["join_s"] = join_s
+    if step_only:  # (4) alone: the holder's pool rebuilt here (it is seeded) as the reference's
+        gh = torch.Generator(device=dev).manual_seed(11)
+        pool_h = torch.randn(HOLDER_TOKENS, D, generator=gh, device=dev, dtype=torch.bfloat16)
+        local_fn = REGISTRY["flashmla"].fn if REGISTRY["flashmla"].available(str(dev)) else auto.fn
+        out["decode_step"] = await decode_step(nv, g, dev, pool_h, local_fn, 128, scale, reps)
+        checkpoint(out)
+        await grpc_client.close()
+        stop_holder()
+        await nv.close()
+        return out
 
     # (2) exactness, bad rows, round trips
     h = 128
@@ -362,7 +372,26 @@ async def requester_main(
     out["crossover"] = {"rows": n, "heads": h, "k": K, "points": cross}
     checkpoint(out)
 
-    # (4) distributed decode step vs monolithic
+    out["decode_step"] = await decode_step(nv, g, dev, pool_h, local_fn, h, scale, reps)
+    checkpoint(out)
+    out["route_graphed"] = await graphed_route(nv, g, idx, reps, scale, rtt)
+    await grpc_client.close()
+    stop_holder()  # its endpoint closes the job: a collective barrier with ours
+    await nv.close()
+    return out
+
+
+async def decode_step(
+    nv: Any, g: torch.Generator, dev: torch.device, pool_h: torch.Tensor, local_fn: Any,
+    h: int, scale: float, reps: int,
+) -> dict[str, Any]:  # fmt: skip
+    """(4) One distributed decode step (32 agents, the corpus's first half on this GPU, the
+    second on the holder's) against one monolithic call over the whole corpus, per layer: eager;
+    graphed with the request sent eagerly (local partial and merge replayed); and graphed
+    throughout (the route's store / signal / wait replayed as :class:`GraphedAttend`, direct
+    mode, beside the local partial's replay), the step the decode worker can run."""
+    from corpusd.kernels.merge import merge_partials
+
     agents = 32
     gl = torch.Generator(device=dev).manual_seed(13)
     pool_local = torch.randn(HOLDER_TOKENS, D, generator=gl, device=dev, dtype=torch.bfloat16)
@@ -428,6 +457,30 @@ async def requester_main(
             times.append((time.perf_counter() - t) * 1e6)
     dist_graph = stats(times)
     graph_equal = bool(torch.equal(merged[0], mo) and torch.equal(merged[1], ml))
+    # graphed throughout: no host enqueue of the request (direct: SM stores into its ring slot)
+    await nv.open_stream("attend", reps + 5 + depth, agents, h, K, CORPUS, 0, 1, scale,
+                         direct=True)  # fmt: skip
+    send = nv.graphed(qa, idx_remote)
+    merges_all = {}
+    for _ in range(depth):
+        pend = send()
+        g_local.replay()
+        ro, rl = pend.wait_on(cur)
+        merges_all[ro.data_ptr()] = capture(partial(merge_partials, [lo_s, (ro, rl)]))
+    times = []
+    for i in range(reps + 5):
+        t = time.perf_counter()
+        pend = send()
+        g_local.replay()
+        ro, rl = pend.wait_on(cur)
+        g_merge, merged_all = merges_all[ro.data_ptr()]
+        g_merge.replay()
+        torch.cuda.synchronize()
+        pend.check()
+        if i >= 5:
+            times.append((time.perf_counter() - t) * 1e6)
+    dist_all = stats(times)
+    all_equal = bool(torch.equal(merged_all[0], mo) and torch.equal(merged_all[1], ml))
     g_mono, _ = capture(partial(mono_fn, qa, pool_all, sel, scale, D_V))
     times = []
     for i in range(reps + 5):
@@ -440,7 +493,7 @@ async def requester_main(
     layers, idx_bytes = 61, 128  # V3.2: 61 layers; index keys 128 fp8 bytes per token
     corpus_tokens = 2 * HOLDER_TOKENS
     per_token = layers * (D * 2 + idx_bytes)
-    out["decode_step"] = {
+    res = {
         "agents": agents,
         "corpus_tokens": corpus_tokens,
         "heads": h,
@@ -452,6 +505,9 @@ async def requester_main(
         "distributed_graphed_wall_us": dist_graph,
         "monolithic_graphed_wall_us": mono_graph,
         "ratio_graphed_p50": dist_graph["p50"] / mono_graph["p50"],
+        "distributed_graphed_send_wall_us": dist_all,
+        "ratio_graphed_send_p50": dist_all["p50"] / mono_graph["p50"],
+        "graphed_send_equals_eager_bitwise": all_equal,
         "graphed_equals_eager_bitwise": graph_equal,
         "distributed_rel_err_vs_monolithic": dist_rel,
         "distributed_max_lse_diff": dist_lse,
@@ -466,16 +522,12 @@ async def requester_main(
         f"monolithic {mono['p50']:.1f} us wall / {mono_dev:.1f} us device, ratio "
         f"{dist['p50'] / mono['p50']:.2f}; graphed: distributed {dist_graph['p50']:.1f} us, "
         f"monolithic {mono_graph['p50']:.1f} us, ratio "
-        f"{dist_graph['p50'] / mono_graph['p50']:.2f}; merge vs monolithic rel err "
+        f"{dist_graph['p50'] / mono_graph['p50']:.2f}; graphed send too {dist_all['p50']:.1f} "
+        f"us, ratio {dist_all['p50'] / mono_graph['p50']:.2f}; merge vs monolithic rel err "
         f"{dist_rel:.1e}",
         flush=True,
     )
-    checkpoint(out)
-    out["route_graphed"] = await graphed_route(nv, g, idx, reps, scale, rtt)
-    await grpc_client.close()
-    stop_holder()  # its endpoint closes the job: a collective barrier with ours
-    await nv.close()
-    return out
+    return res
 
 
 async def graphed_route(
@@ -549,7 +601,7 @@ def part_choice(dev: torch.device, pool_tokens: int = 1 << 18) -> dict[str, Any]
     return {"k": K, "pool_tokens": pool_tokens, "points": points}
 
 
-def pair(out: Path, quick: bool) -> None:
+def pair(out: Path, quick: bool, step_only: bool = False) -> None:
     assert torch.cuda.device_count() >= 2, "the pair bench needs two GPUs"
     nv_env()
     port_file = Path(tempfile.mkdtemp(prefix="bench-pair-")) / "port"
@@ -579,7 +631,9 @@ def pair(out: Path, quick: bool) -> None:
 
         result.update(
             asyncio.run(
-                requester_main(f"127.0.0.1:{port}", kname, quick, holder.terminate, checkpoint)
+                requester_main(
+                    f"127.0.0.1:{port}", kname, quick, holder.terminate, checkpoint, step_only
+                )
             )
         )
         holder.wait(60)
