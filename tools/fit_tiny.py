@@ -202,6 +202,11 @@ class FitConfig:
         "span: this share of sequences are a stretch of text twice over, the second copy "
         "weighed as answers (induction heads form fastest on plain repeats)",
     )
+    repeat_random: float = _opt(
+        0.0,
+        "span: this share of the repeats repeat random printable characters, not text: there "
+        "nothing but copying predicts the second copy (text is partly predictable without it)",
+    )
     eval_questions: int = _opt(8, "span: questions asked of the fitted model at the end (0: none)")
     eval_tokens: int = _opt(3600, "span: corpus length the end-of-fit questions are asked over")
     forward: str = field(
@@ -231,6 +236,8 @@ class FitConfig:
             raise ValueError(f"--text-weight must be >= 0, got {self.text_weight}")
         if not 0 <= self.repeat_frac <= 1:
             raise ValueError(f"--repeat-frac must be in [0, 1], got {self.repeat_frac}")
+        if not 0 <= self.repeat_random <= 1:
+            raise ValueError(f"--repeat-random must be in [0, 1], got {self.repeat_random}")
         if self.index_rows <= 0:
             raise ValueError(f"--index-rows must be > 0, got {self.index_rows}")
 
@@ -469,8 +476,11 @@ class SpanSequences:
             gap = rng.randrange(0, n - 2 * seg + 1)
             pre = n - 2 * seg - gap
             a, b, c = (rng.randrange(0, len(self.text) - n) for _ in range(3))
+            stretch = self.text[b : b + seg]
+            if self.cfg.repeat_random and rng.random() < self.cfg.repeat_random:
+                stretch = "".join(chr(rng.randrange(32, 127)) for _ in range(seg))
             parts = [self.tok.encode(self.text[a : a + pre])[:pre],
-                     self.tok.encode(self.text[b : b + seg])[:seg],
+                     self.tok.encode(stretch)[:seg],
                      self.tok.encode(self.text[c : c + gap])[:gap]]  # fmt: skip
             ids = self.bos + parts[0] + parts[1] + parts[2] + parts[1]
             if len(ids) > self.cfg.seq_len + 1 or len(parts[1]) < 8:

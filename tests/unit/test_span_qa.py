@@ -97,6 +97,22 @@ def test_repeat_sequences_copy_a_stretch_at_a_distance_that_varies() -> None:
         FitConfig("src", "out", repeat_frac=1.5)
 
 
+def test_random_repeats_copy_a_stretch_that_is_not_in_the_text() -> None:
+    """``--repeat-random 1``: every repeated stretch is random printable characters, found
+    nowhere in the text, so only copying predicts its second copy."""
+    cfg = FitConfig("src", "out", task="span", seq_len=600, repeat_frac=1.0, repeat_random=1.0)
+    tok = ByteTokenizer()
+    sample = SpanSequences(TEXT, tok, BOS_ID, cfg)
+    for _ in range(6):
+        ids, _, is_answer = sample()
+        copy = sum(is_answer) + 1
+        stretch = tok.decode(ids[-copy:])
+        assert all(32 <= ord(ch) < 127 for ch in stretch) and stretch not in TEXT
+        assert tok.decode(ids).count(stretch) == 2  # the stretch and its copy
+    with pytest.raises(ValueError, match="repeat-random"):
+        FitConfig("src", "out", repeat_random=-0.1)
+
+
 def test_a_span_fit_writes_its_answers_over_an_unseen_corpus(tmp_path: Path) -> None:
     src = tmp_path / "model"
     init_tiny(src, seed=3, preset="sglang", index_topk=512)
