@@ -159,6 +159,29 @@ def trainable(model: DeepseekV32, index: bool = True) -> list[torch.nn.Parameter
     ]
 
 
+def reinit(model: DeepseekV32, std: float, seed: int = 0) -> None:
+    """Weights a model trains from (GPT-2's scheme): every matrix and embedding normal(0,
+    ``std``), the residual stream's writers (attention ``o_proj``, MLP ``down_proj``) scaled by
+    1 / sqrt(2 · layers), norms 1, biases 0. The random checkpoints ``corpusd model init`` writes
+    are made for sharp, well-separated scores in exactness tests: unit-variance attention
+    scores saturate the softmax, whose gradient then all but vanishes."""
+    g = torch.Generator().manual_seed(seed)
+    layers = len(model.layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                p.fill_(1.0)
+            elif p.dim() < 2:
+                p.zero_()
+            else:
+                s = (
+                    std / (2 * layers) ** 0.5
+                    if name.endswith(("o_proj.weight", "down_proj.weight"))
+                    else std
+                )
+                p.copy_(torch.randn(p.shape, generator=g) * s)  # fmt: skip
+
+
 def _opt(default: object, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -202,6 +225,12 @@ class FitConfig:
         "span: this share of sequences are a stretch of text twice over, the second copy "
         "weighed as answers (induction heads form fastest on plain repeats)",
     )
+    reinit: float = _opt(
+        0.0,
+        "re-initialise the weights before fitting, as a trainable model (normal, this std; "
+        "residual outputs scaled by 1/sqrt(2 · layers); norms 1): `corpusd model init`'s "
+        "weights give unit-variance scores, so attention starts saturated (0: keep them)",
+    )
     repeat_random: float = _opt(
         0.0,
         "span: this share of the repeats repeat random printable characters, not text: there "
@@ -236,6 +265,8 @@ class FitConfig:
             raise ValueError(f"--text-weight must be >= 0, got {self.text_weight}")
         if not 0 <= self.repeat_frac <= 1:
             raise ValueError(f"--repeat-frac must be in [0, 1], got {self.repeat_frac}")
+        if self.reinit < 0:
+            raise ValueError(f"--reinit must be >= 0 (0: keep the weights), got {self.reinit}")
         if not 0 <= self.repeat_random <= 1:
             raise ValueError(f"--repeat-random must be in [0, 1], got {self.repeat_random}")
         if self.index_rows <= 0:
@@ -271,6 +302,8 @@ def fit(cfg: FitConfig) -> FitResult:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     model = load_model(cfg.src, dtype=torch.float32).to(cfg.device).train()
+    if cfg.reinit:
+        reinit(model, cfg.reinit, cfg.seed)
     if cfg.seq_len > model.cfg.index_topk:
         raise ValueError(
             f"--seq-len {cfg.seq_len} > index_topk {model.cfg.index_topk}: training attends "

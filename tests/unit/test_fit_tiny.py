@@ -19,6 +19,7 @@ from tools.fit_tiny import (
     fit,
     index_kl,
     index_log_probs,
+    reinit,
     text_tokens,
     train_forward,
     train_logits,
@@ -132,3 +133,25 @@ def test_fit_lowers_loss_and_writes_a_loadable_checkpoint(sglang_dir: Path, tmp_
         ref = hf(toks[None]).logits[0]
     assert rel(ours, ref) <= 1e-4
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_reinit_gives_small_weights_scaled_residual_writers_and_unit_norms(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """``--reinit STD``: a trainable start (the random checkpoints' unit-variance scores
+    saturate attention); the model still runs, its scores now small."""
+    model = copy.deepcopy(tiny_model)
+    reinit(model, 0.02, seed=1)
+    layers = len(model.layers)
+    for name, p in model.named_parameters():
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            assert bool((p == 1).all()), name
+        elif p.dim() < 2:
+            assert bool((p == 0).all()), name
+        else:
+            want = 0.02 / (2 * layers) ** 0.5 if name.endswith(("o_proj.weight",
+                                                                 "down_proj.weight")) else 0.02
+            assert abs(float(p.std()) / want - 1) < 0.2, (name, float(p.std()), want)  # fmt: skip
+    with torch.no_grad():
+        logits = train_logits(model, torch.tensor([1, 5, 9, 12, 7]))
+    assert bool(torch.isfinite(logits).all()) and float(logits.std()) < 0.5
+    with pytest.raises(ValueError, match="--reinit"):
+        FitConfig("src", "out", reinit=-1.0)
