@@ -381,6 +381,38 @@ async def requester_main(
     return out
 
 
+def graphed_step(
+    send: Callable[[], Any], g_local: torch.cuda.CUDAGraph, lo_s: Any, depth: int, reps: int
+) -> tuple[dict[str, float], Any]:
+    """The distributed step with the local partial and the merge as graph replays: ``send()``
+    starts the remote half (returns the route's Pending), one merge graph is captured per ring
+    slot its reply can land in, then ``reps`` timed steps after 5 discarded. Returns the wall
+    times' stats and the last merged (O, LSE)."""
+    from corpusd.kernels.merge import merge_partials
+
+    cur = torch.cuda.current_stream()
+    merges = {}
+    for _ in range(depth):
+        pend = send()
+        g_local.replay()
+        ro, rl = pend.result()
+        merges[ro.data_ptr()] = capture(partial(merge_partials, [lo_s, (ro, rl)]))
+    times = []
+    merged = None
+    for i in range(reps + 5):
+        t = time.perf_counter()
+        pend = send()
+        g_local.replay()
+        ro, rl = pend.wait_on(cur)
+        g_merge, merged = merges[ro.data_ptr()]
+        g_merge.replay()
+        torch.cuda.synchronize()
+        pend.check()
+        if i >= 5:
+            times.append((time.perf_counter() - t) * 1e6)
+    return stats(times), merged
+
+
 async def decode_step(
     nv: Any, g: torch.Generator, dev: torch.device, pool_h: torch.Tensor, local_fn: Any,
     h: int, scale: float, reps: int,
@@ -433,53 +465,15 @@ async def decode_step(
 
     # The same step with the requester's local partial and merge as CUDA graphs (the decode
     # worker's steady state): host cost is one attend enqueue and two replays.
-    cur = torch.cuda.current_stream(dev)
     g_local, lo_s = capture(partial(local_fn, qa, pool_local, idx_local, scale, D_V))
     depth = nv.ring.depth
     await nv.open_stream("attend", reps + 5 + depth, agents, h, K, CORPUS, 0, 1, scale)
-    merges = {}
-    for _ in range(depth):  # one merge graph per ring slot the reply can land in
-        pend = nv.attend(qa, idx_remote)
-        g_local.replay()
-        ro, rl = pend.result()
-        merges[ro.data_ptr()] = capture(partial(merge_partials, [lo_s, (ro, rl)]))
-    times = []
-    for i in range(reps + 5):
-        t = time.perf_counter()
-        pend = nv.attend(qa, idx_remote)
-        g_local.replay()
-        ro, rl = pend.wait_on(cur)
-        g_merge, merged = merges[ro.data_ptr()]
-        g_merge.replay()
-        torch.cuda.synchronize()
-        pend.check()
-        if i >= 5:
-            times.append((time.perf_counter() - t) * 1e6)
-    dist_graph = stats(times)
+    dist_graph, merged = graphed_step(lambda: nv.attend(qa, idx_remote), g_local, lo_s, depth, reps)
     graph_equal = bool(torch.equal(merged[0], mo) and torch.equal(merged[1], ml))
     # graphed throughout: no host enqueue of the request (direct: SM stores into its ring slot)
     await nv.open_stream("attend", reps + 5 + depth, agents, h, K, CORPUS, 0, 1, scale,
                          direct=True)  # fmt: skip
-    send = nv.graphed(qa, idx_remote)
-    merges_all = {}
-    for _ in range(depth):
-        pend = send()
-        g_local.replay()
-        ro, rl = pend.wait_on(cur)
-        merges_all[ro.data_ptr()] = capture(partial(merge_partials, [lo_s, (ro, rl)]))
-    times = []
-    for i in range(reps + 5):
-        t = time.perf_counter()
-        pend = send()
-        g_local.replay()
-        ro, rl = pend.wait_on(cur)
-        g_merge, merged_all = merges_all[ro.data_ptr()]
-        g_merge.replay()
-        torch.cuda.synchronize()
-        pend.check()
-        if i >= 5:
-            times.append((time.perf_counter() - t) * 1e6)
-    dist_all = stats(times)
+    dist_all, merged_all = graphed_step(nv.graphed(qa, idx_remote), g_local, lo_s, depth, reps)
     all_equal = bool(torch.equal(merged_all[0], mo) and torch.equal(merged_all[1], ml))
     g_mono, _ = capture(partial(mono_fn, qa, pool_all, sel, scale, D_V))
     times = []
