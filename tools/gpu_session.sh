@@ -271,7 +271,7 @@ peer-tests)  # FlashMLA from .gpu-deps (no sglang needed); the daemons' gRPC fro
     tail -4 "$OUT/pytest-gpu-$GPU-x2.log" ;;
 peer)  # the server on GPU 0 reads the holders' pools on PEER_HOLDERS over NVLink, split over two
     decode_run "sglang-peer-${PEER_NAME:-gpu1}" --holder-device "${PEER_HOLDERS:-cuda:1}" \
-        --holder-capacity 2048 --bursts 4 --first-token-reps 4
+        --holder-capacity 2048 --bursts 4 --first-token-reps 4 --route-trials "${ROUTE_TRIALS:-3}"
     grep -h "holder pools mapped" "/tmp/bsg-$step/sglang-route.log" | tail -1 ;;
 dp)  # each DP rank is a requester of its own over the one pinned copy (own GPU's pages by IPC)
     decode_run sglang-dp2 --holder-device cuda:0,cuda:1 --holder-capacity 2048 --bursts 4 \
