@@ -140,6 +140,13 @@ def plugin_metrics(server: Server) -> list[str]:
     return [ln for ln in text.splitlines() if not ln.startswith("#") and any(w in ln for w in want)]
 
 
+def mode_prompts(mode: str, corpus_tokens: list[int], suffixes: list[list[int]]) -> list[list[int]]:
+    """What ``mode``'s server is sent: route gets the questions alone (the plugin attends the
+    pinned corpus); stock and fetch get the corpus and the question. A route prompt that carried
+    the corpus too would attend it twice, once from the holders and once as its own tokens."""
+    return [list(s) if is_route(mode) else corpus_tokens + s for s in suffixes]
+
+
 def measure(
     server: Server, mode: str, corpus: str, corpus_tokens: list[int], suffixes: list[list[int]],
     n_tokens: int, vocab: int, teacher: list[list[int]] | None, forced_steps: int,
@@ -155,7 +162,7 @@ def measure(
     in one batch. With ``bursts`` > 1 each stream count is sent that many times in a row: the
     first burst is the server's first batch of that size (its kernels' first launches at those
     shapes), the repeats are warm."""
-    prompts = [s if is_route(mode) else corpus_tokens + s for s in suffixes]
+    prompts = mode_prompts(mode, corpus_tokens, suffixes)
     greedy = []
     for i, p in enumerate(prompts):
         r = server.post(request(p, n_tokens, mode, corpus, i, vocab, False, greedy_tag(corpus)))
@@ -242,7 +249,7 @@ def restart_floor(
             st = by_mode.get("stock")
             if st is None:
                 continue
-            prompts = [cd.tokens[r] + sfx for sfx in suffixes[r]]
+            prompts = mode_prompts("stock", cd.tokens[r], suffixes[r])
             ref = [g["tokens"] for g in st["greedy"]]
             steps = len(st["forced"][0]) if st["forced"] else 0
             st["forced_restart"] = teacher_forced(server, "stock", r, prompts, ref, vocab, steps)
@@ -269,7 +276,7 @@ def route_trials(
                 st, rt = by_mode.get("stock"), by_mode.get("route")
                 if st is None or rt is None or not rt.get("forced"):
                     continue
-                prompts = [cd.tokens[r] + sfx for sfx in suffixes[r]]
+                prompts = mode_prompts("route", cd.tokens[r], suffixes[r])
                 ref = [g["tokens"] for g in st["greedy"]]
                 steps = len(rt["forced"][0])
                 trial = teacher_forced(server, "route", r, prompts, ref, vocab, steps)

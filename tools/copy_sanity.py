@@ -38,12 +38,14 @@ def batch(g: torch.Generator, b: int, alphabet: int, fixed: bool) -> tuple[torch
 def run(a: argparse.Namespace) -> dict[str, object]:
     torch.manual_seed(a.seed)
     g = torch.Generator().manual_seed(a.seed)
-    model = load_model(a.src, dtype=torch.float32).train()
+    dev = torch.device(a.device)
+    model = load_model(a.src, dtype=torch.float32).to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
     losses: list[float] = []
     t0 = time.monotonic()
     for step in range(a.steps):
         seq, length, gap = batch(g, a.batch, a.alphabet, a.fixed)
+        seq = seq.to(dev)
         logits, _ = train_forward_batch(model, seq[:, :-1])
         s = 1 + length + gap  # the copy's first position
         pred, tgt = logits[:, s : s + length - 1], seq[:, s + 1 : s + length]
@@ -65,6 +67,9 @@ def run(a: argparse.Namespace) -> dict[str, object]:
         "alphabet": a.alphabet,
         "uniform_nats": math.log(a.alphabet),
         "copy_loss_mean_of_last_100_by_step": every,
+        "batch": a.batch,
+        "lr": a.lr,
+        "device": str(dev),
         "wall_s": round(time.monotonic() - t0, 1),
     }
 
@@ -78,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alphabet", type=int, default=95, help="symbols the copied tokens draw on")
     ap.add_argument("--fixed", action="store_true", help="24 tokens back to back every time")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="where to train (cuda:0 on a GPU machine)")
     ap.add_argument("--out", type=Path, default=None, help="append the result to this JSON list")
     a = ap.parse_args(argv)
     a.argv = argv if argv is not None else __import__("sys").argv[1:]

@@ -29,6 +29,9 @@
 #                                            #   SPAN_PORT, SPAN_BENCH_S: the bench's port, limit;
 #                                            #   SPAN_FIT_ARGS: fit_tiny flags (--repeat-frac 0.25);
 #                                            #   ROUTE_TRIALS: fresh route servers teacher-forced (3)
+#   bash tools/gpu_session.sh copy           # issue 36, 2 GPUs: copying by content (tools/copy_sanity)
+#                                            #   on g64x2 (GPU 0) and g128x4 (GPU 1), COPY_STEPS each,
+#                                            #   then a 1-minute span fit's step rate (~4 min)
 #   bash tools/gpu_session.sh failover       # issue 35: the pytest -m sglang device-path failover test,
 #                                            #   a holder SIGKILLed under 32 streams (~5 min)
 #   bash tools/gpu_session.sh peer-tests     # issue 35, 2 GPUs, .gpu-deps carried: the peer-pool GPU test
@@ -45,8 +48,8 @@
 #                                            #   holder copy on GPU 0, read by the others over peer access)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | failover | peer-tests | peer | dp | share"}
-case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|failover|peer-tests|peer|dp|share) ;;
+step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | copy | failover | peer-tests | peer | dp | share"}
+case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|copy|failover|peer-tests|peer|dp|share) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
@@ -252,6 +255,23 @@ span)  # issue 36 item 2: fitted so that answers copy the corpus; fit.json says 
         --route-trials "${ROUTE_TRIALS:-3}" --work "$d/bench" --out "$OUT/sglang-span-$g-$GPU.json" > "$OUT/sglang-span-$g-$GPU.log" 2>&1
     took "bench_sglang span $g" $?
     tail -20 "$OUT/sglang-span-$g-$GPU.log" ;;
+copy)  # does copying by content form, and after how many steps, at the fits' settings on a GPU
+    span_model g64x2 && span_model g128x4 || exit 2
+    n=${COPY_STEPS:-3000}
+    for pair in 0:g64x2 1:g128x4; do
+        d=${pair%%:*}; g=${pair#*:}
+        timeout 200 python3 -m tools.copy_sanity --src "/tmp/span36/$g/init" --steps "$n" \
+            --batch 64 --lr "${COPY_LR:-1e-3}" --device "cuda:$d" \
+            --out "$OUT/copy-sanity-$g-$GPU.json" > "$OUT/copy-sanity-$g-$GPU.log" 2>&1 &
+    done
+    wait
+    took copy_sanity $?
+    timeout 100 python3 -m tools.fit_tiny --src /tmp/span36/g64x2/init --out /tmp/span36/rate \
+        --task span --steps 100000 --minutes 1 --seq-len 2048 --batch 16 --device cuda:0 \
+        --log-every 50 > "$OUT/fit-rate-g64x2-$GPU.log" 2>&1
+    took "fit rate" $?
+    for g in g64x2 g128x4; do tail -4 "$OUT/copy-sanity-$g-$GPU.log" | cut -c1-300; done
+    tail -5 "$OUT/fit-rate-g64x2-$GPU.log" ;;
 failover)
     timeout 570 python3 -m pytest -x -q -s -m sglang tests/sglang/test_sglang_device_failover.py \
         --basetemp=/tmp/fo > "$OUT/sglang-failover-test-$GPU.log" 2>&1

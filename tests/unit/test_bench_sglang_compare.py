@@ -398,3 +398,52 @@ def test_summarize_reads_a_span_run_against_its_floors_where_the_corpus_matters(
     assert w["route"]["logprob_max_abs_diff"] == pytest.approx(0.1, abs=1e-3)
     assert w["route"]["logprob_max_abs_diff"] == w["floor:two_servers"]["logprob_max_abs_diff"]
     assert r["vs_floor"]["route"]["within_floor"] == {"logprob": True, "forced_agree": True}
+
+
+def test_route_trials_send_route_the_questions_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A fresh route server of ``--route-trials`` is sent what the first one was: the questions
+    alone. It was sent the corpus too, so it attended the corpus twice (as its own tokens and
+    from the holders), and trials 2 and 3 parted from stock at 37/64 (bench_sglang on H200)."""
+    import tools.bench_sglang as bs
+
+    posted: list[dict[str, Any]] = []
+
+    class FakeServer:
+        def __init__(self, mode: str, *args: Any, **kw: Any) -> None:
+            self.mode = mode
+
+        def wait(self) -> float:
+            return 0.0
+
+        def stop(self) -> None:
+            pass
+
+        def post(self, body: dict[str, Any]) -> dict[str, Any]:
+            posted.append(body)
+            return {"meta_info": {"output_token_ids_logprobs": [[[-0.5, 3], [-1.0, 4]]]}}
+
+    monkeypatch.setattr(bs, "Server", FakeServer)
+    monkeypatch.setattr(bs, "server_flags", lambda a: [])
+    corpus = [BOS_ID, 10, 11, 12, 13]
+    suffixes = [[20, 21], [30, 31, 32]]
+    answers = [[3, 4], [4, 3]]
+    runs: dict[str, dict[str, Any]] = {
+        "sparse": {
+            "stock": {"greedy": [{"tokens": t} for t in answers]},
+            "route": {"forced": [[[0.0] * 8] * 2, [[0.0] * 8] * 2]},
+        }
+    }
+    a = argparse.Namespace(
+        route_trials=2, no_cuda_graph=True, graph_bs=None, streams=(8,), work=str(tmp_path),
+        port=1, kv_cache_dtype="auto",
+    )  # fmt: skip
+    cd = types.SimpleNamespace(tokens={"sparse": corpus})
+    bs.route_trials(a, tmp_path / "model", cd, runs, {"sparse": suffixes}, 8)  # type: ignore[arg-type]
+    assert len(runs["sparse"]["route"]["forced_trials"]) == 2  # the first server's, then one
+    sent = sorted(tuple(b["input_ids"]) for b in posted)
+    pairs = zip(suffixes, answers, strict=True)
+    want = sorted(tuple(s + t[:j]) for s, t in pairs for j in range(2))
+    assert sent == want, "route must be sent the questions (and forced answers) without the corpus"
+    assert bs.mode_prompts("stock", corpus, suffixes) == [corpus + s for s in suffixes]
