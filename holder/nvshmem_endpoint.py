@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import torch
 
-from corpusd.kernels.registry import Kernel
+from corpusd.kernels.registry import Kernel, for_compacted
 from corpusd.rpc import Reject
 from corpusd.transport import nvshmem_ring as nr
 from corpusd.v1 import transport_pb2, transport_pb2_grpc
@@ -199,7 +199,8 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
         n_rows = row_ok.shape[0]
         n, h, k = req.rows, req.heads, req.topk
         key = (req.mode, req.corpus_id, req.layer, layers, n, h, k, req.scale, req.direct,
-               self.pool.version)  # fmt: skip
+               req.compacted, self.pool.version)  # fmt: skip
+        kernel = for_compacted(self.kernel) if req.compacted else self.kernel
 
         def bad(idx: torch.Tensor) -> torch.Tensor:
             return rows_outside(row_ok, idx)
@@ -224,8 +225,8 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
                 side.wait_stream(cur)
                 with torch.cuda.stream(side):
                     nr.store(status, bad(idx).to(torch.int32).view(1))
-                o, lse = self.kernel.fn(q, self.pool.latent[req.layer + layer], idx, req.scale,
-                                        nr.D_V)  # fmt: skip
+                o, lse = kernel.fn(q, self.pool.latent[req.layer + layer], idx, req.scale,
+                                   nr.D_V)  # fmt: skip
                 nr.store(o_out, o)
                 nr.store(lse_out, lse)
                 cur.wait_stream(side)

@@ -171,8 +171,11 @@ class NvshmemClient:
         scale: float = 0.0,
         echo_bytes: int = 0,
         direct: bool | None = None,
+        compacted: bool = False,
     ) -> int:
         """Announce ``count`` requests of one shape; returns the first one's sequence number.
+        ``compacted``: attend requests' rows list their valid indices first (-1 after), so the
+        holder runs the kernel that skips the -1 blocks (``registry.for_compacted``).
         ``direct`` (default: when the holder's ring maps here, i.e. same node): both ends write
         each other's slots through NVLink with SM stores and only signal, instead of staging
         into their own slot and put_signal-ing it (the copy-engine path, also across nodes)."""
@@ -198,6 +201,7 @@ class NvshmemClient:
                 count=count,
                 echo_bytes=echo_bytes,
                 direct=direct,
+                compacted=compacted,
             )
         )
         assert r.first_seq == self.seq + 1, f"holder's sequence {r.first_seq} vs ours {self.seq}"

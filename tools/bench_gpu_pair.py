@@ -476,14 +476,9 @@ async def decode_step(
     dist_all, merged_all = graphed_step(nv.graphed(qa, idx_remote), g_local, lo_s, depth, reps)
     all_equal = bool(torch.equal(merged_all[0], mo) and torch.equal(merged_all[1], ml))
     g_mono, _ = capture(partial(mono_fn, qa, pool_all, sel, scale, D_V))
-    times = []
-    for i in range(reps + 5):
-        t = time.perf_counter()
-        g_mono.replay()
-        torch.cuda.synchronize()
-        if i >= 5:
-            times.append((time.perf_counter() - t) * 1e6)
-    mono_graph = stats(times)
+    mono_graph = replay_wall(g_mono.replay, reps)
+    split = await compacted_step(nv, qa, pool_local, idx_local, idx_remote, g_local, scale, reps,
+                                 ref)  # fmt: skip
     layers, idx_bytes = 61, 128  # V3.2: 61 layers; index keys 128 fp8 bytes per token
     corpus_tokens = 2 * HOLDER_TOKENS
     per_token = layers * (D * 2 + idx_bytes)
@@ -502,6 +497,8 @@ async def decode_step(
         "distributed_graphed_send_wall_us": dist_all,
         "ratio_graphed_send_p50": dist_all["p50"] / mono_graph["p50"],
         "graphed_send_equals_eager_bitwise": all_equal,
+        "compacted": split,
+        "ratio_compacted_p50": split["step_wall_us"]["p50"] / mono_graph["p50"],
         "graphed_equals_eager_bitwise": graph_equal,
         "distributed_rel_err_vs_monolithic": dist_rel,
         "distributed_max_lse_diff": dist_lse,
@@ -521,7 +518,90 @@ async def decode_step(
         f"{dist_rel:.1e}",
         flush=True,
     )
+    print(
+        f"compacted split (both halves valid-first, the skipping kernel): step "
+        f"{split['step_wall_us']['p50']:.1f} us, ratio {res['ratio_compacted_p50']:.2f}; alone: "
+        f"local {split['local_alone_wall_us']['p50']:.1f} us (uncompacted "
+        f"{split['local_uncompacted_alone_wall_us']['p50']:.1f}), remote round trip "
+        f"{split['remote_alone_wall_us']['p50']:.1f} us; rel err "
+        f"{split['rel_err_vs_monolithic']:.1e}",
+        flush=True,
+    )  # fmt: skip
     return res
+
+
+def replay_wall(fn: Callable[[], Any], reps: int) -> dict[str, float]:
+    """Wall µs of ``fn()`` + a device sync, ``reps`` times after 5 discarded."""
+    times = []
+    for i in range(reps + 5):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append((time.perf_counter() - t) * 1e6)
+    return stats(times)
+
+
+async def compacted_step(
+    nv: Any, qa: torch.Tensor, pool_local: torch.Tensor, idx_local: torch.Tensor,
+    idx_remote: torch.Tensor, g_local: torch.cuda.CUDAGraph, scale: float, reps: int,
+    ref: tuple[torch.Tensor, torch.Tensor],
+) -> dict[str, Any]:  # fmt: skip
+    """(4) as a graphed decode step can split the work: each half's indices compacted (valid
+    first, -1 after, the same width; ``requester.plan.valid_first``, in a graph), both halves
+    attended by the kernel that skips -1 blocks (``registry.for_compacted``: the holder is told
+    by ``OpenStream(compacted=True)``). Also each part alone, to place the step's time: the
+    local partial (compacted, and the uncompacted one of the other variants) and the remote
+    round trip (send, holder's partial, reply)."""
+    from corpusd.kernels.registry import REGISTRY, for_compacted
+    from requester.plan import valid_first
+
+    skip = for_compacted(REGISTRY["flashmla"])
+    lc, rc = torch.empty_like(idx_local), torch.empty_like(idx_remote)
+
+    def compact() -> None:
+        lc.copy_(valid_first(idx_local))
+        rc.copy_(valid_first(idx_remote))
+
+    g_compact, _ = capture(compact)
+    g_local_c, lo_c = capture(partial(skip.fn, qa, pool_local, lc, scale, D_V))
+    depth = nv.ring.depth
+    agents, h = qa.shape[0], qa.shape[1]
+    await nv.open_stream("attend", 2 * (reps + 5) + depth, agents, h, K, CORPUS, 0, 1, scale,
+                         direct=True, compacted=True)  # fmt: skip
+    send_c = nv.graphed(qa, rc)
+
+    def send() -> Any:
+        g_compact.replay()
+        return send_c()
+
+    step, merged = graphed_step(send, g_local_c, lo_c, depth, reps)
+    cur = torch.cuda.current_stream()
+
+    def remote() -> None:
+        pend = send()
+        pend.wait_on(cur)
+        torch.cuda.synchronize()
+        pend.check()
+
+    def local() -> None:
+        g_compact.replay()
+        g_local_c.replay()
+
+    remote_alone = replay_wall(remote, reps)
+    return {
+        "kernel": skip.name,
+        "step_wall_us": step,
+        "local_alone_wall_us": replay_wall(local, reps),
+        "local_uncompacted_alone_wall_us": replay_wall(g_local.replay, reps),
+        "remote_alone_wall_us": remote_alone,
+        "valid_per_row_local": float((idx_local >= 0).sum(1).float().mean()),
+        "valid_per_row_remote": float((idx_remote >= 0).sum(1).float().mean()),
+        "rel_err_vs_monolithic": float(
+            (merged[0].float() - ref[0].float()).norm() / ref[0].float().norm()
+        ),
+        "max_lse_diff_vs_monolithic": float((merged[1] - ref[1]).abs().max()),
+    }
 
 
 async def graphed_route(

@@ -177,6 +177,34 @@ def per_request(fast_wide: Kernel, fast_narrow: Kernel) -> Kernel:
     )
 
 
+def _triton_skip(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int
+) -> PartialOut:
+    if kv.dtype == torch.uint8:  # fp8 rows: no skipping variant
+        return _triton(q, kv, indices, scale, d_v)
+    from corpusd.kernels.triton_mla import triton_partial_attention
+
+    return triton_partial_attention(q, kv, indices, scale, d_v, skip_empty=True)
+
+
+#: Triton skipping all-unused index blocks; not registered (``auto`` never picks it): only
+#: streams that say their indices are compacted get it (:func:`for_compacted`).
+TRITON_SKIP = Kernel("triton+skip", _triton_skip, triton_usable, priority=0,
+                     needs="a CUDA GPU and Triton")  # fmt: skip
+
+
+def for_compacted(kernel: Kernel) -> Kernel:
+    """The kernel for requests whose rows' indices come valid first, -1 after, at a fixed width
+    (one holder's share of each row's top-k in a graphed step): Triton skipping the blocks of
+    -1, where ``kernel`` is FlashMLA, Triton or the per-request pair (FlashMLA's sparse decode
+    walks the whole width); else ``kernel`` itself (every kernel is exact on any layout).
+    Measured on 2 × H200 at 32 rows × 128 heads (``bench_gpu pair --step-only``): slower than
+    FlashMLA over the whole width, so no caller asks for it by default."""
+    if kernel.name in ("flashmla", "triton", "flashmla|triton"):
+        return TRITON_SKIP
+    return kernel
+
+
 def choose(
     name: str,
     device: str,

@@ -38,7 +38,7 @@ def _partial_kernel(
     s_qn, s_qh, s_kvn, s_in, s_on, s_os, s_oh, s_ln, s_ls,
     D_V: tl.constexpr, D_PE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_PE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, OUT_BASE2: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):  # fmt: skip
     row, split, heads, hmask = program_heads(h, BLOCK_H)
     dv = tl.arange(0, BLOCK_V)
@@ -51,15 +51,20 @@ def _partial_kernel(
     lo = split * k_per_split
     for start in range(0, k_per_split, BLOCK_N):
         r, valid = block_rows(idx_ptr, row, s_in, lo, start, k, k_per_split, n_kv, BLOCK_N)
-        kv_row = kv_ptr + r * s_kvn
-        k_nope = tl.load(kv_row[:, None] + dv[None, :], mask=valid[:, None] & vmask[None, :],
-                         other=0.0)  # fmt: skip
-        k_pe = tl.load(kv_row[:, None] + D_V + dp[None, :], mask=valid[:, None] & pmask[None, :],
-                       other=0.0)  # fmt: skip
-        if DOT_F32:
-            k_nope = k_nope.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
-        m, l_sum, acc = online_block(q_nope, q_pe, k_nope, k_pe, valid, scale2, m, l_sum, acc)
+        # SKIP_EMPTY: a block with no valid index leaves the softmax state as it is, so its
+        # loads and dots are skipped (for compacted lists: valid first, -1 after). Off by
+        # default: the branch in the loop measured slower than it saves on H200 (docs/gpu.md).
+        if (not SKIP_EMPTY) or tl.max(valid.to(tl.int32), 0) > 0:
+            kv_row = kv_ptr + r * s_kvn
+            k_nope = tl.load(kv_row[:, None] + dv[None, :],
+                             mask=valid[:, None] & vmask[None, :], other=0.0)  # fmt: skip
+            k_pe = tl.load(kv_row[:, None] + D_V + dp[None, :],
+                           mask=valid[:, None] & pmask[None, :], other=0.0)  # fmt: skip
+            if DOT_F32:
+                k_nope = k_nope.to(tl.float32)
+                k_pe = k_pe.to(tl.float32)
+            m, l_sum, acc = online_block(q_nope, q_pe, k_nope, k_pe, valid, scale2, m, l_sum,
+                                         acc)  # fmt: skip
     store_partial(acc, m, l_sum, o_ptr, lse_ptr, row, split, heads, dv, s_on, s_os, s_oh, s_ln,
                   s_ls, hmask[:, None] & vmask[None, :], hmask, OUT_BASE2)  # fmt: skip
 
@@ -77,6 +82,7 @@ def triton_partial_attention(
     num_warps: int | None = None,
     num_stages: int = 2,
     out_dtype: torch.dtype | None = None,
+    skip_empty: bool = False,
 ) -> PartialOut:
     """Sparse absorbed-MLA partial attention (the ``partial_attention`` contract).
 
@@ -89,6 +95,8 @@ def triton_partial_attention(
         out_dtype: O's dtype (default q's). ``torch.float32`` keeps the accumulator unrounded,
             for a caller that merges this partial with others before rounding once (the SGLang
             plugin's corpus partial: a bf16 O would be rounded twice).
+        skip_empty: skip blocks of ``block_n`` indices that are all unused (a compacted list's
+            tail). The same result; measured slower on H200 at 32 rows × 128 heads.
 
     Returns:
         O ``[n, h, d_v]`` in ``out_dtype`` and LSE ``[n, h]`` float32, natural log; rows with no
@@ -108,6 +116,7 @@ def triton_partial_attention(
         "BLOCK_V": pow2(d_v),
         "BLOCK_PE": pow2(d - d_v),
         "DOT_F32": DOT_F32,
+        "SKIP_EMPTY": skip_empty,
     }
 
     def launch(grid: tuple[int, ...], per: int, o_: torch.Tensor, lse_: torch.Tensor,

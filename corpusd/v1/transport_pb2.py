@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63orpusd/v1/transport.proto\x12\ncorpusd.v1\"@\n\x0bJoinRequest\x12\x14\n\x0crequester_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\r\n\x05probe\x18\x03 \x01(\x08\"R\n\x0cRingGeometry\x12\r\n\x05peers\x18\x01 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\r\x12\x11\n\treq_bytes\x18\x03 \x01(\x04\x12\x11\n\trep_bytes\x18\x04 \x01(\x04\"\x7f\n\x0cJoinResponse\x12\x0b\n\x03uid\x18\x01 \x01(\x0c\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0e\n\x06nranks\x18\x03 \x01(\r\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12&\n\x04ring\x18\x05 \x01(\x0b\x32\x18.corpusd.v1.RingGeometry\x12\x0c\n\x04host\x18\x06 \x01(\t\"\xce\x01\n\x11OpenStreamRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x11\n\tcorpus_id\x18\x03 \x01(\t\x12\r\n\x05layer\x18\x04 \x01(\r\x12\x0e\n\x06layers\x18\x05 \x01(\r\x12\x0c\n\x04rows\x18\x06 \x01(\r\x12\r\n\x05heads\x18\x07 \x01(\r\x12\x0c\n\x04topk\x18\x08 \x01(\r\x12\r\n\x05scale\x18\t \x01(\x02\x12\r\n\x05\x63ount\x18\n \x01(\r\x12\x12\n\necho_bytes\x18\x0b \x01(\x04\x12\x0e\n\x06\x64irect\x18\x0c \x01(\x08\"\'\n\x12OpenStreamResponse\x12\x11\n\tfirst_seq\x18\x01 \x01(\x04\x32\x93\x01\n\tTransport\x12\x39\n\x04Join\x12\x17.corpusd.v1.JoinRequest\x1a\x18.corpusd.v1.JoinResponse\x12K\n\nOpenStream\x12\x1d.corpusd.v1.OpenStreamRequest\x1a\x1e.corpusd.v1.OpenStreamResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63orpusd/v1/transport.proto\x12\ncorpusd.v1\"@\n\x0bJoinRequest\x12\x14\n\x0crequester_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\r\n\x05probe\x18\x03 \x01(\x08\"R\n\x0cRingGeometry\x12\r\n\x05peers\x18\x01 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\r\x12\x11\n\treq_bytes\x18\x03 \x01(\x04\x12\x11\n\trep_bytes\x18\x04 \x01(\x04\"\x7f\n\x0cJoinResponse\x12\x0b\n\x03uid\x18\x01 \x01(\x0c\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0e\n\x06nranks\x18\x03 \x01(\r\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12&\n\x04ring\x18\x05 \x01(\x0b\x32\x18.corpusd.v1.RingGeometry\x12\x0c\n\x04host\x18\x06 \x01(\t\"\xe1\x01\n\x11OpenStreamRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x11\n\tcorpus_id\x18\x03 \x01(\t\x12\r\n\x05layer\x18\x04 \x01(\r\x12\x0e\n\x06layers\x18\x05 \x01(\r\x12\x0c\n\x04rows\x18\x06 \x01(\r\x12\r\n\x05heads\x18\x07 \x01(\r\x12\x0c\n\x04topk\x18\x08 \x01(\r\x12\r\n\x05scale\x18\t \x01(\x02\x12\r\n\x05\x63ount\x18\n \x01(\r\x12\x12\n\necho_bytes\x18\x0b \x01(\x04\x12\x0e\n\x06\x64irect\x18\x0c \x01(\x08\x12\x11\n\tcompacted\x18\r \x01(\x08\"\'\n\x12OpenStreamResponse\x12\x11\n\tfirst_seq\x18\x01 \x01(\x04\x32\x93\x01\n\tTransport\x12\x39\n\x04Join\x12\x17.corpusd.v1.JoinRequest\x1a\x18.corpusd.v1.JoinResponse\x12K\n\nOpenStream\x12\x1d.corpusd.v1.OpenStreamRequest\x1a\x1e.corpusd.v1.OpenStreamResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,9 +38,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINRESPONSE']._serialized_start=192
   _globals['_JOINRESPONSE']._serialized_end=319
   _globals['_OPENSTREAMREQUEST']._serialized_start=322
-  _globals['_OPENSTREAMREQUEST']._serialized_end=528
-  _globals['_OPENSTREAMRESPONSE']._serialized_start=530
-  _globals['_OPENSTREAMRESPONSE']._serialized_end=569
-  _globals['_TRANSPORT']._serialized_start=572
-  _globals['_TRANSPORT']._serialized_end=719
+  _globals['_OPENSTREAMREQUEST']._serialized_end=547
+  _globals['_OPENSTREAMRESPONSE']._serialized_start=549
+  _globals['_OPENSTREAMRESPONSE']._serialized_end=588
+  _globals['_TRANSPORT']._serialized_start=591
+  _globals['_TRANSPORT']._serialized_end=738
 # @@protoc_insertion_point(module_scope)

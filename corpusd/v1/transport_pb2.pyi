@@ -44,7 +44,7 @@ class JoinResponse(_message.Message):
     def __init__(self, uid: _Optional[bytes] = ..., rank: _Optional[int] = ..., nranks: _Optional[int] = ..., job_id: _Optional[str] = ..., ring: _Optional[_Union[RingGeometry, _Mapping]] = ..., host: _Optional[str] = ...) -> None: ...
 
 class OpenStreamRequest(_message.Message):
-    __slots__ = ("rank", "mode", "corpus_id", "layer", "layers", "rows", "heads", "topk", "scale", "count", "echo_bytes", "direct")
+    __slots__ = ("rank", "mode", "corpus_id", "layer", "layers", "rows", "heads", "topk", "scale", "count", "echo_bytes", "direct", "compacted")
     RANK_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class OpenStreamRequest(_message.Message):
     COUNT_FIELD_NUMBER: _ClassVar[int]
     ECHO_BYTES_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
+    COMPACTED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     mode: str
     corpus_id: str
@@ -69,7 +70,8 @@ class OpenStreamRequest(_message.Message):
     count: int
     echo_bytes: int
     direct: bool
-    def __init__(self, rank: _Optional[int] = ..., mode: _Optional[str] = ..., corpus_id: _Optional[str] = ..., layer: _Optional[int] = ..., layers: _Optional[int] = ..., rows: _Optional[int] = ..., heads: _Optional[int] = ..., topk: _Optional[int] = ..., scale: _Optional[float] = ..., count: _Optional[int] = ..., echo_bytes: _Optional[int] = ..., direct: _Optional[bool] = ...) -> None: ...
+    compacted: bool
+    def __init__(self, rank: _Optional[int] = ..., mode: _Optional[str] = ..., corpus_id: _Optional[str] = ..., layer: _Optional[int] = ..., layers: _Optional[int] = ..., rows: _Optional[int] = ..., heads: _Optional[int] = ..., topk: _Optional[int] = ..., scale: _Optional[float] = ..., count: _Optional[int] = ..., echo_bytes: _Optional[int] = ..., direct: _Optional[bool] = ..., compacted: _Optional[bool] = ...) -> None: ...
 
 class OpenStreamResponse(_message.Message):
     __slots__ = ("first_seq",)

@@ -41,6 +41,15 @@ def main() -> None:
     o, lse = triton_partial_attention(q, kv, wild, 0.1, 32)
     ro, rl = partial_attention(q, kv, ref, 0.1, 32)
     assert rel(o, ro) < 1e-5 and float((lse - rl).abs().max()) < 1e-5, "past-the-pool indices"
+    # compacted lists (one holder's share of each row's top-k at a fixed width: valid first,
+    # -1 after), whose all -1 blocks and splits the kernel skips: 5 valid, none, all 96
+    q, kv, idx = inputs(g, 3, 4, 70, 96, 48, torch.bfloat16, "cpu")
+    idx[0, 5:] = -1
+    idx[1] = -1
+    for splits, skip in ((1, True), (3, True), (3, False)):
+        out = triton_partial_attention(q, kv, idx, d**-0.5, d_v, splits=splits, block_n=32,
+                                       skip_empty=skip)  # fmt: skip
+        check(out, q, kv, idx, d**-0.5, d_v, f"compacted, {splits=} {skip=}")
     # float32 O from bf16 inputs: the accumulator unrounded, within one bf16 step of the bf16 O
     # (the interpreter's conversion need not round to nearest, so not its rounding exactly)
     q, kv, idx = inputs(g, 3, 16, 70, 64, 48, torch.bfloat16, "cpu")
@@ -53,7 +62,7 @@ def main() -> None:
         assert bool(step.all()), f"{splits=}: O is the bf16 O before rounding"
         ro, _ = partial_attention(q.double(), kv.double(), idx, 0.1, 32)
         assert rel(o32.double(), ro) < rel(o16.double(), ro), f"{splits=}: closer unrounded"
-    print(f"{len(CASES) + 2} cases ok")
+    print(f"{len(CASES) + 4} cases ok")
 
 
 if __name__ == "__main__":

@@ -107,3 +107,14 @@ def test_per_request_choice_is_described_in_the_log() -> None:
     assert k.misfit("cuda:0", torch.bfloat16, 576, 512, "fp8_e4m3") == (
         "flashmla|triton does not read fp8_e4m3 rows"
     )
+
+
+def test_compacted_streams_take_the_kernel_that_skips_empty_blocks() -> None:
+    """A holder told its requests' indices come valid first runs Triton skipping blocks of -1
+    where it would run FlashMLA, Triton or the per-request pair; the others are kept."""
+    flash, triton = REGISTRY["flashmla"], REGISTRY["triton"]
+    pair = kernels.per_request(flash, triton)
+    for k in (flash, pair, triton):
+        assert kernels.for_compacted(k) is kernels.TRITON_SKIP, k.name
+    assert kernels.for_compacted(REGISTRY["torch"]) is REGISTRY["torch"]
+    assert kernels.TRITON_SKIP.name not in REGISTRY  # auto never picks it

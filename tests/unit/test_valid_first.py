@@ -1,0 +1,34 @@
+"""``requester.plan.valid_first``: one holder's share of each row's top-k, valid indices first at
+a fixed width (the graph-safe form of ``compact``), exactly what the rows selected."""
+
+from __future__ import annotations
+
+import torch
+
+from corpusd.kernels.reference import partial_attention
+from requester.plan import valid_first
+
+
+def test_valid_first_keeps_each_rows_indices_in_order_and_moves_the_unused_last() -> None:
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 500, (6, 64), generator=g)
+    idx[torch.rand(6, 64, generator=g) < 0.6] = -1
+    idx[2] = -1  # a row with nothing on this holder
+    idx[3] = torch.arange(64)  # a row with everything
+    out = valid_first(idx)
+    assert out.shape == idx.shape and out.dtype == idx.dtype
+    for r in range(6):
+        valid = idx[r][idx[r] >= 0]
+        assert torch.equal(out[r, : len(valid)], valid), f"row {r}: order kept"
+        assert bool((out[r, len(valid) :] == -1).all()), f"row {r}: -1 after"
+
+
+def test_a_compacted_request_attends_what_the_uncompacted_one_does() -> None:
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(4, 3, 48, generator=g, dtype=torch.float64)
+    kv = torch.randn(90, 48, generator=g, dtype=torch.float64)
+    idx = torch.randint(0, 90, (4, 40), generator=g)
+    idx[torch.rand(4, 40, generator=g) < 0.5] = -1
+    o, lse = partial_attention(q, kv, idx, 0.2, 32)
+    oc, lsec = partial_attention(q, kv, valid_first(idx), 0.2, 32)
+    assert torch.allclose(o, oc, atol=1e-12) and torch.allclose(lse, lsec, atol=1e-12)
