@@ -85,6 +85,8 @@ class CorpusStatus:
     created_at: str = ""  # when its pages were made (ISO 8601)
     # seconds in its state (ready: since published); not compared: two reads of one state agree
     state_age_s: float = field(default=0.0, compare=False)
+    head_len: int = 0  # its first token ids' SHA-256 (corpusd/corpus/head.py); 0: not known
+    head_digest: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +159,8 @@ def _corpus(c: pb.CorpusInfo) -> CorpusStatus:
         c.queue_position,
         c.created_at,
         c.state_age_s,
+        c.head_len,
+        c.head_digest,
     )
 
 

@@ -24,6 +24,7 @@ from corpusd.coordinator.publish import Publisher
 from corpusd.coordinator.replicas import LoadReport, Replicator
 from corpusd.coordinator.sessions import NoWorker, WorkerLoad, choose_home
 from corpusd.coordinator.upkeep import reconcile
+from corpusd.corpus.head import corpus_head
 from corpusd.corpus.manifest import Manifest
 from corpusd.corpus.store import PageStore, StoreError
 from corpusd.rpc import Reject, Rpc
@@ -71,6 +72,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.workers: dict[str, tuple[pb.WorkerReport, float]] = {}
         # worker → corpus → when its reports first listed that corpus bound (this clock)
         self.bound_since: dict[str, dict[str, float]] = {}
+        self._heads: dict[str, tuple[int, str]] = {}  # corpus id → its head (head.py)
 
     async def _leading(self) -> None:
         """Raise NotLeader (UNAVAILABLE, naming the leader) on a standby: it serves reads only."""
@@ -263,7 +265,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             queue_position=queue.index(row.corpus_id) + 1 if row.corpus_id in queue else 0,
             created_at=m.created_at,
             state_age_s=max(0.0, now - row.updated_at),
+            **self._head(row.corpus_id),
         )
+
+    def _head(self, corpus_id: str) -> dict[str, Any]:
+        """The corpus's head fields, read from the store once (a corpus id names its content);
+        none when its tokens cannot be read (then no bound prompt is checked against them)."""
+        if corpus_id not in self._heads:
+            try:
+                self._heads[corpus_id] = corpus_head(self.store.read_tokens(corpus_id))
+            except Exception as e:  # a missing or unreadable tokens file costs only the check
+                log.warning("corpus %s: no head digest (tokens unreadable: %s)", corpus_id, e)
+                return {}
+        n, digest = self._heads[corpus_id]
+        return {"head_len": n, "head_digest": digest}
 
     async def _table(self, row: CorpusRow) -> pb.PageTable:
         now = time.time()

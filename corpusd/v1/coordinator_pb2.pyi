@@ -73,7 +73,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
 
 class CorpusInfo(_message.Message):
-    __slots__ = ("corpus_id", "name", "state", "tokens", "pages", "page_size", "cp_degree", "replicas", "model_fingerprint", "holder_ids", "expired_holders", "queue_position", "created_at", "state_age_s")
+    __slots__ = ("corpus_id", "name", "state", "tokens", "pages", "page_size", "cp_degree", "replicas", "model_fingerprint", "holder_ids", "expired_holders", "queue_position", "created_at", "state_age_s", "head_len", "head_digest")
     CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,8 @@ class CorpusInfo(_message.Message):
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     STATE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    HEAD_LEN_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
     corpus_id: str
     name: str
     state: str
@@ -102,7 +104,9 @@ class CorpusInfo(_message.Message):
     queue_position: int
     created_at: str
     state_age_s: float
-    def __init__(self, corpus_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., tokens: _Optional[int] = ..., pages: _Optional[int] = ..., page_size: _Optional[int] = ..., cp_degree: _Optional[int] = ..., replicas: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., holder_ids: _Optional[_Iterable[str]] = ..., expired_holders: _Optional[_Iterable[str]] = ..., queue_position: _Optional[int] = ..., created_at: _Optional[str] = ..., state_age_s: _Optional[float] = ...) -> None: ...
+    head_len: int
+    head_digest: str
+    def __init__(self, corpus_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., tokens: _Optional[int] = ..., pages: _Optional[int] = ..., page_size: _Optional[int] = ..., cp_degree: _Optional[int] = ..., replicas: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., holder_ids: _Optional[_Iterable[str]] = ..., expired_holders: _Optional[_Iterable[str]] = ..., queue_position: _Optional[int] = ..., created_at: _Optional[str] = ..., state_age_s: _Optional[float] = ..., head_len: _Optional[int] = ..., head_digest: _Optional[str] = ...) -> None: ...
 
 class ListCorporaRequest(_message.Message):
     __slots__ = ("stored",)

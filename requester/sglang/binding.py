@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from corpusd.corpus.head import starts_with_head
 from corpusd.corpus.names import CorpusNameError, resolve_name
 
 PREFIX = "corpusd:"
@@ -35,6 +36,19 @@ class Binding:
     name: str
     tokens: int  # T: the request's own tokens start at logical position T
     page_size: int
+    head_len: int = 0  # the corpus's head (corpusd/corpus/head.py); 0: not known
+    head_digest: str = ""
+
+    def repeated_in(self, ids: Sequence[int] | None) -> str | None:
+        """Why prompt ``ids`` of a request bound here cannot be served: it starts with this
+        corpus's own first tokens, so the corpus would be attended twice. None when it can."""
+        if ids is None or not starts_with_head(ids, self.head_len, self.head_digest):
+            return None
+        return (
+            f"the prompt starts with the first {self.head_len} tokens of corpus {self.name!r}, "
+            f"which this request is bound to and attends from the holders: send only what "
+            f"follows the corpus ({self.tokens} tokens), or send the whole prompt unbound"
+        )
 
 
 def check_name(corpus: str) -> str:
@@ -88,6 +102,8 @@ class PinnedCorpus:
     tokens: int
     page_size: int
     model_fingerprint: str
+    head_len: int = 0  # corpusd/corpus/head.py: its first token ids' digest (0: unknown)
+    head_digest: str = ""
 
 
 def resolve(
@@ -110,4 +126,4 @@ def resolve(
             f"corpus {name!r} has {c.page_size}-token pages; this server's --page-size is "
             f"{page_size}"
         )
-    return Binding(c.corpus_id, c.name, c.tokens, c.page_size)
+    return Binding(c.corpus_id, c.name, c.tokens, c.page_size, c.head_len, c.head_digest)

@@ -42,9 +42,11 @@ def register(model: _Model) -> None:
     _MODEL = model
 
 
-def refusal(rid: str | None, model: _Model | None = None) -> str | None:
-    """Why request ``rid`` cannot be served by this server (one line), or None when it can (or
-    is not bound to a corpus). Never raises."""
+def refusal(
+    rid: str | None, model: _Model | None = None, ids: Sequence[int] | None = None
+) -> str | None:
+    """Why request ``rid`` (prompt token ids ``ids``, when given) cannot be served by this
+    server (one line), or None when it can (or is not bound to a corpus). Never raises."""
     model = model if model is not None else _MODEL
     try:
         name = corpus_of_rid(rid)
@@ -53,6 +55,9 @@ def refusal(rid: str | None, model: _Model | None = None) -> str | None:
         # at most once a second: forget corpora unpinned or placed anew since they were bound
         model.corpusd_link.recheck(model.corpusd_resident)
         b = model.corpusd_link.bind(name)
+        repeated = b.repeated_in(ids)
+        if repeated is not None:
+            return f"corpusd: {repeated}"
         if model.corpusd_resident is not None:
             # the device path: load it into the arena now (once per corpus), where the forward
             # would, so what only the load finds (pages on a holder not on this GPU, a full
@@ -85,7 +90,7 @@ def wrap_scheduler(scheduler_cls: Any) -> bool:
     def _add_request_to_queue(self: Any, req: Any, *args: Any, **kw: Any) -> Any:
         retracted = bool(kw.get("is_retracted", args[0] if args else False))
         if not retracted and not req.finished():
-            why = refusal(getattr(req, "rid", None))
+            why = refusal(getattr(req, "rid", None), ids=getattr(req, "origin_input_ids", None))
             if why is not None:
                 req.set_finish_with_abort(why)
                 _REFUSED[req.rid] = None

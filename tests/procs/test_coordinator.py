@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from corpusd.cli import main as cli_main
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
 from corpusd.coordinator.launch import CoordinatorProcess, start_coordinator
+from corpusd.corpus.head import HEAD_TOKENS, corpus_head
+from corpusd.corpus.store import PageStore
 from corpusd.testing.holders import pin_sample, start_holders, synthetic_corpus
 from corpusd.v1 import coordinator_pb2 as pb
 from holder.launch import HolderProcess
@@ -92,8 +94,15 @@ def test_fragmented_pin_spans_holders_and_a_queued_pin_lands_when_capacity_frees
             assert await c.unpin(big) == 17
             placed = await waiter
             assert placed.corpus.state == "ready" and len(placed.pages) == 15
-            states = {x.corpus_id: x.state for x in await c.list_corpora()}
+            listed = await c.list_corpora()
+            states = {x.corpus_id: x.state for x in listed}
             assert states == {big: "retired", small: "ready", mid: "ready"}
+            # each corpus's head, from its tokens in the store (the SGLang plugin refuses a
+            # bound prompt that starts with it)
+            store = PageStore(corpora[0])
+            for x in listed:
+                want = corpus_head(store.read_tokens(x.corpus_id))
+                assert (x.head_len, x.head_digest) == want and x.head_len == HEAD_TOKENS, x
             assert await c.unpin(big) == 0  # idempotent once retired
             assert await c.unpin(small) == 10 and await c.unpin(mid) == 15
             assert sum(h.placed_frames for h in await c.list_holders()) == 0

@@ -9,15 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import torch
 
+from corpusd.corpus.head import corpus_head
 from requester.sglang import binding_check
-from requester.sglang.binding import CorpusBindingError
-
-
-@dataclass
-class _Binding:
-    corpus_id: str
-    tokens: int
+from requester.sglang.binding import Binding, CorpusBindingError
 
 
 class _Link:
@@ -25,24 +21,27 @@ class _Link:
     reads the page table, finds that)."""
 
     def __init__(
-        self, known: dict[str, int], fail: Exception | None = None, elsewhere: tuple[str, ...] = ()
-    ) -> None:
+        self, known: dict[str, int], fail: Exception | None = None, elsewhere: tuple[str, ...] = (),
+        heads: dict[str, list[int]] | None = None,
+    ) -> None:  # fmt: skip
         self.known, self.fail, self.elsewhere = known, fail, elsewhere
+        self.heads = heads or {}  # corpus → its token ids, whose head the coordinator publishes
         self.calls: list[str] = []
 
     def recheck(self, res: Any) -> dict[str, str]:  # as the catalog's: forgets what left
         self.calls.append("recheck")
         return {}
 
-    def bind(self, name: str) -> _Binding:
+    def bind(self, name: str) -> Binding:
         self.calls.append(f"bind {name}")
         if self.fail is not None:
             raise self.fail
         if name not in self.known:
             raise CorpusBindingError(f"corpus {name!r} is not pinned")
-        return _Binding(f"id-{name}", self.known[name])
+        head = corpus_head(torch.tensor(self.heads[name])) if name in self.heads else (0, "")
+        return Binding(f"id-{name}", name, self.known[name], 64, *head)
 
-    def load_resident(self, b: _Binding, res: _Resident) -> None:  # as the device path's
+    def load_resident(self, b: Binding, res: _Resident) -> None:  # as the device path's
         res.check(b.corpus_id, b.tokens)
         if b.corpus_id.removeprefix("id-") in self.elsewhere:
             raise CorpusBindingError(
@@ -170,3 +169,31 @@ def test_binding_check_rechecks_the_pins_before_it_binds() -> None:
     assert binding_check.refusal("corpusd:docs:1", model) is None
     assert binding_check.refusal("plain", model) is None
     assert link.calls == ["recheck", "bind docs"]
+
+
+def test_a_bound_prompt_that_repeats_its_corpus_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sent the corpus and the question while bound to the corpus, the request would attend the
+    corpus twice (as its own tokens and from the holders): wrong answers and no error. It is
+    refused at admission; the question alone, or another prompt, is served."""
+    corpus = list(range(10, 110))
+    model = _Model(_Link({"repo": len(corpus)}, heads={"repo": corpus}))
+    why = binding_check.refusal("corpusd:repo:1", model, [*corpus, 7, 8, 9])
+    assert why is not None and why.startswith("corpusd: the prompt starts with the first 64 "), why
+    assert "send only what follows the corpus (100 tokens)" in why and "\n" not in why
+    assert binding_check.refusal("corpusd:repo:2", model, [7, 8, 9]) is None
+    assert binding_check.refusal("corpusd:repo:3", model, None) is None  # no ids: not checked
+    assert binding_check.refusal("plain-rid", model, corpus) is None  # unbound: the whole prompt
+    # through the scheduler: SGLang's Req carries the prompt's ids as origin_input_ids
+    cls = type("Scheduler", (_Scheduler,), {})
+    monkeypatch.setattr(binding_check, "_MODEL", model)
+    binding_check.wrap_scheduler(cls)
+    s = cls()
+    twice, once = _Req("corpusd:repo:4"), _Req("corpusd:repo:5")
+    twice.origin_input_ids = [*corpus, 7]  # type: ignore[attr-defined]
+    once.origin_input_ids = [7]  # type: ignore[attr-defined]
+    s._add_request_to_queue(twice)
+    s._add_request_to_queue(once)
+    assert twice.aborted is not None and "starts with the first 64 tokens" in twice.aborted
+    assert once.aborted is None

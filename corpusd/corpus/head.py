@@ -1,0 +1,37 @@
+"""A corpus's head: the SHA-256 of its first token ids, by which a request bound to the corpus
+is told apart from one that repeats the corpus in its own prompt.
+
+A bound request carries only what follows the corpus; its corpus is attended from the holders.
+A client that also sends the corpus text gets it attended twice (once as the prompt's own
+tokens), and answers that are wrong without any error. The coordinator publishes each corpus's
+head (``CorpusInfo.head_len`` / ``head_digest``); the SGLang plugin refuses, at admission, a
+bound prompt that starts with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+HEAD_TOKENS = 64  # long enough that no question starts with the corpus by chance
+
+
+def head_digest(ids: Sequence[int] | torch.Tensor) -> str:
+    """SHA-256 (hex) over ``ids`` as int32 little-endian."""
+    t = torch.as_tensor(ids, dtype=torch.int64).to(torch.int32).contiguous()
+    return hashlib.sha256(t.numpy().astype("<i4").tobytes()).hexdigest()
+
+
+def corpus_head(tokens: torch.Tensor) -> tuple[int, str]:
+    """``(head_len, digest)`` of a corpus's token ids: its first ``min(T, HEAD_TOKENS)``."""
+    n = min(int(tokens.numel()), HEAD_TOKENS)
+    return n, head_digest(tokens[:n])
+
+
+def starts_with_head(ids: Sequence[int], head_len: int, digest: str) -> bool:
+    """Whether prompt ``ids`` begins with a corpus's head (False when no head is known)."""
+    if head_len <= 0 or not digest or len(ids) < head_len:
+        return False
+    return head_digest(list(ids[:head_len])) == digest
