@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -413,6 +414,52 @@ def graphed_step(
     return stats(times), merged
 
 
+def step_phases(
+    send: Callable[[], Any], g_local: torch.cuda.CUDAGraph, lo_s: Any, depth: int, reps: int,
+    merges: dict[int, Any] | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """Where one graphed step's time goes on the requester's stream: CUDA events between the
+    parts of :func:`graphed_step`'s step (``reps`` after 5 discarded; p50 µs each): ``send``
+    (the request's store and signal, or its host enqueue's device work), ``local`` (the local
+    partial), ``wait`` (the stream idle until the holder's reply signal, after the local
+    partial), ``merge``; and ``host_enqueue`` (host µs from the step's start to the merge's
+    launch). The holder's own body time is in the JSON's ``holder_streams``."""
+    from corpusd.kernels.merge import merge_partials
+
+    cur = torch.cuda.current_stream()
+    merges = {} if merges is None else merges
+    for _ in range(depth):  # a merge graph per ring slot, as graphed_step captures them
+        pend = send()
+        g_local.replay()
+        ro, rl = pend.result()
+        if ro.data_ptr() not in merges:
+            merges[ro.data_ptr()] = capture(partial(merge_partials, [lo_s, (ro, rl)]))
+    parts: dict[str, list[float]] = {k: [] for k in ("send", "local", "wait", "merge")}
+    host = []
+    for i in range(reps + 5):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+        t = time.perf_counter()
+        ev[0].record(cur)
+        pend = send()
+        ev[1].record(cur)
+        g_local.replay()
+        ev[2].record(cur)
+        ro, _ = pend.wait_on(cur)
+        ev[3].record(cur)
+        merges[ro.data_ptr()][0].replay()
+        host_us = (time.perf_counter() - t) * 1e6
+        ev[4].record(cur)
+        torch.cuda.synchronize()
+        pend.check()
+        if i >= 5:
+            host.append(host_us)
+            for k, (a, b) in zip(parts, pairwise(ev), strict=True):
+                parts[k].append(a.elapsed_time(b) * 1e3)
+    out = {k: stats(v)["p50"] for k, v in parts.items()}
+    out["host_enqueue"] = stats(host)["p50"]
+    return out
+
+
 async def decode_step(
     nv: Any, g: torch.Generator, dev: torch.device, pool_h: torch.Tensor, local_fn: Any,
     h: int, scale: float, reps: int,
@@ -470,11 +517,16 @@ async def decode_step(
     await nv.open_stream("attend", reps + 5 + depth, agents, h, K, CORPUS, 0, 1, scale)
     dist_graph, merged = graphed_step(lambda: nv.attend(qa, idx_remote), g_local, lo_s, depth, reps)
     graph_equal = bool(torch.equal(merged[0], mo) and torch.equal(merged[1], ml))
+    await nv.open_stream("attend", reps + 5 + depth, agents, h, K, CORPUS, 0, 1, scale)
+    phases = step_phases(lambda: nv.attend(qa, idx_remote), g_local, lo_s, depth, reps)
     # graphed throughout: no host enqueue of the request (direct: SM stores into its ring slot)
     await nv.open_stream("attend", reps + 5 + depth, agents, h, K, CORPUS, 0, 1, scale,
                          direct=True)  # fmt: skip
     dist_all, merged_all = graphed_step(nv.graphed(qa, idx_remote), g_local, lo_s, depth, reps)
     all_equal = bool(torch.equal(merged_all[0], mo) and torch.equal(merged_all[1], ml))
+    await nv.open_stream("attend", reps + 5 + depth, agents, h, K, CORPUS, 0, 1, scale,
+                         direct=True)  # fmt: skip
+    phases_all = step_phases(nv.graphed(qa, idx_remote), g_local, lo_s, depth, reps)
     g_mono, _ = capture(partial(mono_fn, qa, pool_all, sel, scale, D_V))
     mono_graph = replay_wall(g_mono.replay, reps)
     split = await compacted_step(nv, qa, pool_local, idx_local, idx_remote, g_local, scale, reps,
@@ -497,6 +549,8 @@ async def decode_step(
         "distributed_graphed_send_wall_us": dist_all,
         "ratio_graphed_send_p50": dist_all["p50"] / mono_graph["p50"],
         "graphed_send_equals_eager_bitwise": all_equal,
+        "graphed_step_phases_us": phases,
+        "graphed_send_step_phases_us": phases_all,
         "compacted": split,
         "ratio_compacted_p50": split["step_wall_us"]["p50"] / mono_graph["p50"],
         "graphed_equals_eager_bitwise": graph_equal,
@@ -518,6 +572,8 @@ async def decode_step(
         f"{dist_rel:.1e}",
         flush=True,
     )
+    print(f"graphed step's phases (requester's stream, p50 us): {phases}; with the send "
+          f"graphed: {phases_all}", flush=True)  # fmt: skip
     print(
         f"compacted split (both halves valid-first, the skipping kernel): step "
         f"{split['step_wall_us']['p50']:.1f} us, ratio {res['ratio_compacted_p50']:.2f}; alone: "

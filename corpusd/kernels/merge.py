@@ -3,9 +3,10 @@
 ``L = logsumexp_i L_i``, ``O = Σ_i exp(L_i − L) · O_i``; an empty part has ``L_i = -inf`` and
 weight 0, and a row empty in every part stays empty (O = 0, L = -inf). The order of the parts
 does not matter. The fan-out's groups, the worker's own and corpus partials, the SGLang plugin's
-local and corpus partials (``requester/sglang/lse.py``; its fused Triton merge is tested against
-this) and FlashMLA's split rows all merge here; Triton's split-k merge inside
-``triton_common._merge_kernel`` is the same arithmetic in base 2.
+local and corpus partials (``requester/sglang/lse.py``) and FlashMLA's split rows all merge
+here. Two parts on a GPU go through one fused Triton kernel of the same arithmetic
+(``merge_triton.py``, tested against these torch ops in Triton's interpreter); Triton's split-k
+merge inside ``triton_common._merge_kernel`` is the same arithmetic in base 2.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def merge_partials(parts: Sequence[PartialOut]) -> PartialOut:
     shapes = {(tuple(o.shape), tuple(lse.shape)) for o, lse in parts}
     if len(shapes) != 1:
         raise ValueError(f"partials disagree in shape: {sorted(shapes)}")
+    if len(parts) == 2 and all(o.is_cuda for o, _ in parts):
+        from corpusd.kernels import merge_triton  # (lazily: CPU processes never load Triton)
+
+        if merge_triton.usable(parts[0][0]):  # the same arithmetic in one kernel
+            (oa, la), (ob, lb) = parts
+            return merge_triton.merge2(oa, la, ob, lb)
     o, total = merge_stacked(
         torch.stack([o.float() for o, _ in parts]), torch.stack([lse.float() for _, lse in parts])
     )

@@ -12,8 +12,8 @@ kernel; the arithmetic is the torch code's, element for element:
   non-candidate);
 - :func:`split_columns`: the chosen keys back to corpus positions and own positions;
 - :func:`corpus_rows`: ``device.corpus_rows``;
-- :func:`merge`: ``corpusd.kernels.merge.merge_partials`` of two partials (the one torch
-  merge, which ``lse.merge_local_corpus`` runs off the GPU).
+- :func:`merge`: ``corpusd.kernels.merge.merge_partials`` of two partials, the kernel of
+  ``corpusd/kernels/merge_triton.py`` (shared with corpusd's own worker).
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from __future__ import annotations
 import os
 
 import torch
+
+from corpusd.kernels.merge_triton import merge2 as merge
+
+__all__ = ["corpus_rows", "merge", "order_keys", "split_columns", "usable"]
 
 try:
     import triton
@@ -93,31 +97,6 @@ if triton is not None:
         tl.store(hout_ptr + row * s_h + j, holder.to(tl.int32), mask=m)
         tl.store(rout_ptr + row * s_r + j, r.to(tl.int32), mask=m)
 
-    @triton.jit
-    def _merge_kernel(
-        oa_ptr, la_ptr, ob_ptr, lb_ptr, out_ptr, lout_ptr, d_v,
-        s_oan, s_oah, s_obn, s_obh, s_on, s_oh, s_ln, s_lbn, s_lon,
-        BLOCK_V: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0)
-        head = tl.program_id(1)
-        a = tl.load(la_ptr + row * s_ln + head).to(tl.float32)
-        b = tl.load(lb_ptr + row * s_lbn + head).to(tl.float32)
-        hi = tl.maximum(a, b)
-        lo = tl.minimum(a, b)
-        # logaddexp, -inf when both are -inf (as torch.logaddexp)
-        total = tl.where(hi == float("-inf"), hi, hi + tl.log(1.0 + tl.exp(lo - hi)))
-        ref = tl.where((total == float("inf")) | (total == float("-inf")), 0.0, total)
-        wa = tl.exp(a - ref)
-        wb = tl.exp(b - ref)
-        dv = tl.arange(0, BLOCK_V)
-        vm = dv < d_v
-        oa = tl.load(oa_ptr + row * s_oan + head * s_oah + dv, mask=vm, other=0.0)
-        ob = tl.load(ob_ptr + row * s_obn + head * s_obh + dv, mask=vm, other=0.0)
-        o = wa * oa.to(tl.float32) + wb * ob.to(tl.float32)
-        tl.store(out_ptr + row * s_on + head * s_oh + dv, o.to(out_ptr.dtype.element_ty), mask=vm)
-        tl.store(lout_ptr + row * s_lon + head, total)
-
 
 def order_keys(
     corpus_scores: torch.Tensor, corpus_len: torch.Tensor, own_scores: torch.Tensor,
@@ -171,25 +150,3 @@ def corpus_rows(
             pos.stride(0), holder.stride(0), rows.stride(0), BLOCK=_BLOCK,
         )  # fmt: skip
     return holder, rows
-
-
-def merge(
-    o_local: torch.Tensor, lse_local: torch.Tensor, o_corpus: torch.Tensor,
-    lse_corpus: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``merge_partials([(o_local, lse_local), (o_corpus, lse_corpus)])`` in one kernel: O in
-    ``o_local.dtype``, float32 LSE."""
-    n, h, d_v = o_local.shape
-    oa = o_local if o_local.stride(-1) == 1 else o_local.contiguous()
-    ob = o_corpus if o_corpus.stride(-1) == 1 else o_corpus.contiguous()
-    out = torch.empty_like(oa)
-    total = torch.empty(n, h, dtype=torch.float32, device=oa.device)
-    la, lb = lse_local.contiguous(), lse_corpus.contiguous()
-    if n and h:
-        _merge_kernel[(n, h)](
-            oa, la, ob, lb, out, total, d_v,
-            oa.stride(0), oa.stride(1), ob.stride(0), ob.stride(1), out.stride(0), out.stride(1),
-            la.stride(0), lb.stride(0), total.stride(0),
-            BLOCK_V=triton.next_power_of_2(d_v),
-        )  # fmt: skip
-    return out, total
