@@ -411,7 +411,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         runs[r][mode]["plugin_metrics"] = plugin_metrics(server)
                     if is_route(mode):  # last: a probe that kills the server loses no timing
                         save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
-                        probe = binding_probe(server, r, suffixes[r][0], vocab)
+                        probe = binding_probe(server, r, suffixes[r][0], vocab, cd.tokens[r])
                         runs[r][mode]["binding_probe"] = probe
                         print(f"binding probe: {probe}", flush=True)
                     # after every step, so a run cut short by a time limit keeps what it measured
@@ -452,7 +452,9 @@ def probe_only(
         try:
             out["server_start_s"] = server.wait()
             suffix = ByteTokenizer().encode(f"\n\nQ: {QUESTIONS[0]}\nA:")
-            out["binding_probe"] = {r: binding_probe(server, r, suffix, vocab) for r in regimes}
+            out["binding_probe"] = {
+                r: binding_probe(server, r, suffix, vocab, cd.tokens[r]) for r in regimes
+            }
             prompts = [ByteTokenizer().encode(f"\n\nQ: {q}\nA:") for q in QUESTIONS]
             out["concurrent_probe"] = {
                 r: concurrent_probe(server, r, prompts, vocab) for r in regimes

@@ -16,17 +16,23 @@ from requester.sglang.binding import request_fields
 from tools.sglang_server import Server, request
 
 
-def binding_probe(server: Server, corpus: str, prompt: list[int], vocab: int) -> dict[str, Any]:
-    """Requests the plugin cannot bind (an unknown corpus, a malformed id) must each fail alone
-    with a clear message, and the server must go on serving (issue 17, item 4)."""
+def binding_probe(
+    server: Server, corpus: str, prompt: list[int], vocab: int,
+    corpus_tokens: list[int] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Requests the plugin cannot bind (an unknown corpus, a malformed id, and with
+    ``corpus_tokens`` a bound prompt that repeats its corpus) must each fail alone with a clear
+    message, and the server must go on serving (issue 17, item 4)."""
     out: dict[str, Any] = {}
-    bad = {
-        "unknown corpus": request_fields("no-such-corpus", "probe"),
-        "malformed id": {"rid": f"corpusd:{corpus}"},
+    bad: dict[str, tuple[dict[str, str], list[int]]] = {
+        "unknown corpus": (request_fields("no-such-corpus", "probe"), prompt),
+        "malformed id": ({"rid": f"corpusd:{corpus}"}, prompt),
     }
-    for label, fields in bad.items():
+    if corpus_tokens is not None:  # the corpus sent along: it would be attended twice
+        bad["repeats its corpus"] = (request_fields(corpus, "probe-repeat"), corpus_tokens + prompt)
+    for label, (fields, ids) in bad.items():
         body = {
-            "input_ids": prompt,
+            "input_ids": ids,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": 4},
             **fields,
         }

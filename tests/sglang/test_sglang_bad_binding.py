@@ -2,8 +2,9 @@
 
 Runs ``tools/bench_sglang.py --probe-only``: a route server over a pinned corpus, then
 
-- one request each with an unknown corpus and a malformed ``corpusd:`` id: HTTP 400 with the
-  reason in one line, and the server answers a normal request afterwards;
+- one request each with an unknown corpus, a malformed ``corpusd:`` id, and a bound prompt that
+  repeats its corpus: HTTP 400 with the reason in one line, and the server answers a normal
+  request afterwards;
 - 8 good requests at once, alone and then with a request bound to an unknown corpus sent while
   they are in flight: the bad one is refused within 1 s, the 8 get the tokens they got alone,
   and the server stays up.
@@ -43,9 +44,10 @@ def test_requests_it_cannot_bind_fail_alone_and_fast(tmp_path: Path) -> None:
     assert run.returncode == 0 and out.exists(), f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     got = json.loads(out.read_text())
     probe = got["binding_probe"]["sparse"]
-    for label in ("unknown corpus", "malformed id"):
+    for label in ("unknown corpus", "malformed id", "repeats its corpus"):
         assert probe[label]["http"] == 400, (label, probe[label], log)
         assert "corpusd:" in probe[label]["body"], probe[label]
+    assert "starts with the first" in probe["repeats its corpus"]["body"], probe
     assert probe["after"] == {"tokens": 4, "server_alive": True}, probe["after"]
     c = got["concurrent_probe"]["sparse"]
     assert c["bad"]["http"] == 400 and c["bad"]["s"] < 1.0, c["bad"]
