@@ -73,6 +73,7 @@ from tools.sglang_compare import (
     vectors,
     where_corpus_matters,
 )
+from tools.sglang_oracle import oracle_forced, vs_oracle
 from tools.sglang_probe import (
     binding_probe,
     concurrent,
@@ -432,7 +433,28 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 server.stop()
     finally:
         cd.stop()
-    return summarize(a, cd, runs, failed, topk, suffixes)
+    oracles = oracle_runs(a, model, cd, runs, failed, suffixes) if a.oracle else {}
+    return summarize(a, cd, runs, failed, topk, suffixes, oracles)
+
+
+def oracle_runs(
+    a: argparse.Namespace, model: Path, cd: Corpusd, runs: dict[str, dict[str, Any]],
+    failed: dict[str, str], suffixes: dict[str, list[list[int]]],
+) -> dict[str, list[list[list[float]]]]:  # fmt: skip
+    """``--oracle``: per regime, corpusd's model in float64 teacher-forced on stock's answers
+    (:func:`tools.sglang_oracle.oracle_forced`), after the servers are gone; a failure is
+    recorded, not raised (the servers' figures stand without it)."""
+    out = {}
+    for r, by_mode in runs.items():
+        st = by_mode.get("stock")
+        if not st or not st.get("forced"):
+            continue
+        try:
+            answers = [g["tokens"] for g in st["greedy"]]
+            out[r] = oracle_forced(model, cd.tokens[r], suffixes[r], answers, len(st["forced"][0]))
+        except Exception as e:  # the reference is missing from the result, the run stands
+            failed[f"oracle {r}"] = f"{type(e).__name__}: {e}"[:2000]
+    return out
 
 
 def probe_only(
@@ -487,6 +509,7 @@ def save(path: str, out: dict[str, Any]) -> None:
 def summarize(
     a: argparse.Namespace, cd: Corpusd, runs: dict[str, dict[str, Any]], failed: dict[str, str],
     topk: int, suffixes: dict[str, list[list[int]]],
+    oracles: dict[str, list[list[list[float]]]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {
         "command": "python -m tools.bench_sglang " + " ".join(sys.argv[1:]),
@@ -555,6 +578,17 @@ def summarize(
             out["regimes"][r]["route_trials"] = over_trials(
                 by_mode["stock"]["forced"], by_mode["route"]["forced_trials"], floors
             )
+        if oracles and oracles.get(r):  # --oracle: every run against float64, not each other
+            st = by_mode["stock"]
+            named = {
+                "stock": st["forced"],
+                "stock_sequential": st.get("forced_sequential"),
+                "stock_restart": st.get("forced_restart"),
+                **{m: v.get("forced") for m, v in by_mode.items() if m != "stock"},
+            }
+            for i, t in enumerate(by_mode.get("route", {}).get("forced_trials", [])[1:], 2):
+                named[f"route_trial_{i}"] = t
+            out["regimes"][r]["vs_oracle"] = vs_oracle(oracles[r], named)
         stock = [g["tokens"] for g in by_mode["stock"]["greedy"]]
         out["regimes"][r]["stock_answers"] = {
             # free-running agreement tests the corpus attention only if the answers differ per
@@ -639,6 +673,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the holders' device, or a comma-separated list dealt to them in turn (cuda:1: "
         "every holder on the second GPU, read from the server's over peer access; cuda:0,cuda:1: "
         "one on each)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--oracle", action=argparse.BooleanOptionalAction, default=True,
+        help="after the servers, corpusd's model in float64 teacher-forced on the same contexts "
+        "(tools/sglang_oracle.py): every run's figures against it in the JSON's vs_oracle",
     )  # fmt: skip
     ap.add_argument(
         "--route-trials", type=int, default=1,

@@ -435,6 +435,20 @@ def report(out: dict[str, Any]) -> None:
                   f"{s['mean_over_floor']['max']:.2f}], forced "
                   f"{s['forced_agree_steps']['median']}/{t['forced_steps']}")  # fmt: skip
     for r, v in out["regimes"].items():
+        if "vs_oracle" in v:  # every run against corpusd's model in float64 (sglang_oracle.py)
+            o = v["vs_oracle"]
+            runs = "; ".join(
+                f"{k} {c['forced_agree_steps']}/{c['forced_steps']}, max "
+                f"{c['logprob_max_abs_diff']:.4f} mean {c['logprob_mean_abs_diff']:.5f}"
+                for k, c in o.items() if k != "route_over_stock"
+            )  # fmt: skip
+            print(f"{r:<7} vs the float64 oracle: {runs}")
+            if "route_over_stock" in o:
+                q = o["route_over_stock"]
+                print(f"{r:<7} route over stock, each against the oracle: max "
+                      f"×{q['logprob_max_abs_diff']:.2f}, "
+                      f"mean ×{q['logprob_mean_abs_diff']:.2f}")  # fmt: skip
+    for r, v in out["regimes"].items():
         if "primitive_exactness" in v:
             e = v["primitive_exactness"]
             print(f"{r}: route vs fetch (plugin) teacher-forced {e['forced_agree_steps']}/"

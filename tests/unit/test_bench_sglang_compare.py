@@ -398,6 +398,29 @@ def test_summarize_reads_a_span_run_against_its_floors_where_the_corpus_matters(
     assert w["route"]["logprob_max_abs_diff"] == pytest.approx(0.1, abs=1e-3)
     assert w["route"]["logprob_max_abs_diff"] == w["floor:two_servers"]["logprob_max_abs_diff"]
     assert r["vs_floor"]["route"]["within_floor"] == {"logprob": True, "forced_agree": True}
+    assert "vs_oracle" not in r  # no --oracle run
+    # with the float64 reference: stock's restart and route sit as near it as stock itself
+    oracle = {"sparse": [[near, flat], [sure, flat]]}
+    o = summarize(a, cd, {"sparse": {"stock": stock, "route": route}}, {}, 2048, sfx, oracle)  # type: ignore[arg-type]
+    v = o["regimes"]["sparse"]["vs_oracle"]
+    assert set(v) == {"stock", "stock_restart", "route", "route_over_stock"}
+    assert v["route"]["logprob_max_abs_diff"] == 0.0 and v["stock_restart"]["forced_steps"] == 4
+    assert v["stock"]["logprob_max_abs_diff"] == pytest.approx(0.1, abs=1e-3)
+    assert v["route_over_stock"]["logprob_max_abs_diff"] == 0.0
+
+
+def test_report_prints_the_oracle_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    c = {"forced_agree_steps": 64, "forced_steps": 64, "logprob_max_abs_diff": 0.05,
+         "logprob_mean_abs_diff": 0.008}  # fmt: skip
+    v = {"vs_oracle": {"stock": c, "route": {**c, "logprob_max_abs_diff": 0.06},
+                       "route_over_stock": {"logprob_max_abs_diff": 1.2,
+                                            "logprob_mean_abs_diff": 1.0}}}  # fmt: skip
+    ans = {"distinct": 1, "corpus_dependent": 1, "text": ["a"]}
+    report({"regimes": {"sparse": {"vs_stock": {}, "batched_vs_sequential": {},
+                                   "stock_answers": ans, **v}}})  # fmt: skip
+    text = capsys.readouterr().out
+    assert "sparse  vs the float64 oracle: stock 64/64, max 0.0500 mean 0.00800; route" in text
+    assert "route over stock, each against the oracle: max ×1.20, mean ×1.00" in text
 
 
 def test_route_trials_send_route_the_questions_alone(
