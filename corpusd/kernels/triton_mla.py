@@ -32,6 +32,21 @@ from corpusd.kernels.triton_common import (
 
 
 @triton.jit
+def _kv_block(q_nope, q_pe, kv_ptr, r, valid, s_kvn, dv, dp, vmask, pmask, scale2, m, l_sum, acc,
+              D_V: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+    """One block of gathered pool rows ``r`` (``valid`` masked) into the online softmax."""
+    kv_row = kv_ptr + r * s_kvn
+    k_nope = tl.load(kv_row[:, None] + dv[None, :], mask=valid[:, None] & vmask[None, :],
+                     other=0.0)  # fmt: skip
+    k_pe = tl.load(kv_row[:, None] + D_V + dp[None, :], mask=valid[:, None] & pmask[None, :],
+                   other=0.0)  # fmt: skip
+    if DOT_F32:
+        k_nope = k_nope.to(tl.float32)
+        k_pe = k_pe.to(tl.float32)
+    return online_block(q_nope, q_pe, k_nope, k_pe, valid, scale2, m, l_sum, acc)
+
+
+@triton.jit
 def _partial_kernel(
     q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr,
     n_kv, k, k_per_split, scale2, h,
@@ -51,20 +66,17 @@ def _partial_kernel(
     lo = split * k_per_split
     for start in range(0, k_per_split, BLOCK_N):
         r, valid = block_rows(idx_ptr, row, s_in, lo, start, k, k_per_split, n_kv, BLOCK_N)
-        # SKIP_EMPTY: a block with no valid index leaves the softmax state as it is, so its
-        # loads and dots are skipped (for compacted lists: valid first, -1 after). Off by
-        # default: the branch in the loop measured slower than it saves on H200 (docs/gpu.md).
-        if (not SKIP_EMPTY) or tl.max(valid.to(tl.int32), 0) > 0:
-            kv_row = kv_ptr + r * s_kvn
-            k_nope = tl.load(kv_row[:, None] + dv[None, :],
-                             mask=valid[:, None] & vmask[None, :], other=0.0)  # fmt: skip
-            k_pe = tl.load(kv_row[:, None] + D_V + dp[None, :],
-                           mask=valid[:, None] & pmask[None, :], other=0.0)  # fmt: skip
-            if DOT_F32:
-                k_nope = k_nope.to(tl.float32)
-                k_pe = k_pe.to(tl.float32)
-            m, l_sum, acc = online_block(q_nope, q_pe, k_nope, k_pe, valid, scale2, m, l_sum,
-                                         acc)  # fmt: skip
+        # SKIP_EMPTY (a compile-time choice: the default kernel has no branch in its loop): a
+        # block with no valid index leaves the softmax state as it is, so its loads and dots are
+        # skipped (for compacted lists: valid first, -1 after). Off by default: the branch
+        # measured slower than it saves on H200 (docs/gpu.md).
+        if SKIP_EMPTY:
+            if tl.max(valid.to(tl.int32), 0) > 0:
+                m, l_sum, acc = _kv_block(q_nope, q_pe, kv_ptr, r, valid, s_kvn, dv, dp, vmask,
+                                          pmask, scale2, m, l_sum, acc, D_V, DOT_F32)  # fmt: skip
+        else:
+            m, l_sum, acc = _kv_block(q_nope, q_pe, kv_ptr, r, valid, s_kvn, dv, dp, vmask, pmask,
+                                      scale2, m, l_sum, acc, D_V, DOT_F32)  # fmt: skip
     store_partial(acc, m, l_sum, o_ptr, lse_ptr, row, split, heads, dv, s_on, s_os, s_oh, s_ln,
                   s_ls, hmask[:, None] & vmask[None, :], hmask, OUT_BASE2)  # fmt: skip
 
