@@ -32,6 +32,9 @@
 #   bash tools/gpu_session.sh copy           # issue 36, 2 GPUs: copying by content (tools/copy_sanity)
 #                                            #   on g64x2 (GPU 0) and g128x4 (GPU 1), COPY_STEPS each,
 #                                            #   then a 1-minute span fit's step rate (~4 min)
+#   bash tools/gpu_session.sh pair-step      # issue 35, 2 GPUs, .corpusd-deps + .gpu-deps carried: the
+#                                            #   distributed decode step alone (bench_gpu pair --quick
+#                                            #   --step-only: variants, phases, compacted split; ~1 min)
 #   bash tools/gpu_session.sh failover       # issue 35: the pytest -m sglang device-path failover test,
 #                                            #   a holder SIGKILLed under 32 streams (~5 min)
 #   bash tools/gpu_session.sh peer-tests     # issue 35, 2 GPUs, .gpu-deps carried: the peer-pool GPU test
@@ -48,8 +51,8 @@
 #                                            #   holder copy on GPU 0, read by the others over peer access)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | copy | failover | peer-tests | peer | dp | share"}
-case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|copy|failover|peer-tests|peer|dp|share) ;;
+step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | copy | pair-step | failover | peer-tests | peer | dp | share"}
+case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|copy|pair-step|failover|peer-tests|peer|dp|share) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
@@ -272,6 +275,12 @@ copy)  # does copying by content form, and after how many steps, at the fits' se
     took "fit rate" $?
     for g in g64x2 g128x4; do tail -4 "$OUT/copy-sanity-$g-$GPU.log" | cut -c1-300; done
     tail -5 "$OUT/fit-rate-g64x2-$GPU.log" ;;
+pair-step)  # FlashMLA from .gpu-deps; NVSHMEM from the image's wheel
+    export PYTHONPATH=$PYTHONPATH:$PWD/.gpu-deps/site
+    timeout 200 python3 -m tools.bench_gpu pair --quick --step-only \
+        --out "$OUT/gpu-pair-step-$GPU.json" > "$OUT/gpu-pair-step-$GPU.log" 2>&1
+    took "pair --step-only" $?
+    grep -E "^decode step|^graphed step|^compacted" "$OUT/gpu-pair-step-$GPU.log" ;;
 failover)
     timeout 570 python3 -m pytest -x -q -s -m sglang tests/sglang/test_sglang_device_failover.py \
         --basetemp=/tmp/fo > "$OUT/sglang-failover-test-$GPU.log" 2>&1
