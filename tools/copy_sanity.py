@@ -26,6 +26,9 @@ from corpusd.model import load_model
 from tools.fit_fast import train_forward_batch
 
 
+COPY_IDS = 200  # the sequences' token ids are below this (stretches from 40, gaps 140..199)
+
+
 def batch(g: torch.Generator, b: int, alphabet: int, fixed: bool) -> tuple[torch.Tensor, int, int]:
     """``[b, 1 + 2L + G]`` token ids (BOS 1), and ``L``, ``G``."""
     length = 24 if fixed else int(torch.randint(8, 33, (), generator=g))
@@ -33,6 +36,18 @@ def batch(g: torch.Generator, b: int, alphabet: int, fixed: bool) -> tuple[torch
     x = torch.randint(40, 40 + alphabet, (b, length), generator=g)
     other = torch.randint(140, 200, (b, gap), generator=g)
     return torch.cat([torch.ones(b, 1, dtype=torch.long), x, other, x], dim=1), length, gap
+
+
+def copy_loss(model: torch.nn.Module, g: torch.Generator, b: int, alphabet: int, fixed: bool,
+              device: torch.device) -> torch.Tensor:  # fmt: skip
+    """The copy's mean next-token loss on one :func:`batch` (its first token left out: nothing
+    predicts it), through the fits' training forward; differentiable."""
+    seq, length, gap = batch(g, b, alphabet, fixed)
+    seq = seq.to(device)
+    logits, _ = train_forward_batch(model, seq[:, :-1])  # type: ignore[arg-type]
+    s = 1 + length + gap  # the copy's first position
+    pred, tgt = logits[:, s : s + length - 1], seq[:, s + 1 : s + length]
+    return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), tgt.reshape(-1))
 
 
 def run(a: argparse.Namespace) -> dict[str, object]:
@@ -44,12 +59,7 @@ def run(a: argparse.Namespace) -> dict[str, object]:
     losses: list[float] = []
     t0 = time.monotonic()
     for step in range(a.steps):
-        seq, length, gap = batch(g, a.batch, a.alphabet, a.fixed)
-        seq = seq.to(dev)
-        logits, _ = train_forward_batch(model, seq[:, :-1])
-        s = 1 + length + gap  # the copy's first position
-        pred, tgt = logits[:, s : s + length - 1], seq[:, s + 1 : s + length]
-        loss = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), tgt.reshape(-1))
+        loss = copy_loss(model, g, a.batch, a.alphabet, a.fixed, dev)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -45,6 +45,7 @@ from corpusd.model import DeepseekV32, KVCache, load_model, save_checkpoint
 from corpusd.testing import span_qa
 from corpusd.testing.decode import greedy, model_device
 from corpusd.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from tools.copy_sanity import COPY_IDS, copy_loss
 from tools.fit_fast import attention_kl, train_forward_batch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -248,6 +249,15 @@ class FitConfig:
         },
     )
     index_rows: int = _opt(256, "fast: query rows per sequence the indexer's KL is taken over")
+    copy_warmup: int = _opt(
+        0,
+        "steps of pure copy data before the fit (tools/copy_sanity.py's random stretches after a "
+        "gap, --copy-batch of them, at --copy-lr): on a GPU copying by content forms there in a "
+        "few thousand steps, which text does not teach in minutes",
+    )
+    copy_every: int = _opt(0, "during the fit, a copy step after every this many steps (0: none)")
+    copy_batch: int = _opt(64, "copy steps' sequences")
+    copy_lr: float = _opt(1e-3, "copy warm-up's learning rate (the fit's own schedule after)")
 
     def __post_init__(self) -> None:
         if not 2 <= self.seq_len <= 2048:
@@ -271,6 +281,10 @@ class FitConfig:
             raise ValueError(f"--repeat-random must be in [0, 1], got {self.repeat_random}")
         if self.index_rows <= 0:
             raise ValueError(f"--index-rows must be > 0, got {self.index_rows}")
+        if min(self.copy_warmup, self.copy_every) < 0 or self.copy_batch <= 0 or self.copy_lr <= 0:
+            raise ValueError(
+                "--copy-warmup and --copy-every must be >= 0, --copy-batch and --copy-lr > 0"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +296,7 @@ class FitResult:
     text_tokens: int
     answer_losses: list[float] = field(default_factory=list)  # --task span: per step
     span: dict[str, Any] | None = None  # --task span: span_eval's answers of the fitted model
+    copy_losses: list[float] = field(default_factory=list)  # --copy-warmup, --copy-every steps
 
 
 def lr_at(step: int, cfg: FitConfig) -> float:
@@ -310,6 +325,9 @@ def fit(cfg: FitConfig) -> FitResult:
             "densely, so sequences must fit in the top-k; lower --seq-len"
         )
     mc = model.cfg
+    if (cfg.copy_warmup or cfg.copy_every) and mc.vocab_size < COPY_IDS:
+        raise ValueError(f"copy steps use token ids below {COPY_IDS}; the vocabulary has "
+                         f"{mc.vocab_size}")  # fmt: skip
     tokenizer = load_tokenizer(cfg.src, mc.bos_token_id, mc.eos_token_id)
     bos_id = model.cfg.bos_token_id
     sample: Any
@@ -331,7 +349,28 @@ def fit(cfg: FitConfig) -> FitResult:
     losses: list[float] = []
     kls: list[float] = []
     answer_losses: list[float] = []  # --task span: the answers' mean loss per step
+    copy_gen = torch.Generator().manual_seed(cfg.seed)
+    copy_losses: list[float] = []
     t0 = time.monotonic()
+
+    def copy_step(lr: float) -> None:
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = copy_loss(model, copy_gen, cfg.copy_batch, 95, False, torch.device(cfg.device))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        copy_losses.append(loss.item())
+
+    for step in range(cfg.copy_warmup):  # an induction circuit first, on copies alone
+        if time.monotonic() - t0 > 60 * cfg.minutes:
+            break
+        copy_step(cfg.copy_lr)
+        if step % cfg.log_every == 0 or step == cfg.copy_warmup - 1:
+            last = copy_losses[-cfg.log_every :]
+            print(f"copy warm-up {step:4d}  copy loss {sum(last) / len(last):.3f} (uniform "
+                  f"{math.log(95):.3f})  {time.monotonic() - t0:6.1f}s", flush=True)  # fmt: skip
     for step in range(cfg.steps):
         if time.monotonic() - t0 > 60 * cfg.minutes:
             print(f"stopping at step {step}: --minutes {cfg.minutes} spent", flush=True)
@@ -347,6 +386,8 @@ def fit(cfg: FitConfig) -> FitResult:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
+        if cfg.copy_every and (step + 1) % cfg.copy_every == 0:  # keep the circuit
+            copy_step(lr_at(step, cfg))
         if with_index:
             kls.append(total_kl)
         if cfg.task == "span":
@@ -370,7 +411,7 @@ def fit(cfg: FitConfig) -> FitResult:
     if cfg.task == "span" and cfg.eval_questions:
         written = load_model(cfg.out, dtype=torch.float32).to(cfg.device)  # as written: bf16
         span = span_eval(written, tokenizer, cfg)
-    result = FitResult(len(losses), wall, losses, kls, n_text, answer_losses, span)
+    result = FitResult(len(losses), wall, losses, kls, n_text, answer_losses, span, copy_losses)
     (Path(cfg.out) / "fit.json").write_text(
         json.dumps({"config": asdict(cfg), **asdict(result)}, indent=1)
     )

@@ -172,3 +172,21 @@ def test_the_copy_probe_sees_a_model_that_copies(tmp_path: Path) -> None:
     assert [c["gap"] for c in got] == list(fit_tiny.COPY_GAPS) and seen["calls"] == 16
     for c in got:
         assert c["copy_nats"] < 1e-3 and c["first_nats"] > 5.0, c
+
+
+def test_a_fit_can_start_with_copy_steps_and_keep_taking_them(tmp_path: Path) -> None:
+    """``--copy-warmup`` steps of copy_sanity's sequences before the span fit, and one after
+    every ``--copy-every`` fit steps: each recorded in fit.json's ``copy_losses``."""
+    src = tmp_path / "model"
+    init_tiny(src, seed=3, preset="sglang", index_topk=512)
+    out = tmp_path / "fitted"
+    cfg = FitConfig(str(src), str(out), task="span", steps=2, seq_len=400, questions_per_seq=1,
+                    warmup=1, log_every=100, eval_questions=0, copy_warmup=3, copy_every=1,
+                    copy_batch=4)  # fmt: skip
+    r = fit(cfg)
+    assert r.steps == 2 and len(r.copy_losses) == 3 + 2
+    assert all(0 < x < 20 for x in r.copy_losses)
+    assert json.loads((out / "fit.json").read_text())["copy_losses"] == r.copy_losses
+    for bad in ({"copy_warmup": -1}, {"copy_every": -2}, {"copy_batch": 0}, {"copy_lr": 0.0}):
+        with pytest.raises(ValueError, match="--copy-warmup and --copy-every"):
+            FitConfig("src", "out", **bad)  # type: ignore[arg-type]
