@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from corpusd.model import load_model
 from tools.fit_fast import train_forward_batch
 
-
 COPY_IDS = 200  # the sequences' token ids are below this (stretches from 40, gaps 140..199)
 
 
