@@ -67,9 +67,7 @@ def oracle_forced(
 def vs_oracle(oracle: list[list[list[float]]], runs: dict[str, Any]) -> dict[str, Any]:
     """Each teacher-forced run in ``runs`` (name → ``[request][step][vocab]``, None skipped)
     against the oracle, and route's figures over stock's where both are there."""
-    out: dict[str, Any] = {
-        name: forced_compare(oracle, run) for name, run in runs.items() if run
-    }
+    out: dict[str, Any] = {name: forced_compare(oracle, run) for name, run in runs.items() if run}
     if "stock" in out and "route" in out:
         s, r = out["stock"], out["route"]
         out["route_over_stock"] = {
