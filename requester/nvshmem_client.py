@@ -60,6 +60,42 @@ class Pending:
         return self.views
 
 
+@dataclass(slots=True)
+class DeferredPending:
+    """A :class:`GraphedAttend` reply whose wait was left out of the send's graph: the caller's
+    stream waits for the reply signal itself (:meth:`wait_on`), so nothing on the client's
+    stream sits in front of the caller's own work while the holder computes."""
+
+    job: nr.Job
+    sent: torch.cuda.Event  # the send's graph (its signal reset included) is done
+    rep_sig: torch.Tensor
+    views: tuple[torch.Tensor, ...]
+    reply_status: torch.Tensor  # the slot's status word (device)
+    status: torch.Tensor  # pinned host int32 [1]
+    what: str
+
+    def wait_on(self, stream: torch.cuda.Stream) -> tuple[torch.Tensor, ...]:
+        """Enqueue on ``stream``: the wait for the reply signal (after the send's reset), then
+        the status word's copy out; no host sync. ``check()`` once the host synchronizes."""
+        stream.wait_event(self.sent)
+        self.job.wait_ge(self.rep_sig, 1, stream.cuda_stream)
+        with torch.cuda.stream(stream):
+            self.status.copy_(self.reply_status, non_blocking=True)
+        return self.views
+
+    def check(self) -> None:
+        code = int(self.status[0])
+        if code != 0:
+            raise RemoteRowError(f"{self.what}: holder rejected rows (status {code})")
+
+    def result(self, copy: bool = False) -> tuple[torch.Tensor, ...]:
+        stream = torch.cuda.current_stream(self.views[0].device)
+        self.wait_on(stream)
+        stream.synchronize()
+        self.check()
+        return tuple(v.clone() for v in self.views) if copy else self.views
+
+
 class GraphedAttend:
     """``attend(q, idx)`` of fixed ``q`` / ``idx`` tensors as one CUDA graph per ring slot.
 
@@ -68,13 +104,20 @@ class GraphedAttend:
     request's sequence number, which counts requests either way), waits for the reply signal
     to be set (the holder sets it to the sequence number, ≥ 1) and copies the status word out.
     The reset precedes the send, so no reply of this request can be erased, whatever the
-    earlier requests were. Each call consumes one request of the open attend stream."""
+    earlier requests were. Each call consumes one request of the open attend stream.
 
-    def __init__(self, client: NvshmemClient, q: torch.Tensor, idx: torch.Tensor) -> None:
+    ``wait=False``: the graph ends at the signal; the call returns a :class:`DeferredPending`
+    whose ``wait_on(stream)`` puts the reply wait on the caller's stream (after its own work),
+    instead of on the client's stream inside the graph. Call ``wait_on`` (or ``result``) before
+    the next call: the next send resets the reply signal once the caller's stream is past it."""
+
+    def __init__(
+        self, client: NvshmemClient, q: torch.Tensor, idx: torch.Tensor, wait: bool = True
+    ) -> None:
         job, s = client.job, client.stream
         assert job is not None and s is not None and client._shape is not None
         assert client._shape[0] == "attend", "open an attend stream first"
-        self.client, self.q, self.idx = client, q, idx
+        self.client, self.q, self.idx, self.wait = client, q, idx, wait
         me = client.rank - 1
         self.graphs: list[torch.cuda.CUDAGraph] = []
         s.wait_stream(torch.cuda.current_stream(q.device))
@@ -98,17 +141,26 @@ class GraphedAttend:
                 else:
                     job.put_signal(job.req[me, slot], nbytes, job.req_sig[me : me + 1], 1, 0, cs,
                                    add=True)  # fmt: skip
-                job.wait_ge(job.rep_sig[me : me + 1], 1, cs)
-                status.copy_(reply[-1], non_blocking=True)
+                if wait:
+                    job.wait_ge(job.rep_sig[me : me + 1], 1, cs)
+                    status.copy_(reply[-1], non_blocking=True)
             self.graphs.append(graph)
 
-    def __call__(self) -> Pending:
+    def __call__(self) -> Pending | DeferredPending:
         c = self.client
-        assert c.stream is not None
+        assert c.stream is not None and c.job is not None
         slot, _, _ = c._next("attend")
         c.stream.wait_stream(torch.cuda.current_stream(self.q.device))
         self.graphs[slot].replay()
-        p = Pending(c.stream, c._views[slot][1][:-1], c._status[slot], f"attend seq {c.seq}")
+        what = f"attend seq {c.seq}"
+        if not self.wait:
+            me = c.rank - 1
+            sent = torch.cuda.Event()
+            sent.record(c.stream)
+            reply = c._views[slot][1]
+            return DeferredPending(c.job, sent, c.job.rep_sig[me : me + 1], reply[:-1],
+                                   reply[-1], c._status[slot], what)  # fmt: skip
+        p = Pending(c.stream, c._views[slot][1][:-1], c._status[slot], what)
         p.done.record(c.stream)
         return p
 
@@ -304,10 +356,11 @@ class NvshmemClient:
         slot, rq, _ = self._next("echo")
         return self._send(slot, rq, nbytes, self._views[slot][1], "echo")
 
-    def graphed(self, q: torch.Tensor, idx: torch.Tensor) -> GraphedAttend:
+    def graphed(self, q: torch.Tensor, idx: torch.Tensor, wait: bool = True) -> GraphedAttend:
         """``attend(q, idx)`` as CUDA graph replays (see :class:`GraphedAttend`): ``q`` and ``idx``
-        must keep their storage; each call sends their current contents."""
-        return GraphedAttend(self, q, idx)
+        must keep their storage; each call sends their current contents. ``wait=False``: the
+        reply is waited for on the stream given to ``wait_on``, not inside the graph."""
+        return GraphedAttend(self, q, idx, wait)
 
     async def close(self, leave: bool = True, timeout_s: float | None = None) -> bool:
         """Close the control channel and, with ``leave``, the job: collective, so with the

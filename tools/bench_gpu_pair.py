@@ -527,6 +527,14 @@ async def decode_step(
     await nv.open_stream("attend", reps + 5 + depth, agents, h, K, CORPUS, 0, 1, scale,
                          direct=True)  # fmt: skip
     phases_all = step_phases(nv.graphed(qa, idx_remote), g_local, lo_s, depth, reps)
+    # the same, the reply waited for on this stream after the local partial (not inside the
+    # send's graph, where it may hold this stream's local partial back: the 157 µs stall)
+    await nv.open_stream("attend", 2 * (reps + 5 + depth), agents, h, K, CORPUS, 0, 1, scale,
+                         direct=True)  # fmt: skip
+    deferred = nv.graphed(qa, idx_remote, wait=False)
+    dist_def, merged_def = graphed_step(deferred, g_local, lo_s, depth, reps)
+    def_equal = bool(torch.equal(merged_def[0], mo) and torch.equal(merged_def[1], ml))
+    phases_def = step_phases(deferred, g_local, lo_s, depth, reps)
     g_mono, _ = capture(partial(mono_fn, qa, pool_all, sel, scale, D_V))
     mono_graph = replay_wall(g_mono.replay, reps)
     split = await compacted_step(nv, qa, pool_local, idx_local, idx_remote, g_local, scale, reps,
@@ -551,6 +559,10 @@ async def decode_step(
         "graphed_send_equals_eager_bitwise": all_equal,
         "graphed_step_phases_us": phases,
         "graphed_send_step_phases_us": phases_all,
+        "distributed_graphed_deferred_wait_wall_us": dist_def,
+        "ratio_graphed_deferred_wait_p50": dist_def["p50"] / mono_graph["p50"],
+        "graphed_deferred_wait_equals_eager_bitwise": def_equal,
+        "graphed_deferred_wait_step_phases_us": phases_def,
         "compacted": split,
         "ratio_compacted_p50": split["step_wall_us"]["p50"] / mono_graph["p50"],
         "graphed_equals_eager_bitwise": graph_equal,
@@ -574,6 +586,9 @@ async def decode_step(
     )
     print(f"graphed step's phases (requester's stream, p50 us): {phases}; with the send "
           f"graphed: {phases_all}", flush=True)  # fmt: skip
+    print(f"graphed send, reply waited for after the local partial: {dist_def['p50']:.1f} us, "
+          f"ratio {res['ratio_graphed_deferred_wait_p50']:.2f}, bit-equal {def_equal}; phases "
+          f"{phases_def}", flush=True)  # fmt: skip
     print(
         f"compacted split (both halves valid-first, the skipping kernel): step "
         f"{split['step_wall_us']['p50']:.1f} us, ratio {res['ratio_compacted_p50']:.2f}; alone: "
