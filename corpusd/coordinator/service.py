@@ -276,9 +276,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self._heads[corpus_id] = corpus_head(self.store.read_tokens(corpus_id))
             except Exception as e:  # a missing or unreadable tokens file costs only the check
                 log.warning("corpus %s: no head digest (tokens unreadable: %s)", corpus_id, e)
-                return {}
+                self._heads[corpus_id] = (0, "")  # said once, not at every listing
         n, digest = self._heads[corpus_id]
-        return {"head_len": n, "head_digest": digest}
+        return {"head_len": n, "head_digest": digest} if n else {}
 
     async def _table(self, row: CorpusRow) -> pb.PageTable:
         now = time.time()
