@@ -32,6 +32,13 @@ class RemoteRowError(ValueError):
     """The holder's device-side check found rows outside the named corpus."""
 
 
+def _check(status: torch.Tensor, what: str) -> None:
+    """Raise RemoteRowError when the reply's status word (host copy) says rows were rejected."""
+    code = int(status[0])
+    if code != 0:
+        raise RemoteRowError(f"{what}: holder rejected rows (status {code})")
+
+
 @dataclass(slots=True)
 class Pending:
     stream: torch.cuda.Stream
@@ -42,9 +49,7 @@ class Pending:
 
     def check(self) -> None:
         """Raise RemoteRowError when the holder rejected the rows (after the reply is in)."""
-        code = int(self.status[0])
-        if code != 0:
-            raise RemoteRowError(f"{self.what}: holder rejected rows (status {code})")
+        _check(self.status, self.what)
 
     def result(self, copy: bool = False) -> tuple[torch.Tensor, ...]:
         """Wait for the reply; raises RemoteRowError when the holder rejected the rows. Views
@@ -84,9 +89,7 @@ class DeferredPending:
         return self.views
 
     def check(self) -> None:
-        code = int(self.status[0])
-        if code != 0:
-            raise RemoteRowError(f"{self.what}: holder rejected rows (status {code})")
+        _check(self.status, self.what)
 
     def result(self, copy: bool = False) -> tuple[torch.Tensor, ...]:
         stream = torch.cuda.current_stream(self.views[0].device)

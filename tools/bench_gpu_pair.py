@@ -389,22 +389,15 @@ def graphed_step(
     starts the remote half (returns the route's Pending), one merge graph is captured per ring
     slot its reply can land in, then ``reps`` timed steps after 5 discarded. Returns the wall
     times' stats and the last merged (O, LSE)."""
-    from corpusd.kernels.merge import merge_partials
-
     cur = torch.cuda.current_stream()
-    merges = {}
-    for _ in range(depth):
-        pend = send()
-        g_local.replay()
-        ro, rl = pend.result()
-        merges[ro.data_ptr()] = capture(partial(merge_partials, [lo_s, (ro, rl)]))
+    merges = merge_graphs(send, g_local, lo_s, depth)
     times = []
     merged = None
     for i in range(reps + 5):
         t = time.perf_counter()
         pend = send()
         g_local.replay()
-        ro, rl = pend.wait_on(cur)
+        ro, _ = pend.wait_on(cur)
         g_merge, merged = merges[ro.data_ptr()]
         g_merge.replay()
         torch.cuda.synchronize()
@@ -414,9 +407,24 @@ def graphed_step(
     return stats(times), merged
 
 
+def merge_graphs(
+    send: Callable[[], Any], g_local: torch.cuda.CUDAGraph, lo_s: Any, depth: int
+) -> dict[int, Any]:
+    """One captured merge of the local partial with each ring slot's reply, keyed by the reply
+    O's address: ``depth`` steps sent and waited for, eagerly."""
+    from corpusd.kernels.merge import merge_partials
+
+    merges = {}
+    for _ in range(depth):
+        pend = send()
+        g_local.replay()
+        ro, rl = pend.result()
+        merges[ro.data_ptr()] = capture(partial(merge_partials, [lo_s, (ro, rl)]))
+    return merges
+
+
 def step_phases(
-    send: Callable[[], Any], g_local: torch.cuda.CUDAGraph, lo_s: Any, depth: int, reps: int,
-    merges: dict[int, Any] | None = None,
+    send: Callable[[], Any], g_local: torch.cuda.CUDAGraph, lo_s: Any, depth: int, reps: int
 ) -> dict[str, float]:  # fmt: skip
     """Where one graphed step's time goes on the requester's stream: CUDA events between the
     parts of :func:`graphed_step`'s step (``reps`` after 5 discarded; p50 µs each): ``send``
@@ -424,16 +432,8 @@ def step_phases(
     partial), ``wait`` (the stream idle until the holder's reply signal, after the local
     partial), ``merge``; and ``host_enqueue`` (host µs from the step's start to the merge's
     launch). The holder's own body time is in the JSON's ``holder_streams``."""
-    from corpusd.kernels.merge import merge_partials
-
     cur = torch.cuda.current_stream()
-    merges = {} if merges is None else merges
-    for _ in range(depth):  # a merge graph per ring slot, as graphed_step captures them
-        pend = send()
-        g_local.replay()
-        ro, rl = pend.result()
-        if ro.data_ptr() not in merges:
-            merges[ro.data_ptr()] = capture(partial(merge_partials, [lo_s, (ro, rl)]))
+    merges = merge_graphs(send, g_local, lo_s, depth)
     parts: dict[str, list[float]] = {k: [] for k in ("send", "local", "wait", "merge")}
     host = []
     for i in range(reps + 5):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 HEAD_TOKENS = 64  # long enough that no question starts with the corpus by chance
@@ -20,8 +21,7 @@ HEAD_TOKENS = 64  # long enough that no question starts with the corpus by chanc
 
 def head_digest(ids: Sequence[int] | torch.Tensor) -> str:
     """SHA-256 (hex) over ``ids`` as int32 little-endian."""
-    t = torch.as_tensor(ids, dtype=torch.int64).to(torch.int32).contiguous()
-    return hashlib.sha256(t.numpy().astype("<i4").tobytes()).hexdigest()
+    return hashlib.sha256(np.asarray(ids, dtype="<i4").tobytes()).hexdigest()
 
 
 def corpus_head(tokens: torch.Tensor) -> tuple[int, str]:

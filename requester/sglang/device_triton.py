@@ -18,11 +18,10 @@ kernel; the arithmetic is the torch code's, element for element:
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from corpusd.kernels.merge_triton import merge2 as merge
+from corpusd.kernels.merge_triton import usable
 
 __all__ = ["corpus_rows", "merge", "order_keys", "split_columns", "usable"]
 
@@ -32,13 +31,7 @@ try:
 except ImportError:  # CPU-only installs: device.py keeps its torch ops
     triton = None
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _BLOCK = 1024
-
-
-def usable(t: torch.Tensor) -> bool:
-    """Run these kernels for ``t``'s device: CUDA with Triton, or Triton's interpreter."""
-    return triton is not None and (t.is_cuda or _INTERPRET)
 
 
 if triton is not None:
