@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -22,16 +21,14 @@ import pytest
 from corpusd import security
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError
 from corpusd.local_ca import LocalCA
+from corpusd.testing.cli import run_cli
 from requester.client import AgentError, Client
 
 
 def corpusd(
     env: dict[str, str], *args: str, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run(
-        [sys.executable, "-m", "corpusd", *args], env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
+    r = run_cli(env, *args, timeout=300)
     assert not check or r.returncode == 0, f"corpusd {' '.join(args)}: {r.stdout}\n{r.stderr}"
     return r
 

@@ -15,15 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from corpusd.testing.cli import run_cli
+
 
 def corpusd(env: dict[str, str], *args: str, timeout: float = 300) -> str:
-    r = subprocess.run(
-        [sys.executable, "-m", "corpusd", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    r = run_cli(env, *args, timeout=timeout)
     assert r.returncode == 0, f"corpusd {' '.join(args)}: {r.stdout}\n{r.stderr}"
     return r.stdout
 
