@@ -1,7 +1,8 @@
 """Random DeepSeek-V3.2 configs end to end, more of them than CI's property test
 (tests/procs/test_model_configs.py): each seed's config is saved by transformers, loaded and
 pinned by corpusd and decoded through two real holder processes, and its tokens compared with
-transformers' ``generate``; a config corpusd cannot serve must be refused at load naming the field.
+transformers' ``generate``, then decoded again with one holder SIGKILLed mid-decode (the same
+tokens required); a config corpusd cannot serve must be refused at load naming the field.
 
     python -m tools.config_sweep               # seeds 0..99
     python -m tools.config_sweep --n 40 --first 100
@@ -23,7 +24,14 @@ from pathlib import Path
 
 import torch
 
-from corpusd.testing.config_runs import CORPUS_TOKENS, HOLDERS, NEW_TOKENS, SUFFIXES, run_config
+from corpusd.testing.config_runs import (
+    CORPUS_TOKENS,
+    HOLDERS,
+    KILL_AT,
+    NEW_TOKENS,
+    SUFFIXES,
+    run_config,
+)
 from corpusd.testing.hf_checkpoints import BASE, draw_config
 
 OUT = Path("bench/results/config-sweep-cpu.json")
@@ -41,6 +49,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=100, help="configs to draw")
     ap.add_argument("--first", type=int, default=0, help="first seed")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument(
+        "--no-failover",
+        action="store_true",
+        help="skip the second decode of each served config with holder 0 SIGKILLed at step "
+        f"{KILL_AT} (same tokens required)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     results = []
@@ -48,7 +62,7 @@ def main() -> None:
     for seed in range(a.first, a.first + a.n):
         drawn = draw_config(seed)
         with tempfile.TemporaryDirectory() as d:
-            r = run_config(Path(d), drawn)
+            r = run_config(Path(d), drawn, failover=not a.no_failover)
         row = r.to_json() | {"as_promised": verdict(r.status, r.refused_field, r.detail)}
         results.append(row)
         o = drawn.overrides
@@ -67,8 +81,10 @@ def main() -> None:
         json.dumps(
             {
                 "what": "random DeepSeek-V3.2 configs: transformers save -> corpusd load/pin -> "
-                f"{HOLDERS} holder processes -> Worker decode (route) vs transformers generate",
-                "command": f"python -m tools.config_sweep --n {a.n} --first {a.first}",
+                f"{HOLDERS} holder processes -> Worker decode (route) vs transformers generate"
+                + ("" if a.no_failover else f", then again with holder 0 killed at step {KILL_AT}"),
+                "command": f"python -m tools.config_sweep --n {a.n} --first {a.first}"
+                + (" --no-failover" if a.no_failover else ""),
                 "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}",
                 "corpus_tokens": CORPUS_TOKENS,
                 "suffixes": SUFFIXES,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from requester.config import WorkerConfig
 from requester.holder_client import HolderClient
 
 CORPUS_TOKENS, NEW_TOKENS, HOLDERS = 256, 6, 2
+KILL_AT = 2  # the decode step at whose start holder 0 is SIGKILLed (failover runs)
 SUFFIXES = ["\nQ: line 3?", "\nQ: fox 97?"]
 LOGITS_REL = 1e-4
 
@@ -75,22 +77,25 @@ async def _deal(cid: str, holders: list[HolderProcess], n_pages: int, seed: int)
             await c.close()
 
 
-def run_config(tmp: Path, drawn: Drawn) -> ConfigResult:
+def run_config(tmp: Path, drawn: Drawn, failover: bool = False) -> ConfigResult:
     """Run ``drawn`` in ``tmp`` (a fresh directory); never raises for the config's own sake — the
     result says what happened. The indexer mode alternates with the seed (even: replica, odd:
-    distributed); the primitive is ``route``, so every attention step asks the holders."""
+    distributed); the primitive is ``route``, so every attention step asks the holders.
+    ``failover``: a served config is decoded a second time with holder 0 SIGKILLed at step
+    KILL_AT, and must give the same tokens (``extra["failover"]``: the step it died at, None when
+    every session had ended before it, and the groups that fell back)."""
     t0 = time.monotonic()
     indexer = "replica" if drawn.seed % 2 == 0 else "distributed"
     r = ConfigResult(drawn.seed, drawn.overrides, drawn.refused_field, indexer)
     try:
-        _run(tmp, drawn, r)
+        _run(tmp, drawn, r, failover)
     except Exception as e:  # recorded: the caller asserts on the status
         r.status, r.detail = "error", f"{type(e).__name__}: {e}"[:2000]
     r.seconds = round(time.monotonic() - t0, 2)
     return r
 
 
-def _run(tmp: Path, drawn: Drawn, r: ConfigResult) -> None:
+def _run(tmp: Path, drawn: Drawn, r: ConfigResult, failover: bool) -> None:
     model_dir = tmp / "model"
     if drawn.refused_field is not None:
         write_hf_config(model_dir, **drawn.overrides)
@@ -134,6 +139,7 @@ def _run(tmp: Path, drawn: Drawn, r: ConfigResult) -> None:
                 for h in holders:
                     h.stop()
                 raise
+    addresses = [h.address for h in holders]
     try:
         asyncio.run(_deal(cid, holders, store.manifest(cid).n_pages, drawn.seed))
         ties = Ties()
@@ -141,23 +147,68 @@ def _run(tmp: Path, drawn: Drawn, r: ConfigResult) -> None:
         r.extra["ties_at_cut"] = ties.total  # rows whose cut a tie rule decided (both sides')
         cfg = WorkerConfig(indexer=r.indexer, primitive="route", trace=True)
         tokens, logits, w = asyncio.run(
-            decode(model, store, cid, [h.address for h in holders], cfg, SUFFIXES, NEW_TOKENS)
+            decode(model, store, cid, addresses, cfg, SUFFIXES, NEW_TOKENS)
         )
+        assert {t["pick"] for t in w.trace} == {"route"}, {t["pick"] for t in w.trace}
+        r.extra["holders_used"] = len({t["holder"] for t in w.trace})
+        if not _agrees(r, oracle, tokens, logits, "") or not failover:
+            return
+        # the same decode with holder 0 SIGKILLed once step KILL_AT has begun: its groups fail
+        # over (to the page store: the worker has it), and not one token may change
+        killed: list[int] = []
+        tokens, logits, w = asyncio.run(
+            decode(
+                model, store, cid, addresses, cfg, SUFFIXES, NEW_TOKENS,
+                _killer(holders[0], killed),
+            )
+        )  # fmt: skip
+        fell = sum(
+            w.metrics.fallbacks.labels("route", to)._value.get() for to in ("store", "local")
+        )
+        r.extra["failover"] = {"killed_at_step": killed[0] if killed else None, "fallbacks": fell}
+        if not killed:  # every session ended (EOS) before that step: nothing to fail over
+            return
+        if _agrees(r, oracle, tokens, logits, "after holder 0 was killed: ") and fell == 0:
+            r.status, r.detail = "mismatch", "holder 0 was killed, yet no group fell back"
     finally:
         for h in holders:
             h.stop()
-    assert {t["pick"] for t in w.trace} == {"route"}, {t["pick"] for t in w.trace}
-    r.extra["holders_used"] = len({t["holder"] for t in w.trace})
+
+
+def _killer(h: HolderProcess, killed: list[int]) -> Callable[[Any], Awaitable[None]]:
+    """A coroutine (given the worker) that SIGKILLs ``h`` once the worker has stepped KILL_AT
+    times, and appends the step count it saw to ``killed``."""
+
+    async def kill(w: Any) -> None:
+        while w.steps < KILL_AT:
+            await asyncio.sleep(0.002)
+        h.kill()
+        killed.append(w.steps)
+
+    return kill
+
+
+def _agrees(
+    r: ConfigResult,
+    oracle: list[Run],
+    tokens: list[list[int]],
+    logits: list[list[torch.Tensor]],
+    when: str,
+) -> bool:
+    """Whether every agent's tokens equal ``generate``'s and its logits are within LOGITS_REL;
+    sets ``r``'s status (``ok`` or ``mismatch``, ``when`` leading the detail) and its worst rel."""
     worst = 0.0
     for a, ((ref_tokens, ref_logits), got, got_logits) in enumerate(
         zip(oracle, tokens, logits, strict=True)
     ):
         if got != ref_tokens:
-            r.status, r.detail = "mismatch", f"agent {a}: tokens {got} != generate's {ref_tokens}"
-            return
+            r.status = "mismatch"
+            r.detail = f"{when}agent {a}: tokens {got} != generate's {ref_tokens}"
+            return False
         worst = max([worst] + [rel(g, x) for g, x in zip(got_logits, ref_logits, strict=True)])
-    r.worst_logits_rel = worst
+    r.worst_logits_rel = max(worst, r.worst_logits_rel or 0.0)
     if worst > LOGITS_REL:
-        r.status, r.detail = "mismatch", f"logits rel {worst:.2e} > {LOGITS_REL:.0e}"
-        return
+        r.status, r.detail = "mismatch", f"{when}logits rel {worst:.2e} > {LOGITS_REL:.0e}"
+        return False
     r.status = "ok"
+    return True

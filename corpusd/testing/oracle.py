@@ -11,8 +11,9 @@ passes says whether ties were there to decide."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,9 +126,12 @@ async def decode(
     cfg: WorkerConfig,
     suffixes: Sequence[str],
     new: int,
+    beside: Callable[[Worker], Awaitable[None]] | None = None,
 ) -> tuple[list[list[int]], list[list[torch.Tensor]], Worker]:
     """A Worker bound to ``cid`` on the holders at ``addresses`` decodes ``new`` tokens of every
-    suffix at once; (tokens, logits, the closed worker for its metrics and trace)."""
+    suffix at once; (tokens, logits, the closed worker for its metrics and trace). ``beside``:
+    a coroutine run alongside the decode (given the worker; cancelled when the decode ends), e.g.
+    one that kills a holder at a step."""
     w = Worker(model, cfg, store=store)
     try:
         await w.attach(cid, addresses)
@@ -135,7 +139,14 @@ async def decode(
         sessions = [
             w.open(cid, list(s.encode()), params=params, keep_logits=True) for s in suffixes
         ]
-        await w.generate(sessions)
+        aside = asyncio.ensure_future(beside(w)) if beside is not None else None
+        try:
+            await w.generate(sessions)
+        finally:
+            if aside is not None:  # done with the decode, whether it did its part or not
+                aside.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await aside
         return [s.generated for s in sessions], [s.logits or [] for s in sessions], w
     finally:
         await w.close()

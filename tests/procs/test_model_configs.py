@@ -2,8 +2,9 @@
 a failure names its seed and reruns as ``pytest -k 'seed7'``) are saved by transformers, loaded
 and pinned by corpusd, and decoded by a requester Worker through two real holder processes; the
 tokens must equal transformers' ``generate`` on [corpus + suffix] and the logits agree to rel
-≤ 1e-4. A drawn config corpusd cannot serve must be refused at load with one line naming the
-field.
+≤ 1e-4. Then the same decode runs again with one holder SIGKILLed after two steps: its groups
+fail over (the index top-k of a distributed indexer too), and not one token may change. A drawn
+config corpusd cannot serve must be refused at load with one line naming the field.
 
 Every config gets its own two holder processes (a holder serves one model directory), started
 in parallel: ~5 s a config on 2 cores, so CI's 25 seeds (20 served, 5 refused) take about two
@@ -55,7 +56,7 @@ def test_the_draws_cover_the_space() -> None:
 @pytest.mark.parametrize("seed", SEEDS, ids=[f"seed{s}" for s in SEEDS])
 def test_a_drawn_config_decodes_as_transformers_or_is_refused(seed: int, tmp_path: Path) -> None:
     drawn = draw_config(seed)
-    r = run_config(tmp_path, drawn)
+    r = run_config(tmp_path, drawn, failover=True)
     ctx = f"seed {seed}, config {json.dumps(drawn.overrides)}, indexer {r.indexer}"
     if drawn.refused_field is not None:
         assert r.status == "refused", f"{ctx}: {r.status} {r.detail}"
@@ -64,3 +65,4 @@ def test_a_drawn_config_decodes_as_transformers_or_is_refused(seed: int, tmp_pat
         return
     assert r.status == "ok", f"{ctx}: {r.status}: {r.detail}"
     assert r.extra["holders_used"] == 2, f"{ctx}: not every holder was used"
+    assert r.extra["failover"]["killed_at_step"] is not None, f"{ctx}: no holder was killed"
