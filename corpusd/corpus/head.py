@@ -5,7 +5,8 @@ A bound request carries only what follows the corpus; its corpus is attended fro
 A client that also sends the corpus text gets it attended twice (once as the prompt's own
 tokens), and answers that are wrong without any error. The coordinator publishes each corpus's
 head (``CorpusInfo.head_len`` / ``head_digest``); the SGLang plugin refuses, at admission, a
-bound prompt that starts with it.
+bound prompt that holds it within its first :data:`HEAD_WITHIN` tokens (at the start, or after a
+chat template's or a system line's tokens).
 """
 
 from __future__ import annotations
@@ -30,8 +31,26 @@ def corpus_head(tokens: torch.Tensor) -> tuple[int, str]:
     return n, head_digest(tokens[:n])
 
 
+#: How far into a prompt the head is looked for: a chat template's or a system line's tokens
+#: may stand before the corpus (one SHA-256 of 256 bytes an offset: about 0.1 ms for them all).
+HEAD_WITHIN = 128
+
+
+def head_offset(
+    ids: Sequence[int], head_len: int, digest: str, within: int = HEAD_WITHIN
+) -> int | None:
+    """Where prompt ``ids`` holds a corpus's head: its first offset ``≤ within`` at which the
+    next ``head_len`` ids hash to ``digest``; None when nowhere there, or no head is known."""
+    if head_len <= 0 or not digest or len(ids) < head_len:
+        return None
+    last = min(within, len(ids) - head_len)
+    raw = np.asarray(list(ids[: last + head_len]), dtype="<i4").tobytes()
+    for o in range(last + 1):
+        if hashlib.sha256(raw[4 * o : 4 * (o + head_len)]).hexdigest() == digest:
+            return o
+    return None
+
+
 def starts_with_head(ids: Sequence[int], head_len: int, digest: str) -> bool:
     """Whether prompt ``ids`` begins with a corpus's head (False when no head is known)."""
-    if head_len <= 0 or not digest or len(ids) < head_len:
-        return False
-    return head_digest(list(ids[:head_len])) == digest
+    return head_offset(ids, head_len, digest, within=0) == 0

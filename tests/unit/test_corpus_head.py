@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from corpusd.corpus.head import HEAD_TOKENS, corpus_head, head_digest, starts_with_head
+from corpusd.corpus.head import (
+    HEAD_TOKENS,
+    HEAD_WITHIN,
+    corpus_head,
+    head_digest,
+    head_offset,
+    starts_with_head,
+)
 
 
 def test_a_prompt_that_starts_with_the_corpus_is_recognised() -> None:
@@ -32,3 +39,17 @@ def test_a_short_corpus_is_its_own_head_and_the_digest_reads_int32_little_endian
 
     raw = b"".join(v.to_bytes(4, "little") for v in (1, 2, 300))
     assert digest == hashlib.sha256(raw).hexdigest() == head_digest([1, 2, 300])
+
+
+def test_the_head_is_found_after_a_template_or_a_system_line_and_not_past_the_window() -> None:
+    tokens = torch.randint(2, 16384, (300,), generator=torch.Generator().manual_seed(2))
+    n, digest = corpus_head(tokens)
+    ids = tokens.tolist()
+    template = [0, 11, 12, 13]  # BOS and a chat role's tokens
+    assert head_offset([*template, *ids, 5], n, digest) == len(template)
+    assert head_offset([*ids, 5], n, digest) == 0
+    late = [7] * (HEAD_WITHIN + 1)
+    assert head_offset([*late, *ids], n, digest) is None  # too far in to be looked for
+    assert head_offset([*late[:-1], *ids], n, digest) == HEAD_WITHIN
+    assert head_offset([*template, *ids[1:]], n, digest) is None  # not the head: one id short
+    assert head_offset(ids[: n - 1], n, digest) is None and head_offset(ids, 0, "") is None

@@ -182,6 +182,8 @@ def test_a_bound_prompt_that_repeats_its_corpus_is_refused_in_one_line(
     why = binding_check.refusal("corpusd:repo:1", model, [*corpus, 7, 8, 9])
     assert why is not None and why.startswith("corpusd: the prompt starts with the first 64 "), why
     assert "send only what follows the corpus (100 tokens)" in why and "\n" not in why
+    templated = binding_check.refusal("corpusd:repo:6", model, [0, 1, 2, *corpus, 7])
+    assert templated is not None and "holds, from its token 3, the first 64 " in templated
     assert binding_check.refusal("corpusd:repo:2", model, [7, 8, 9]) is None
     assert binding_check.refusal("corpusd:repo:3", model, None) is None  # no ids: not checked
     assert binding_check.refusal("plain-rid", model, corpus) is None  # unbound: the whole prompt
