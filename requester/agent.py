@@ -24,6 +24,7 @@ import grpc
 import torch
 
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, CorpusStatus
+from corpusd.corpus.head import repeated
 from corpusd.corpus.names import CorpusNameError, resolve_name
 from corpusd.rpc import Reject, Rpc, wire
 from corpusd.tokenizer import Tokenizer
@@ -80,6 +81,8 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         self.metrics = worker.metrics
         self.scheduler = Scheduler(worker, cfg.max_batch)
         self.names: dict[str, str] = {}  # what callers named → corpus id
+        # corpus id → (name, its head: corpusd/corpus/head.py) as the coordinator published it
+        self.heads: dict[str, tuple[str, int, str]] = {}
         self.lease_s = 10.0  # the coordinator's, from its answer to each load report
         self._binding = asyncio.Lock()
         self.ended: OrderedDict[str, str] = OrderedDict()  # session id → why it is gone
@@ -176,6 +179,8 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         return b
 
     def _check_model(self, match: CorpusStatus) -> CorpusStatus:
+        """``match`` when it was pinned for this agent's model (its head kept for
+        :meth:`open_session`'s check), else Reject FAILED_PRECONDITION."""
         fp = self.fingerprint
         if fp and match.model_fingerprint and match.model_fingerprint != fp:
             raise Reject(
@@ -183,6 +188,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 f"corpus {match.corpus_id} was pinned for model {match.model_fingerprint[:12]}…; "
                 f"this agent runs {fp[:12]}…",
             )
+        self.heads[match.corpus_id] = (match.name, match.head_len, match.head_digest)
         return match
 
     def _reread(self, cid: str) -> Callable[[], Awaitable[CorpusView]]:
@@ -327,7 +333,12 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 f"no room for a prompt of {len(prompt):,}",
             )
         st = await self.corpus(corpus)
-        s = self.worker.open(st.view.corpus_id, prompt)
+        cid = st.view.corpus_id
+        name, head_len, digest = self.heads.get(cid, (cid, 0, ""))
+        twice = repeated(prompt, head_len, digest, name, st.view.token_count)
+        if twice is not None:
+            raise Reject(Code.INVALID_ARGUMENT, f"prompt: {twice}")
+        s = self.worker.open(cid, prompt)
         log.info("session %s on %s: %d prompt tokens", s.id, st.view.corpus_id[:12], len(prompt))
         return s, st
 

@@ -51,6 +51,25 @@ def head_offset(
     return None
 
 
+def repeated(
+    ids: Sequence[int], head_len: int, digest: str, name: str, tokens: int
+) -> str | None:
+    """Why prompt ``ids`` of a request bound to corpus ``name`` (``tokens`` long, whose head is
+    ``head_len`` / ``digest``) cannot be served, said of the prompt ("starts with …"): it holds
+    the corpus's own first tokens near its start (:func:`head_offset`), so the corpus would be
+    attended twice. None when it can. The one rule and message of the SGLang plugin's
+    admission and corpusd's own agent."""
+    at = head_offset(ids, head_len, digest)
+    if at is None:
+        return None
+    where = "starts with" if at == 0 else f"holds, from its token {at},"
+    return (
+        f"{where} the first {head_len} tokens of corpus {name!r}, which this "
+        f"request is bound to and attends from the holders: send only what follows the corpus "
+        f"({tokens} tokens), or send the whole prompt unbound"
+    )
+
+
 def starts_with_head(ids: Sequence[int], head_len: int, digest: str) -> bool:
     """Whether prompt ``ids`` begins with a corpus's head (False when no head is known)."""
     return head_offset(ids, head_len, digest, within=0) == 0

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from corpusd.corpus.head import head_offset
+from corpusd.corpus.head import repeated
 from corpusd.corpus.names import CorpusNameError, resolve_name
 
 PREFIX = "corpusd:"
@@ -40,18 +40,12 @@ class Binding:
     head_digest: str = ""
 
     def repeated_in(self, ids: Sequence[int] | None) -> str | None:
-        """Why prompt ``ids`` of a request bound here cannot be served: it holds this corpus's
-        own first tokens near its start (``head_offset``), so the corpus would be attended
-        twice. None when it can."""
-        at = None if ids is None else head_offset(ids, self.head_len, self.head_digest)
-        if at is None:
+        """Why prompt ``ids`` of a request bound here cannot be served (it repeats the corpus:
+        :func:`corpusd.corpus.head.repeated`); None when it can."""
+        if ids is None:
             return None
-        where = "starts with" if at == 0 else f"holds, from its token {at},"
-        return (
-            f"the prompt {where} the first {self.head_len} tokens of corpus {self.name!r}, "
-            f"which this request is bound to and attends from the holders: send only what "
-            f"follows the corpus ({self.tokens} tokens), or send the whole prompt unbound"
-        )
+        why = repeated(ids, self.head_len, self.head_digest, self.name, self.tokens)
+        return None if why is None else f"the prompt {why}"
 
 
 def check_name(corpus: str) -> str:
