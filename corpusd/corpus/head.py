@@ -1,12 +1,15 @@
-"""A corpus's head: the SHA-256 of its first token ids, by which a request bound to the corpus
-is told apart from one that repeats the corpus in its own prompt.
+"""A corpus's head: the SHA-256 of a run of its first token ids, by which a request bound to the
+corpus is told apart from one that repeats the corpus in its own prompt.
 
 A bound request carries only what follows the corpus; its corpus is attended from the holders.
-A client that also sends the corpus text gets it attended twice (once as the prompt's own
-tokens), and answers that are wrong without any error. The coordinator publishes each corpus's
-head (``CorpusInfo.head_len`` / ``head_digest``); the SGLang plugin refuses, at admission, a
-bound prompt that holds it within its first :data:`HEAD_WITHIN` tokens (at the start, or after a
-chat template's or a system line's tokens).
+A client that also sends the corpus gets it attended twice (once as the prompt's own tokens),
+and answers that are wrong without any error. The coordinator publishes each corpus's head
+(``CorpusInfo.head_len`` / ``head_digest``): its tokens ``1 … head_len``, the first left out,
+since it is the corpus's BOS (which a prompt's copy of the text does not repeat there) or a
+token that a text boundary may merge otherwise. The SGLang plugin's admission and corpusd's own
+agent refuse a bound prompt that holds the head within its first :data:`HEAD_WITHIN` tokens: at
+the start, or after a chat template's or a system line's tokens. A corpus too short for a head
+of :data:`HEAD_MIN` tokens has none (a few tokens recur in prompts by chance).
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-HEAD_TOKENS = 64  # long enough that no question starts with the corpus by chance
+HEAD_TOKENS = 64  # long enough that no question holds the corpus's by chance
+HEAD_MIN = 32  # a shorter corpus publishes no head
+HEAD_SKIP = 1  # the corpus's tokens before its head (its BOS, or a boundary's token)
+#: How far into a prompt the head is looked for: a chat template's or a system line's tokens
+#: may stand before the corpus (one SHA-256 of 256 bytes an offset: about 0.1 ms for them all).
+HEAD_WITHIN = 128
 
 
 def head_digest(ids: Sequence[int] | torch.Tensor) -> str:
@@ -26,14 +34,12 @@ def head_digest(ids: Sequence[int] | torch.Tensor) -> str:
 
 
 def corpus_head(tokens: torch.Tensor) -> tuple[int, str]:
-    """``(head_len, digest)`` of a corpus's token ids: its first ``min(T, HEAD_TOKENS)``."""
-    n = min(int(tokens.numel()), HEAD_TOKENS)
-    return n, head_digest(tokens[:n])
-
-
-#: How far into a prompt the head is looked for: a chat template's or a system line's tokens
-#: may stand before the corpus (one SHA-256 of 256 bytes an offset: about 0.1 ms for them all).
-HEAD_WITHIN = 128
+    """``(head_len, digest)`` of a corpus's token ids: its tokens ``HEAD_SKIP …`` (at most
+    HEAD_TOKENS of them); ``(0, "")`` when fewer than HEAD_MIN follow the skipped ones."""
+    n = min(int(tokens.numel()) - HEAD_SKIP, HEAD_TOKENS)
+    if n < HEAD_MIN:
+        return 0, ""
+    return n, head_digest(tokens[HEAD_SKIP : HEAD_SKIP + n])
 
 
 def head_offset(
@@ -55,21 +61,16 @@ def repeated(
     ids: Sequence[int], head_len: int, digest: str, name: str, tokens: int
 ) -> str | None:
     """Why prompt ``ids`` of a request bound to corpus ``name`` (``tokens`` long, whose head is
-    ``head_len`` / ``digest``) cannot be served, said of the prompt ("starts with …"): it holds
-    the corpus's own first tokens near its start (:func:`head_offset`), so the corpus would be
+    ``head_len`` / ``digest``) cannot be served, said of the prompt ("repeats corpus …"): it
+    holds the corpus's head near its start (:func:`head_offset`), so the corpus would be
     attended twice. None when it can. The one rule and message of the SGLang plugin's
     admission and corpusd's own agent."""
     at = head_offset(ids, head_len, digest)
     if at is None:
         return None
-    where = "starts with" if at == 0 else f"holds, from its token {at},"
+    last = HEAD_SKIP + head_len - 1
     return (
-        f"{where} the first {head_len} tokens of corpus {name!r}, which this "
-        f"request is bound to and attends from the holders: send only what follows the corpus "
-        f"({tokens} tokens), or send the whole prompt unbound"
+        f"repeats corpus {name!r} (its tokens {HEAD_SKIP}-{last} stand at the prompt's "
+        f"{at}-{at + head_len - 1}), which this request is bound to and attends from the "
+        f"holders: send only what follows the corpus ({tokens} tokens)"
     )
-
-
-def starts_with_head(ids: Sequence[int], head_len: int, digest: str) -> bool:
-    """Whether prompt ``ids`` begins with a corpus's head (False when no head is known)."""
-    return head_offset(ids, head_len, digest, within=0) == 0

@@ -45,7 +45,7 @@ class Binding:
         if ids is None:
             return None
         why = repeated(ids, self.head_len, self.head_digest, self.name, self.tokens)
-        return None if why is None else f"the prompt {why}"
+        return None if why is None else f"the prompt {why}, or send the whole prompt unbound"
 
 
 def check_name(corpus: str) -> str:

@@ -157,12 +157,13 @@ def test_bad_input_gets_a_precise_status_and_the_agent_keeps_serving(
             await refused(
                 Code.INVALID_ARGUMENT, "outside [0, 16384)", c.open_session("repo", [16400])
             )
-            # the corpus sent again as the prompt would be attended twice: refused, naming it
-            head = PageStore(cluster.tmp / "store").read_tokens(cluster.cid)[:64].tolist()
+            # the corpus sent again as the prompt (its text: no BOS) would be attended twice:
+            # refused, naming it
+            text = PageStore(cluster.tmp / "store").read_tokens(cluster.cid)[1:65].tolist()
             await refused(
                 Code.INVALID_ARGUMENT,
-                "prompt: starts with the first 64 tokens of corpus 'repo'",
-                c.open_session("repo", head),
+                "prompt: repeats corpus 'repo' (its tokens 1-64 stand at the prompt's 0-63)",
+                c.open_session("repo", text),
             )
             s = await c.open_session(cluster.cid[:10], list(SUFFIXES[0].encode()))  # id prefix
             for kw, words in [

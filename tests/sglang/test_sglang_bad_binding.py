@@ -47,7 +47,7 @@ def test_requests_it_cannot_bind_fail_alone_and_fast(tmp_path: Path) -> None:
     for label in ("unknown corpus", "malformed id", "repeats its corpus"):
         assert probe[label]["http"] == 400, (label, probe[label], log)
         assert "corpusd:" in probe[label]["body"], probe[label]
-    assert "starts with the first" in probe["repeats its corpus"]["body"], probe
+    assert "repeats corpus" in probe["repeats its corpus"]["body"], probe
     assert probe["after"] == {"tokens": 4, "server_alive": True}, probe["after"]
     c = got["concurrent_probe"]["sparse"]
     assert c["bad"]["http"] == 400 and c["bad"]["s"] < 1.0, c["bad"]

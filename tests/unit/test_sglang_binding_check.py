@@ -177,13 +177,13 @@ def test_a_bound_prompt_that_repeats_its_corpus_is_refused_in_one_line(
     """Sent the corpus and the question while bound to the corpus, the request would attend the
     corpus twice (as its own tokens and from the holders): wrong answers and no error. It is
     refused at admission; the question alone, or another prompt, is served."""
-    corpus = list(range(10, 110))
+    corpus = [0, *range(10, 109)]  # BOS, then the corpus's text
     model = _Model(_Link({"repo": len(corpus)}, heads={"repo": corpus}))
     why = binding_check.refusal("corpusd:repo:1", model, [*corpus, 7, 8, 9])
-    assert why is not None and why.startswith("corpusd: the prompt starts with the first 64 "), why
+    assert why is not None and why.startswith("corpusd: the prompt repeats corpus 'repo' "), why
     assert "send only what follows the corpus (100 tokens)" in why and "\n" not in why
-    templated = binding_check.refusal("corpusd:repo:6", model, [0, 1, 2, *corpus, 7])
-    assert templated is not None and "holds, from its token 3, the first 64 " in templated
+    templated = binding_check.refusal("corpusd:repo:6", model, [0, 1, 2, *corpus[1:], 7])
+    assert templated is not None and "stand at the prompt's 3-66" in templated, templated
     assert binding_check.refusal("corpusd:repo:2", model, [7, 8, 9]) is None
     assert binding_check.refusal("corpusd:repo:3", model, None) is None  # no ids: not checked
     assert binding_check.refusal("plain-rid", model, corpus) is None  # unbound: the whole prompt
@@ -197,5 +197,5 @@ def test_a_bound_prompt_that_repeats_its_corpus_is_refused_in_one_line(
     once.origin_input_ids = [7]  # type: ignore[attr-defined]
     s._add_request_to_queue(twice)
     s._add_request_to_queue(once)
-    assert twice.aborted is not None and "starts with the first 64 tokens" in twice.aborted
+    assert twice.aborted is not None and "repeats corpus 'repo'" in twice.aborted
     assert once.aborted is None
