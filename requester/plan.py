@@ -120,14 +120,6 @@ def compact(mask: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, li
     return keep, out
 
 
-def valid_first(idx: torch.Tensor) -> torch.Tensor:
-    """``idx [n, k]`` (-1 unused) with each row's valid entries first, in their order, and -1
-    after, at the same width: :func:`compact` for a CUDA graph (no trim, no host sync). A
-    holder told a stream is ``compacted`` then skips the -1 blocks."""
-    order = (idx < 0).to(torch.int8).argsort(dim=1, stable=True)
-    return idx.gather(1, order)
-
-
 def holder_groups(view: CorpusView, canon: torch.Tensor) -> list[GroupWork]:
     """The rows of canonical positions ``canon [n, k]`` (-1 unused) grouped by the holder of
     each position's page under ``view``."""

@@ -619,13 +619,13 @@ async def compacted_step(
     ref: tuple[torch.Tensor, torch.Tensor],
 ) -> dict[str, Any]:  # fmt: skip
     """(4) as a graphed decode step can split the work: each half's indices compacted (valid
-    first, -1 after, the same width; ``requester.plan.valid_first``, in a graph), both halves
-    attended by the kernel that skips -1 blocks (``registry.for_compacted``: the holder is told
-    by ``OpenStream(compacted=True)``). Also each part alone, to place the step's time: the
-    local partial (compacted, and the uncompacted one of the other variants) and the remote
-    round trip (send, holder's partial, reply)."""
+    first, -1 after, the same width; ``formats.valid_first``, in a graph), both halves attended
+    by the kernel that walks only the valid ones (``registry.for_compacted``: FlashMLA with
+    ``topk_length``; the holder is told by ``OpenStream(compacted=True)``). Also each part
+    alone, to place the step's time: the local partial (compacted, and the uncompacted one of
+    the other variants) and the remote round trip (send, holder's partial, reply)."""
+    from corpusd.kernels.formats import valid_first
     from corpusd.kernels.registry import REGISTRY, for_compacted
-    from requester.plan import valid_first
 
     skip = for_compacted(REGISTRY["flashmla"])
     lc, rc = torch.empty_like(idx_local), torch.empty_like(idx_remote)

@@ -57,9 +57,7 @@ def head_offset(
     return None
 
 
-def repeated(
-    ids: Sequence[int], head_len: int, digest: str, name: str, tokens: int
-) -> str | None:
+def repeated(ids: Sequence[int], head_len: int, digest: str, name: str, tokens: int) -> str | None:
     """Why prompt ``ids`` of a request bound to corpus ``name`` (``tokens`` long, whose head is
     ``head_len`` / ``digest``) cannot be served, said of the prompt ("repeats corpus …"): it
     holds the corpus's head near its start (:func:`head_offset`), so the corpus would be

@@ -31,7 +31,7 @@ from functools import cache
 import torch
 
 from corpusd.kernels.capability import sm_major
-from corpusd.kernels.formats import D_QK, D_V, FP8_BLOCK, ROW_BYTES, TOPK_ALIGN
+from corpusd.kernels.formats import D_QK, D_V, FP8_BLOCK, ROW_BYTES, TOPK_ALIGN, valid_first
 from corpusd.kernels.merge import merge_stacked
 from corpusd.kernels.reference import PartialOut, partial_attention
 
@@ -123,6 +123,15 @@ def prep_triton(indices: torch.Tensor, n_kv: int, kp: int) -> tuple[torch.Tensor
     return idx, count
 
 
+def prep_lengths(indices: torch.Tensor, n_kv: int, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:data:`Prep` for FlashMLA's ``topk_length``: :func:`prep_indices` with each row's valid
+    indices moved first (their order kept, ``formats.valid_first``), so the kernel, told each
+    row's valid count, walks only those. Exact on any layout (the move is this function's);
+    on a row that is valid first already it is a no-op."""
+    idx, count = prep_indices(indices, n_kv, kp)
+    return valid_first(idx[:, 0])[:, None], count
+
+
 def check_pool(kv: torch.Tensor) -> None:
     """Raise ValueError unless ``kv`` is a pool FlashMLA's fp8 decode reads: contiguous uint8
     ``[N, 656]`` with N a multiple of 64."""
@@ -144,13 +153,18 @@ def check_pool(kv: torch.Tensor) -> None:
 
 def raw_sparse(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
-    prep: Prep = prep_indices,
+    prep: Prep = prep_indices, lengths: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """bf16 rows: pad heads and top-k, call the kernel: (O ``[n, h, 512]`` bf16, the kernel's
-    LSE ``[n, h]`` in its own base, valid count ``[n]``)."""
+    LSE ``[n, h]`` in its own base, valid count ``[n]``). ``lengths``: pass each row's valid
+    count as the kernel's ``topk_length`` (``prep`` must then put the valid indices first:
+    :func:`prep_lengths`), so it walks those only, not the whole width."""
     h, d = q.shape[1], q.shape[2]
     idx, count = prep(indices, kv.shape[0], padded_topk(indices.shape[1]))
-    out, _, lse = _sparse_fwd()(pad_heads(q), kv.view(kv.shape[0], 1, d), idx, scale, D_V)
+    out, _, lse = _sparse_fwd()(
+        pad_heads(q), kv.view(kv.shape[0], 1, d), idx, scale, D_V,
+        topk_length=count if lengths else None,
+    )  # fmt: skip
     return out[:, :h], lse[:, :h], count
 
 
@@ -249,7 +263,7 @@ def _finish(out: torch.Tensor, lse: torch.Tensor, count: torch.Tensor, factor: f
 
 def sparse_partial(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int,
-    prep: Prep = prep_indices,
+    prep: Prep = prep_indices, lengths: bool = False,
 ) -> PartialOut:  # fmt: skip
     """Sparse partial attention over bf16 rows through FlashMLA (``partial_attention``'s
     contract).
@@ -260,6 +274,7 @@ def sparse_partial(
         indices: int ``[n, k]`` rows; -1 (or outside ``[0, N)``) = unused.
         scale: softmax scale; d_v: must be 512.
         prep: the index preparation (the registry passes :func:`prep_triton`).
+        lengths: the kernel told each row's valid count (``raw_sparse``).
 
     Returns:
         O ``[n, h, 512]`` bf16, LSE ``[n, h]`` float32 natural log; empty rows O = 0, LSE = -inf.
@@ -273,7 +288,7 @@ def sparse_partial(
     if n == 0:
         return q.new_empty(0, h, D_V), torch.empty(0, h, device=q.device)
     factor = lse_to_natural(str(q.device))
-    return _finish(*raw_sparse(q, kv, indices, scale, prep), factor)
+    return _finish(*raw_sparse(q, kv, indices, scale, prep, lengths), factor)
 
 
 def fp8_sparse_partial(
@@ -316,6 +331,18 @@ def flashmla_partial_attention(
     if kv.dtype == torch.uint8:
         return fp8_sparse_partial(q, kv, indices, scale, d_v, prep=prep_triton)
     return sparse_partial(q, kv, indices, scale, d_v, prep=prep_triton)
+
+
+def flashmla_lengths_partial_attention(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int
+) -> PartialOut:
+    """FlashMLA walking each row's valid indices only (``topk_length``), for requests whose rows
+    are mostly -1 (one holder's share of a row's top-k): bf16 rows through :func:`prep_lengths`;
+    fp8 rows as :func:`flashmla_partial_attention` (the fp8 decode's ``topk_length`` needs
+    FlashMLA's newer scheduling API, not wired here)."""
+    if kv.dtype == torch.uint8:
+        return flashmla_partial_attention(q, kv, indices, scale, d_v)
+    return sparse_partial(q, kv, indices, scale, d_v, prep=prep_lengths, lengths=True)
 
 
 def split_sparse_partial(

@@ -12,6 +12,8 @@ FlashMLA's 656-byte row (``corpusd/kernels/fp8_cache.py`` documents its bytes):
 
 from __future__ import annotations
 
+import torch
+
 D_V = 512  # c_KV: the values, kv_lora_rank
 D_ROPE = 64  # k_pe: qk_rope_head_dim
 D_QK = D_V + D_ROPE  # 576
@@ -27,3 +29,12 @@ KV_FORMATS = (PLAIN, FP8)
 
 FP8_BLOCK = 64  # rows of one FlashMLA fp8 cache block: an fp8 pool holds whole blocks
 TOPK_ALIGN = 128  # FlashMLA's top-k width is a multiple of this (SM90)
+
+
+def valid_first(idx: torch.Tensor) -> torch.Tensor:
+    """``idx [n, k]`` (-1 unused) with each row's valid entries first, in their order, and -1
+    after, at the same width: ``requester.plan.compact`` for a CUDA graph (no trim, no host
+    sync). A holder told a stream is ``compacted`` walks only each row's valid entries
+    (``registry.for_compacted``)."""
+    order = (idx < 0).to(torch.int8).argsort(dim=1, stable=True)
+    return idx.gather(1, order)

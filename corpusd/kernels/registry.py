@@ -193,15 +193,29 @@ TRITON_SKIP = Kernel("triton+skip", _triton_skip, triton_usable, priority=0,
                      needs="a CUDA GPU and Triton")  # fmt: skip
 
 
+#: FlashMLA told each row's valid count (``topk_length``), walking those only; not registered
+#: (``auto`` never picks it): only streams whose indices are compacted get it
+#: (:func:`for_compacted`).
+FLASHMLA_LENGTHS = Kernel("flashmla+len", flashmla.flashmla_lengths_partial_attention,
+                          flashmla.usable, priority=0, fits=flashmla.fits,
+                          needs="an SM90 GPU and sgl_kernel")  # fmt: skip
+
+
 def for_compacted(kernel: Kernel) -> Kernel:
     """The kernel for requests whose rows' indices come valid first, -1 after, at a fixed width
-    (one holder's share of each row's top-k in a graphed step): Triton skipping the blocks of
-    -1, where ``kernel`` is FlashMLA, Triton or the per-request pair (FlashMLA's sparse decode
-    walks the whole width); else ``kernel`` itself (every kernel is exact on any layout).
-    Measured on 2 × H200 at 32 rows × 128 heads (``bench_gpu pair --step-only``): slower than
-    FlashMLA over the whole width, so no caller asks for it by default."""
-    if kernel.name in ("flashmla", "triton", "flashmla|triton"):
+    (one holder's share of each row's top-k in a graphed step), which walks only each row's
+    valid entries: FlashMLA with ``topk_length`` for FlashMLA, Triton skipping the blocks of -1
+    for Triton, the pair of them for the per-request pair; else ``kernel`` itself (every kernel
+    is exact on any layout). FlashMLA's sparse kernel otherwise walks the whole width. Measured
+    on 2 × H200 at 32 rows × 128 heads (``bench_gpu pair --step-only``): the skipping Triton
+    was slower than FlashMLA over the whole width; FlashMLA with ``topk_length`` is not measured
+    yet, so no caller asks for compacted streams by default."""
+    if kernel.name == "flashmla":
+        return FLASHMLA_LENGTHS
+    if kernel.name == "triton":
         return TRITON_SKIP
+    if kernel.name == "flashmla|triton":
+        return per_request(FLASHMLA_LENGTHS, TRITON_SKIP)
     return kernel
 
 

@@ -73,6 +73,24 @@ def test_flashmla_matches_reference(n: int, h: int, k: int) -> None:
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("h", [16, 64, 128])
+@pytest.mark.parametrize("n,k", [(1, 2048), (7, 100), (32, 2048)])
+def test_flashmla_told_each_rows_count_matches_reference(n: int, h: int, k: int) -> None:
+    """The compacted streams' kernel (``topk_length``) on rows that are half -1, scattered (one
+    holder's share of a top-k) and on the usual rows: the reference's answer either way."""
+    _flashmla_or_skip()
+    from corpusd.kernels.registry import FLASHMLA_LENGTHS
+
+    g = torch.Generator().manual_seed(torch.seed() % (1 << 31))
+    q, kv, idx = inputs(g, n, h, 5000, k, D, torch.bfloat16, "cuda")
+    half = torch.where(torch.rand(idx.shape, generator=g).to("cuda") < 0.5, idx, -1)
+    for rows, what in ((idx, "dense"), (half, "half -1")):
+        out = FLASHMLA_LENGTHS.fn(q, kv, rows, D**-0.5, D_V)
+        check(out, q, kv, rows, D**-0.5, D_V, f"flashmla+len {what} {n=} {h=} {k=}")
+
+
+@pytest.mark.gpu
+@cuda
 def test_flashmla_lse_base_is_detected() -> None:
     _flashmla_or_skip()
     from corpusd.kernels.flashmla import lse_to_natural

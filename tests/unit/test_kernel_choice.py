@@ -109,12 +109,14 @@ def test_per_request_choice_is_described_in_the_log() -> None:
     )
 
 
-def test_compacted_streams_take_the_kernel_that_skips_empty_blocks() -> None:
-    """A holder told its requests' indices come valid first runs Triton skipping blocks of -1
-    where it would run FlashMLA, Triton or the per-request pair; the others are kept."""
+def test_compacted_streams_take_the_kernels_that_walk_only_the_valid_indices() -> None:
+    """A holder told its requests' indices come valid first runs FlashMLA told each row's valid
+    count where it would run FlashMLA, Triton skipping blocks of -1 where it would run Triton,
+    the pair of them for the pair; the others are kept. Neither is one ``auto`` picks."""
     flash, triton = REGISTRY["flashmla"], REGISTRY["triton"]
-    pair = kernels.per_request(flash, triton)
-    for k in (flash, pair, triton):
-        assert kernels.for_compacted(k) is kernels.TRITON_SKIP, k.name
+    assert kernels.for_compacted(flash) is kernels.FLASHMLA_LENGTHS
+    assert kernels.for_compacted(triton) is kernels.TRITON_SKIP
+    pair = kernels.for_compacted(kernels.per_request(flash, triton))
+    assert pair.name == "flashmla+len|triton+skip"
     assert kernels.for_compacted(REGISTRY["torch"]) is REGISTRY["torch"]
-    assert kernels.TRITON_SKIP.name not in REGISTRY  # auto never picks it
+    assert {kernels.TRITON_SKIP.name, kernels.FLASHMLA_LENGTHS.name}.isdisjoint(REGISTRY)

@@ -1,12 +1,13 @@
-"""``requester.plan.valid_first``: one holder's share of each row's top-k, valid indices first at
-a fixed width (the graph-safe form of ``compact``), exactly what the rows selected."""
+"""``corpusd.kernels.formats.valid_first``: one holder's share of each row's top-k, valid
+indices first at a fixed width (the graph-safe form of ``compact``), exactly what the rows
+selected; and FlashMLA's ``topk_length`` preparation built on it."""
 
 from __future__ import annotations
 
 import torch
 
+from corpusd.kernels.formats import valid_first
 from corpusd.kernels.reference import partial_attention
-from requester.plan import valid_first
 
 
 def test_valid_first_keeps_each_rows_indices_in_order_and_moves_the_unused_last() -> None:
@@ -32,3 +33,23 @@ def test_a_compacted_request_attends_what_the_uncompacted_one_does() -> None:
     o, lse = partial_attention(q, kv, idx, 0.2, 32)
     oc, lsec = partial_attention(q, kv, valid_first(idx), 0.2, 32)
     assert torch.allclose(o, oc, atol=1e-12) and torch.allclose(lse, lsec, atol=1e-12)
+
+
+def test_flashmla_length_preparation_puts_each_rows_valid_indices_first_with_their_count() -> None:
+    """What FlashMLA is given with ``topk_length``: out-of-pool indices and padding -1, each row's
+    valid ones first in their order, the count beside; the first ``count`` entries of a row are
+    exactly its valid indices, whatever the layout it came in."""
+    from corpusd.kernels.flashmla import padded_topk, prep_lengths
+
+    g = torch.Generator().manual_seed(5)
+    idx = torch.randint(-1, 700, (5, 200), generator=g)  # 700 > the pool's 600: some outside
+    idx[torch.rand(5, 200, generator=g) < 0.5] = -1
+    idx[0] = -1
+    kp = padded_topk(200)
+    out, count = prep_lengths(idx, 600, kp)
+    assert out.shape == (5, 1, kp) and out.dtype == torch.int32 and count.dtype == torch.int32
+    for r in range(5):
+        valid = idx[r][(idx[r] >= 0) & (idx[r] < 600)]
+        c = int(count[r])
+        assert c == len(valid) and torch.equal(out[r, 0, :c].long(), valid), f"row {r}"
+        assert bool((out[r, 0, c:] == -1).all()), f"row {r}: -1 after its count"
