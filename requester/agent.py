@@ -337,6 +337,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         name, head_len, digest = self.heads.get(cid, (cid, 0, ""))
         twice = repeated(prompt, head_len, digest, name, st.view.token_count)
         if twice is not None:
+            self.metrics.prompts_refused.labels("repeats_corpus").inc()
             raise Reject(Code.INVALID_ARGUMENT, f"prompt: {twice}")
         s = self.worker.open(cid, prompt)
         log.info("session %s on %s: %d prompt tokens", s.id, st.view.corpus_id[:12], len(prompt))

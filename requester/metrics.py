@@ -65,6 +65,12 @@ class RequesterMetrics(Metrics):
             "OpenSession refused RESOURCE_EXHAUSTED, by limit: max_sessions or kv_capacity",
             ["limit"],
         )
+        self.prompts_refused = self.counter(
+            "prompts_refused",
+            "OpenSession refused INVALID_ARGUMENT for what its prompt holds, by reason: "
+            "repeats_corpus (the corpus's head, so the corpus would be attended twice)",
+            ["reason"],
+        )
         self.errors = self.counter("errors", "failed holder calls by gRPC status", ["kind"])
         self.transport = self.gauge(
             "transport_info",

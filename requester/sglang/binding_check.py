@@ -57,6 +57,7 @@ def refusal(
         b = model.corpusd_link.bind(name)
         repeated = b.repeated_in(ids)
         if repeated is not None:
+            _count(model, "repeats_corpus")
             return f"corpusd: {repeated}"
         if model.corpusd_resident is not None:
             # the device path: load it into the arena now (once per corpus), where the forward
@@ -64,11 +65,21 @@ def refusal(
             # arena) fails this request instead of raising in the scheduler's forward
             model.corpusd_link.load_resident(b, model.corpusd_resident)
     except CorpusBindingError as e:
+        _count(model, "binding")
         return f"corpusd: {e}"
     except Exception as e:  # the coordinator unreachable, say: this request fails, not the server
         log.warning("corpusd plugin: request %r refused: %s: %s", rid, type(e).__name__, e)
+        _count(model, "error")
         return f"corpusd: cannot bind request {rid!r}: {type(e).__name__}: {e}"
     return None
+
+
+def _count(model: _Model | None, reason: str) -> None:
+    """One refusal for ``reason`` in the plugin's metrics (a link without them counts none)."""
+    link = getattr(model, "corpusd_link", None)
+    refused = getattr(getattr(link, "metrics", None), "refused", None)
+    if refused is not None:
+        refused.labels(reason).inc()
 
 
 def batch_corpora(rids: Sequence[str] | None, batch_size: int) -> list[str | None]:

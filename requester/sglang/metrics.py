@@ -56,6 +56,13 @@ class PluginMetrics(RequesterMetrics):
             "SGLang plugin, device path: mapped holders found dead and failed over",
             ["holder"],
         )
+        self.refused = self.counter(
+            "sglang_requests_refused",
+            "SGLang plugin: bound requests refused at admission (HTTP 400), by reason: binding "
+            "(unknown, not ready, other model, too long), repeats_corpus (the prompt holds its "
+            "corpus's head), error (the coordinator unreachable, say)",
+            ["reason"],
+        )
         self.failover_pages = self.counter(
             "sglang_failover_pages",
             "SGLang plugin, device path: corpus pages moved off a dead holder, to a live replica "

@@ -165,6 +165,9 @@ def test_bad_input_gets_a_precise_status_and_the_agent_keeps_serving(
                 "prompt: repeats corpus 'repo' (its tokens 1-64 stand at the prompt's 0-63)",
                 c.open_session("repo", text),
             )
+            port = cluster.agent.metrics_port  # what an operator sees of it
+            counted = ("corpusd_requester_prompts_refused_total", 'reason="repeats_corpus"')
+            assert metric(port, *counted) == 1
             s = await c.open_session(cluster.cid[:10], list(SUFFIXES[0].encode()))  # id prefix
             for kw, words in [
                 ({"max_tokens": 33}, "at most 32"),

@@ -14,6 +14,7 @@ import torch
 from corpusd.corpus.head import corpus_head
 from requester.sglang import binding_check
 from requester.sglang.binding import Binding, CorpusBindingError
+from requester.sglang.metrics import PluginMetrics
 
 
 class _Link:
@@ -27,6 +28,7 @@ class _Link:
         self.known, self.fail, self.elsewhere = known, fail, elsewhere
         self.heads = heads or {}  # corpus → its token ids, whose head the coordinator publishes
         self.calls: list[str] = []
+        self.metrics = PluginMetrics()
 
     def recheck(self, res: Any) -> dict[str, str]:  # as the catalog's: forgets what left
         self.calls.append("recheck")
@@ -184,6 +186,10 @@ def test_a_bound_prompt_that_repeats_its_corpus_is_refused_in_one_line(
     assert "send only what follows the corpus (100 tokens)" in why and "\n" not in why
     templated = binding_check.refusal("corpusd:repo:6", model, [0, 1, 2, *corpus[1:], 7])
     assert templated is not None and "stand at the prompt's 3-66" in templated, templated
+    refused = model.corpusd_link.metrics.refused
+    assert refused.labels("repeats_corpus")._value.get() == 2  # what an operator sees
+    assert binding_check.refusal("corpusd:nope:1", model, [7]) is not None
+    assert refused.labels("binding")._value.get() == 1
     assert binding_check.refusal("corpusd:repo:2", model, [7, 8, 9]) is None
     assert binding_check.refusal("corpusd:repo:3", model, None) is None  # no ids: not checked
     assert binding_check.refusal("plain-rid", model, corpus) is None  # unbound: the whole prompt
