@@ -12,7 +12,10 @@ FlashMLA's 656-byte row (``corpusd/kernels/fp8_cache.py`` documents its bytes):
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports these names; torch only where a kernel runs
+    import torch
 
 D_V = 512  # c_KV: the values, kv_lora_rank
 D_ROPE = 64  # k_pe: qk_rope_head_dim
@@ -36,5 +39,7 @@ def valid_first(idx: torch.Tensor) -> torch.Tensor:
     after, at the same width: ``requester.plan.compact`` for a CUDA graph (no trim, no host
     sync). A holder told a stream is ``compacted`` walks only each row's valid entries
     (``registry.for_compacted``)."""
+    import torch
+
     order = (idx < 0).to(torch.int8).argsort(dim=1, stable=True)
     return idx.gather(1, order)
