@@ -24,7 +24,7 @@ import grpc
 import torch
 
 from corpusd.coordinator.client import CoordinatorClient, CoordinatorError, CorpusStatus
-from corpusd.corpus.head import repeated
+from corpusd.corpus.head import corpus_head, repeated
 from corpusd.corpus.names import CorpusNameError, resolve_name
 from corpusd.rpc import Reject, Rpc, wire
 from corpusd.tokenizer import Tokenizer
@@ -334,6 +334,8 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             )
         st = await self.corpus(corpus)
         cid = st.view.corpus_id
+        if cid not in self.heads and st.tokens is not None:  # bound without a coordinator
+            self.heads[cid] = (corpus, *corpus_head(st.tokens))
         name, head_len, digest = self.heads.get(cid, (cid, 0, ""))
         twice = repeated(prompt, head_len, digest, name, st.view.token_count)
         if twice is not None:
