@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
+import functools
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,44 @@ from corpusd.coordinator.client import CoordinatorClient, CorpusStatus, Removal
 from corpusd.coordinator.config import StatusConfig
 
 
+def bounded(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``cmd`` (a command of a few calls, each with deadline ``--timeout-s``) ended with status 1
+    if it runs far past them all (:func:`hang_bound`), every thread's stack printed to stderr
+    first (faulthandler): a script calling it never waits forever, and the stacks say where it
+    stood (grpc.aio's teardown hung one such run once: docs/testing.md). The timer is disarmed
+    when ``cmd`` returns."""
+
+    @functools.wraps(cmd)
+    def run(a: argparse.Namespace) -> int:
+        armed = _arm(hang_bound(a.timeout_s))
+        try:
+            return cmd(a)
+        finally:
+            if armed:
+                faulthandler.cancel_dump_traceback_later()
+
+    return run
+
+
+def _arm(seconds: float) -> bool:
+    """faulthandler's timer on the process's own fd 2 (even where ``sys.stderr`` is a buffer);
+    False where there is no such file."""
+    err = sys.__stderr__
+    if err is None:
+        return False
+    try:
+        faulthandler.dump_traceback_later(seconds, exit=True, file=err)
+    except (ValueError, OSError, AttributeError):  # no file descriptor
+        return False
+    return True
+
+
+def hang_bound(timeout_s: float) -> float:
+    """When a command of calls with deadline ``timeout_s`` counts as hung: far past them all."""
+    return 4 * timeout_s + 30
+
+
+@bounded
 def cmd_status(a: argparse.Namespace) -> int:
     from corpusd.coordinator.status import as_json, render
 
@@ -34,6 +76,7 @@ def cmd_status(a: argparse.Namespace) -> int:
     return 0
 
 
+@bounded
 def cmd_ls(a: argparse.Namespace) -> int:
     """The coordinator's corpora (and those of its store it was never asked to pin); with no
     coordinator, the local page store's."""
@@ -91,6 +134,7 @@ def _coordinator(flag: str) -> str:
     return address
 
 
+@bounded
 def cmd_unpin(a: argparse.Namespace) -> int:
     """Off every holder and out of the page table (``--delete``: out of the store too)."""
     address = _coordinator(a.coordinator)
@@ -123,6 +167,7 @@ def cmd_unpin(a: argparse.Namespace) -> int:
     return 0
 
 
+@bounded
 def cmd_rm(a: argparse.Namespace) -> int:
     """Delete an unpinned corpus from the coordinator's page store (refused while pinned); with
     no coordinator, from the local page store."""
