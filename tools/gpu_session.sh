@@ -33,8 +33,9 @@
 #                                            #   on g64x2 (GPU 0) and g128x4 (GPU 1), COPY_STEPS each,
 #                                            #   then a 1-minute span fit's step rate (~4 min)
 #   bash tools/gpu_session.sh pair-step      # issue 35, 2 GPUs, .corpusd-deps + .gpu-deps carried: the
+#                                            #   FlashMLA kernel tests (topk_length too), then the
 #                                            #   distributed decode step alone (bench_gpu pair --quick
-#                                            #   --step-only: variants, phases, compacted split; ~1 min)
+#                                            #   --step-only: variants, phases, compacted split; ~2 min)
 #   bash tools/gpu_session.sh failover       # issue 35: the pytest -m sglang device-path failover test,
 #                                            #   a holder SIGKILLed under 32 streams (~5 min)
 #   bash tools/gpu_session.sh peer-tests     # issue 35, 2 GPUs, .gpu-deps carried: the peer-pool GPU test
@@ -277,6 +278,11 @@ copy)  # does copying by content form, and after how many steps, at the fits' se
     tail -5 "$OUT/fit-rate-g64x2-$GPU.log" ;;
 pair-step)  # FlashMLA from .gpu-deps; NVSHMEM from the image's wheel
     export PYTHONPATH=$PYTHONPATH:$PWD/.gpu-deps/site
+    # the compacted half's kernel (FlashMLA told each row's count) against the reference first
+    timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_gpu_kernels.py -k flashmla \
+        > "$OUT/gpu-kernels-flashmla-$GPU.log" 2>&1
+    took "flashmla kernel tests" $?
+    tail -3 "$OUT/gpu-kernels-flashmla-$GPU.log"
     timeout 200 python3 -m tools.bench_gpu pair --quick --step-only \
         --out "$OUT/gpu-pair-step-$GPU.json" > "$OUT/gpu-pair-step-$GPU.log" 2>&1
     took "pair --step-only" $?
