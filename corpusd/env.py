@@ -133,7 +133,7 @@ VARIABLES: tuple[Var, ...] = (
     Var("CORPUSD_HOME", "path", "state directory: the default model and store live under it",
         default="~/.corpusd"),
     Var("CORPUSD_MODEL", "path", "model directory used when `--model` is not given",
-        shown="`$CORPUSD_HOME/models/tiny`"),
+        shown="the running `corpusd up`'s model, else `$CORPUSD_HOME/models/tiny`"),
     Var("CORPUSD_STORE", "path", "page store used when `--store` is not given",
         shown="`$CORPUSD_HOME/store`"),
     Var("CORPUSD_COORDINATOR", "str",

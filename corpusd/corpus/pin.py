@@ -85,10 +85,19 @@ def sample_repo(package: str = "") -> Path:
 
 def default_model(stream: TextIO) -> Path:
     """The model directory when no ``--model`` is given: ``$CORPUSD_MODEL``, which must hold a
-    model (a typo must not become a fresh random model that pins and serves), else the embedded
-    tiny default, written on first use (deterministic, no network). Raises ValueError (one
-    line) for a ``$CORPUSD_MODEL`` without a ``config.json``."""
+    model (a typo must not become a fresh random model that pins and serves); else the model of
+    the ``corpusd up`` running in ``$CORPUSD_HOME`` (said on ``stream``: the daemons it started
+    load only that one, as the coordinator address comes from it too); else the embedded tiny
+    default, written on first use (deterministic, no network). Raises ValueError (one line) for
+    a ``$CORPUSD_MODEL`` without a ``config.json``."""
     named = env.is_set("CORPUSD_MODEL")
+    up = None if named else env.running_up()
+    if up is not None and up.get("model") and (Path(up["model"]) / "config.json").is_file():
+        stream.write(
+            f"model {up['model']}: the running `corpusd up`'s (--model or $CORPUSD_MODEL for "
+            "another)\n"
+        )
+        return Path(up["model"])
     d = env.default_model_dir()
     if named and not (d / "config.json").is_file():
         what = "does not exist" if not d.exists() else "holds no model (no config.json)"
