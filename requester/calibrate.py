@@ -56,6 +56,21 @@ def device_name() -> str:
     return f"cpu {model} x{os.cpu_count()}"
 
 
+def _sample_too_long(model_dir: Path) -> str:
+    """Why the sample repository cannot be pinned for the model at ``model_dir`` (its token
+    stream passes the model's positions), or "" when it can."""
+    from corpusd.corpus.ingest import CorpusError
+    from corpusd.corpus.pin import PinConfig, sample_repo, tokenize
+    from corpusd.model import ModelConfig
+
+    try:
+        cfg = PinConfig(corpus=str(sample_repo()), model=str(model_dir))
+        tokenize(cfg, model_dir, ModelConfig.from_dir(model_dir))
+    except CorpusError as e:
+        return f"the sample repository does not fit this model ({e})"
+    return ""
+
+
 def probe_corpus(store: PageStore, model_dir: Path, tokens: int = QUICK_TOKENS) -> str:
     """A corpus of ``tokens`` random tokens with random pages, committed to ``store`` like a
     pin but without its prefill: timings do not depend on the values. Returns its id."""
@@ -253,8 +268,15 @@ def run(
     reps, rows, ks, chunk = repeats, GRID_ROWS, GRID_K, 256
     if quick:
         reps, rows, ks, chunk = min(repeats, QUICK_REPEATS), QUICK_ROWS, QUICK_K, 64
+    probe_tokens = QUICK_TOKENS
+    if not quick and not holder and (why := _sample_too_long(mdir)):
+        # a model of few positions: the sample repository cannot be pinned for it, so a probe
+        # corpus as long as it reads, in a scratch store (timings do not depend on values)
+        probe_tokens = min(model.cfg.max_position_embeddings, max(GRID_K))
+        print(f"{why}: calibrating over a probe corpus of {probe_tokens:,} random tokens instead")
+        quick_store, store = True, PageStore(scratch / "store")
     if quick_store:
-        corpus = probe_corpus(store, mdir)
+        corpus = probe_corpus(store, mdir, probe_tokens)
         proc = start_holder(store.root, scratch / "holder", mdir)
         holder = proc.address
     elif not holder:

@@ -25,11 +25,16 @@ class Layout:
     spans: tuple[FileSpan, ...]
 
 
-def render(ingested: Ingested, tokenizer: Tokenizer, max_tokens: int) -> Layout:
+def render(
+    ingested: Ingested,
+    tokenizer: Tokenizer,
+    max_tokens: int,
+    remedy: str = "raise --max-tokens or pin a smaller corpus",
+) -> Layout:
     """Tokenize the files in order, each preceded by ``FILE_HEADER`` and ending in a newline.
 
     Raises CorpusError as soon as the stream would exceed ``max_tokens`` (before tokenizing
-    the rest), naming the limit and the file that crossed it.
+    the rest), naming the limit, the file that crossed it and ``remedy``.
     """
     tokens: list[int] = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     spans: list[FileSpan] = []
@@ -41,7 +46,7 @@ def render(ingested: Ingested, tokenizer: Tokenizer, max_tokens: int) -> Layout:
         if len(tokens) > max_tokens:
             raise CorpusError(
                 f"corpus exceeds the token limit of {max_tokens:,} at file {f.path!r} "
-                f"(already {len(tokens):,} tokens); raise --max-tokens or pin a smaller corpus"
+                f"(already {len(tokens):,} tokens); {remedy}"
             )
         spans.append(FileSpan(f.path, start, len(tokens)))
     return Layout(tuple(tokens), tuple(spans))

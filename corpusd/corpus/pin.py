@@ -197,8 +197,11 @@ def tokenize(
     steps; raises CorpusError for a bad source or one over the token limit)."""
     tokenizer = load_tokenizer(model_dir, model_cfg.bos_token_id, model_cfg.eos_token_id)
     ingested = ingest(cfg.corpus, max_file_bytes=cfg.max_file_bytes)
-    limit = min(cfg.max_tokens, model_cfg.max_position_embeddings)
-    return tokenizer, ingested, render(ingested, tokenizer, limit)
+    positions = model_cfg.max_position_embeddings
+    if positions < cfg.max_tokens:  # the model's own bound, which no flag raises
+        remedy = f"the model reads at most {positions:,} positions (max_position_embeddings)"
+        return tokenizer, ingested, render(ingested, tokenizer, positions, remedy)
+    return tokenizer, ingested, render(ingested, tokenizer, cfg.max_tokens)
 
 
 # The CPU prefill's cost model: a token at position p costs a·(1 + GROWTH·p) seconds, so n tokens
