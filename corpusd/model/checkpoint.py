@@ -112,6 +112,9 @@ def read_state_dict(
     return sd
 
 
+EMBED = "model.embed_tokens.weight"
+
+
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> DeepseekV32:
@@ -121,6 +124,8 @@ def load_model(
     with torch.device("meta"):
         model = DeepseekV32(cfg)
     expected = dict(model.state_dict())
+    if cfg.tie_word_embeddings and "lm_head.weight" not in sd and EMBED in sd:
+        sd["lm_head.weight"] = sd[EMBED]  # tied: the checkpoint stores it once
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
     if missing or unexpected:

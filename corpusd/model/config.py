@@ -92,6 +92,9 @@ class ModelConfig:
     # ue8m0-scaled float8, as DeepSeek's inference code and SGLang; indexer/fp8.py). corpusd's
     # own key, written to config.json only when not "exact".
     index_arith: str = "exact"
+    # lm_head shares the embedding's weights (transformers' tie_word_embeddings; DeepSeek-V3.2's
+    # own checkpoints do not)
+    tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
         bad = [f"{k} {getattr(self, k)}" for k in _SIZES if getattr(self, k) <= 0]
@@ -178,6 +181,7 @@ class ModelConfig:
                 f"model_type {mt!r} is not supported: corpusd serves {SUPPORTED_MODEL_TYPE!r} "
                 "(DeepSeek-V3.2: MLA + DSA indexer) checkpoints"
             )
+        _refuse_unserved(d)
         try:
             n_layers = int(d["num_hidden_layers"])
             first_dense = int(d.get("first_k_dense_replace", 3))
@@ -235,6 +239,7 @@ class ModelConfig:
                 rope=rope,
                 quant_block=(int(block[0]), int(block[1])) if block else None,
                 index_arith=str(d.get("index_arith", "exact")),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             )
         except KeyError as e:
             raise ModelConfigError(f"config.json lacks required key {e.args[0]!r}") from None
@@ -280,7 +285,6 @@ class ModelConfig:
             rope_parameters=rope_params,
             hidden_act="silu",
             attention_bias=False,
-            tie_word_embeddings=False,
             torch_dtype="bfloat16",
             # Read by SGLang's DeepSeek-V3 family loader, which has no defaults for them; they
             # restate what this config already means (sigmoid-scored, bias-corrected routing;
@@ -294,3 +298,23 @@ class ModelConfig:
         if self.mlp_layer_types == sparse_after:
             d["moe_layer_freq"] = 1  # SGLang's way of saying "every layer from k on is sparse"
         return d
+
+
+#: config.json values DeepSeek-V3.2 does not use and corpusd's model does not compute: each is
+#: refused at load naming its field (served silently, they gave other logits than transformers)
+_ACTS = ("silu", "swish")
+
+
+def _refuse_unserved(d: dict[str, Any]) -> None:
+    """ModelConfigError naming the first field of ``d`` whose value corpusd does not compute."""
+    act = d.get("hidden_act", "silu")
+    if act not in _ACTS:
+        raise ModelConfigError(
+            f"hidden_act {act!r} is not served: corpusd's MLP is SwiGLU (silu, as DeepSeek-V3.2)"
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if d.get(key):
+            raise ModelConfigError(
+                f"{key} true is not served: corpusd's projections have no biases (as "
+                "DeepSeek-V3.2's)"
+            )
