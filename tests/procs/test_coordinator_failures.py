@@ -215,11 +215,13 @@ def test_coordinator_crash_mid_publish_is_rolled_back_on_restart(
     hs = start_holders(store, tmp_path, tiny_dir, co.address, 2, "--capacity-tokens", "2048")
 
     async def crash() -> None:
-        async with CoordinatorClient(co.address) as c:
+        # the pin's call waits on hs[1], stopped, until its deadline: one no load outlasts
+        # before hs[0] has loaded (CI, 2 cores under the suite: 30 s ran out first once)
+        async with CoordinatorClient(co.address, timeout=180) as c:
             await c.wait_holders(2)
             os.kill(hs[1].proc.pid, signal.SIGSTOP)
             pin = asyncio.create_task(c.pin(b, replicas=2))
-            await until(lambda: _holds(hs[0], b), task=pin)
+            await until(lambda: _holds(hs[0], b), timeout=150, task=pin)
             co.kill()  # with hs[0] loaded and hs[1]'s Assign in flight
             # gRPC may or may not run hs[1]'s Assign now that its caller is gone; either way
             # the restarted coordinator must clean up both
