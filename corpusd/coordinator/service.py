@@ -23,6 +23,7 @@ from corpusd.coordinator.election import Leadership
 from corpusd.coordinator.publish import Publisher
 from corpusd.coordinator.replicas import LoadReport, Replicator
 from corpusd.coordinator.sessions import NoWorker, WorkerLoad, choose_home
+from corpusd.coordinator.state_store import Table
 from corpusd.coordinator.upkeep import reconcile
 from corpusd.corpus.head import corpus_head
 from corpusd.corpus.manifest import Manifest
@@ -280,9 +281,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         n, digest = self._heads[corpus_id]
         return {"head_len": n, "head_digest": digest} if n else {}
 
-    async def _table(self, row: CorpusRow) -> pb.PageTable:
+    async def _table(self, row: CorpusRow, table: Table | None = None) -> pb.PageTable:
         now = time.time()
-        table = await self.state.page_table(row.corpus_id)
+        if table is None:
+            table = await self.state.page_table(row.corpus_id)
         ids = {hid for reps in table.values() for hid, _ in reps}
         return pb.PageTable(
             corpus=await self._info(row, now),
@@ -313,7 +315,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             raise Reject(
                 S.FAILED_PRECONDITION, f"corpus {row.corpus_id} is {row.state}: no page table"
             )
-        return await self._table(row)
+        table = await self.state.page_table(row.corpus_id)
+        if len(table) != row.pages:
+            # the row and its table are two reads: an unpin (or a re-pin) ran between them, and
+            # a ready corpus's table with pages missing must never be served (an agent binding
+            # it would attend none of them); read both again
+            row = await self._known(row.corpus_id)  # NOT_FOUND once it is gone
+            table = await self.state.page_table(row.corpus_id)
+            if row.state != "ready" or len(table) != row.pages:
+                raise Reject(
+                    S.FAILED_PRECONDITION,
+                    f"corpus {row.corpus_id} is {row.state}: its page table changed while it was "
+                    "read; ask again",
+                )
+        return await self._table(row, table)
 
     @rpc("Pin")
     async def Pin(self, request: pb.PinRequest, context: Any) -> Any:
