@@ -300,13 +300,13 @@ class ModelConfig:
         return d
 
 
-#: config.json values DeepSeek-V3.2 does not use and corpusd's model does not compute: each is
-#: refused at load naming its field (served silently, they gave other logits than transformers)
-_ACTS = ("silu", "swish")
+_ACTS = ("silu", "swish")  # the activations SwiGLU's gate computes (transformers' names)
 
 
 def _refuse_unserved(d: dict[str, Any]) -> None:
-    """ModelConfigError naming the first field of ``d`` whose value corpusd does not compute."""
+    """ModelConfigError naming the first field of ``d`` whose value DeepSeek-V3.2 does not use
+    and corpusd's model does not compute (served, such a value gave other logits than
+    transformers' without an error)."""
     act = d.get("hidden_act", "silu")
     if act not in _ACTS:
         raise ModelConfigError(
