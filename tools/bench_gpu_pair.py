@@ -620,14 +620,15 @@ async def compacted_step(
 ) -> dict[str, Any]:  # fmt: skip
     """(4) as a graphed decode step can split the work: each half's indices compacted (valid
     first, -1 after, the same width; ``formats.valid_first``, in a graph), both halves attended
-    by the kernel that walks only the valid ones (``registry.for_compacted``: FlashMLA with
-    ``topk_length``; the holder is told by ``OpenStream(compacted=True)``). Also each part
+    by the kernel that walks only the valid ones (FlashMLA told each row's count,
+    ``registry.FLASHMLA_LENGTHS``; the holder is told by ``OpenStream(compacted=True)`` and
+    runs ``registry.for_compacted`` of its kernel). Also each part
     alone, to place the step's time: the local partial (compacted, and the uncompacted one of
     the other variants) and the remote round trip (send, holder's partial, reply)."""
     from corpusd.kernels.formats import valid_first
-    from corpusd.kernels.registry import REGISTRY, for_compacted
+    from corpusd.kernels.registry import FLASHMLA_LENGTHS
 
-    skip = for_compacted(REGISTRY["flashmla"])
+    skip = FLASHMLA_LENGTHS
     lc, rc = torch.empty_like(idx_local), torch.empty_like(idx_remote)
 
     def compact() -> None:

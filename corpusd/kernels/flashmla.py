@@ -24,6 +24,7 @@ allocation's size follows from the input shapes and nothing is read back to the 
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from functools import cache
@@ -68,6 +69,21 @@ def usable(device: str) -> bool:
     if not device.startswith("cuda") or not torch.cuda.is_available():
         return False
     return sm_major(device) == 9 and importable()
+
+
+@cache
+def takes_lengths() -> bool:
+    """The sparse kernel here takes ``topk_length`` (sglang-kernel 0.4.6 does; the build an
+    SGLang server brings may not)."""
+    try:
+        return "topk_length" in inspect.signature(_sparse_fwd()).parameters
+    except (ImportError, TypeError, ValueError):
+        return False
+
+
+def lengths_usable(device: str) -> bool:
+    """:func:`usable`, with a sparse kernel that takes each row's valid count."""
+    return usable(device) and takes_lengths()
 
 
 def fits(dtype: torch.dtype, d: int, d_v: int) -> bool:
@@ -161,10 +177,9 @@ def raw_sparse(
     :func:`prep_lengths`), so it walks those only, not the whole width."""
     h, d = q.shape[1], q.shape[2]
     idx, count = prep(indices, kv.shape[0], padded_topk(indices.shape[1]))
-    out, _, lse = _sparse_fwd()(
-        pad_heads(q), kv.view(kv.shape[0], 1, d), idx, scale, D_V,
-        topk_length=count if lengths else None,
-    )  # fmt: skip
+    # the keyword only when asked: builds before sglang-kernel 0.4.6 (SGLang's own) lack it
+    told = {"topk_length": count} if lengths else {}
+    out, _, lse = _sparse_fwd()(pad_heads(q), kv.view(kv.shape[0], 1, d), idx, scale, D_V, **told)
     return out[:, :h], lse[:, :h], count
 
 

@@ -197,25 +197,24 @@ TRITON_SKIP = Kernel("triton+skip", _triton_skip, triton_usable, priority=0,
 #: (``auto`` never picks it): only streams whose indices are compacted get it
 #: (:func:`for_compacted`).
 FLASHMLA_LENGTHS = Kernel("flashmla+len", flashmla.flashmla_lengths_partial_attention,
-                          flashmla.usable, priority=0, fits=flashmla.fits,
-                          needs="an SM90 GPU and sgl_kernel")  # fmt: skip
+                          flashmla.lengths_usable, priority=0, fits=flashmla.fits,
+                          needs="an SM90 GPU and sgl_kernel with topk_length")  # fmt: skip
 
 
 def for_compacted(kernel: Kernel) -> Kernel:
     """The kernel for requests whose rows' indices come valid first, -1 after, at a fixed width
-    (one holder's share of each row's top-k in a graphed step), which walks only each row's
-    valid entries: FlashMLA with ``topk_length`` for FlashMLA, Triton skipping the blocks of -1
-    for Triton, the pair of them for the per-request pair; else ``kernel`` itself (every kernel
-    is exact on any layout). FlashMLA's sparse kernel otherwise walks the whole width. Measured
-    on 2 × H200 at 32 rows × 128 heads (``bench_gpu pair --step-only``): the skipping Triton
-    was slower than FlashMLA over the whole width; FlashMLA with ``topk_length`` is not measured
-    yet, so no caller asks for compacted streams by default."""
-    if kernel.name == "flashmla":
-        return FLASHMLA_LENGTHS
+    (one holder's share of each row's top-k in a graphed step): Triton skipping the blocks of
+    -1 for Triton (and for the Triton half of the per-request pair); else ``kernel`` itself
+    (every kernel is exact on any layout). FlashMLA stays FlashMLA over the whole width:
+    measured on 2 x H200 at 32 rows x 128 heads with half of 2,048 valid (``bench_gpu pair
+    --step-only``, bench/results/gpu-pair-step-deferred-h200x2.json), FlashMLA told each
+    row's count (:data:`FLASHMLA_LENGTHS`) took 160 us where the whole width took 89 us, and
+    the skipping Triton was slower than FlashMLA too, so no caller asks for compacted streams
+    by default."""
     if kernel.name == "triton":
         return TRITON_SKIP
     if kernel.name == "flashmla|triton":
-        return per_request(FLASHMLA_LENGTHS, TRITON_SKIP)
+        return per_request(REGISTRY["flashmla"], TRITON_SKIP)
     return kernel
 
 

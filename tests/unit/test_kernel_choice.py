@@ -110,13 +110,14 @@ def test_per_request_choice_is_described_in_the_log() -> None:
 
 
 def test_compacted_streams_take_the_kernels_that_walk_only_the_valid_indices() -> None:
-    """A holder told its requests' indices come valid first runs FlashMLA told each row's valid
-    count where it would run FlashMLA, Triton skipping blocks of -1 where it would run Triton,
-    the pair of them for the pair; the others are kept. Neither is one ``auto`` picks."""
+    """A holder told its requests' indices come valid first runs Triton skipping blocks of -1
+    where it would run Triton (the pair's Triton half too), and keeps FlashMLA over the whole
+    width (told each row's count it measured slower); the others are kept. Neither variant is
+    one ``auto`` picks."""
     flash, triton = REGISTRY["flashmla"], REGISTRY["triton"]
-    assert kernels.for_compacted(flash) is kernels.FLASHMLA_LENGTHS
+    assert kernels.for_compacted(flash) is flash
     assert kernels.for_compacted(triton) is kernels.TRITON_SKIP
     pair = kernels.for_compacted(kernels.per_request(flash, triton))
-    assert pair.name == "flashmla+len|triton+skip"
+    assert pair.name == "flashmla|triton+skip"
     assert kernels.for_compacted(REGISTRY["torch"]) is REGISTRY["torch"]
     assert {kernels.TRITON_SKIP.name, kernels.FLASHMLA_LENGTHS.name}.isdisjoint(REGISTRY)

@@ -118,3 +118,30 @@ def test_merge_stacked_is_merge_partials_along_any_dim() -> None:
     fin = torch.isfinite(want_l)
     assert rel(got_l[fin], want_l[fin]) <= 1e-6 and rel(got_o, want_o) <= 1e-6
     assert bool((got_o[0, 0] == 0).all())
+
+
+def _old_sparse_fwd(q, kv, indices, sm_scale, d_v=512):  # type: ignore[no-untyped-def]
+    """sgl_kernel's sparse FlashMLA as builds before 0.4.6 declare it (no ``topk_length``), as the
+    one an SGLang server brings does: zeros of its output shapes."""
+    n, h = q.shape[0], q.shape[1]
+    return q.new_zeros(n, h, d_v), q.new_zeros(n, h, dtype=torch.float32), q.new_zeros(n, h)
+
+
+def test_sparse_flashmla_is_called_without_topk_length_unless_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel build without ``topk_length`` is still called (the plugin's LSE-base probe died on
+    it in an SGLang server: "unexpected keyword argument 'topk_length'"), and the variant that
+    needs the keyword is not usable there."""
+    monkeypatch.setattr(flashmla, "_sparse_fwd", lambda: _old_sparse_fwd)
+    q = torch.zeros(3, 16, formats.D_QK, dtype=torch.bfloat16)
+    kv = torch.zeros(200, formats.D_QK, dtype=torch.bfloat16)
+    indices = torch.tensor([[0, 5, -1], [7, 199, 250], [-1, -1, -1]])
+    out, lse, count = flashmla.raw_sparse(q, kv, indices, 0.1)
+    assert out.shape == (3, 16, formats.D_V) and lse.shape == (3, 16)
+    assert count.tolist() == [2, 2, 0]
+    flashmla.takes_lengths.cache_clear()
+    assert not flashmla.takes_lengths()
+    with pytest.raises(TypeError, match="topk_length"):
+        flashmla.raw_sparse(q, kv, indices, 0.1, prep=flashmla.prep_lengths, lengths=True)
+    flashmla.takes_lengths.cache_clear()
