@@ -590,9 +590,11 @@ async def decode_step(
           f"ratio {res['ratio_graphed_deferred_wait_p50']:.2f}, bit-equal {def_equal}; phases "
           f"{phases_def}", flush=True)  # fmt: skip
     print(
-        f"compacted split (both halves valid-first, the skipping kernel): step "
+        f"compacted split (both halves valid-first, {split['kernel']}): step "
         f"{split['step_wall_us']['p50']:.1f} us, ratio {res['ratio_compacted_p50']:.2f}; alone: "
-        f"local {split['local_alone_wall_us']['p50']:.1f} us (uncompacted "
+        f"local {split['local_alone_wall_us']['p50']:.1f} us (compacting both halves "
+        f"{split['compact_alone_wall_us']['p50']:.1f}, the kernel told the counts "
+        f"{split['local_kernel_alone_wall_us']['p50']:.1f}; uncompacted "
         f"{split['local_uncompacted_alone_wall_us']['p50']:.1f}), remote round trip "
         f"{split['remote_alone_wall_us']['p50']:.1f} us; rel err "
         f"{split['rel_err_vs_monolithic']:.1e}",
@@ -665,6 +667,8 @@ async def compacted_step(
         "kernel": skip.name,
         "step_wall_us": step,
         "local_alone_wall_us": replay_wall(local, reps),
+        "compact_alone_wall_us": replay_wall(g_compact.replay, reps),
+        "local_kernel_alone_wall_us": replay_wall(g_local_c.replay, reps),
         "local_uncompacted_alone_wall_us": replay_wall(g_local.replay, reps),
         "remote_alone_wall_us": remote_alone,
         "valid_per_row_local": float((idx_local >= 0).sum(1).float().mean()),
