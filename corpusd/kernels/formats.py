@@ -35,17 +35,11 @@ TOPK_ALIGN = 128  # FlashMLA's top-k width is a multiple of this (SM90)
 
 
 def valid_first(idx: torch.Tensor) -> torch.Tensor:
-    """``idx [n, k]`` (negative: unused) with each row's valid entries first, in their order,
-    and -1 after, at the same width: ``requester.plan.compact`` for a CUDA graph (no trim, no
-    host sync). A holder told a stream is ``compacted`` walks only each row's valid entries
-    (``registry.for_compacted``).
-
-    One scatter to positions two running counts give (a valid entry's rank among the row's
-    valid ones; an unused one's after all of them), not a sort: a stable argsort of the row
-    costs a segmented radix sort's passes where this is a few elementwise launches."""
+    """``idx [n, k]`` (-1 unused) with each row's valid entries first, in their order, and -1
+    after, at the same width: ``requester.plan.compact`` for a CUDA graph (no trim, no host
+    sync). A holder told a stream is ``compacted`` walks only each row's valid entries
+    (``registry.for_compacted``)."""
     import torch
 
-    valid = idx >= 0
-    taken = valid.cumsum(1)
-    dest = torch.where(valid, taken - 1, taken[:, -1:] + (~valid).cumsum(1) - 1)
-    return torch.empty_like(idx).scatter_(1, dest, idx.masked_fill(~valid, -1))
+    order = (idx < 0).to(torch.int8).argsort(dim=1, stable=True)
+    return idx.gather(1, order)
