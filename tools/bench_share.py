@@ -35,7 +35,11 @@ All N workers and the holder share ``--device``'s GPU unless ``--gpus G`` deals 
 GPUs 0 … G−1 (SGLang's ``--base-gpu-id``, worker ``i`` on GPU ``i mod G``), on both sides alike;
 the holder stays on ``--device`` and corpusd's workers on the other GPUs read its one copy over
 peer access (the device path's ``cuda_p2p``). Each worker still spends ``--mem-fraction`` of its
-GPU and ``K`` tokens of KV.
+GPU and ``K`` tokens of KV. ``--spread`` splits the one copy over a holder on each of the G
+GPUs instead: a worker's selected rows then come 1/G from its own GPU and the rest from G-1
+peers, where with one holder every peer read leaves GPU 0's links (measured with N = 4 on 4 x
+H200, bench/results/share-h200x4-n4.json: inter-token p50 4.9 ms at 32 sessions a worker
+against stock's 1.0 ms).
 """
 
 from __future__ import annotations
@@ -88,6 +92,17 @@ def route_budget(k_tokens: int, servers: int, holder_bytes: float, token_bytes: 
     ``holder_bytes`` spend what ``servers`` stock workers of ``k_tokens`` do; ≤ 0 when the
     pinned copy alone takes the whole budget."""
     return int(k_tokens - holder_bytes / (servers * token_bytes))
+
+
+def holder_layout(corpus_tokens: int, device: str, gpus: int, spread: bool) -> tuple[int, str, int]:
+    """``(holders, their devices, each holder's capacity in tokens)`` for ``start_corpusd``: one
+    holder on ``device`` with room for the whole corpus, or with ``spread`` one holder on each
+    of GPUs 0 … ``gpus``-1, each with room for a 1/``gpus`` share and a page over (whole
+    1,024-token steps), so the pin splits the one copy evenly over them."""
+    if not spread:
+        return 1, device, -(-corpus_tokens // 4096) * 4096 + 4096
+    share = -(-corpus_tokens // gpus) + 64
+    return gpus, ",".join(f"cuda:{i}" for i in range(gpus)), -(-share // 1024) * 1024
 
 
 def quantile(buckets: dict[float, float], q: float) -> float:
@@ -574,6 +589,12 @@ def main(argv: list[str] | None = None) -> int:
         "1: every worker on --device's GPU",
     )  # fmt: skip
     ap.add_argument(
+        "--spread", action="store_true",
+        help="with --gpus G: one holder on each of the G GPUs, the one copy split evenly over "
+        "them (each worker reads a 1/G share from its own GPU, the rest over NVLink from "
+        "G-1 peers) instead of the whole copy on --device's GPU",
+    )  # fmt: skip
+    ap.add_argument(
         "--index-arith", choices=("exact", "fp8"), default="fp8",
         help="the model's indexer arithmetic when --work has none yet (fp8: SGLang's)",
     )  # fmt: skip
@@ -590,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.gpus < 1:
         ap.error(f"--gpus {a.gpus}: at least 1")
+    if a.spread and a.gpus < 2:
+        ap.error("--spread: the holders go one on each GPU, so it needs --gpus 2 or more")
     if a.merge:
         return merge(a.merge, a.out)
 
@@ -619,13 +642,13 @@ def main(argv: list[str] | None = None) -> int:
     asks = questions(src, 4096)
     name = "shared"
     fractions = [float(f) for f in a.fractions.split(",")]
-    cap = -(-a.corpus_tokens // 4096) * 4096 + 4096
+    holders, holder_devices, cap = holder_layout(a.corpus_tokens, a.device, a.gpus, a.spread)
     cd = start_corpusd(
         work / f"corpusd-{os.getpid()}",
         model,
         {name: (0, "")},
-        1,
-        a.device,
+        holders,
+        holder_devices,
         "plain",
         capacity_tokens=cap,
         pin_device=a.device,
@@ -635,7 +658,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m tools.bench_share " + " ".join(argv or sys.argv[1:]),
         "gpu": gpu_name(),
         "servers": a.servers,
-        "devices": [a.device],  # the holder's
+        "devices": holder_devices.split(","),  # the holders'
+        "holder_capacity_tokens": cap,
         "worker_gpus": [i % a.gpus for i in range(a.servers)] if a.gpus > 1 else [a.device],
         "model": {
             k: cfg[k]

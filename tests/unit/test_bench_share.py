@@ -124,3 +124,17 @@ def test_gpus_deal_the_workers_over_gpus_on_both_sides(
     assert all("--base-gpu-id" not in f for _, f in started)
     with pytest.raises(SystemExit):
         bs.main(["--gpus", "0"])
+
+
+def test_spread_puts_a_holder_on_each_gpu_with_room_for_an_even_share() -> None:
+    """``--spread``: G holders, one per GPU, whose capacities hold the corpus together with
+    room for no holder to take more than its share and a page; without it one holder on the
+    given device holds all of it."""
+    from tools.bench_share import holder_layout
+
+    assert holder_layout(32872, "cuda:0", 4, False) == (1, "cuda:0", 40960)
+    n, devices, cap = holder_layout(32872, "cuda:0", 4, True)
+    assert (n, devices) == (4, "cuda:0,cuda:1,cuda:2,cuda:3")
+    assert 4 * cap >= 32872 and cap < 32872 / 4 + 1024 + 64 and cap % 1024 == 0
+    with pytest.raises(SystemExit):
+        __import__("tools.bench_share", fromlist=["main"]).main(["--spread"])
