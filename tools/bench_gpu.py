@@ -381,6 +381,17 @@ def single(args: argparse.Namespace) -> None:
           result["staging"]["elbow_device"])  # fmt: skip
 
 
+def agents_list(text: str) -> tuple[int, ...]:
+    """``--step-agents``: comma-separated agent counts, each 1 … 4096."""
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated whole numbers") from None
+    if not counts or not all(1 <= c <= 4096 for c in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: each count 1 to 4096")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -395,21 +406,27 @@ def main(argv: list[str] | None = None) -> None:
         "--step-only", action="store_true",
         help="only (4), the distributed decode step against monolithic (a short device call)",
     )  # fmt: skip
+    pr.add_argument(
+        "--step-agents", type=agents_list, default=(32,),
+        help="with --step-only: the step at each of these agent counts (comma-separated; the "
+        "first is the JSON's decode_step, all are decode_step_by_agents)",
+    )  # fmt: skip
     ph = sub.add_parser("pair-holder", help="(internal) the holder process of `pair`")
     ph.add_argument("--port-file", type=Path, required=True)
     ph.add_argument("--device", type=int, default=0)
     ph.add_argument("--fetch-rows", type=int, default=65536)
+    ph.add_argument("--rows", type=int, default=64, help="the ring's largest attend request")
     args = ap.parse_args(argv)
     if args.cmd == "single":
         single(args)
     elif args.cmd == "pair":
         from tools.bench_gpu_pair import pair
 
-        pair(args.out, args.quick, args.step_only)
+        pair(args.out, args.quick, args.step_only, args.step_agents)
     else:
         from tools.bench_gpu_pair import holder_main
 
-        holder_main(args.port_file, args.device, args.fetch_rows)
+        holder_main(args.port_file, args.device, args.fetch_rows, args.rows)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ Transport over a 128k-token random corpus) and the requester in this process on 
 (2) route round trip at the decode point over NVSHMEM and gRPC, next to the raw NVSHMEM floor
     (echo of the same bytes) and the partial's kernel time; exactness against gRPC.
 (3) route vs fetch vs local per chunk size (64 … 64k tokens): the crossover map.
-(4) one distributed decode step (32 agents, 256k tokens split over 2 GPUs) vs monolithic.
+(4) one distributed decode step (32 agents, 256k tokens split over 2 GPUs) vs monolithic;
+    `--step-only --step-agents 32,64,128` repeats it at each agent count.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def nv_env() -> None:
 # -- holder process --------------------------------------------------------------------------------
 
 
-def holder_main(port_file: Path, device: int, fetch_rows: int) -> None:
+def holder_main(port_file: Path, device: int, fetch_rows: int, rows: int = 64) -> None:
     """Serve Holder (gRPC) and Transport (NVSHMEM) over a random corpus until SIGTERM."""
     import signal
 
@@ -95,7 +96,7 @@ def holder_main(port_file: Path, device: int, fetch_rows: int) -> None:
     svc = HolderService(cfg, pool, PageStore(cfg.store), kernel, "bench", HolderMetrics())
     from corpusd.transport.nvshmem_ring import RingGeometry
 
-    ring = RingGeometry.for_shapes(1, 2, 64, 128, K, fetch_rows)
+    ring = RingGeometry.for_shapes(1, 2, rows, 128, K, fetch_rows)
     endpoint = NvshmemEndpoint(pool, kernel, ring, f"bench:{os.getpid()}", "localhost")
 
     async def serve() -> None:
@@ -162,6 +163,7 @@ async def requester_main(
     stop_holder: Callable[[], None],
     checkpoint: Callable[[dict[str, Any]], None],
     step_only: bool = False,
+    step_agents: tuple[int, ...] = (32,),
 ) -> dict[str, Any]:
     from corpusd.kernels.reference import partial_attention
     from corpusd.kernels.registry import REGISTRY, choose
@@ -198,8 +200,15 @@ async def requester_main(
         gh = torch.Generator(device=dev).manual_seed(11)
         pool_h = torch.randn(HOLDER_TOKENS, D, generator=gh, device=dev, dtype=torch.bfloat16)
         local_fn = REGISTRY["flashmla"].fn if REGISTRY["flashmla"].available(str(dev)) else auto.fn
-        out["decode_step"] = await decode_step(nv, g, dev, pool_h, local_fn, 128, scale, reps)
-        checkpoint(out)
+        by_agents = {}
+        for agents in step_agents:  # the first is the headline's shape
+            by_agents[str(agents)] = await decode_step(nv, g, dev, pool_h, local_fn, 128, scale,
+                                                       reps, agents)  # fmt: skip
+            checkpoint({**out, "decode_step_by_agents": by_agents})
+        out["decode_step"] = by_agents[str(step_agents[0])]
+        if len(step_agents) > 1:
+            out["decode_step_by_agents"] = by_agents
+            print_agents_sweep(by_agents)
         await grpc_client.close()
         stop_holder()
         await nv.close()
@@ -462,16 +471,15 @@ def step_phases(
 
 async def decode_step(
     nv: Any, g: torch.Generator, dev: torch.device, pool_h: torch.Tensor, local_fn: Any,
-    h: int, scale: float, reps: int,
+    h: int, scale: float, reps: int, agents: int = 32,
 ) -> dict[str, Any]:  # fmt: skip
-    """(4) One distributed decode step (32 agents, the corpus's first half on this GPU, the
+    """(4) One distributed decode step (``agents`` rows, the corpus's first half on this GPU, the
     second on the holder's) against one monolithic call over the whole corpus, per layer: eager;
     graphed with the request sent eagerly (local partial and merge replayed); and graphed
     throughout (the route's store / signal / wait replayed as :class:`GraphedAttend`, direct
     mode, beside the local partial's replay), the step the decode worker can run."""
     from corpusd.kernels.merge import merge_partials
 
-    agents = 32
     gl = torch.Generator(device=dev).manual_seed(13)
     pool_local = torch.randn(HOLDER_TOKENS, D, generator=gl, device=dev, dtype=torch.bfloat16)
     pool_all = torch.cat([pool_local, pool_h])  # positions 0..128k local, 128k..256k remote
@@ -575,7 +583,7 @@ async def decode_step(
         "note": "per layer; bf16 latent + fp8 index keys for 61 layers in the capacity numbers",
     }
     print(
-        f"decode step (32 agents, 256k tokens, per layer): distributed {dist['p50']:.1f} us, "
+        f"decode step ({agents} agents, 256k tokens, per layer): distributed {dist['p50']:.1f} us, "
         f"monolithic {mono['p50']:.1f} us wall / {mono_dev:.1f} us device, ratio "
         f"{dist['p50'] / mono['p50']:.2f}; graphed: distributed {dist_graph['p50']:.1f} us, "
         f"monolithic {mono_graph['p50']:.1f} us, ratio "
@@ -751,7 +759,21 @@ def part_choice(dev: torch.device, pool_tokens: int = 1 << 18) -> dict[str, Any]
     return {"k": K, "pool_tokens": pool_tokens, "points": points}
 
 
-def pair(out: Path, quick: bool, step_only: bool = False) -> None:
+def print_agents_sweep(by_agents: dict[str, dict[str, Any]]) -> None:
+    """The sweep's table: per agents count, monolithic and the distributed variants (graphed
+    wall p50, µs) and their ratios."""
+    print("agents  monolithic  distributed  deferred wait  ratio  deferred ratio")
+    for agents, r in by_agents.items():
+        print(f"{agents:>6} {r['monolithic_graphed_wall_us']['p50']:11.1f} "
+              f"{r['distributed_graphed_wall_us']['p50']:12.1f} "
+              f"{r['distributed_graphed_deferred_wait_wall_us']['p50']:14.1f} "
+              f"{r['ratio_graphed_p50']:6.2f} {r['ratio_graphed_deferred_wait_p50']:15.2f}",
+              flush=True)  # fmt: skip
+
+
+def pair(
+    out: Path, quick: bool, step_only: bool = False, step_agents: tuple[int, ...] = (32,)
+) -> None:
     assert torch.cuda.device_count() >= 2, "the pair bench needs two GPUs"
     nv_env()
     port_file = Path(tempfile.mkdtemp(prefix="bench-pair-")) / "port"
@@ -759,7 +781,7 @@ def pair(out: Path, quick: bool, step_only: bool = False) -> None:
     # enqueue threads) launches on its GPU without per-thread device guards.
     holder = subprocess.Popen(
         [sys.executable, "-m", "tools.bench_gpu", "pair-holder", "--port-file", str(port_file),
-         "--device", "0"],
+         "--device", "0", "--rows", str(max(64, *step_agents))],
         env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"},
     )  # fmt: skip
     try:
@@ -782,7 +804,13 @@ def pair(out: Path, quick: bool, step_only: bool = False) -> None:
         result.update(
             asyncio.run(
                 requester_main(
-                    f"127.0.0.1:{port}", kname, quick, holder.terminate, checkpoint, step_only
+                    f"127.0.0.1:{port}",
+                    kname,
+                    quick,
+                    holder.terminate,
+                    checkpoint,
+                    step_only,
+                    step_agents,
                 )
             )
         )

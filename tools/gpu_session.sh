@@ -35,7 +35,8 @@
 #   bash tools/gpu_session.sh pair-step      # issue 35, 2 GPUs, .corpusd-deps + .gpu-deps carried: the
 #                                            #   FlashMLA kernel tests (topk_length too), then the
 #                                            #   distributed decode step alone (bench_gpu pair --quick
-#                                            #   --step-only: variants, phases, compacted split; ~2 min)
+#                                            #   --step-only: variants, phases, compacted split, at
+#                                            #   STEP_AGENTS agents, default 32,64,128,256; ~2 min)
 #   bash tools/gpu_session.sh failover       # issue 35: the pytest -m sglang device-path failover test,
 #                                            #   a holder SIGKILLed under 32 streams (~5 min)
 #   bash tools/gpu_session.sh peer-tests     # issue 35, 2 GPUs, .gpu-deps carried: the peer-pool GPU test
@@ -285,10 +286,11 @@ pair-step)  # FlashMLA from .gpu-deps; NVSHMEM from the image's wheel
         > "$OUT/gpu-kernels-flashmla-$GPU.log" 2>&1
     took "flashmla kernel tests" $?
     tail -3 "$OUT/gpu-kernels-flashmla-$GPU.log"
-    timeout 200 python3 -m tools.bench_gpu pair --quick --step-only \
+    timeout 300 python3 -m tools.bench_gpu pair --quick --step-only \
+        --step-agents "${STEP_AGENTS:-32,64,128,256}" \
         --out "$OUT/gpu-pair-step-$GPU.json" > "$OUT/gpu-pair-step-$GPU.log" 2>&1
     took "pair --step-only" $?
-    grep -E "^decode step|^graphed step|^compacted" "$OUT/gpu-pair-step-$GPU.log" ;;
+    grep -E "^decode step|^graphed step|^compacted|^agents|^ +[0-9]+ " "$OUT/gpu-pair-step-$GPU.log" ;;
 failover)
     timeout 570 python3 -m pytest -x -q -s -m sglang tests/sglang/test_sglang_device_failover.py \
         --basetemp=/tmp/fo > "$OUT/sglang-failover-test-$GPU.log" 2>&1
