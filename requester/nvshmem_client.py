@@ -78,10 +78,12 @@ class DeferredPending:
     reply_status: torch.Tensor  # the slot's status word (device)
     status: torch.Tensor  # pinned host int32 [1]
     what: str
+    awaited: bool = False  # wait_on was called: the next send may reset the reply signal
 
     def wait_on(self, stream: torch.cuda.Stream) -> tuple[torch.Tensor, ...]:
         """Enqueue on ``stream``: the wait for the reply signal (after the send's reset), then
         the status word's copy out; no host sync. ``check()`` once the host synchronizes."""
+        self.awaited = True
         stream.wait_event(self.sent)
         self.job.wait_ge(self.rep_sig, 1, stream.cuda_stream)
         with torch.cuda.stream(stream):
@@ -121,6 +123,7 @@ class GraphedAttend:
         assert job is not None and s is not None and client._shape is not None
         assert client._shape[0] == "attend", "open an attend stream first"
         self.client, self.q, self.idx, self.wait = client, q, idx, wait
+        self.last: DeferredPending | None = None  # wait=False: the reply not yet waited for
         me = client.rank - 1
         self.graphs: list[torch.cuda.CUDAGraph] = []
         s.wait_stream(torch.cuda.current_stream(q.device))
@@ -150,6 +153,12 @@ class GraphedAttend:
             self.graphs.append(graph)
 
     def __call__(self) -> Pending | DeferredPending:
+        if self.last is not None and not self.last.awaited:
+            # its reply signal would be reset before any stream waited for it: a lost reply
+            raise RuntimeError(
+                f"{self.last.what}: its reply was never waited for; call wait_on (or result) "
+                "on the previous call's DeferredPending before the next call"
+            )
         c = self.client
         assert c.stream is not None and c.job is not None
         slot, _, _ = c._next("attend")
@@ -161,8 +170,9 @@ class GraphedAttend:
             sent = torch.cuda.Event()
             sent.record(c.stream)
             reply = c._views[slot][1]
-            return DeferredPending(c.job, sent, c.job.rep_sig[me : me + 1], reply[:-1],
-                                   reply[-1], c._status[slot], what)  # fmt: skip
+            self.last = DeferredPending(c.job, sent, c.job.rep_sig[me : me + 1], reply[:-1],
+                                        reply[-1], c._status[slot], what)  # fmt: skip
+            return self.last
         p = Pending(c.stream, c._views[slot][1][:-1], c._status[slot], what)
         p.done.record(c.stream)
         return p

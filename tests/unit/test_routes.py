@@ -250,3 +250,20 @@ def test_join_probe_takes_no_slot_and_members_are_fixed_once_the_job_is_up(
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert join("", probe=True).rank == 0, "probes are answered whatever the job's state"
     e.close()
+
+
+def test_a_deferred_reply_must_be_waited_for_before_the_next_graphed_call() -> None:
+    """``GraphedAttend(wait=False)``: the next call resets the reply signal, so a call whose
+    reply no stream waited for would lose it; the next call refuses, before it touches the
+    GPU, until ``wait_on`` (or ``result``) was called."""
+    from requester.nvshmem_client import DeferredPending, GraphedAttend
+
+    ga = object.__new__(GraphedAttend)  # the refusal comes before any CUDA call
+    ga.wait = False
+    t = torch.zeros(1)
+    ga.last = DeferredPending(None, None, t, (t,), t, t, "attend seq 7")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="attend seq 7: its reply was never waited for"):
+        ga()
+    ga.last.awaited = True  # as wait_on leaves it
+    with pytest.raises(AttributeError):  # past the check: this stand-in has no client
+        ga()
