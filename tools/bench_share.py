@@ -63,7 +63,14 @@ from corpusd.testing.span_qa import stdlib_corpus
 from corpusd.tokenizer import ByteTokenizer
 from tools.bench_sglang import teacher_forced
 from tools.sglang_compare import against_floor, forced_compare
-from tools.sglang_server import Corpusd, Server, request, sglang_flags, start_corpusd
+from tools.sglang_server import (
+    Corpusd,
+    Server,
+    request,
+    sglang_flags,
+    start_corpusd,
+    start_pinned,
+)
 
 #: The SGLang flags the bench sets beyond tools/sglang_server.sglang_flags, and why (the JSON
 #: records them): two workers and a holder share one GPU, so each worker takes a slice of it.
@@ -103,6 +110,21 @@ def holder_layout(corpus_tokens: int, device: str, gpus: int, spread: bool) -> t
         return 1, device, -(-corpus_tokens // 4096) * 4096 + 4096
     share = -(-corpus_tokens // gpus) + 64
     return gpus, ",".join(f"cuda:{i}" for i in range(gpus)), -(-share // 1024) * 1024
+
+
+def pin_shared(
+    a: argparse.Namespace, work: Path, model: Path, name: str, src: Path, holders: int,
+    devices: str, cap: int,
+) -> Corpusd:  # fmt: skip
+    """corpusd's daemons with the corpus ``src`` pinned as ``name``: prefilled by corpusd on
+    ``--device``, or with ``--pin-engine`` through a stock SGLang server in capture mode, so the
+    pinned pages are the ones stock computes for itself (the exactness probe then compares
+    route with stock on stock's own pages; a capture server is started and stopped first)."""
+    if a.pin_engine:
+        return start_pinned(work, model, {name: (0, "")}, holders, devices, "auto",
+                            a.port + 90, {name: src}, cap)  # fmt: skip
+    return start_corpusd(work, model, {name: (0, "")}, holders, devices, "plain",
+                         capacity_tokens=cap, pin_device=a.device, sources={name: src})  # fmt: skip
 
 
 def quantile(buckets: dict[float, float], q: float) -> float:
@@ -589,6 +611,11 @@ def main(argv: list[str] | None = None) -> int:
         "1: every worker on --device's GPU",
     )  # fmt: skip
     ap.add_argument(
+        "--pin-engine", action="store_true",
+        help="pin the corpus through a stock SGLang server in capture mode (corpusd pin "
+        "--engine), so route attends stock's own pages; default: corpusd's GPU prefill",
+    )  # fmt: skip
+    ap.add_argument(
         "--spread", action="store_true",
         help="with --gpus G: one holder on each of the G GPUs, the one copy split evenly over "
         "them (each worker reads a 1/G share from its own GPU, the rest over NVLink from "
@@ -643,22 +670,14 @@ def main(argv: list[str] | None = None) -> int:
     name = "shared"
     fractions = [float(f) for f in a.fractions.split(",")]
     holders, holder_devices, cap = holder_layout(a.corpus_tokens, a.device, a.gpus, a.spread)
-    cd = start_corpusd(
-        work / f"corpusd-{os.getpid()}",
-        model,
-        {name: (0, "")},
-        holders,
-        holder_devices,
-        "plain",
-        capacity_tokens=cap,
-        pin_device=a.device,
-        sources={name: src},
-    )
+    cd = pin_shared(a, work / f"corpusd-{os.getpid()}", model, name, src, holders,
+                    holder_devices, cap)  # fmt: skip
     out: dict[str, Any] = {
         "command": "python -m tools.bench_share " + " ".join(argv or sys.argv[1:]),
         "gpu": gpu_name(),
         "servers": a.servers,
         "devices": holder_devices.split(","),  # the holders'
+        "pinned_by": "sglang (capture backend)" if a.pin_engine else "corpusd",
         "holder_capacity_tokens": cap,
         "worker_gpus": [i % a.gpus for i in range(a.servers)] if a.gpus > 1 else [a.device],
         "model": {

@@ -138,3 +138,26 @@ def test_spread_puts_a_holder_on_each_gpu_with_room_for_an_even_share() -> None:
     assert 4 * cap >= 32872 and cap < 32872 / 4 + 1024 + 64 and cap % 1024 == 0
     with pytest.raises(SystemExit):
         __import__("tools.bench_share", fromlist=["main"]).main(["--spread"])
+
+
+def test_pin_engine_pins_through_a_capture_server_else_corpusd_prefills(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--pin-engine``: the corpus goes through ``start_pinned`` with an engine port (stock's
+    own pages), to the same holders and capacity; without it corpusd prefills on ``--device``."""
+    import argparse
+
+    import tools.bench_share as bs
+
+    calls: list[tuple[str, tuple, dict]] = []
+    monkeypatch.setattr(bs, "start_pinned", lambda *a, **k: calls.append(("engine", a, k)))
+    monkeypatch.setattr(bs, "start_corpusd", lambda *a, **k: calls.append(("corpusd", a, k)))
+    a = argparse.Namespace(pin_engine=True, port=30200, device="cuda:0")
+    src = tmp_path / "src"
+    bs.pin_shared(a, tmp_path, tmp_path / "m", "shared", src, 4, "cuda:0,cuda:1", 9216)
+    a.pin_engine = False
+    bs.pin_shared(a, tmp_path, tmp_path / "m", "shared", src, 4, "cuda:0,cuda:1", 9216)
+    (k1, a1, _), (k2, a2, kw2) = calls
+    assert k1 == "engine" and a1[3:] == (4, "cuda:0,cuda:1", "auto", 30290, {"shared": src}, 9216)
+    assert k2 == "corpusd" and a2[3:] == (4, "cuda:0,cuda:1", "plain")
+    assert kw2 == {"capacity_tokens": 9216, "pin_device": "cuda:0", "sources": {"shared": src}}
