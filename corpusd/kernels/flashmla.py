@@ -177,7 +177,7 @@ def raw_sparse(
     :func:`prep_lengths`), so it walks those only, not the whole width."""
     h, d = q.shape[1], q.shape[2]
     idx, count = prep(indices, kv.shape[0], padded_topk(indices.shape[1]))
-    # the keyword only when asked: builds before sglang-kernel 0.4.6 (SGLang's own) lack it
+    # the keyword only when asked: the sgl_kernel an SGLang server loads lacks it
     told = {"topk_length": count} if lengths else {}
     out, _, lse = _sparse_fwd()(pad_heads(q), kv.view(kv.shape[0], 1, d), idx, scale, D_V, **told)
     return out[:, :h], lse[:, :h], count

@@ -207,11 +207,11 @@ def for_compacted(kernel: Kernel) -> Kernel:
     -1 for Triton (and for the Triton half of the per-request pair); else ``kernel`` itself
     (every kernel is exact on any layout). FlashMLA stays FlashMLA over the whole width:
     measured on 2 x H200 at 32 rows x 128 heads with half of 2,048 valid (``bench_gpu pair
-    --step-only``, bench/results/gpu-pair-step-deferred-h200x2.json), FlashMLA told each
-    row's count (:data:`FLASHMLA_LENGTHS`) took 160 us where the whole width took 89 us: the
-    kernel alone saves about 12 us, the compaction costs more (gpu-pair-step-compaction-
-    h200x2.json); the skipping Triton was slower than FlashMLA too, so no caller asks for
-    compacted streams by default."""
+    --step-only``, bench/results/gpu-pair-step-deferred-h200x2.json), the local half
+    compacted and attended by FlashMLA told each row's count (:data:`FLASHMLA_LENGTHS`) took
+    160 us where FlashMLA over the whole width took 89 us: the counted kernel saves perhaps
+    12 us and the compaction costs more (gpu-pair-step-compaction-h200x2.json); the skipping
+    Triton was slower than FlashMLA too, so no caller asks for compacted streams by default."""
     if kernel.name == "triton":
         return TRITON_SKIP
     if kernel.name == "flashmla|triton":
