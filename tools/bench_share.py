@@ -72,6 +72,8 @@ from tools.sglang_server import (
     start_pinned,
 )
 
+PAGE = 64  # corpusd's page: a holder's capacity is whole pages
+
 #: The SGLang flags the bench sets beyond tools/sglang_server.sglang_flags, and why (the JSON
 #: records them): two workers and a holder share one GPU, so each worker takes a slice of it.
 WHY_FLAGS = {
@@ -104,12 +106,15 @@ def route_budget(k_tokens: int, servers: int, holder_bytes: float, token_bytes: 
 def holder_layout(corpus_tokens: int, device: str, gpus: int, spread: bool) -> tuple[int, str, int]:
     """``(holders, their devices, each holder's capacity in tokens)`` for ``start_corpusd``: one
     holder on ``device`` with room for the whole corpus, or with ``spread`` one holder on each
-    of GPUs 0 … ``gpus``-1, each with room for a 1/``gpus`` share and a page over (whole
-    1,024-token steps), so the pin splits the one copy evenly over them."""
+    of GPUs 0 … ``gpus``-1, each with room for a 1/``gpus`` share and a page over, so that no
+    ``gpus`` − 1 of them can hold the corpus and the placement's water-fill uses all of them
+    evenly. ``corpus_tokens`` is the size asked for; the pinned corpus may run a few percent
+    over (whole files), which the share's 2 % and one page a holder absorb."""
     if not spread:
         return 1, device, -(-corpus_tokens // 4096) * 4096 + 4096
-    share = -(-corpus_tokens // gpus) + 64
-    return gpus, ",".join(f"cuda:{i}" for i in range(gpus)), -(-share // 1024) * 1024
+    pages = -(-corpus_tokens * 102 // (100 * PAGE)) + gpus
+    cap = (-(-pages // gpus) + 1) * PAGE
+    return gpus, ",".join(f"cuda:{i}" for i in range(gpus)), cap
 
 
 def pin_shared(
