@@ -144,8 +144,14 @@ class CorpusCatalog:
         async with self.client() as c:
             return [
                 PinnedCorpus(
-                    s.corpus_id, s.name, s.state, s.tokens, s.page_size, s.model_fingerprint,
-                    s.head_len, s.head_digest,
+                    s.corpus_id,
+                    s.name,
+                    s.state,
+                    s.tokens,
+                    s.page_size,
+                    s.model_fingerprint,
+                    s.head_len,
+                    s.head_digest,
                 )
                 for s in await c.list_corpora()
             ]

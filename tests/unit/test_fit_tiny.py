@@ -147,8 +147,11 @@ def test_reinit_gives_small_weights_scaled_residual_writers_and_unit_norms(tiny_
         elif p.dim() < 2:
             assert bool((p == 0).all()), name
         else:
-            want = 0.02 / (2 * layers) ** 0.5 if name.endswith(("o_proj.weight",
-                                                                 "down_proj.weight")) else 0.02
+            want = (
+                0.02 / (2 * layers) ** 0.5
+                if name.endswith(("o_proj.weight", "down_proj.weight"))
+                else 0.02
+            )
             sd = float(p.detach().std())
             assert abs(sd / want - 1) < 0.2, (name, sd, want)
     with torch.no_grad():

@@ -53,4 +53,3 @@ def test_flashmla_length_preparation_puts_each_rows_valid_indices_first_with_the
         c = int(count[r])
         assert c == len(valid) and torch.equal(out[r, 0, :c].long(), valid), f"row {r}"
         assert bool((out[r, 0, c:] == -1).all()), f"row {r}: -1 after its count"
-
