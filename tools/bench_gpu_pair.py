@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -545,6 +546,7 @@ async def decode_step(
     phases_def = step_phases(deferred, g_local, lo_s, depth, reps)
     g_mono, _ = capture(partial(mono_fn, qa, pool_all, sel, scale, D_V))
     mono_graph = replay_wall(g_mono.replay, reps)
+    mono_split = monolithic_split(qa, pool_all, sel, scale, ref, reps)
     split = await compacted_step(nv, qa, pool_local, idx_local, idx_remote, g_local, scale, reps,
                                  ref)  # fmt: skip
     layers, idx_bytes = 61, 128  # V3.2: 61 layers; index keys 128 fp8 bytes per token
@@ -561,6 +563,7 @@ async def decode_step(
         "ratio_p50": dist["p50"] / mono["p50"],
         "distributed_graphed_wall_us": dist_graph,
         "monolithic_graphed_wall_us": mono_graph,
+        "monolithic_split_graphed": mono_split,
         "ratio_graphed_p50": dist_graph["p50"] / mono_graph["p50"],
         "distributed_graphed_send_wall_us": dist_all,
         "ratio_graphed_send_p50": dist_all["p50"] / mono_graph["p50"],
@@ -759,12 +762,43 @@ def part_choice(dev: torch.device, pool_tokens: int = 1 << 18) -> dict[str, Any]
     return {"k": K, "pool_tokens": pool_tokens, "points": points}
 
 
+def monolithic_split(
+    qa: torch.Tensor, pool: torch.Tensor, sel: torch.Tensor, scale: float,
+    ref: tuple[torch.Tensor, torch.Tensor], reps: int,
+) -> dict[str, Any]:  # fmt: skip
+    """The monolithic partial with each row's 2,048 indices cut into 2 and 4 chunks, each its
+    own FlashMLA query row, merged by LSE (``flashmla.split_sparse_partial``, the SGLang
+    plugin's kernel): at 32 rows FlashMLA runs one CTA per row and 64 heads, so chunks fill the
+    SMs the plain call leaves idle. Graphed wall p50 and the error against the plain call, per
+    chunk count; an error string where the kernel build refuses it."""
+    from corpusd.kernels import flashmla
+
+    out: dict[str, Any] = {}
+    try:
+        base2 = flashmla.sparse_lse_base2(str(qa.device))
+        for splits in (2, 4):
+            fn = partial(flashmla.split_sparse_partial, qa, pool, sel, scale, D_V, base2, splits)
+            g, (o, lse) = capture(fn)
+            out[str(splits)] = {
+                **replay_wall(g.replay, reps),
+                "rel_err_vs_plain": float(
+                    (o.float() - ref[0].float()).norm() / ref[0].float().norm()
+                ),
+                "max_lse_diff_vs_plain": float((lse - ref[1]).abs().max()),
+            }
+    except Exception as e:  # a bench variant: recorded, the rest still runs
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def print_agents_sweep(by_agents: dict[str, dict[str, Any]]) -> None:
     """The sweep's table: per agents count, monolithic and the distributed variants (graphed
     wall p50, µs) and their ratios."""
-    print("agents  monolithic  distributed  deferred wait  ratio  deferred ratio")
+    print("agents  monolithic  split 2  split 4  distributed  deferred wait  ratio  deferred ratio")
     for agents, r in by_agents.items():
-        print(f"{agents:>6} {r['monolithic_graphed_wall_us']['p50']:11.1f} "
+        ms = r["monolithic_split_graphed"]
+        s2, s4 = (ms[s]["p50"] if s in ms else math.nan for s in ("2", "4"))
+        print(f"{agents:>6} {r['monolithic_graphed_wall_us']['p50']:11.1f} {s2:8.1f} {s4:8.1f} "
               f"{r['distributed_graphed_wall_us']['p50']:12.1f} "
               f"{r['distributed_graphed_deferred_wait_wall_us']['p50']:14.1f} "
               f"{r['ratio_graphed_p50']:6.2f} {r['ratio_graphed_deferred_wait_p50']:15.2f}",
