@@ -125,6 +125,11 @@ SPAN_SEED = 20261128
 FLOOR_RESTART = "stock#2"
 
 
+#: The group suffix of stock's one-request-at-a-time teacher-forced pass (``--dump``): its rows
+#: pair with stock's batched pass for the selection's own floor.
+SEQUENTIAL = "seq"
+
+
 def greedy_tag(corpus: str) -> str:
     """How the sequential greedy requests are named: the trace keys one run's groups by it."""
     return f"greedy-{corpus}-"
@@ -189,8 +194,9 @@ def measure(
         result["forced_bare"] = teacher_forced(server, mode, corpus, bare, ref, vocab, steps)
     if sequential_floor:  # the same contexts one request at a time: the batching floor
         result["forced_sequential"] = teacher_forced(
-            server, mode, corpus, prompts, ref, vocab, steps, concurrent=False
-        )
+            server, mode, corpus, prompts, ref, vocab, steps, concurrent=False, tagged=tagged,
+            group=corpus + SEQUENTIAL,
+        )  # fmt: skip
     try:  # a refused flush or a failed request costs this probe, not the mode's other numbers
         result["first_token"] = first_token(server, mode, corpus, prompts, vocab, first_token_reps)
     except (RuntimeError, OSError) as e:
@@ -210,18 +216,19 @@ def measure(
 
 def teacher_forced(
     server: Server, mode: str, corpus: str, prompts: list[list[int]], ref: list[list[int]],
-    vocab: int, steps: int, concurrent: bool = True, tagged: bool = False,
+    vocab: int, steps: int, concurrent: bool = True, tagged: bool = False, group: str = "",
 ) -> list[list[list[float]]]:  # fmt: skip
     """``[request][step][vocab]``: the log-softmax of the next token after ``prompts[i] +
     ref[i][:j]`` for ``j < steps``; each request's steps in order, the requests in one thread each
     (``concurrent``: SGLang batches them) or one after another (one request in flight).
-    ``tagged``: each request's rid carries ``layer_compare.tag(j, i, corpus)``, by which the
-    servers' per-layer dumps (``--dump``) pair stock's rows with route's."""
+    ``tagged``: each request's rid carries ``layer_compare.tag(j, i, group or corpus)``, by
+    which the servers' per-layer dumps (``--dump``) pair stock's rows with route's (``group``:
+    another pass of the same rows, e.g. :data:`SEQUENTIAL`)."""
 
     def forced(i: int) -> list[list[float]]:
         out = []
         for j in range(steps):
-            phase = tag(j, i, corpus) if tagged else ""
+            phase = tag(j, i, group or corpus) if tagged else ""
             body = request(prompts[i] + ref[i][:j], 1, mode, corpus, i, vocab, True, phase)
             if tagged and not is_route(mode):  # route's rid carries the phase already
                 body["rid"] = f"{phase}{time.monotonic_ns()}"
@@ -306,12 +313,17 @@ def dump_env(a: argparse.Namespace, mode: str) -> dict[str, str]:
 def selection(a: argparse.Namespace, modes: list[str], regime: str, k: int) -> dict[str, Any]:
     """``--dump``: each route mode's top-k against stock's per layer and step on the
     teacher-forced rows of ``regime`` (``tools/layer_compare.py: selection_vs_stock``), with
-    stock's exact ties at the cut per layer and route's set at them."""
+    stock's exact ties at the cut per layer and route's set at them; and, as its floor, stock's
+    batched pass against its own one-at-a-time pass of the same rows (``stock_sequential``:
+    batch composition alone moves a GEMM's rounding, so the sets may differ at layer 0 too)."""
     stock = dump.load(dump_dir(a, "stock")) if dump_dir(a, "stock").exists() else []
     out = {}
     for m in modes:
         if is_route(m) and dump_dir(a, m).exists():
             out[m] = selection_vs_stock(stock, dump.load(dump_dir(a, m)), k, regime)
+    floor = selection_vs_stock(stock, stock, k, regime, regime + SEQUENTIAL)
+    if floor["rows"]:
+        out["stock_sequential"] = floor
     return out
 
 

@@ -44,22 +44,29 @@ def tag(step: int, request: int, group: str = "") -> str:
 
 
 def pair(
-    stock: Iterable[dict[str, Any]], route: Iterable[dict[str, Any]], group: str = ""
-) -> list[tuple[tuple[int, int], dict[str, Any], dict[str, Any]]]:
+    stock: Iterable[dict[str, Any]], route: Iterable[dict[str, Any]], group: str = "",
+    route_group: str | None = None,
+) -> list[tuple[tuple[int, int], dict[str, Any], dict[str, Any]]]:  # fmt: skip
     """Records of the same teacher-forced row on both sides, by (step, request) from the rid
-    (:func:`tag` with ``group``); the last record of a key wins (a retried request), keys on one
-    side only are left out."""
-    pattern = TAG if not group else re.compile(rf"diag{re.escape(group)}-s(\d+)-q(\d+)-")
+    (:func:`tag` with ``group``, on the second side ``route_group`` when given: two runs of one
+    server, e.g. its batched and its one-at-a-time pass); the last record of a key wins (a
+    retried request), keys on one side only are left out."""
 
-    def keyed(recs: Iterable[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+    def pattern(g: str) -> re.Pattern[str]:
+        return TAG if not g else re.compile(rf"diag{re.escape(g)}-s(\d+)-q(\d+)-")
+
+    def keyed(
+        recs: Iterable[dict[str, Any]], p: re.Pattern[str]
+    ) -> dict[tuple[int, int], dict[str, Any]]:
         out = {}
         for r in recs:
-            m = pattern.search(str(r["rid"]))
+            m = p.search(str(r["rid"]))
             if m:
                 out[(int(m.group(1)), int(m.group(2)))] = r
         return out
 
-    a, b = keyed(stock), keyed(route)
+    a = keyed(stock, pattern(group))
+    b = keyed(route, pattern(group if route_group is None else route_group))
     return [(k, a[k], b[k]) for k in sorted(set(a) & set(b))]
 
 
@@ -227,13 +234,14 @@ def overlap_by_layer_and_step(rows: dict[tuple[int, int], dict[str, Any]]) -> di
 
 
 def selection_vs_stock(
-    stock: list[dict[str, Any]], route: list[dict[str, Any]], k: int, group: str = ""
-) -> dict[str, Any]:
+    stock: list[dict[str, Any]], route: list[dict[str, Any]], k: int, group: str = "",
+    route_group: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """What the bench reports of a mode's selection against stock's on the teacher-forced rows
     of ``group`` recorded at the same logical position on both sides (the others counted in
     ``position_mismatch``): per layer (:func:`selection_agreement`: overlap, ties at the cut,
     route equal at the ties) and per layer and step (:func:`overlap_by_layer_and_step`)."""
-    pairs = pair(stock, route, group)
+    pairs = pair(stock, route, group, route_group)
     # A pair recorded at two different logical positions is not one row computed twice (a
     # dump's row mapping gone wrong, issue 36): left out of the figures, and listed.
     apart = [(key, a.get("position"), b.get("position")) for key, a, b in pairs

@@ -470,3 +470,29 @@ def test_route_trials_send_route_the_questions_alone(
     want = sorted(tuple(s + t[:j]) for s, t in pairs for j in range(2))
     assert sent == want, "route must be sent the questions (and forced answers) without the corpus"
     assert bs.mode_prompts("stock", corpus, suffixes) == [corpus + s for s in suffixes]
+
+
+def test_stocks_one_at_a_time_pass_is_tagged_as_its_own_group() -> None:
+    """``--dump``: the sequential floor's teacher-forced requests carry ``tag(j, i, group)``
+    with their own group, so the selection's floor pairs them with the batched pass's rows
+    (named by the regime) instead of replacing them."""
+    import tools.bench_sglang as bs
+
+    class FakeServer:
+        def __init__(self) -> None:
+            self.rids: list[str] = []
+
+        def post(self, body: dict[str, Any]) -> dict[str, Any]:
+            self.rids.append(str(body.get("rid", "")))
+            return {"meta_info": {"output_token_ids_logprobs": [[[-0.5, 3], [-1.0, 4]]]}}
+
+    server = FakeServer()
+    prompts, ref = [[BOS_ID, 10], [BOS_ID, 11]], [[3, 4], [4, 3]]
+    bs.teacher_forced(server, "stock", "sparse", prompts, ref, 8, 2, concurrent=False,  # type: ignore[arg-type]
+                      tagged=True, group="sparse" + bs.SEQUENTIAL)  # fmt: skip
+    bs.teacher_forced(server, "stock", "sparse", prompts, ref, 8, 2, concurrent=False,  # type: ignore[arg-type]
+                      tagged=True)  # fmt: skip
+    seq, batched = server.rids[:4], server.rids[4:]
+    want = [bs.tag(j, i, "sparseseq") for i in range(2) for j in range(2)]
+    assert [r[: len(w)] for r, w in zip(seq, want, strict=True)] == want
+    assert all(r.startswith("diagsparse-s") for r in batched)

@@ -146,3 +146,23 @@ def test_selection_vs_stock_per_layer_and_step(tmp_path: Path) -> None:
     assert got["per_layer"]["1"]["rows_below_1"] == 1
     assert got["per_layer"]["1"]["overlap_mean"] == pytest.approx((3 + (K - 1) / K) / 4)
     assert got["per_layer_step"]["1"] == {"0": 1.0, "1": pytest.approx((1 + (K - 1) / K) / 2)}
+
+
+def test_stock_batched_against_its_own_one_at_a_time_pass(tmp_path: Path) -> None:
+    """The selection's own floor: one server's batched teacher-forced rows (group ``sparse``)
+    paired with its one-request-at-a-time pass of the same rows (group ``sparseseq``) in the
+    same dump; each group's pattern takes its own rows only."""
+    s = _scores(10, 5)
+    order = s.sort(descending=True).indices
+    base = _layer(s, torch.ones(4), torch.ones(4))
+    moved = {**base, "sel": torch.cat([order[: K - 1], order[K : K + 1]]).sort().values}
+    for q in range(3):
+        _write(tmp_path / "stock", tag(0, q, "sparse") + "1", {0: base})
+        _write(tmp_path / "stock", tag(0, q, "sparseseq") + "2", {0: moved if q == 2 else base})
+    recs = dump.load(tmp_path / "stock")
+    assert len(pair(recs, recs, "sparse")) == 3  # "diagsparse-s" is not in "diagsparseseq-s"
+    assert all(a is b for _, a, b in pair(recs, recs, "sparse"))
+    got = selection_vs_stock(recs, recs, K, "sparse", "sparseseq")
+    assert got["rows"] == 3 and got["position_mismatch"] == 0
+    assert got["per_layer"]["0"]["rows_below_1"] == 1
+    assert got["per_layer"]["0"]["overlap_mean"] == pytest.approx((2 + (K - 1) / K) / 3)
