@@ -434,6 +434,14 @@ def report(out: dict[str, Any]) -> None:
                   f"×{s['mean_over_floor']['median']:.2f} [{s['mean_over_floor']['min']:.2f}–"
                   f"{s['mean_over_floor']['max']:.2f}], forced "
                   f"{s['forced_agree_steps']['median']}/{t['forced_steps']}")  # fmt: skip
+    for r, v in out["regimes"].items():  # --dump: top-k overlap per layer, beside its floor
+        for m, sel in v.get("selection_vs_stock", {}).items():
+            who = "stock b8/b1" if m == "stock_sequential" else f"{m}/stock"
+            layers = sorted(sel.get("per_layer", {}).items(), key=lambda t: int(t[0]))
+            cells = ", ".join(
+                f"{li}: {x['overlap_mean']:.4f} (min {x['overlap_min']:.4f})" for li, x in layers
+            )
+            print(f"{r:<7} {who + ' top-k overlap':<27} {sel.get('rows', 0)} rows; {cells}")
     for r, v in out["regimes"].items():
         if "vs_oracle" in v:  # every run against corpusd's model in float64 (sglang_oracle.py)
             o = v["vs_oracle"]

@@ -496,3 +496,19 @@ def test_stocks_one_at_a_time_pass_is_tagged_as_its_own_group() -> None:
     want = [bs.tag(j, i, "sparseseq") for i in range(2) for j in range(2)]
     assert [r[: len(w)] for r, w in zip(seq, want, strict=True)] == want
     assert all(r.startswith("diagsparse-s") for r in batched)
+
+
+def test_report_prints_the_overlap_per_layer_beside_its_floor(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def sel(*means: float) -> dict[str, Any]:
+        layers = {str(i): {"overlap_mean": m, "overlap_min": m - 0.1} for i, m in enumerate(means)}
+        return {"rows": 16, "per_layer": layers}
+
+    ans = {"distinct": 1, "corpus_dependent": 1, "text": ["a"]}
+    v = {"selection_vs_stock": {"route": sel(0.86, 0.96), "stock_sequential": sel(0.9, 0.95)}}
+    report({"regimes": {"sparse": {"vs_stock": {}, "batched_vs_sequential": {},
+                                   "stock_answers": ans, **v}}})  # fmt: skip
+    text = capsys.readouterr().out
+    assert "route/stock top-k overlap   16 rows; 0: 0.8600 (min 0.7600), 1: 0.9600" in text
+    assert "stock b8/b1 top-k overlap   16 rows; 0: 0.9000 (min 0.8000)" in text
