@@ -19,7 +19,12 @@ import torch
 # for SGLang, requester/sglang/deepseek_v32.py; torch's inductor cache directory, which
 # ``torch._dynamo`` sets when a test's first ``nn.init`` under a device context imports it).
 _PYTEST_OWN = frozenset({"PYTEST_CURRENT_TEST"})
-_SET_AT_IMPORT = frozenset({"SGLANG_NSA_FUSE_TOPK", "TORCHINDUCTOR_CACHE_DIR"})
+# set by an import (SGLang's, and DeepGEMM's and OpenMP's under it, on a GPU host); a test
+# that imports them first cannot undo it
+_SET_AT_IMPORT = frozenset({
+    "SGLANG_NSA_FUSE_TOPK", "TORCHINDUCTOR_CACHE_DIR", "DG_JIT_CACHE_DIR", "DG_JIT_USE_NVRTC",
+    "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK",
+})  # fmt: skip
 
 
 class _HasNodeid(Protocol):
