@@ -201,6 +201,13 @@ VARIABLES: tuple[Var, ...] = (
         "that this GPU reaches by peer access (NVLink), read in place inside the decode graphs; "
         "the server must see those GPUs (`CUDA_VISIBLE_DEVICES`); `0`: only its own GPU's",
         default="1"),
+    Var("CORPUSD_SGLANG_STAGE_ROWS", "int",
+        "SGLang plugin, device path, with a holder on another GPU: each layer copies the rows "
+        "its query rows selected, this many query rows at a time, into a buffer on this GPU "
+        "(each row crosses NVLink once), then attends them there; `0`: the kernel reads them "
+        "in place",
+        default="32", low=0,
+        expect="query rows per staging copy, a whole number >= 0 (0: read peer pools in place)"),
     Var("CORPUSD_SGLANG_PROFILE", "path",
         "SGLang plugin: the calibration profile (`corpusd calibrate`) its predicate uses",
         shown="`$CORPUSD_HOME/profile.json` if present",

@@ -170,7 +170,12 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             "host (gRPC)"
             if self.corpusd_resident is None
             else f"device ({', '.join(sorted(set(self.corpusd_resident.transport.values())))})",
-            force if self.corpusd_resident is None else "route (device path: pools read in place)",
+            force
+            if self.corpusd_resident is None
+            else "route (device path: peer pools' selected rows staged here, "
+            f"{self.corpusd_resident.stage_rows} query rows a copy)"
+            if self.corpusd_resident.staged
+            else "route (device path: pools read in place)",
         )
 
     def _device_path(self, args: Any, mcfg: ModelConfig, cfg: PluginConfig) -> Resident | None:
@@ -196,6 +201,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 window_tokens=cfg.window_tokens,
                 device=dev,
                 ue8m0=True,  # set from the indexers below
+                stage_rows=cfg.stage_rows,
             )
             mapped = self.corpusd_link.map_holders(res, dev, cfg.peer)
             if not mapped:

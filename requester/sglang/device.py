@@ -25,6 +25,7 @@ Per layer:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -234,16 +235,78 @@ def corpus_partial(
     holder, rows = corpus_rows(positions, base, res.page_holder, res.page_frame, res.page_size)
     n, h, _ = q.shape
 
-    def partial(kv: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def partial(
+        qq: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if res.kv_format == FP8:
-            return fp8_partial(q, kv, idx, scale, d_v)
-        return sparse_partial(q, kv, idx, scale, d_v, base2)
+            return fp8_partial(qq, kv, idx, scale, d_v)
+        return sparse_partial(qq, kv, idx, scale, d_v, base2)
 
+    if res.staged and q.is_cuda:  # a pool on another GPU: each selected row crosses once
+        return staged_partial([p[layer] for p in res.pools], q, holder, rows, res.stage_rows,
+                              partial)  # fmt: skip
     if len(res.pools) == 1:  # every resident page is on this holder (or unused: -1)
-        return partial(res.pools[0][layer], rows)
+        return partial(q, res.pools[0][layer], rows)
     o = torch.zeros(n, h, d_v, device=q.device)
     lse = empty_lse(n, h, q.device)
     for slot, pools in enumerate(res.pools):
-        o_s, l_s = partial(pools[layer], torch.where(holder == slot, rows, -1))
+        o_s, l_s = partial(q, pools[layer], torch.where(holder == slot, rows, -1))
         o, lse = merge_local_corpus(o, lse, o_s, l_s)
     return o, lse
+
+
+Partial = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def staged_partial(
+    pools: list[torch.Tensor], q: torch.Tensor, holder: torch.Tensor, rows: torch.Tensor,
+    chunk: int, partial: Partial,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`corpus_partial` over pools of which some sit on other GPUs: ``chunk`` query rows
+    at a time, every selected row of every pool is copied into one buffer on this GPU
+    (:func:`stage_rows`), then one kernel call attends it there. Read in place, a row would
+    cross NVLink once per CTA that reads it (FlashMLA: one per 64 heads), by loads the kernel
+    does not pipeline for the link's latency, and a pool split over G holders would take G
+    kernel calls over all ``k`` columns each; the copy kernel reads each row once, with every
+    SM's loads in flight. The buffer is ``chunk · k`` rows (a temporary: one layer at a time)."""
+    n = q.shape[0]
+    if n <= chunk:
+        kv, idx = stage_rows(pools, holder, rows)
+        return partial(q, kv, idx)
+    os_, lses = [], []
+    for c0 in range(0, n, chunk):
+        kv, idx = stage_rows(pools, holder[c0 : c0 + chunk], rows[c0 : c0 + chunk])
+        o_c, l_c = partial(q[c0 : c0 + chunk], kv, idx)
+        os_.append(o_c)
+        lses.append(l_c)
+    return torch.cat(os_), torch.cat(lses)
+
+
+def stage_rows(
+    pools: list[torch.Tensor], holder: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every selected row (``holder [n, k]`` slot, ``rows [n, k]`` its pool row, -1 unused) copied
+    into one buffer: ``(kv [R, …]`` in the pools' row format, R = ``n · k`` rounded up to 64 rows,
+    ``idx`` int32 ``[n, k]``: entry ``(i, j)``'s row ``i · k + j`` of ``kv``, -1 where unused).
+    Rows of ``kv`` no entry names are left as they were (``idx`` never points at them). One
+    Triton kernel per pool on CUDA (:func:`.device_triton.stage_rows`), torch indexing
+    elsewhere (:func:`stage_rows_torch`, its reference)."""
+    if device_triton.usable(rows):
+        return device_triton.stage_rows(pools, holder, rows)
+    return stage_rows_torch(pools, holder, rows)
+
+
+def stage_rows_torch(
+    pools: list[torch.Tensor], holder: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`stage_rows` by torch indexing (host-synchronising: not for a CUDA graph)."""
+    n, k = rows.shape
+    e = n * k
+    kv = torch.zeros((-(-e // 64) * 64, *pools[0].shape[1:]), dtype=pools[0].dtype,
+                     device=rows.device)  # fmt: skip
+    h, r = holder.reshape(-1), rows.reshape(-1).long()
+    for slot, pool in enumerate(pools):
+        take = ((h == slot) & (r >= 0)).nonzero().squeeze(1)
+        kv[take] = pool[r[take]].to(kv.device)
+    flat = torch.arange(e, dtype=torch.int32, device=rows.device)
+    return kv, torch.where(r >= 0, flat, -1).to(torch.int32).reshape(n, k)

@@ -13,7 +13,8 @@ kernel; the arithmetic is the torch code's, element for element:
 - :func:`split_columns`: the chosen keys back to corpus positions and own positions;
 - :func:`corpus_rows`: ``device.corpus_rows``;
 - :func:`merge`: ``corpusd.kernels.merge.merge_partials`` of two partials, the kernel of
-  ``corpusd/kernels/merge_triton.py`` (shared with corpusd's own worker).
+  ``corpusd/kernels/merge_triton.py`` (shared with corpusd's own worker);
+- :func:`stage_rows`: ``device.stage_rows_torch``, a copy, bit for bit (no arithmetic).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from corpusd.kernels.merge_triton import merge2 as merge
 from corpusd.kernels.merge_triton import usable
 
-__all__ = ["corpus_rows", "merge", "order_keys", "split_columns", "usable"]
+__all__ = ["corpus_rows", "merge", "order_keys", "split_columns", "stage_rows", "usable"]
 
 try:
     import triton
@@ -89,6 +90,58 @@ if triton is not None:
         r = tl.where(used & (holder >= 0), frame * page_size + p % page_size, -1)
         tl.store(hout_ptr + row * s_h + j, holder.to(tl.int32), mask=m)
         tl.store(rout_ptr + row * s_r + j, r.to(tl.int32), mask=m)
+
+    @triton.jit
+    def _stage_kernel(
+        pool_ptr, holder_ptr, rows_ptr, out_ptr, idx_ptr, slot, n_entries, words,
+        WRITE_IDX: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
+    ):  # fmt: skip
+        e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+        m = e < n_entries
+        h = tl.load(holder_ptr + e, mask=m, other=-1)
+        r = tl.load(rows_ptr + e, mask=m, other=-1).to(tl.int64)
+        if WRITE_IDX:  # the first pool's launch writes every entry's index
+            tl.store(idx_ptr + e, tl.where(r >= 0, e, -1).to(tl.int32), mask=m)
+        take = m & (h == slot) & (r >= 0)
+        w = tl.arange(0, BLOCK_W)
+        mask = take[:, None] & (w < words)[None, :]
+        v = tl.load(pool_ptr + r[:, None] * words + w[None, :], mask=mask)
+        tl.store(out_ptr + e.to(tl.int64)[:, None] * words + w[None, :], v, mask=mask)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous rows) viewed as rows of the widest integer word its row bytes divide."""
+    row = t.shape[1:].numel() * t.element_size()
+    for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        size = torch.empty(0, dtype=dtype).element_size()
+        if row % size == 0:
+            return t.reshape(t.shape[0], -1).view(torch.uint8).view(dtype)
+    raise AssertionError("unreachable: every row is whole bytes")
+
+
+def stage_rows(
+    pools: list[torch.Tensor], holder: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``device.stage_rows`` in one kernel launch per pool, each copying its own rows only."""
+    n, k = rows.shape
+    e = n * k
+    ref = pools[0]
+    kv = torch.empty((-(-e // 64) * 64, *ref.shape[1:]), dtype=ref.dtype, device=rows.device)
+    idx = torch.empty(n, k, dtype=torch.int32, device=rows.device)
+    if not e:
+        return kv, idx
+    out = _words(kv)
+    words = out.shape[1]
+    block_w = triton.next_power_of_2(words)
+    block_e = max(1, 2048 // block_w)
+    h = holder.contiguous()
+    r = rows.contiguous()
+    for slot, pool in enumerate(pools):
+        _stage_kernel[(triton.cdiv(e, block_e),)](
+            _words(pool), h, r, out, idx, slot, e, words,
+            WRITE_IDX=slot == 0, BLOCK_E=block_e, BLOCK_W=block_w,
+        )  # fmt: skip
+    return kv, idx
 
 
 def order_keys(

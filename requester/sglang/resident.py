@@ -105,8 +105,12 @@ class Resident:
         device: torch.device | str,
         ue8m0: bool,
         req_slots: int = 0,
+        stage_rows: int = 0,
     ) -> None:
         p = page_size
+        #: query rows a time whose selected rows are copied to this GPU before the kernel when a
+        #: pool sits on another GPU (``device.staged_partial``; 0: read in place)
+        self.stage_rows = stage_rows
         self.n_layers, self.page_size, self.index_dim = n_layers, p, index_dim
         self.device, self.ue8m0 = torch.device(device), ue8m0
         self.arena_pages = math.ceil(arena_tokens / p)
@@ -129,6 +133,12 @@ class Resident:
         self.corpora: dict[str, ArenaCorpus] = {}
         self.retired: dict[str, ArenaCorpus] = {}  # forgotten: admitted requests may still use
         self._next_page = 0
+
+    @property
+    def staged(self) -> bool:
+        """Whether the corpus partial copies the selected rows here first: some mapped pool is on
+        another GPU (``cuda_p2p``) and staging is on (``stage_rows`` > 0)."""
+        return self.stage_rows > 0 and "cuda_p2p" in self.transport.values()
 
     @property
     def window_tokens(self) -> int:

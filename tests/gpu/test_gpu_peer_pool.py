@@ -48,9 +48,12 @@ def _time_us(graph: torch.cuda.CUDAGraph, reps: int = 50) -> float:
     return sorted(times)[reps // 2]
 
 
+@pytest.mark.parametrize("stage_rows", [0, 3], ids=["in-place", "staged"])
 def test_a_pool_on_the_other_gpu_is_read_over_peer_access_inside_a_graph(
-    tmp_path: Path, tiny_dir: Path
+    tmp_path: Path, tiny_dir: Path, stage_rows: int
 ) -> None:
+    """Read in place (``CORPUSD_SGLANG_STAGE_ROWS=0``) or staged, 3 query rows a copy (8 rows:
+    three copies, the last short): the same answers as the holders' gRPC, eager and graphed."""
     from corpusd.kernels.flashmla import sparse_lse_base2
     from requester.sglang import device
     from requester.sglang.link import CorpusLink
@@ -88,10 +91,12 @@ def test_a_pool_on_the_other_gpu_is_read_over_peer_access_inside_a_graph(
         res = Resident(
             n_layers=cfg.num_hidden_layers, page_size=64, index_dim=cfg.index_head_dim,
             arena_tokens=4096, window_tokens=2048, device="cuda:0", ue8m0=False, req_slots=8,
+            stage_rows=stage_rows,
         )  # fmt: skip
         own, peer = holders[0].address, holders[1].address
         assert sorted(link.map_holders(res, torch.device("cuda:0"))) == sorted([own, peer])
         assert res.transport == {own: "cuda_ipc", peer: "cuda_p2p"}
+        assert res.staged == (stage_rows > 0)
         assert all(t.device == torch.device("cuda:0") for t in res.pools[res.holder_slot[peer]])
         bound = link.bind(cid)
         c = link.load_resident(bound, res)
@@ -142,7 +147,8 @@ def test_a_pool_on_the_other_gpu_is_read_over_peer_access_inside_a_graph(
         graph.replay()
         torch.cuda.synchronize()
         peer_us = _time_us(graph) / cfg.num_hidden_layers
-        print(f"\ncorpus path per layer, graphed, {n} rows × {pos.shape[1]}, bf16 pool: "
+        how = "staged" if stage_rows else "in place"
+        print(f"\ncorpus path per layer ({how}), graphed, {n} rows × {pos.shape[1]}, bf16 pool: "
               f"split over own + peer GPU {split_us:.0f} µs, peer GPU's pages only "
               f"{peer_us:.0f} µs")  # fmt: skip
         before = [(o.clone(), lse.clone()) for o, lse in out]

@@ -60,6 +60,35 @@ def rows_cases(g: torch.Generator) -> int:
     return cases
 
 
+def stage_cases(g: torch.Generator) -> int:
+    """stage_rows: plain bf16 rows (int64 words), FlashMLA's fp8 656-byte rows, 12-byte rows
+    (int32 words) and 3-byte rows (bytes); 1 to 3 pools, unused entries, a holder with no
+    entry; the copy is bit for bit and ``idx`` the same, where the kernels wrote."""
+    cases = 0
+    shapes = (((576,), torch.bfloat16), ((656,), torch.uint8), ((3,), torch.float32),
+              ((3,), torch.uint8))  # fmt: skip
+    for (row, dtype), (n, k, pools) in zip(shapes, ((3, 64, 3), (2, 40, 2), (4, 7, 1), (1, 5, 2)),
+                                           strict=True):  # fmt: skip
+        size = 50
+        made = [torch.randn(size, *row, generator=g) * 100 for _ in range(pools)]
+        pool_list = [t.to(dtype) for t in made]
+        holder = torch.randint(-1, pools, (n, k), generator=g).to(torch.int32)
+        rows = torch.randint(-1, size, (n, k), generator=g).to(torch.int32)
+        rows = torch.where(holder >= 0, rows, -1)
+        if pools > 1:
+            holder[holder == pools - 1] = 0  # the last pool: no entry at all
+        kv, idx = device_triton.stage_rows(pool_list, holder, rows)
+        kv_ref, idx_ref = device.stage_rows_torch(pool_list, holder, rows)
+        case = f"stage {row} {dtype} {n=} {k=} {pools=}"
+        assert kv.shape == kv_ref.shape and kv.shape[0] % 64 == 0, case
+        assert idx.dtype == torch.int32 and torch.equal(idx, idx_ref), case
+        used = idx[idx >= 0].long()
+        a, b = kv[used].view(torch.uint8), kv_ref[used].view(torch.uint8)
+        assert torch.equal(a, b), case
+        cases += 1
+    return cases
+
+
 def merge_cases(g: torch.Generator) -> int:
     cases = 0
     for n, h, dv, dtype in ((3, 4, 64, torch.bfloat16), (2, 3, 40, torch.float32)):
@@ -86,7 +115,7 @@ def merge_cases(g: torch.Generator) -> int:
 def main() -> None:
     assert device_triton.usable(torch.zeros(1)), "the interpreter runs the kernels on CPU"
     g = torch.Generator().manual_seed(torch.seed() % (1 << 31))
-    print(f"{topk_cases(g) + rows_cases(g) + merge_cases(g)} cases ok")
+    print(f"{topk_cases(g) + rows_cases(g) + stage_cases(g) + merge_cases(g)} cases ok")
 
 
 if __name__ == "__main__":

@@ -188,6 +188,49 @@ def test_corpus_partial_routes_rows_to_their_holders_and_merges_exactly() -> Non
     assert torch.equal(res.pages[0][2:7], index_pages(keys[0], 64, False))
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 8])
+def test_staged_partial_copies_every_pools_rows_once_and_attends_them_as_in_place(
+    chunk: int,
+) -> None:
+    """A pool on another GPU: the selected rows of three pools copied into one buffer, ``chunk``
+    query rows a time, then one partial over it, equal to the partial over the rows in place."""
+    g = torch.Generator().manual_seed(SEED + chunk)
+    n, h, k, d, size = 3, 4, 40, 80, 128
+    pools = [torch.randn(size, d, generator=g) for _ in range(3)]
+    holder = torch.randint(-1, 3, (n, k), generator=g).to(torch.int32)
+    rows = torch.where(holder >= 0, torch.randint(0, size, (n, k), generator=g), -1)
+    rows = rows.to(torch.int32)
+    rows[1] = -1  # a row that selected nothing
+    holder[1] = -1
+    q = torch.randn(n, h, d, generator=g)
+    scale, d_v = d**-0.5, 64
+
+    def partial(qq: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor):  # type: ignore[no-untyped-def]
+        return device.sparse_partial(qq, kv, idx, scale, d_v, base2=False)
+
+    o, lse = device.staged_partial(pools, q, holder, rows, chunk, partial)
+    # in place: the three pools laid end to end, each entry's row offset by its pool's start
+    flat = torch.cat(pools)
+    where = torch.where(rows >= 0, holder.long() * size + rows.long(), -1)
+    want_o, want_l = partial_attention(q, flat, where, scale, d_v)
+    fin = torch.isfinite(want_l)
+    assert rel(o, want_o) < 1e-5 and rel(lse[fin], want_l[fin]) < 1e-6
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_l)) and bool((o[1] == 0).all())
+
+
+def test_the_corpus_partial_stages_only_with_a_peer_pool_and_stage_rows_set() -> None:
+    g = torch.Generator().manual_seed(SEED)
+    layers = [torch.randn(64, 576, generator=g) for _ in range(2)]
+    res = _resident(stage_rows=32)
+    res.add_pool("h0", layers)
+    assert not res.staged  # its own GPU's pool is read in place
+    res.add_pool("h1", layers, transport="cuda_p2p")
+    assert res.staged
+    off = _resident(stage_rows=0)
+    off.add_pool("h1", layers, transport="cuda_p2p")
+    assert not off.staged
+
+
 def test_resident_refuses_what_it_cannot_serve_and_changes_nothing() -> None:
     g = torch.Generator().manual_seed(SEED)
     res = _resident(arena_tokens=512, window_tokens=256)

@@ -1,0 +1,211 @@
+"""The corpus partial over a holder pool on another GPU, read in place against staged (issue 35).
+
+The SGLang plugin's device path reads a holder on another GPU of the host through peer access
+(``cuda_p2p``): the pool is mapped onto the server's GPU and FlashMLA's sparse kernel reads the
+selected rows across NVLink. ``bench_share --spread`` (4 × H200) measured a worker 3× slower per
+decode step at 128 rows than with its corpus in its own HBM. This script times, on one GPU pair,
+per layer, with CUDA graphs and events:
+
+- ``local``: FlashMLA over a pool in this GPU's HBM (the floor);
+- ``in_place``: the same rows of a pool on GPU 1, read in place (``CORPUSD_SGLANG_STAGE_ROWS=0``);
+- ``staged/<c>``: every selected row copied into this GPU first, ``c`` query rows a copy, then
+  FlashMLA over the copy (``device.staged_partial``);
+- ``split_in_place`` and ``split_staged/<c>``: the rows spread over a local pool and the peer
+  pool, as ``--spread`` places them: one kernel call per pool merged by LSE, against one copy
+  and one call;
+- ``copy``: the staging copy alone, as GB/s over the link, beside the copy engine's
+  ``Tensor.copy_`` of as many contiguous bytes (the link's floor here).
+
+Each figure is the median of ``--trials`` trials (each the median of ``--reps`` replays after a
+discarded warm-up), with min and max. Outputs are compared with ``local``'s (max |Δ|).
+
+    PYTHONPATH=.gpu-deps/site python -m tools.bench_peer_read --out bench/results/peer-read.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import multiprocessing as mp
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from corpusd.kernels.flashmla import sparse_lse_base2
+from corpusd.transport.cuda_ipc import open_shared, share
+from requester.sglang import device
+from requester.sglang.lse import merge_local_corpus
+from tools.gpu_timing import command
+
+D_QK, D_V = 576, 512
+
+
+def _holder(conn: Any, tokens: int, gpu: int) -> None:
+    """A pool on ``gpu``, exported; kept alive until the parent says so."""
+    torch.cuda.set_device(gpu)
+    g = torch.Generator(device=f"cuda:{gpu}").manual_seed(1)
+    pool = torch.randn(tokens, D_QK, device=f"cuda:{gpu}", generator=g).bfloat16()
+    conn.send(share(pool))
+    conn.recv()
+
+
+def graphed_us(fn: Callable[[], Any], reps: int) -> float:
+    """Median device time (µs) of one replay of ``fn`` captured in a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()  # warm-up, discarded
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def trials(fn: Callable[[], Any], reps: int, n: int) -> dict[str, float]:
+    xs = [graphed_us(fn, reps) for _ in range(n)]
+    return {"median_us": round(statistics.median(xs), 1), "min_us": round(min(xs), 1),
+            "max_us": round(max(xs), 1)}  # fmt: skip
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    torch.cuda.set_device(0)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_holder, args=(child, a.pool_tokens, 1), daemon=True)
+    proc.start()
+    try:
+        peer = open_shared(parent.recv(), on=0)
+        local = peer.clone()  # the same rows, in GPU 0's HBM
+        torch.cuda.synchronize()
+        return measure(a, peer, local)
+    finally:
+        parent.send("done")
+        proc.join(timeout=30)
+
+
+def measure(a: argparse.Namespace, peer: torch.Tensor, local: torch.Tensor) -> dict[str, Any]:
+    base2 = sparse_lse_base2("cuda:0")
+    scale = D_QK**-0.5
+    g = torch.Generator(device="cuda:0").manual_seed(0)
+
+    def partial(qq: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> Any:
+        return device.sparse_partial(qq, kv, idx, scale, D_V, base2)
+
+    out = []
+    for n in a.rows:
+        row = measure_rows(a, n, peer, local, partial, g)
+        out.append(row)
+        shown = {k_: v["median_us"] for k_, v in row.items() if isinstance(v, dict)}
+        print(f"rows {n}: {shown}; copy {row['copy']['gb_s']} GB/s, "
+              f"copy engine {row['copy_engine_contiguous']['gb_s']} GB/s", flush=True)  # fmt: skip
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "peer": "GPU 1's pool mapped onto GPU 0 (cuda_ipc.open_shared, peer access)",
+        "pool_tokens": a.pool_tokens,
+        "reps": a.reps,
+        "trials": a.trials,
+        "rows": out,
+    }
+
+
+def measure_rows(
+    a: argparse.Namespace, n: int, peer: torch.Tensor, local: torch.Tensor,
+    partial: device.Partial, g: torch.Generator,
+) -> dict[str, Any]:  # fmt: skip
+    """Every variant at ``n`` query rows, each selecting ``--topk`` random rows of the pool."""
+    k, dev = a.topk, local.device
+    q = torch.randn(n, a.heads, D_QK, device=dev, generator=g).bfloat16()
+    rows = torch.randint(0, a.pool_tokens, (n, k), device=dev, generator=g).to(torch.int32)
+    on_peer = torch.zeros(n, k, dtype=torch.int32, device=dev)
+    split = torch.randint(0, 2, (n, k), device=dev, generator=g).to(torch.int32)
+    ref_o, _ = partial(q, local, rows)
+
+    def split_in_place() -> Any:
+        o = torch.zeros(n, a.heads, D_V, device=dev)
+        lse = device.empty_lse(n, a.heads, dev)
+        for slot, pool in enumerate((local, peer)):
+            o_s, l_s = partial(q, pool, torch.where(split == slot, rows, -1))
+            o, lse = merge_local_corpus(o, lse, o_s, l_s)
+        return o, lse
+
+    variants: dict[str, Callable[[], Any]] = {
+        "local": lambda: partial(q, local, rows),
+        "in_place": lambda: partial(q, peer, rows),
+        "split_in_place": split_in_place,
+    }
+    for c in a.chunks:
+        if c > n and c != a.chunks[0]:  # one chunk of all n rows is timed once
+            continue
+        variants[f"staged/{c}"] = functools.partial(
+            device.staged_partial, [peer], q, on_peer, rows, c, partial
+        )
+        variants[f"split_staged/{c}"] = functools.partial(
+            device.staged_partial, [local, peer], q, split, rows, c, partial
+        )
+    row: dict[str, Any] = {"rows": n, "topk": k, "heads": a.heads}
+    for name, fn in variants.items():
+        o = fn()[0]
+        row[name] = trials(fn, a.reps, a.trials)
+        row[name]["max_abs_diff_vs_local"] = float((o - ref_o).abs().max())
+    m = min(n * k, peer.shape[0])  # the copy engine's contiguous rows (the pool's at most)
+    flat = torch.empty(m, D_QK, dtype=torch.bfloat16, device=dev)
+    for name, fn, moved in (
+        ("copy", lambda: device.stage_rows([peer], on_peer, rows), n * k * D_QK * 2),
+        ("copy_engine_contiguous", lambda: flat.copy_(peer[:m]), m * D_QK * 2),
+    ):
+        t = trials(fn, a.reps, a.trials)
+        row[name] = {**t, "bytes": moved, "gb_s": round(moved / t["median_us"] / 1e3, 1)}
+    return row
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = ["rows  local  in_place  staged(best)  split_in_place  split_staged(best)  copy GB/s"]
+    for r in res["rows"]:
+        st = min((v["median_us"], k) for k, v in r.items() if k.startswith("staged/"))
+        ss = min((v["median_us"], k) for k, v in r.items() if k.startswith("split_staged/"))
+        lines.append(
+            f"{r['rows']:>4} {r['local']['median_us']:>6} {r['in_place']['median_us']:>9} "
+            f"{st[0]:>8} ({st[1][7:]}) {r['split_in_place']['median_us']:>15} "
+            f"{ss[0]:>13} ({ss[1][13:]}) {r['copy']['gb_s']:>10}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default="bench/results/peer-read.json")
+    ap.add_argument("--pool-tokens", type=int, default=262144)
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=[8, 32, 128])
+    ap.add_argument("--chunks", type=lambda v: [int(x) for x in v.split(",")],
+                    default=[16, 32, 64, 128])  # fmt: skip
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--trials", type=int, default=3)
+    a = ap.parse_args(argv)
+    if torch.cuda.device_count() < 2:
+        ap.error("needs two GPUs that reach each other by peer access")
+    res = {"command": command(), **run(a)}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
