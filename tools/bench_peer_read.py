@@ -16,6 +16,9 @@ per layer, with CUDA graphs and events:
 - ``copy``: the staging copy alone, as GB/s over the link, beside the copy engine's
   ``Tensor.copy_`` of as many contiguous bytes (the link's floor here).
 
+``--same-gpu`` puts both pools on GPU 0 (one GPU is enough): no link, so it checks the kernels
+(staged equal to local) and measures the copy at HBM speed.
+
 Each figure is the median of ``--trials`` trials (each the median of ``--reps`` replays after a
 discarded warm-up), with min and max. Outputs are compared with ``local``'s (max |Δ|).
 
@@ -84,6 +87,10 @@ def trials(fn: Callable[[], Any], reps: int, n: int) -> dict[str, float]:
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     torch.cuda.set_device(0)
+    if a.same_gpu:  # the kernels and their copy's HBM bandwidth, no link
+        g = torch.Generator(device="cuda:0").manual_seed(1)
+        local = torch.randn(a.pool_tokens, D_QK, device="cuda:0", generator=g).bfloat16()
+        return {**measure(a, local.clone(), local), "peer": "none: --same-gpu, both pools on GPU 0"}
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_holder, args=(child, a.pool_tokens, 1), daemon=True)
@@ -197,9 +204,13 @@ def main(argv: list[str] | None = None) -> int:
                     default=[16, 32, 64, 128])  # fmt: skip
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument(
+        "--same-gpu", action="store_true",
+        help="both pools on GPU 0: the kernels and the copy's HBM bandwidth, no link",
+    )  # fmt: skip
     a = ap.parse_args(argv)
-    if torch.cuda.device_count() < 2:
-        ap.error("needs two GPUs that reach each other by peer access")
+    if torch.cuda.device_count() < 2 and not a.same_gpu:
+        ap.error("needs two GPUs that reach each other by peer access (or --same-gpu)")
     res = {"command": command(), **run(a)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
