@@ -206,7 +206,7 @@ VARIABLES: tuple[Var, ...] = (
         "its query rows selected, this many query rows at a time, into a buffer on this GPU "
         "(each row crosses NVLink once), then attends them there; `0`: the kernel reads them "
         "in place",
-        default="32", low=0,
+        default="64", low=0,
         expect="query rows per staging copy, a whole number >= 0 (0: read peer pools in place)"),
     Var("CORPUSD_SGLANG_PROFILE", "path",
         "SGLang plugin: the calibration profile (`corpusd calibrate`) its predicate uses",
