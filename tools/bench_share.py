@@ -59,6 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from corpusd import env
 from corpusd.testing.span_qa import stdlib_corpus
 from corpusd.tokenizer import ByteTokenizer
 from tools.bench_sglang import teacher_forced
@@ -115,6 +116,23 @@ def holder_layout(corpus_tokens: int, device: str, gpus: int, spread: bool) -> t
     pages = -(-corpus_tokens * 102 // (100 * PAGE)) + gpus
     cap = (-(-pages // gpus) + 1) * PAGE
     return gpus, ",".join(f"cuda:{i}" for i in range(gpus)), cap
+
+
+def staging(cfg: dict[str, Any], peers: bool) -> dict[str, Any]:
+    """How the route workers read pools on other GPUs (``CORPUSD_SGLANG_STAGE_ROWS`` from this
+    process's environment, which the servers inherit) and the staging buffer that costs a
+    worker outside ``--max-total-tokens``: query rows × top-k × the pool's bf16 row (a
+    temporary of the decode graphs' memory pool, like SGLang's own activations)."""
+    rows = int(env.VARS["CORPUSD_SGLANG_STAGE_ROWS"].value(os.environ.get(
+        "CORPUSD_SGLANG_STAGE_ROWS")))  # fmt: skip
+    row_bytes = 2 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+    used = peers and rows > 0
+    return {
+        "CORPUSD_SGLANG_STAGE_ROWS": rows,
+        "staged": used,
+        "buffer_bytes_per_worker": rows * cfg["index_topk"] * row_bytes if used else 0,
+        "counted_in_k": False,
+    }
 
 
 def pin_shared(
@@ -700,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
             if k in cfg
         },
         "sglang_pool_bytes_per_token": b,
+        "route_staging": staging(cfg, a.gpus > 1),
         "flags_differing_from_sglang_defaults": WHY_FLAGS,
         "sglang_flags": sglang_flags(),
         "corpus": "Python stdlib source (byte tokens)",

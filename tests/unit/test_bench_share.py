@@ -18,6 +18,7 @@ from tools.bench_share import (
     pool_bytes,
     quantile,
     route_budget,
+    staging,
 )
 
 CFG = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128, "num_hidden_layers": 4}
@@ -164,3 +165,16 @@ def test_pin_engine_pins_through_a_capture_server_else_corpusd_prefills(
     assert k1 == "engine" and a1[3:] == (4, "cuda:0,cuda:1", "auto", 30290, {"shared": src}, 9216)
     assert k2 == "corpusd" and a2[3:] == (4, "cuda:0,cuda:1", "plain")
     assert kw2 == {"capacity_tokens": 9216, "pin_device": "cuda:0", "sources": {"shared": src}}
+
+
+def test_staging_reports_the_route_workers_buffer_outside_k(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cfg = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_topk": 2048}
+    monkeypatch.setenv("CORPUSD_SGLANG_STAGE_ROWS", "64")
+    got = staging(cfg, peers=True)
+    assert got["staged"] and got["buffer_bytes_per_worker"] == 64 * 2048 * 1152
+    assert not got["counted_in_k"]
+    assert staging(cfg, peers=False)["buffer_bytes_per_worker"] == 0
+    monkeypatch.setenv("CORPUSD_SGLANG_STAGE_ROWS", "0")
+    assert not staging(cfg, peers=True)["staged"]
