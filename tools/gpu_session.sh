@@ -41,6 +41,10 @@
 #                                            #   a holder SIGKILLed under 32 streams (~5 min)
 #   bash tools/gpu_session.sh peer-tests     # issue 35, 2 GPUs, .gpu-deps carried: the peer-pool GPU test
 #                                            #   (a holder on GPU 1 read from GPU 0), then pytest -m gpu (~4 min)
+#   bash tools/gpu_session.sh peer-read      # issue 35, 2 GPUs, .corpusd-deps + .gpu-deps carried: a pool
+#                                            #   on GPU 1 read from GPU 0 in place against staged
+#                                            #   (tools/bench_peer_read), then the peer-pool GPU test,
+#                                            #   in place and staged (~3 min)
 #   bash tools/gpu_session.sh peer           # issue 35, 2 GPUs: stock vs graphed route with the holders on
 #                                            #   GPU 1 (PEER_HOLDERS), the corpus split over two, 8 and 64
 #                                            #   streams, 4 bursts (the first is warm-up) (~6 min)
@@ -56,8 +60,8 @@
 #                                            #   pinned through SGLang (stock's own pages)
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | copy | pair-step | failover | peer-tests | peer | dp | share"}
-case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|copy|pair-step|failover|peer-tests|peer|dp|share) ;;
+step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | copy | pair-step | failover | peer-tests | peer-read | peer | dp | share"}
+case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|copy|pair-step|failover|peer-tests|peer-read|peer|dp|share) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
@@ -300,6 +304,16 @@ failover)
     cp /tmp/fo/*0/failover.json "$OUT/sglang-failover-$GPU.json" 2>/dev/null
     cp /tmp/fo/*0/work/sglang-route.log "$OUT/sglang-failover-route-$GPU.log" 2>/dev/null
     tail -25 "$OUT/sglang-failover-test-$GPU.log" ;;
+peer-read)  # FlashMLA from .gpu-deps; the daemons' gRPC (the test's holders) from .corpusd-deps
+    export PYTHONPATH=$PYTHONPATH:$PWD/.gpu-deps/site
+    timeout 240 python3 -m tools.bench_peer_read --out "$OUT/peer-read-$GPU.json" \
+        > "$OUT/peer-read-$GPU.log" 2>&1
+    took "bench_peer_read" $?
+    timeout 240 python3 -m pytest -q -s -rs tests/gpu/test_gpu_peer_pool.py \
+        > "$OUT/peer-pool-test-$GPU.log" 2>&1
+    took "peer-pool test, in place and staged" $?
+    grep -E "corpus path per layer|passed|failed" "$OUT/peer-pool-test-$GPU.log" | tail -3
+    tail -5 "$OUT/peer-read-$GPU.log" ;;
 peer-tests)  # FlashMLA from .gpu-deps (no sglang needed); the daemons' gRPC from .corpusd-deps
     export PYTHONPATH=$PYTHONPATH:$PWD/.gpu-deps/site
     timeout 240 python3 -m pytest -q -s -rs tests/gpu/test_gpu_peer_pool.py \
