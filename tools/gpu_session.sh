@@ -304,6 +304,15 @@ failover)
     cp /tmp/fo/*0/failover.json "$OUT/sglang-failover-$GPU.json" 2>/dev/null
     cp /tmp/fo/*0/work/sglang-route.log "$OUT/sglang-failover-route-$GPU.log" 2>/dev/null
     tail -25 "$OUT/sglang-failover-test-$GPU.log" ;;
+peer-tests)  # FlashMLA from .gpu-deps (no sglang needed); the daemons' gRPC from .corpusd-deps
+    export PYTHONPATH=$PYTHONPATH:$PWD/.gpu-deps/site
+    timeout 240 python3 -m pytest -q -s -rs tests/gpu/test_gpu_peer_pool.py \
+        > "$OUT/peer-pool-test-$GPU.log" 2>&1
+    took "peer-pool test" $?
+    tail -6 "$OUT/peer-pool-test-$GPU.log"
+    timeout 300 python3 -m pytest -q -rs -m gpu tests/gpu > "$OUT/pytest-gpu-$GPU-x2.log" 2>&1
+    took "pytest -m gpu tests/gpu" $?
+    tail -4 "$OUT/pytest-gpu-$GPU-x2.log" ;;
 peer-read)  # FlashMLA from .gpu-deps; the daemons' gRPC (the test's holders) from .corpusd-deps
     export PYTHONPATH=$PYTHONPATH:$PWD/.gpu-deps/site
     timeout 240 python3 -m tools.bench_peer_read --out "$OUT/peer-read-$GPU.json" \
@@ -314,15 +323,6 @@ peer-read)  # FlashMLA from .gpu-deps; the daemons' gRPC (the test's holders) fr
     took "peer-pool test, in place and staged" $?
     grep -E "corpus path per layer|passed|failed" "$OUT/peer-pool-test-$GPU.log" | tail -3
     tail -5 "$OUT/peer-read-$GPU.log" ;;
-peer-tests)  # FlashMLA from .gpu-deps (no sglang needed); the daemons' gRPC from .corpusd-deps
-    export PYTHONPATH=$PYTHONPATH:$PWD/.gpu-deps/site
-    timeout 240 python3 -m pytest -q -s -rs tests/gpu/test_gpu_peer_pool.py \
-        > "$OUT/peer-pool-test-$GPU.log" 2>&1
-    took "peer-pool test" $?
-    tail -6 "$OUT/peer-pool-test-$GPU.log"
-    timeout 300 python3 -m pytest -q -rs -m gpu tests/gpu > "$OUT/pytest-gpu-$GPU-x2.log" 2>&1
-    took "pytest -m gpu tests/gpu" $?
-    tail -4 "$OUT/pytest-gpu-$GPU-x2.log" ;;
 peer)  # the server on GPU 0 reads the holders' pools on PEER_HOLDERS over NVLink, split over two
     decode_run "sglang-peer-${PEER_NAME:-gpu1}" --holder-device "${PEER_HOLDERS:-cuda:1}" \
         --holder-capacity 2048 --bursts 4 --first-token-reps 4 --route-trials "${ROUTE_TRIALS:-3}"
