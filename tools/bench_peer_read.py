@@ -19,8 +19,9 @@ per layer, with CUDA graphs and events:
 ``--same-gpu`` puts both pools on GPU 0 (one GPU is enough): no link, so it checks the kernels
 (staged equal to local) and measures the copy at HBM speed.
 
-Each figure is the median of ``--trials`` trials (each the median of ``--reps`` replays after a
-discarded warm-up), with min and max. Outputs are compared with ``local``'s (max |Δ|).
+Each figure is the median of ``--trials`` trials (each the median of ``--reps`` replays of a
+graph of 5 calls, after discarded warm-up replays), with min and max. Outputs are compared
+with ``local``'s (max |Δ|).
 
     PYTHONPATH=.gpu-deps/site python -m tools.bench_peer_read --out bench/results/peer-read.json
 """
@@ -42,7 +43,7 @@ from corpusd.kernels.flashmla import sparse_lse_base2
 from corpusd.transport.cuda_ipc import open_shared, share
 from requester.sglang import device
 from requester.sglang.lse import merge_local_corpus
-from tools.gpu_timing import command
+from tools.gpu_timing import command, graph_us
 
 D_QK, D_V = 576, 512
 
@@ -56,31 +57,10 @@ def _holder(conn: Any, tokens: int, gpu: int) -> None:
     conn.recv()
 
 
-def graphed_us(fn: Callable[[], Any], reps: int) -> float:
-    """Median device time (µs) of one replay of ``fn`` captured in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()  # warm-up, discarded
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
-
-
 def trials(fn: Callable[[], Any], reps: int, n: int) -> dict[str, float]:
-    xs = [graphed_us(fn, reps) for _ in range(n)]
+    """``n`` trials, each the median device time (µs) of a call of ``fn`` over ``reps`` replays
+    of a CUDA graph of 5 calls (``gpu_timing.graph_us``: warm-up replays discarded)."""
+    xs = [statistics.median(graph_us(fn, per_graph=5, reps=reps)) for _ in range(n)]
     return {"median_us": round(statistics.median(xs), 1), "min_us": round(min(xs), 1),
             "max_us": round(max(xs), 1)}  # fmt: skip
 
