@@ -315,14 +315,16 @@ peer-tests)  # FlashMLA from .gpu-deps (no sglang needed); the daemons' gRPC fro
     tail -4 "$OUT/pytest-gpu-$GPU-x2.log" ;;
 peer-read)  # FlashMLA from .gpu-deps; the daemons' gRPC (the test's holders) from .corpusd-deps
     export PYTHONPATH=$PYTHONPATH:$PWD/.gpu-deps/site
-    timeout 240 python3 -m tools.bench_peer_read --out "$OUT/peer-read-$GPU.json" \
-        > "$OUT/peer-read-$GPU.log" 2>&1
-    took "bench_peer_read" $?
+    for h in 128 64; do  # the share bench's heads, then the peer decode run's
+        timeout 200 python3 -m tools.bench_peer_read --heads $h --out "$OUT/peer-read-h$h-$GPU.json" \
+            > "$OUT/peer-read-h$h-$GPU.log" 2>&1
+        took "bench_peer_read --heads $h" $?
+    done
     timeout 240 python3 -m pytest -q -s -rs tests/gpu/test_gpu_peer_pool.py \
         > "$OUT/peer-pool-test-$GPU.log" 2>&1
     took "peer-pool test, in place and staged" $?
     grep -E "corpus path per layer|passed|failed" "$OUT/peer-pool-test-$GPU.log" | tail -3
-    tail -5 "$OUT/peer-read-$GPU.log" ;;
+    tail -4 "$OUT/peer-read-h128-$GPU.log" "$OUT/peer-read-h64-$GPU.log" ;;
 peer)  # the server on GPU 0 reads the holders' pools on PEER_HOLDERS over NVLink, split over two
     decode_run "sglang-peer-${PEER_NAME:-gpu1}" --holder-device "${PEER_HOLDERS:-cuda:1}" \
         --holder-capacity 2048 --bursts 4 --first-token-reps 4 --route-trials "${ROUTE_TRIALS:-3}"
