@@ -242,7 +242,7 @@ def corpus_partial(
             return fp8_partial(qq, kv, idx, scale, d_v)
         return sparse_partial(qq, kv, idx, scale, d_v, base2)
 
-    if res.staged and q.is_cuda:  # a pool on another GPU: each selected row crosses once
+    if res.staged and q.is_cuda:  # a peer pool or several: one copy, one kernel call
         return staged_partial([p[layer] for p in res.pools], q, holder, rows, res.stage_rows,
                               partial)  # fmt: skip
     if len(res.pools) == 1:  # every resident page is on this holder (or unused: -1)
@@ -262,12 +262,12 @@ def staged_partial(
     pools: list[torch.Tensor], q: torch.Tensor, holder: torch.Tensor, rows: torch.Tensor,
     chunk: int, partial: Partial,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """:func:`corpus_partial` over pools of which some sit on other GPUs: ``chunk`` query rows
+    """:func:`corpus_partial` over several pools, or pools on other GPUs: ``chunk`` query rows
     at a time, every selected row of every pool is copied into one buffer on this GPU
-    (:func:`stage_rows`), then one kernel call attends it there. Read in place, a row would
-    cross NVLink once per CTA that reads it (FlashMLA: one per 64 heads), by loads the kernel
-    does not pipeline for the link's latency, and a pool split over G holders would take G
-    kernel calls over all ``k`` columns each; the copy kernel reads each row once, with every
+    (:func:`stage_rows`), then one kernel call attends it there. Read in place, a pool split
+    over G holders takes G kernel calls over all ``k`` columns each, and a row on another GPU
+    crosses NVLink once per CTA that reads it (FlashMLA: one per 64 heads), by loads the kernel
+    pipelines for HBM's latency, not the link's; the copy kernel reads each row once, with every
     SM's loads in flight. The buffer is ``chunk · k`` rows (a temporary: one layer at a time)."""
     n = q.shape[0]
     if n <= chunk:

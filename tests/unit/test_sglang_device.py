@@ -218,15 +218,19 @@ def test_staged_partial_copies_every_pools_rows_once_and_attends_them_as_in_plac
     assert torch.equal(torch.isinf(lse), torch.isinf(want_l)) and bool((o[1] == 0).all())
 
 
-def test_the_corpus_partial_stages_only_with_a_peer_pool_and_stage_rows_set() -> None:
+def test_the_corpus_partial_stages_with_a_peer_pool_or_several_pools_when_set() -> None:
     g = torch.Generator().manual_seed(SEED)
     layers = [torch.randn(64, 576, generator=g) for _ in range(2)]
     res = _resident(stage_rows=32)
     res.add_pool("h0", layers)
-    assert not res.staged  # its own GPU's pool is read in place
-    res.add_pool("h1", layers, transport="cuda_p2p")
-    assert res.staged
+    assert not res.staged  # one pool on its own GPU is read in place
+    res.add_pool("h1", layers)
+    assert res.staged  # two: one copy and one call, not a call each
+    peer = _resident(stage_rows=32)
+    peer.add_pool("h1", layers, transport="cuda_p2p")
+    assert peer.staged
     off = _resident(stage_rows=0)
+    off.add_pool("h0", layers)
     off.add_pool("h1", layers, transport="cuda_p2p")
     assert not off.staged
 
