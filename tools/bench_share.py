@@ -123,8 +123,7 @@ def staging(cfg: dict[str, Any], peers: bool) -> dict[str, Any]:
     process's environment, which the servers inherit) and the staging buffer that costs a
     worker outside ``--max-total-tokens``: query rows × top-k × the pool's bf16 row (a
     temporary of the decode graphs' memory pool, like SGLang's own activations)."""
-    rows = int(env.VARS["CORPUSD_SGLANG_STAGE_ROWS"].value(os.environ.get(
-        "CORPUSD_SGLANG_STAGE_ROWS")))  # fmt: skip
+    rows = int(env.get("CORPUSD_SGLANG_STAGE_ROWS"))
     row_bytes = 2 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
     used = peers and rows > 0
     return {
