@@ -328,7 +328,8 @@ peer-read)  # FlashMLA from .gpu-deps; the daemons' gRPC (the test's holders) fr
 peer)  # the server on GPU 0 reads the holders' pools on PEER_HOLDERS over NVLink, split over two
     decode_run "sglang-peer-${PEER_NAME:-gpu1}" --holder-device "${PEER_HOLDERS:-cuda:1}" \
         --holder-capacity 2048 --bursts 4 --first-token-reps 4 --route-trials "${ROUTE_TRIALS:-3}"
-    grep -h "holder pools mapped" "/tmp/bsg-$step/sglang-route.log" | tail -1 ;;
+    grep -h "holder pools mapped" "/tmp/bsg-$step/sglang-route.log" | tail -1
+    grep -ho "route (device path[^)]*)" "/tmp/bsg-$step/sglang-route.log" | tail -1 ;;
 dp)  # each DP rank is a requester of its own over the one pinned copy (own GPU's pages by IPC)
     decode_run sglang-dp2 --holder-device cuda:0,cuda:1 --holder-capacity 2048 --bursts 4 \
         --first-token-reps 4 --sglang-extra "--tp 2 --dp 2 --enable-dp-attention" \

@@ -172,7 +172,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             else f"device ({', '.join(sorted(set(self.corpusd_resident.transport.values())))})",
             force
             if self.corpusd_resident is None
-            else "route (device path: peer pools' selected rows staged here, "
+            else "route (device path: the pools' selected rows staged on this GPU, "
             f"{self.corpusd_resident.stage_rows} query rows a copy)"
             if self.corpusd_resident.staged
             else "route (device path: pools read in place)",
