@@ -144,9 +144,12 @@ def _resident(**kw: int) -> Resident:
     return Resident(**args, device="cpu", ue8m0=False)  # type: ignore[arg-type]
 
 
-def test_corpus_partial_routes_rows_to_their_holders_and_merges_exactly() -> None:
+@pytest.mark.parametrize("stage_rows", [0, 2], ids=["in-place", "staged"])
+def test_corpus_partial_routes_rows_to_their_holders_and_merges_exactly(stage_rows: int) -> None:
+    """Two pools: a kernel call each merged by LSE, or (staged) one copy and one call, 2 query
+    rows a copy; either equals the corpus attended in one piece."""
     g = torch.Generator().manual_seed(SEED)
-    res = _resident()
+    res = _resident(stage_rows=stage_rows)
     rows, d = 40 * 64, 576
     pools = {a: [torch.randn(rows, d, generator=g) for _ in range(2)] for a in ("h0", "h1")}
     for a, layers in pools.items():
@@ -324,13 +327,16 @@ def test_corpus_scores_of_no_rows_is_an_empty_window() -> None:
     assert got.shape == (0, res.window_tokens)
 
 
-def test_a_failed_over_plan_moves_the_arenas_reads_to_the_replicas_between_steps() -> None:
+@pytest.mark.parametrize("stage_rows", [0, 2], ids=["in-place", "staged"])
+def test_a_failed_over_plan_moves_the_arenas_reads_to_the_replicas_between_steps(
+    stage_rows: int,
+) -> None:
     """A corpus whose pages each sit on both holders of this GPU: the arena first reads each
     page where the page table placed it; the device plan failed over from holder h0 (applied
     between steps) reads every page from h1's copy, with the same partial, and h0's rows no
-    longer count (overwritten, the output does not change)."""
+    longer count (overwritten, the output does not change). Read in place or staged."""
     g = torch.Generator().manual_seed(SEED)
-    res = _resident()
+    res = _resident(stage_rows=stage_rows)
     d, frames = 576, (3, 7, 1, 5)
     canon = torch.randn(len(frames) * 64, d, generator=g)
     pools: dict[str, list[torch.Tensor]] = {}
