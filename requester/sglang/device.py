@@ -270,6 +270,8 @@ def staged_partial(
     pipelines for HBM's latency, not the link's; the copy kernel reads each row once, with every
     SM's loads in flight. The buffer is ``chunk · k`` rows (a temporary: one layer at a time)."""
     n = q.shape[0]
+    if n == 0:  # nothing to copy: the kernel's empty answer over a pool as it is
+        return partial(q, pools[0], rows)
     if n <= chunk:
         kv, idx = stage_rows(pools, holder, rows)
         return partial(q, kv, idx)

@@ -221,6 +221,17 @@ def test_staged_partial_copies_every_pools_rows_once_and_attends_them_as_in_plac
     assert torch.equal(torch.isinf(lse), torch.isinf(want_l)) and bool((o[1] == 0).all())
 
 
+def test_staged_partial_of_no_rows_is_empty() -> None:
+    pools = [torch.randn(64, 80), torch.randn(64, 80)]
+    none = torch.zeros(0, 16, dtype=torch.int32)
+
+    def partial(qq: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor):  # type: ignore[no-untyped-def]
+        return device.sparse_partial(qq, kv, idx, 0.1, 64, base2=False)
+
+    o, lse = device.staged_partial(pools, torch.zeros(0, 4, 80), none, none, 8, partial)
+    assert o.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
 def test_the_corpus_partial_stages_with_a_peer_pool_or_several_pools_when_set() -> None:
     g = torch.Generator().manual_seed(SEED)
     layers = [torch.randn(64, 576, generator=g) for _ in range(2)]
