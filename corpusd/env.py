@@ -208,6 +208,12 @@ VARIABLES: tuple[Var, ...] = (
         "call; `0`: read in place, a call per holder",
         default="64", low=0,
         expect="query rows per staging copy, a whole number >= 0 (0: read peer pools in place)"),
+    Var("CORPUSD_SGLANG_ONE_CALL", "bool",
+        "SGLang plugin, device path, bf16 cache with `flashmla_sparse`: attend a layer's own "
+        "tokens and its corpus rows in one FlashMLA call over one staged buffer (the corpus rows "
+        "in SGLang's layout), as stock attends them, instead of SGLang's call, a corpus call "
+        "and an LSE merge; not yet run on a GPU",
+        default="0"),
     Var("CORPUSD_SGLANG_PROFILE", "path",
         "SGLang plugin: the calibration profile (`corpusd calibrate`) its predicate uses",
         shown="`$CORPUSD_HOME/profile.json` if present",

@@ -33,6 +33,7 @@ import torch
 from sglang.srt.layers.attention.nsa_backend import NativeSparseAttnBackend, NSAIndexerMetadata
 
 from corpusd.kernels.flashmla import pad_heads, sparse_lse_base2
+from corpusd.kernels.formats import FP8
 from indexer.scores import index_scores
 from indexer.select import select_topk
 from requester.sglang import device, device_failover, device_scores, topk
@@ -183,6 +184,9 @@ class CorpusNSABackend(NativeSparseAttnBackend):
     """SGLang's NSA backend; batches without a bound request take SGLang's path unchanged."""
 
     _lse: torch.Tensor | None = None  # natural [n, h] of the last local partial
+    # the layer and batch whose own tokens and corpus rows the next flashmla_sparse call attends
+    # in one call (CORPUSD_SGLANG_ONE_CALL); None once it has
+    _one: tuple[Any, CorpusBatch] | None = None
 
     @staticmethod
     def _corpus(forward_batch: Any) -> CorpusBatch | None:
@@ -231,6 +235,8 @@ class CorpusNSABackend(NativeSparseAttnBackend):
     ) -> torch.Tensor:
         from sgl_kernel.flash_mla import flash_mla_sparse_fwd
 
+        if self._one is not None:  # the own tokens and the corpus rows in one call
+            return self._one_call(q_all, kv_cache, v_head_dim, page_table_1, sm_scale)
         n, h, _ = q_all.shape
         o, _, raw = flash_mla_sparse_fwd(
             q=pad_heads(q_all, self.device_sm_major),
@@ -245,6 +251,32 @@ class CorpusNSABackend(NativeSparseAttnBackend):
             empty, -math.inf
         )
         return o.masked_fill(empty[..., None], 0.0)
+
+    def _one_call(
+        self,
+        q_all: torch.Tensor,
+        kv_cache: torch.Tensor,
+        v_head_dim: int,
+        page_table_1: torch.Tensor,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        """SGLang's sparse call widened to the corpus (``device.one_call_partial``): its top-k
+        list's own slots read its cache, its corpus slots the holders' rows, in one FlashMLA
+        call; the result is the layer's attention, with nothing left to merge."""
+        assert self._one is not None
+        layer, cb = self._one
+        self._one = None
+        sel = cb.corpus_sel.pop(layer.layer_id, None)
+        assert sel is not None and cb.resident is not None and cb.base is not None, (
+            f"layer {layer.layer_id}: no corpus selection for the one call"
+        )
+        n = sel.shape[0]
+        o, lse = device.one_call_partial(
+            cb.resident, layer.layer_id, q_all, kv_cache, page_table_1, sel, cb.base[:n],
+            sm_scale, v_head_dim, sparse_lse_base2(str(q_all.device)),
+        )  # fmt: skip
+        self._lse = lse
+        return o.to(q_all.dtype)
 
     def _forward_flashmla_kv(
         self,
@@ -391,7 +423,14 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         if cb is None:
             return base(q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope, **kw)
         if cb.resident is not None:  # the device path: the pools are read in place, here
-            o = base(q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope, **kw)
+            if cb.resident.one_call and cb.resident.kv_format != FP8:
+                self._one = (layer, cb)  # taken by _forward_flashmla_sparse, if SGLang calls it
+            try:
+                o = base(q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope, **kw)
+            finally:
+                one, self._one = self._one, None
+            if cb.resident.one_call and one is None and cb.resident.kv_format != FP8:
+                return o  # the one call attended the corpus too
             return self._with_corpus_device(o, q, q_rope, layer, cb)
         begun = self._begin_corpus(q, q_rope, layer, cb)  # in flight during SGLang's partial
         try:

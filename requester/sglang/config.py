@@ -36,6 +36,7 @@ class PluginConfig:
     holder_probe_s: float = _from("CORPUSD_SGLANG_HOLDER_PROBE_S")
     peer: bool = _from("CORPUSD_SGLANG_PEER")
     stage_rows: int = _from("CORPUSD_SGLANG_STAGE_ROWS")
+    one_call: bool = _from("CORPUSD_SGLANG_ONE_CALL")
     profile: Path | None = _from("CORPUSD_SGLANG_PROFILE")  # noqa: RUF009 (a field())
     metrics_port: int | None = _from("CORPUSD_SGLANG_METRICS_PORT")
     trace: Path | None = _from("CORPUSD_SGLANG_TRACE")  # noqa: RUF009 (a field())

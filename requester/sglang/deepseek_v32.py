@@ -202,6 +202,7 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 device=dev,
                 ue8m0=True,  # set from the indexers below
                 stage_rows=cfg.stage_rows,
+                one_call=cfg.one_call,
             )
             mapped = self.corpusd_link.map_holders(res, dev, cfg.peer)
             if not mapped:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -258,9 +259,54 @@ def corpus_partial(
 Partial = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def one_call_partial(
+    res: Resident, layer: int, q: torch.Tensor, own_kv: torch.Tensor, own_rows: torch.Tensor,
+    positions: torch.Tensor, base: torch.Tensor, scale: float, d_v: int, base2: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The whole attention of ``q [m, h, d]`` (bf16, SGLang's layout) in one kernel call, as
+    stock SGLang computes it: each row's top-k list holds, slot by slot, either one of its own
+    tokens (``own_rows [m, k]``: rows of SGLang's cache ``own_kv [N, …]``, -1 elsewhere) or a
+    corpus position (``positions [n, k]``, n <= m, -1 elsewhere; rows past n have none), the
+    two sides of one fused top-k. The corpus rows are copied from the holders' pools with
+    their rope band re-interleaved into SGLang's layout, the own rows as they are, into one
+    buffer (:func:`staged_partial`, ``res.stage_rows`` query rows a copy, all when 0), and
+    FlashMLA attends it once: one softmax over both sides and one rounding of O, where
+    :func:`corpus_partial` beside SGLang's own kernel rounds the own part's O before the LSE
+    merge. ``(O [m, h, d_v] float32, LSE [m, h])``. Plain (bf16) pools only."""
+    assert res.kv_format != FP8, "one_call_partial: plain pools only (fp8 has its own kernel)"
+    m, k = own_rows.shape
+    holder, rows = corpus_rows(positions, base, res.page_holder, res.page_frame, res.page_size)
+    if positions.shape[0] < m:  # the batch's padding rows: nothing from the corpus
+        pad = holder.new_full((m - positions.shape[0], k), -1)
+        holder, rows = torch.cat([holder, pad]), torch.cat([rows, pad])
+    own = own_rows >= 0
+    holder = torch.where(own, len(res.pools), holder)
+    rows = torch.where(own, own_rows.to(rows.dtype), rows)
+    pools = [p[layer] for p in res.pools] + [own_kv.reshape(own_kv.shape[0], -1)]
+    to_sglang = sglang_columns(pools[-1].shape[1], q.device)
+    cols: list[torch.Tensor | None] = [to_sglang] * len(res.pools) + [None]
+
+    def partial(qq: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> Any:
+        # FlashMLA on CUDA, as stock (splits=1 forces it); the reference elsewhere
+        return sparse_partial(qq, kv, idx, scale, d_v, base2, splits=1 if qq.is_cuda else None)
+
+    return staged_partial(pools, q, holder, rows, res.stage_rows or m, partial, cols)
+
+
+def sglang_columns(d: int, dev: torch.device) -> torch.Tensor:
+    """The column map (:func:`stage_rows`) that turns a corpusd row ``[d]`` into SGLang's
+    layout: the rope band ``[ROPE_START, ROPE_START + ROPE_WIDTH)`` re-interleaved."""
+    from requester.sglang.positions import ROPE_START, ROPE_WIDTH, interleave
+
+    cols = torch.arange(d)
+    band = slice(ROPE_START, ROPE_START + ROPE_WIDTH)
+    cols[band] = interleave(cols[band])
+    return cols.to(torch.int32).to(dev)
+
+
 def staged_partial(
     pools: list[torch.Tensor], q: torch.Tensor, holder: torch.Tensor, rows: torch.Tensor,
-    chunk: int, partial: Partial,
+    chunk: int, partial: Partial, cols: list[torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`corpus_partial` over several pools, or pools on other GPUs: ``chunk`` query rows
     at a time, every selected row of every pool is copied into one buffer on this GPU
@@ -273,11 +319,11 @@ def staged_partial(
     if n == 0:  # nothing to copy: the kernel's empty answer over a pool as it is
         return partial(q, pools[0], rows)
     if n <= chunk:
-        kv, idx = stage_rows(pools, holder, rows)
+        kv, idx = stage_rows(pools, holder, rows, cols)
         return partial(q, kv, idx)
     os_, lses = [], []
     for c0 in range(0, n, chunk):
-        kv, idx = stage_rows(pools, holder[c0 : c0 + chunk], rows[c0 : c0 + chunk])
+        kv, idx = stage_rows(pools, holder[c0 : c0 + chunk], rows[c0 : c0 + chunk], cols)
         o_c, l_c = partial(q[c0 : c0 + chunk], kv, idx)
         os_.append(o_c)
         lses.append(l_c)
@@ -285,22 +331,26 @@ def staged_partial(
 
 
 def stage_rows(
-    pools: list[torch.Tensor], holder: torch.Tensor, rows: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    pools: list[torch.Tensor], holder: torch.Tensor, rows: torch.Tensor,
+    cols: list[torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Every selected row (``holder [n, k]`` slot, ``rows [n, k]`` its pool row, -1 unused) copied
     into one buffer: ``(kv [R, …]`` in the pools' row format, R = ``n · k`` rounded up to 64 rows,
     ``idx`` int32 ``[n, k]``: entry ``(i, j)``'s row ``i · k + j`` of ``kv``, -1 where unused).
-    Rows of ``kv`` no entry names are left as they were (``idx`` never points at them). One
-    Triton kernel per pool on CUDA (:func:`.device_triton.stage_rows`), torch indexing
-    elsewhere (:func:`stage_rows_torch`, its reference)."""
+    Rows of ``kv`` no entry names are left as they were (``idx`` never points at them).
+    ``cols``: per pool None, or a map of its row's elements (``kv``'s element ``w`` is the row's
+    element ``cols[w]``; pools ``[N, D]``). One Triton kernel per pool on CUDA
+    (:func:`.device_triton.stage_rows`), torch indexing elsewhere (:func:`stage_rows_torch`,
+    its reference)."""
     if device_triton.usable(rows):
-        return device_triton.stage_rows(pools, holder, rows)
-    return stage_rows_torch(pools, holder, rows)
+        return device_triton.stage_rows(pools, holder, rows, cols)
+    return stage_rows_torch(pools, holder, rows, cols)
 
 
 def stage_rows_torch(
-    pools: list[torch.Tensor], holder: torch.Tensor, rows: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    pools: list[torch.Tensor], holder: torch.Tensor, rows: torch.Tensor,
+    cols: list[torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`stage_rows` by torch indexing (host-synchronising: not for a CUDA graph)."""
     n, k = rows.shape
     e = n * k
@@ -309,6 +359,8 @@ def stage_rows_torch(
     h, r = holder.reshape(-1), rows.reshape(-1).long()
     for slot, pool in enumerate(pools):
         take = ((h == slot) & (r >= 0)).nonzero().squeeze(1)
-        kv[take] = pool[r[take]].to(kv.device)
+        got = pool[r[take]].to(kv.device)
+        col = None if cols is None else cols[slot]
+        kv[take] = got if col is None else got[:, col.long()]
     flat = torch.arange(e, dtype=torch.int32, device=rows.device)
     return kv, torch.where(r >= 0, flat, -1).to(torch.int32).reshape(n, k)

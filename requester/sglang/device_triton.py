@@ -93,8 +93,9 @@ if triton is not None:
 
     @triton.jit
     def _stage_kernel(
-        pool_ptr, holder_ptr, rows_ptr, out_ptr, idx_ptr, slot, n_entries, words,
-        WRITE_IDX: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
+        pool_ptr, holder_ptr, rows_ptr, out_ptr, idx_ptr, cols_ptr, slot, n_entries, words,
+        WRITE_IDX: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_E: tl.constexpr,
+        BLOCK_W: tl.constexpr,
     ):  # fmt: skip
         e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
         m = e < n_entries
@@ -105,7 +106,11 @@ if triton is not None:
         take = m & (h == slot) & (r >= 0)
         w = tl.arange(0, BLOCK_W)
         mask = take[:, None] & (w < words)[None, :]
-        v = tl.load(pool_ptr + r[:, None] * words + w[None, :], mask=mask)
+        if HAS_MAP:  # output element w is the row's element cols[w]
+            src = tl.load(cols_ptr + w, mask=w < words, other=0).to(tl.int64)
+        else:
+            src = w.to(tl.int64)
+        v = tl.load(pool_ptr + r[:, None] * words + src[None, :], mask=mask)
         tl.store(out_ptr + e.to(tl.int64)[:, None] * words + w[None, :], v, mask=mask)
 
 
@@ -119,10 +124,19 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     raise AssertionError("unreachable: every row is whole bytes")
 
 
+def _elements(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous rows) viewed as rows of integers of its element's size (a copy by
+    element, for a column map)."""
+    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
+    return t.reshape(t.shape[0], -1).view(dtype)
+
+
 def stage_rows(
-    pools: list[torch.Tensor], holder: torch.Tensor, rows: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``device.stage_rows`` in one kernel launch per pool, each copying its own rows only."""
+    pools: list[torch.Tensor], holder: torch.Tensor, rows: torch.Tensor,
+    cols: list[torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``device.stage_rows`` in one kernel launch per pool, each copying its own rows only:
+    by the widest word the row divides, or element by element through the pool's column map."""
     n, k = rows.shape
     e = n * k
     ref = pools[0]
@@ -130,16 +144,18 @@ def stage_rows(
     idx = torch.empty(n, k, dtype=torch.int32, device=rows.device)
     if not e:
         return kv, idx
-    out = _words(kv)
-    words = out.shape[1]
-    block_w = triton.next_power_of_2(words)
-    block_e = max(1, 2048 // block_w)
     h = holder.contiguous()
     r = rows.contiguous()
     for slot, pool in enumerate(pools):
+        col = None if cols is None else cols[slot]
+        src, out = (_words(pool), _words(kv)) if col is None else (_elements(pool), _elements(kv))
+        words = out.shape[1]
+        block_w = triton.next_power_of_2(words)
+        block_e = max(1, 2048 // block_w)
         _stage_kernel[(triton.cdiv(e, block_e),)](
-            _words(pool), h, r, out, idx, slot, e, words,
-            WRITE_IDX=slot == 0, BLOCK_E=block_e, BLOCK_W=block_w,
+            src, h, r, out, idx, idx if col is None else col.to(torch.int32).contiguous(), slot,
+            e, words, WRITE_IDX=slot == 0, HAS_MAP=col is not None, BLOCK_E=block_e,
+            BLOCK_W=block_w,
         )  # fmt: skip
     return kv, idx
 

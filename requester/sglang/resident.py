@@ -106,11 +106,14 @@ class Resident:
         ue8m0: bool,
         req_slots: int = 0,
         stage_rows: int = 0,
+        one_call: bool = False,
     ) -> None:
         p = page_size
         #: query rows a time whose selected rows are copied to this GPU before the kernel when a
         #: pool sits on another GPU (``device.staged_partial``; 0: read in place)
         self.stage_rows = stage_rows
+        #: own tokens and corpus rows attended in one kernel call (``device.one_call_partial``)
+        self.one_call = one_call
         self.n_layers, self.page_size, self.index_dim = n_layers, p, index_dim
         self.device, self.ue8m0 = torch.device(device), ue8m0
         self.arena_pages = math.ceil(arena_tokens / p)

@@ -288,3 +288,51 @@ def test_holder_pool_over_cuda_ipc_attends_as_the_holder(
         link.close()
         hp.stop()
         co.stop()
+
+
+def test_one_call_is_flashmla_over_own_and_corpus_rows_in_sglangs_layout_in_a_graph() -> None:
+    """``device.one_call_partial`` on the GPU (CORPUSD_SGLANG_ONE_CALL): the Triton copy (corpus
+    rows re-interleaved into SGLang's layout, own rows as they are, 4 query rows a copy) and
+    one FlashMLA call, captured in a graph, against the exact attention over both sides."""
+    from corpusd.kernels.flashmla import sparse_lse_base2
+    from requester.sglang.positions import to_sglang_layout
+
+    res, (a,) = random_resident([3000], pools=2)
+    res.stage_rows = 4
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    m, n, h, k, t = 8, 6, 64, 2048, a.tokens
+    own_kv = torch.randn(700, 1, 576, generator=g, device="cuda").bfloat16()
+    is_own = torch.rand(m, k, generator=g, device="cuda") < 0.1
+    own_rows = torch.where(is_own, torch.randint(0, 700, (m, k), generator=g, device="cuda"), -1)
+    own_rows = own_rows.to(torch.int32)
+    pos = torch.stack([torch.randperm(t, generator=g, device="cuda")[:k] for _ in range(n)])
+    pos = torch.where(is_own[:n], -1, pos)
+    base = torch.full((n,), a.base_page, dtype=torch.int32, device="cuda")
+    q = torch.randn(m, h, 576, generator=g, device="cuda").bfloat16()
+    scale, base2 = 576**-0.5, sparse_lse_base2("cuda")
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        return device.one_call_partial(res, 0, q, own_kv, own_rows, pos, base, scale, 512, base2)
+
+    eager = step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+    # the corpus laid out canonically from the pools, in SGLang's layout, then the own rows
+    pages = range(a.base_page, a.base_page + a.n_pages)
+    frame = [int(res.page_frame[p]) * 64 for p in pages]
+    canon = torch.cat([res.pools[int(res.page_holder[p])][0][f : f + 64]
+                       for p, f in zip(pages, frame, strict=True)])[:t]  # fmt: skip
+    keys = torch.cat([to_sglang_layout(canon), own_kv[:, 0]]).float().cpu()
+    full = torch.cat([pos, torch.full((m - n, k), -1, device="cuda")])
+    where = torch.where(own_rows >= 0, t + own_rows.long(), full).cpu()
+    want_o, want_l = partial_attention(q.float().cpu(), keys, where, scale, 512)
+    assert rel(out[0].cpu(), want_o) < 2e-2 and rel(out[1].cpu(), want_l) < 1e-3

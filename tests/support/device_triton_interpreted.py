@@ -77,15 +77,21 @@ def stage_cases(g: torch.Generator) -> int:
         rows = torch.where(holder >= 0, rows, -1)
         if pools > 1:
             holder[holder == pools - 1] = 0  # the last pool: no entry at all
-        kv, idx = device_triton.stage_rows(pool_list, holder, rows)
-        kv_ref, idx_ref = device.stage_rows_torch(pool_list, holder, rows)
-        case = f"stage {row} {dtype} {n=} {k=} {pools=}"
-        assert kv.shape == kv_ref.shape and kv.shape[0] % 64 == 0, case
-        assert idx.dtype == torch.int32 and torch.equal(idx, idx_ref), case
-        used = idx[idx >= 0].long()
-        a, b = kv[used].view(torch.uint8), kv_ref[used].view(torch.uint8)
-        assert torch.equal(a, b), case
-        cases += 1
+        # the last pool also copied through a column map (its row reversed), the others not
+        d = pool_list[0].shape[1]
+        maps: list[list[torch.Tensor | None]] = [
+            [None] * pools, [None] * (pools - 1) + [torch.arange(d - 1, -1, -1)]
+        ]  # fmt: skip
+        for cols in maps:
+            kv, idx = device_triton.stage_rows(pool_list, holder, rows, cols)
+            kv_ref, idx_ref = device.stage_rows_torch(pool_list, holder, rows, cols)
+            case = f"stage {row} {dtype} {n=} {k=} {pools=} mapped={cols[-1] is not None}"
+            assert kv.shape == kv_ref.shape and kv.shape[0] % 64 == 0, case
+            assert idx.dtype == torch.int32 and torch.equal(idx, idx_ref), case
+            used = idx[idx >= 0].long()
+            a, b = kv[used].view(torch.uint8), kv_ref[used].view(torch.uint8)
+            assert torch.equal(a, b), case
+            cases += 1
     return cases
 
 

@@ -221,6 +221,63 @@ def test_staged_partial_copies_every_pools_rows_once_and_attends_them_as_in_plac
     assert torch.equal(torch.isinf(lse), torch.isinf(want_l)) and bool((o[1] == 0).all())
 
 
+@pytest.mark.parametrize("stage_rows", [0, 2])
+def test_one_call_attends_own_tokens_and_corpus_rows_as_one_softmax_in_sglangs_layout(
+    stage_rows: int,
+) -> None:
+    """One fused top-k list per row, each slot an own token (a row of SGLang's cache) or a
+    corpus position (a holder's row, stored in corpusd's layout): the one call equals the exact
+    attention over both sides with every key in SGLang's layout, and equals the two calls it
+    replaces (corpus partial in corpusd's layout merged with the own partial by LSE). Rows past
+    the corpus selection's (a graph's padding) attend their own tokens only."""
+    from requester.sglang.lse import merge_local_corpus
+    from requester.sglang.positions import to_corpusd_layout, to_sglang_layout
+
+    g = torch.Generator().manual_seed(SEED + 7)
+    d, d_v, t, k, m, n, h = 576, 512, 300, 48, 4, 3, 8
+    res = _resident(stage_rows=stage_rows, one_call=True)  # type: ignore[arg-type]
+    pools = {a: [torch.randn(40 * 64, d, generator=g) for _ in range(2)] for a in ("h0", "h1")}
+    for a, layers in pools.items():
+        res.add_pool(a, layers)
+    view = _view("c", t, ("h1", "h0"), g)
+    c = res.load(view, [torch.randn(t, 128, generator=g) for _ in range(2)])
+    layer = 1
+    canon = torch.cat([
+        pools[view.holders[int(view.page_holder[p])]][layer][
+            int(view.page_frame[p]) * 64 : int(view.page_frame[p]) * 64 + 64
+        ]
+        for p in range(view.n_pages)
+    ])[:t]  # fmt: skip
+    own_kv = torch.randn(200, 1, d, generator=g)  # SGLang's cache rows (its layout)
+    own_rows = torch.randint(0, 200, (m, k), generator=g).to(torch.int32)
+    positions = torch.stack([torch.randperm(t, generator=g)[:k] for _ in range(n)])
+    is_own = torch.rand(m, k, generator=g) < 0.3  # each slot is one side or the other
+    own_rows = torch.where(is_own, own_rows, -1)
+    positions = torch.where(is_own[:n], -1, positions)
+    positions[1, 30:] = -1  # fewer than k selected
+    own_rows[2] = -1  # a row with corpus keys only
+    q = torch.randn(m, h, d, generator=g)  # SGLang's layout
+    base = torch.full((n,), c.base_page, dtype=torch.int32)
+    scale = d**-0.5
+    o, lse = device.one_call_partial(res, layer, q, own_kv, own_rows, positions, base, scale,
+                                     d_v, base2=False)  # fmt: skip
+    # exact: every key in SGLang's layout, the corpus's first, then the own rows
+    keys = torch.cat([to_sglang_layout(canon), own_kv[:, 0]])
+    pos = torch.cat([positions, torch.full((m - n, k), -1)])
+    where = torch.where(own_rows >= 0, t + own_rows.long(), pos)
+    want_o, want_l = partial_attention(q, keys, where, scale, d_v)
+    fin = torch.isfinite(want_l)
+    assert rel(o, want_o) < 1e-5 and rel(lse[fin], want_l[fin]) < 1e-6
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_l))
+    # the two calls it replaces
+    res.one_call = False
+    o_c, l_c = device.corpus_partial(res, layer, to_corpusd_layout(q[:n]), positions, base,
+                                     scale, d_v, base2=False)  # fmt: skip
+    o_own, l_own = partial_attention(q[:n], own_kv[:, 0], own_rows[:n], scale, d_v)
+    two, _ = merge_local_corpus(o_own, l_own, o_c, l_c)
+    assert rel(o[:n], two) < 1e-5
+
+
 def test_staged_partial_of_no_rows_is_empty() -> None:
     pools = [torch.randn(64, 80), torch.randn(64, 80)]
     none = torch.zeros(0, 16, dtype=torch.int32)
