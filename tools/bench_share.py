@@ -134,6 +134,21 @@ def staging(cfg: dict[str, Any], peers: bool) -> dict[str, Any]:
     }
 
 
+def parse_env(spec: str) -> dict[str, str]:
+    """``KEY=VALUE[,KEY=VALUE]`` of corpusd's variables (``corpusd.env``), each checked as the
+    plugin will read it. Raises ValueError naming what is wrong."""
+    got: dict[str, str] = {}
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{item!r}: want KEY=VALUE")
+        if key not in env.VARS:
+            raise ValueError(f"{key} is not a corpusd variable (python -m corpusd.env lists them)")
+        env.get(key, {key: value})  # EnvError (a ValueError) for a value it would refuse
+        got[key] = value
+    return got
+
+
 def pin_shared(
     a: argparse.Namespace, work: Path, model: Path, name: str, src: Path, holders: int,
     devices: str, cap: int,
@@ -416,8 +431,10 @@ def start_side(
     graph_bs: tuple[int, ...],
     work: Path,
     gpus: int = 1,
+    extra_env: dict[str, str] | None = None,
 ) -> list[Server]:
-    """``n`` workers of side ``mode``; ``gpus`` > 1: worker ``i`` on GPU ``i mod gpus``."""
+    """``n`` workers of side ``mode``; ``gpus`` > 1: worker ``i`` on GPU ``i mod gpus``;
+    ``extra_env``: plugin variables for these workers (``--route-alt-env``)."""
     flags = sglang_flags()
     for name, value in (
         ("--max-total-tokens", k),
@@ -432,9 +449,10 @@ def start_side(
             model,
             port + 10 * i,
             cd if mode != "stock" else None,
-            work / f"sglang-{mode}-{k}-{i}.log",
+            work / f"sglang-{mode}-{k}-{i}{'-alt' if extra_env else ''}.log",
             graph_bs,
             flags=[*flags, *on[i]],
+            extra_env=extra_env,
         )
         for i in range(n)
     ]
@@ -459,20 +477,25 @@ def run_side(
     work: Path,
     vocab: int = 0,
     ref: list[list[int]] | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One side at one KV budget: start its workers, sweep the concurrency, stop them. With
     ``vocab``, first :func:`probe` the workers (on ``ref``): ``out["_probe"]`` = (answers,
-    vectors), for the caller to compare and drop."""
+    vectors), for the caller to compare and drop. ``extra_env``: the workers' plugin
+    variables besides the environment's (recorded as ``out["env"]``)."""
     ctx = len(cd.tokens[corpus]) + 4096
     graph_bs = tuple(int(c) for c in a.graph_bs.split(",") if c)
     t0 = time.monotonic()
     try:
         servers = start_side(
-            mode, a.servers, model, cd, a.port, k, ctx, a.mem_fraction, graph_bs, work, a.gpus
-        )
+            mode, a.servers, model, cd, a.port, k, ctx, a.mem_fraction, graph_bs, work, a.gpus,
+            extra_env,
+        )  # fmt: skip
     except (RuntimeError, TimeoutError) as e:
         return {"k_tokens": k, "started": False, "error": str(e)[-1500:]}
     out: dict[str, Any] = {"k_tokens": k, "started": True, "start_s": time.monotonic() - t0}
+    if extra_env:
+        out["env"] = dict(extra_env)
     try:
         warm = trial(servers, mode, corpus, prompts, 1, a.tokens, 1)  # radix cache, first graphs
         out["warmup"] = {"errors": warm["errors"], "examples": warm["error_examples"]}
@@ -568,6 +591,13 @@ def print_table(out: dict[str, Any]) -> None:
             f"{hs.get('sessions_held_max', 0):>4.0f}/{hc.get('sessions_held_max', 0):<4.0f}"
         )
     for p in out["points"]:
+        alt = p.get("corpusd_alt", {})
+        if alt:
+            sat = alt.get("headline", {}).get("tokens_per_s_saturation") or 0
+            ratio = p.get("corpusd_alt_over_stock_saturation") or float("nan")
+            print(f"{p['fraction']:>8g} corpusd with {alt.get('env')}: {sat:.0f} tok/s, "
+                  f"{ratio:.2f}x stock")  # fmt: skip
+    for p in out["points"]:
         for line in exactness_lines(p.get("exactness", {})):
             print(f"{p['fraction']:>8g} {line}")
 
@@ -656,8 +686,18 @@ def main(argv: list[str] | None = None) -> int:
         help="where the pinned copy leaves no room at equal HBM, run corpusd with stock's K per "
         "worker anyway (marked equal_hbm: false): is the corpus served at all",
     )
+    ap.add_argument(
+        "--route-alt-env", default="",
+        help="KEY=VALUE[,KEY=VALUE]: after the corpusd side, run it again at each point with "
+        "these plugin variables (e.g. CORPUSD_SGLANG_STAGE_ROWS=0), the same stock beside "
+        "both; the JSON's point['corpusd_alt']",
+    )  # fmt: skip
     ap.add_argument("--merge", nargs="+", default=[], help="result JSONs to merge into --out")
     a = ap.parse_args(argv)
+    try:
+        alt_env = parse_env(a.route_alt_env)
+    except ValueError as e:
+        ap.error(f"--route-alt-env: {e}")
     if a.gpus < 1:
         ap.error(f"--gpus {a.gpus}: at least 1")
     if a.spread and a.gpus < 2:
@@ -766,6 +806,16 @@ def main(argv: list[str] | None = None) -> int:
                         a, "route", model, cd, k_route, name, suffixes, work, vocab,
                         stock_ref(point),
                     )  # fmt: skip
+            if alt_env and "corpusd" in a.sides and k_route >= 64 + a.tokens:
+                print(f"  (corpusd again with {alt_env})", flush=True)
+                point["corpusd_alt"] = run_side(
+                    a, "route", model, cd, k_route, name, suffixes, work, extra_env=alt_env
+                )
+                alt = point["corpusd_alt"].get("headline", {}).get("tokens_per_s_saturation")
+                base_sat = point.get("stock", {}).get("headline", {}).get(
+                    "tokens_per_s_saturation")  # fmt: skip
+                if alt and base_sat:
+                    point["corpusd_alt_over_stock_saturation"] = alt / base_sat
             vectors = {s: point.get(s, {}).pop("_probe", (None, None))[1] for s in SIDES}
             if any(vectors.values()):
                 point["exactness"] = exactness(vectors["stock"], vectors["corpusd"])

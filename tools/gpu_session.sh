@@ -57,7 +57,9 @@
 #                                            #   holder copy on GPU 0, read by the others over peer access)
 #                                            #   or SHARE_ARGS="--gpus 4 --spread" (the one copy split
 #                                            #   over a holder on each GPU); --pin-engine: the corpus
-#                                            #   pinned through SGLang (stock's own pages)
+#                                            #   pinned through SGLang (stock's own pages);
+#                                            #   --route-alt-env CORPUSD_SGLANG_STAGE_ROWS=0: corpusd
+#                                            #   again with the peer rows read in place, one run
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
 step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | copy | pair-step | failover | peer-tests | peer-read | peer | dp | share"}

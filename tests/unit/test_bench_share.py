@@ -178,3 +178,40 @@ def test_staging_reports_the_route_workers_buffer_outside_k(
     assert staging(cfg, peers=False)["buffer_bytes_per_worker"] == 0
     monkeypatch.setenv("CORPUSD_SGLANG_STAGE_ROWS", "0")
     assert not staging(cfg, peers=True)["staged"]
+
+
+def test_route_alt_env_takes_corpusd_variables_checked_as_the_plugin_reads_them() -> None:
+    from tools.bench_share import parse_env
+
+    assert parse_env("CORPUSD_SGLANG_STAGE_ROWS=0, CORPUSD_SGLANG_ONE_CALL=1") == {
+        "CORPUSD_SGLANG_STAGE_ROWS": "0",
+        "CORPUSD_SGLANG_ONE_CALL": "1",
+    }
+    assert parse_env("") == {}
+    for bad, why in (
+        ("CORPUSD_SGLANG_STAGE_ROWS", "KEY=VALUE"),
+        ("NOT_CORPUSD=1", "not a corpusd variable"),
+        ("CORPUSD_SGLANG_STAGE_ROWS=-3", "CORPUSD_SGLANG_STAGE_ROWS"),
+        ("CORPUSD_SGLANG_STAGE_ROWS=many", "CORPUSD_SGLANG_STAGE_ROWS"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            parse_env(bad)
+
+
+def test_the_table_prints_the_alternative_corpusd_run_beside_stock(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tools.bench_share import print_table
+
+    point = {
+        "fraction": 0.5, "k_tokens": 100, "k_route_tokens": 80,
+        "stock": {"headline": {"tokens_per_s_saturation": 1000.0, "sessions_held_max": 10}},
+        "corpusd": {"headline": {"tokens_per_s_saturation": 1200.0, "sessions_held_max": 40}},
+        "corpusd_over_stock_saturation": 1.2,
+        "corpusd_alt": {"env": {"CORPUSD_SGLANG_STAGE_ROWS": "0"},
+                        "headline": {"tokens_per_s_saturation": 900.0}},
+        "corpusd_alt_over_stock_saturation": 0.9,
+    }  # fmt: skip
+    print_table({"points": [point]})
+    out = capsys.readouterr().out
+    assert "1200" in out and "{'CORPUSD_SGLANG_STAGE_ROWS': '0'}: 900 tok/s, 0.90x stock" in out
