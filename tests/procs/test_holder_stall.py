@@ -117,9 +117,12 @@ def _run(tmp_path: Path, tiny_dir: Path, fault: int) -> Stall:
             ]
             holders = [f.result() for f in started]
         running += holders
+        # route forced: left to the predicate (auto), a loaded machine's slow holder calls
+        # can make it fetch or recompute instead, and a stopped holder is then never called
+        # (a CI run saw no failure and no fallback at all)
         agent = start_agent(
             tmp_path / "store", tmp_path / "agent", tiny_dir, "--coordinator", coord.address,
-            "--threads", "1", "--max-new-tokens", "64", timeout=slow,
+            "--threads", "1", "--max-new-tokens", "64", "--primitive", "route", timeout=slow,
         )  # fmt: skip
         running.append(agent)
 
