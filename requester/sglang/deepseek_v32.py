@@ -37,7 +37,7 @@ from corpusd.kernels.formats import D_QK, D_V
 from corpusd.model import ModelConfig
 from corpusd.model.checkpoint import fingerprint
 from requester.predicate import Predicate
-from requester.sglang import binding_check, choose, dump, formats
+from requester.sglang import binding_check, choose, device, dump, formats
 from requester.sglang.backend import CorpusBatch, create_corpus_nsa_backend
 from requester.sglang.config import PluginConfig
 from requester.sglang.device_scores import warm_up as warm_scores
@@ -210,6 +210,8 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
             else:  # the kernels' LSE bases: probed now, never inside a graph capture
                 sparse_lse_base2(str(dev))
                 warm_scores(res, dev, mcfg.index_topk)  # a prefill's JIT kernels, compiled now
+                if res.one_call:  # its column map, on the GPU before any capture
+                    device.sglang_columns(res.pools[0][0].shape[1], dev)
                 fmt = res.kv_format
                 assert fmt is not None, "holders mapped, but no pool format recorded"
                 if fmt == formats.FP8:

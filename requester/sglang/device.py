@@ -24,6 +24,7 @@ Per layer:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -295,7 +296,14 @@ def one_call_partial(
 
 def sglang_columns(d: int, dev: torch.device) -> torch.Tensor:
     """The column map (:func:`stage_rows`) that turns a corpusd row ``[d]`` into SGLang's
-    layout: the rope band ``[ROPE_START, ROPE_START + ROPE_WIDTH)`` re-interleaved."""
+    layout: the rope band ``[ROPE_START, ROPE_START + ROPE_WIDTH)`` re-interleaved. Made once
+    per width and device (its copy to the GPU must not happen inside a graph's capture: the
+    eager forwards before SGLang's captures make it)."""
+    return _sglang_columns(d, str(dev))
+
+
+@functools.cache
+def _sglang_columns(d: int, dev: str) -> torch.Tensor:
     from requester.sglang.positions import ROPE_START, ROPE_WIDTH, interleave
 
     cols = torch.arange(d)
