@@ -202,10 +202,10 @@ VARIABLES: tuple[Var, ...] = (
         "the server must see those GPUs (`CUDA_VISIBLE_DEVICES`); `0`: only its own GPU's",
         default="1"),
     Var("CORPUSD_SGLANG_STAGE_ROWS", "int",
-        "SGLang plugin, device path, with a holder on another GPU or several holders: each "
-        "layer copies the rows its query rows selected, this many query rows at a time, into "
-        "one buffer on this GPU (a row crosses NVLink once), then attends them in one kernel "
-        "call; `0`: read in place, a call per holder",
+        "SGLang plugin, device path, with a holder on another GPU: each layer copies the rows "
+        "its query rows selected, this many query rows at a time, into one buffer on this GPU "
+        "(a row crosses NVLink once), then attends them in one kernel call; `0`: read in "
+        "place, a call per holder",
         default="64", low=0,
         expect="query rows per staging copy, a whole number >= 0 (0: read peer pools in place)"),
     Var("CORPUSD_SGLANG_ONE_CALL", "bool",

@@ -244,7 +244,7 @@ def corpus_partial(
             return fp8_partial(qq, kv, idx, scale, d_v)
         return sparse_partial(qq, kv, idx, scale, d_v, base2)
 
-    if res.staged:  # a peer pool or several: one copy, one kernel call
+    if res.staged:  # a peer pool mapped: one copy, one kernel call
         return staged_partial([p[layer] for p in res.pools], q, holder, rows, res.stage_rows,
                               partial)  # fmt: skip
     if len(res.pools) == 1:  # every resident page is on this holder (or unused: -1)

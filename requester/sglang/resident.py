@@ -140,13 +140,13 @@ class Resident:
     @property
     def staged(self) -> bool:
         """Whether the corpus partial copies the selected rows here first (``stage_rows`` > 0):
-        when some mapped pool is on another GPU (``cuda_p2p``), or the corpus may be split over
-        several pools, which in place take a kernel call each over all k columns. One pool on
-        this GPU is read in place (``tools/bench_peer_read.py --same-gpu``: 236 µs a layer in
-        place against 383 staged at 128 rows; split over two pools 521 in place, 391 staged)."""
-        return self.stage_rows > 0 and (
-            len(self.pools) > 1 or "cuda_p2p" in self.transport.values()
-        )
+        when some mapped pool is on another GPU (``cuda_p2p``). Decided when the pools are
+        mapped, before any graph is captured, so it cannot follow where a corpus's pages land:
+        pools on this GPU alone are read in place, since a server maps every holder of its GPU
+        and one of them may hold every page (``tools/bench_peer_read.py --same-gpu``, 128 rows:
+        one pool 236 µs a layer in place against 383 staged; a corpus split over two pools 521
+        in place against 391 staged)."""
+        return self.stage_rows > 0 and "cuda_p2p" in self.transport.values()
 
     @property
     def window_tokens(self) -> int:

@@ -146,14 +146,15 @@ def _resident(**kw: int) -> Resident:
 
 @pytest.mark.parametrize("stage_rows", [0, 2], ids=["in-place", "staged"])
 def test_corpus_partial_routes_rows_to_their_holders_and_merges_exactly(stage_rows: int) -> None:
-    """Two pools: a kernel call each merged by LSE, or (staged) one copy and one call, 2 query
-    rows a copy; either equals the corpus attended in one piece."""
+    """Two pools: a kernel call each merged by LSE, or (staged, one of them a peer GPU's) one
+    copy and one call, 2 query rows a copy; either equals the corpus attended in one piece."""
     g = torch.Generator().manual_seed(SEED)
     res = _resident(stage_rows=stage_rows)
     rows, d = 40 * 64, 576
     pools = {a: [torch.randn(rows, d, generator=g) for _ in range(2)] for a in ("h0", "h1")}
-    for a, layers in pools.items():
-        res.add_pool(a, layers)
+    for a, layers in pools.items():  # staged: h1 mapped as a peer GPU's pool
+        res.add_pool(a, layers, "cuda_p2p" if stage_rows and a == "h1" else "cuda_ipc")
+    assert res.staged == bool(stage_rows)
     other = _view("other", 100, ("h1",), g)  # a first corpus, so the second's base is not 0
     view = _view("c", 300, ("h1", "h0"), g)  # its holder index order differs from the slots
     keys = [torch.randn(300, 128, generator=g) for _ in range(2)]
@@ -289,17 +290,15 @@ def test_staged_partial_of_no_rows_is_empty() -> None:
     assert o.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
-def test_the_corpus_partial_stages_with_a_peer_pool_or_several_pools_when_set() -> None:
+def test_the_corpus_partial_stages_with_a_peer_pool_when_set() -> None:
     g = torch.Generator().manual_seed(SEED)
     layers = [torch.randn(64, 576, generator=g) for _ in range(2)]
     res = _resident(stage_rows=32)
     res.add_pool("h0", layers)
-    assert not res.staged  # one pool on its own GPU is read in place
     res.add_pool("h1", layers)
-    assert res.staged  # two: one copy and one call, not a call each
-    peer = _resident(stage_rows=32)
-    peer.add_pool("h1", layers, transport="cuda_p2p")
-    assert peer.staged
+    assert not res.staged  # pools on its own GPU are read in place (one may hold every page)
+    res.add_pool("h2", layers, transport="cuda_p2p")
+    assert res.staged
     off = _resident(stage_rows=0)
     off.add_pool("h0", layers)
     off.add_pool("h1", layers, transport="cuda_p2p")
@@ -412,8 +411,9 @@ def test_a_failed_over_plan_moves_the_arenas_reads_to_the_replicas_between_steps
         pool = torch.zeros(40 * 64, d)
         for p, f in enumerate(frames):
             pool[(f + offset) * 64 : (f + offset + 1) * 64] = canon[p * 64 : (p + 1) * 64]
-        pools[a] = [pool, pool.clone()]
-        res.add_pool(a, pools[a])
+        pools[a] = [pool, pool.clone()]  # staged: h1 mapped as a peer GPU's pool
+        res.add_pool(a, pools[a], "cuda_p2p" if stage_rows and a == "h1" else "cuda_ipc")
+    assert res.staged == bool(stage_rows)
     replicas = tuple(((p % 2, f + 10 * (p % 2)), (1 - p % 2, f + 10 * (1 - p % 2)))
                      for p, f in enumerate(frames))  # fmt: skip
     first = [r[0] for r in replicas]
