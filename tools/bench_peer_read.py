@@ -13,6 +13,9 @@ per layer, with CUDA graphs and events:
 - ``split_in_place`` and ``split_staged/<c>``: the rows spread over a local pool and the peer
   pool, as ``--spread`` places them: one kernel call per pool merged by LSE, against one copy
   and one call;
+- ``two_call`` and ``one_call``: a whole decode layer with a tenth of the slots the request's own
+  tokens, as the device path attends it (SGLang's call, the corpus call, the merge) and in one
+  call over one staged buffer (``CORPUSD_SGLANG_ONE_CALL``);
 - ``copy``: the staging copy alone, as GB/s over the link, beside the copy engine's
   ``Tensor.copy_`` of as many contiguous bytes (the link's floor here).
 
@@ -149,6 +152,8 @@ def measure_rows(
         o = fn()[0]
         row[name] = trials(fn, a.reps, a.trials)
         row[name]["max_abs_diff_vs_local"] = float((o - ref_o).abs().max())
+    for name, fn in own_and_corpus(q, peer, local, rows, partial, g).items():
+        row[name] = trials(fn, a.reps, a.trials)
     m = min(n * k, peer.shape[0])  # the copy engine's contiguous rows (the pool's at most)
     flat = torch.empty(m, D_QK, dtype=torch.bfloat16, device=dev)
     for name, fn, moved in (
@@ -158,6 +163,38 @@ def measure_rows(
         t = trials(fn, a.reps, a.trials)
         row[name] = {**t, "bytes": moved, "gb_s": round(moved / t["median_us"] / 1e3, 1)}
     return row
+
+
+def own_and_corpus(
+    q: torch.Tensor, peer: torch.Tensor, own_kv: torch.Tensor, rows: torch.Tensor,
+    partial: device.Partial, g: torch.Generator,
+) -> dict[str, Callable[[], Any]]:  # fmt: skip
+    """A decode layer's whole attention, a tenth of each row's top-k slots its own tokens (rows
+    of ``own_kv``, SGLang's cache here) and the rest the corpus on ``peer``:
+
+    - ``two_call``: SGLang's call over the own slots (its O rounded to bf16, as SGLang's is), the
+      corpus call over the peer pool in place, the LSE merge: the device path today;
+    - ``one_call``: both sides copied into one buffer, the corpus rows through the rope band's
+      column map, and one call (``device.one_call_partial``'s kernels,
+      ``CORPUSD_SGLANG_ONE_CALL``)."""
+    n, k = rows.shape
+    own = torch.rand(n, k, device=rows.device, generator=g) < 0.1
+    own_rows = torch.randint(0, own_kv.shape[0], (n, k), device=rows.device, generator=g)
+    own_rows = torch.where(own, own_rows.to(torch.int32), -1)
+    corpus = torch.where(own, -1, rows)
+    cols: list[torch.Tensor | None] = [device.sglang_columns(D_QK, rows.device), None]
+
+    def two_call() -> Any:
+        o_own, l_own = partial(q, own_kv, own_rows)
+        o_c, l_c = partial(q, peer, corpus)
+        return merge_local_corpus(o_own.bfloat16(), l_own, o_c, l_c)
+
+    def one_call() -> Any:
+        holder = own.to(torch.int32)  # slot 1: the own cache
+        return device.staged_partial([peer, own_kv], q, holder, torch.where(own, own_rows, corpus),
+                                     n, partial, cols)  # fmt: skip
+
+    return {"two_call": two_call, "one_call": one_call}
 
 
 def table(res: dict[str, Any]) -> str:

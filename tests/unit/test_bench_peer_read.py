@@ -34,4 +34,5 @@ def test_every_variant_attends_the_same_rows_as_the_local_pool(
                      "split_staged/2", "split_staged/4"}  # fmt: skip
     assert all(row[k]["max_abs_diff_vs_local"] < 1e-5 for k in timed), row
     assert row["copy"]["bytes"] == 5 * 64 * bench_peer_read.D_QK * 2
+    assert {"two_call", "one_call"} <= set(row)  # a whole layer both ways, timed
     assert "staged" in bench_peer_read.table({"rows": [row]})
