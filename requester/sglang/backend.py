@@ -423,13 +423,14 @@ class CorpusNSABackend(NativeSparseAttnBackend):
         if cb is None:
             return base(q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope, **kw)
         if cb.resident is not None:  # the device path: the pools are read in place, here
-            if cb.resident.one_call and cb.resident.kv_format != FP8:
+            one_call = cb.resident.one_call and cb.resident.kv_format != FP8
+            if one_call:
                 self._one = (layer, cb)  # taken by _forward_flashmla_sparse, if SGLang calls it
             try:
                 o = base(q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope, **kw)
             finally:
-                one, self._one = self._one, None
-            if cb.resident.one_call and one is None and cb.resident.kv_format != FP8:
+                taken, self._one = self._one is None, None
+            if one_call and taken:
                 return o  # the one call attended the corpus too
             return self._with_corpus_device(o, q, q_rope, layer, cb)
         begun = self._begin_corpus(q, q_rope, layer, cb)  # in flight during SGLang's partial
