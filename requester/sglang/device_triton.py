@@ -114,21 +114,20 @@ if triton is not None:
         tl.store(out_ptr + e.to(tl.int64)[:, None] * words + w[None, :], v, mask=mask)
 
 
+_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # by size in bytes
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """``t`` (contiguous rows) viewed as rows of the widest integer word its row bytes divide."""
     row = t.shape[1:].numel() * t.element_size()
-    for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        size = torch.empty(0, dtype=dtype).element_size()
-        if row % size == 0:
-            return t.reshape(t.shape[0], -1).view(torch.uint8).view(dtype)
-    raise AssertionError("unreachable: every row is whole bytes")
+    size = next(size for size in _INT if row % size == 0)
+    return t.reshape(t.shape[0], -1).view(torch.uint8).view(_INT[size])
 
 
 def _elements(t: torch.Tensor) -> torch.Tensor:
     """``t`` (contiguous rows) viewed as rows of integers of its element's size (a copy by
     element, for a column map)."""
-    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
-    return t.reshape(t.shape[0], -1).view(dtype)
+    return t.reshape(t.shape[0], -1).view(_INT[t.element_size()])
 
 
 def stage_rows(
