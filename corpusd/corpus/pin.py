@@ -257,16 +257,48 @@ def check_device(device: str) -> None:
 
 
 def cpu_threads() -> int:
-    """Threads for a CPU prefill: the cores the rest of the machine leaves idle (by the 1-minute
-    load average, read before we start), at least 1. On a busy machine one thread beats all
-    cores: each op ends in a barrier that waits for whichever of our threads was descheduled
-    (measured on the shared 2-core machine at load ~11: 154 tok/s on 1 thread, 62 on 2).
+    """Threads for a CPU prefill: the cores the rest of the machine leaves idle now
+    (:func:`busy_cores`), at least 1. On a busy machine one thread beats all cores: each op
+    ends in a barrier that waits for whichever of our threads was descheduled (measured on the
+    shared 2-core machine at load ~11: 154 tok/s on 1 thread, 62 on 2). On an idle one every
+    core counts (2-core machine, 8,251 tokens: 286 tok/s on 1 thread, 522 on 2).
     ``OMP_NUM_THREADS`` set by the user wins (the count torch already has). Its bits depend on
     the count: see :func:`torch_threads`."""
     cores = os.cpu_count() or 1
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
-    return max(1, min(cores, int(cores - os.getloadavg()[0] + 0.5)))
+    return max(1, min(cores, int(cores - busy_cores() + 0.5)))
+
+
+def busy_cores(window_s: float = 0.25) -> float:
+    """Cores busy over the next ``window_s`` seconds, from the kernel's CPU counters
+    (``/proc/stat``); the 1-minute load average where there are none. Not the load average
+    first: it trails by minutes, so right after ``pip install`` and ``corpusd up`` it still
+    read ~1.2 on an idle 2-core machine, and the README's demo prefilled on 1 thread of 2."""
+    before = _cpu_counters()
+    if before is None:
+        return os.getloadavg()[0]
+    time.sleep(window_s)
+    after = _cpu_counters()
+    assert after is not None
+    idle, total = after[0] - before[0], after[1] - before[1]
+    if total <= 0:
+        return os.getloadavg()[0]
+    return (os.cpu_count() or 1) * (1 - idle / total)
+
+
+def _cpu_counters() -> tuple[int, int] | None:
+    """(idle, total) jiffies of every CPU since boot: ``/proc/stat``'s first line (idle and
+    iowait count as idle; guest time is already in user time); None without it."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 5:
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return ticks[3] + (ticks[4] if len(ticks) > 4 else 0), sum(ticks)
 
 
 def _cost(tokens: int) -> float:

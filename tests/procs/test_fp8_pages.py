@@ -204,7 +204,7 @@ def test_distributed_decode_matches_a_local_decode_over_the_dequantized_cache(  
             assert toks == ref_toks, f"{name} agent {a}: {toks} != {ref_toks}"
             worst = max(rel(g, r) for g, r in zip(logits, ref_logits, strict=True))
             # local re-prefills the rows at this process's torch thread count, the pin at the
-            # one its load average chose (corpus.pin.cpu_threads): a value on an fp8 rounding
+            # one the busy cores left it (corpus.pin.cpu_threads): a value on an fp8 rounding
             # boundary may round to the next e4m3 step in one and not the other (1.65e-4 seen
             # at load 5 on 2 cores); every other path reads the pin's own bytes
             bound = 1e-3 if name.endswith("-local") else 1e-4

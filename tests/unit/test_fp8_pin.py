@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from corpusd.cli import main as cli_main
+from corpusd.corpus import pin as pin_mod
 from corpusd.corpus.manifest import Manifest
 from corpusd.corpus.pin import torch_threads
 from corpusd.corpus.store import PageStore
@@ -36,12 +37,12 @@ def _tar(path: Path) -> Path:
 def test_fp8_pin_stores_the_quantized_prefill(
     tmp_path: Path, tiny_dir: Path, tiny_model, capsys, monkeypatch, load: str
 ) -> None:  # type: ignore[no-untyped-def]
-    """Bit for bit at the pin's thread count. The pin picks its count by the load average (a
+    """Bit for bit at the pin's thread count. The pin picks its count by the cores busy now (a
     busy machine, as in a full test run, gets 1 thread); a forward at another count rounds its
     reductions differently, which is how this test once failed only in the full suite."""
     busy = (os.cpu_count() or 1) - 1 if load == "busy" else 0
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (float(busy),) * 3)
+    monkeypatch.setattr(pin_mod, "busy_cores", lambda: float(busy))
     src, store_dir = _tar(tmp_path / "repo.tar"), tmp_path / "store"
     base = ["pin", "--corpus", str(src), "--model", str(tiny_dir), "--store", str(store_dir)]
     before = torch.get_num_threads()

@@ -149,6 +149,37 @@ def test_the_thread_count_announced_is_the_one_used(
     assert used and set(used) == {1}, used
 
 
+def test_an_idle_machine_prefills_on_every_core_whatever_its_load_average(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Right after ``pip install`` and ``corpusd up`` the 1-minute load average of an idle
+    2-core machine still read 1.2, and the README's demo prefilled on 1 thread (286 tok/s,
+    against 522 on 2). The count follows the CPU counters over a short window now."""
+    from corpusd.corpus import pin as pin_mod
+
+    cores = 4
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.9, 3.0, 2.0))
+    monkeypatch.setattr(pin_mod.time, "sleep", lambda s: None)
+    # (idle, total) jiffies since boot, before and after the window, summed over the 4 CPUs
+    for (idle, total), want in (((400, 400), 4), ((300, 400), 3), ((10, 400), 1), ((0, 0), 1)):
+        counters = iter([(1000, 5000), (1000 + idle, 5000 + total)])
+        monkeypatch.setattr(pin_mod, "_cpu_counters", lambda it=counters: next(it))
+        assert pin_mod.cpu_threads() == want, (idle, total)  # (0, 0): the load average's 1
+
+
+def test_the_cpu_counters_are_read_from_proc_stat() -> None:
+    from corpusd.corpus import pin as pin_mod
+
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat on this system: the load average stands in")
+    first = pin_mod._cpu_counters()
+    time.sleep(0.05)
+    second = pin_mod._cpu_counters()
+    assert first is not None and second is not None
+    assert 0 <= first[0] <= first[1] and second[1] >= first[1] and second[0] >= first[0]
+    assert 0 <= pin_mod.busy_cores(0.05) <= (os.cpu_count() or 1) + 1e-9
+
+
 def test_the_measured_estimate_leaves_the_first_chunks_one_time_cost_out_of_the_rate() -> None:
     """CI (2-core machine, 1 thread): the first 1,024 tokens ran at 273 tok/s, the whole at 360,
     and an estimate from the first chunks' mean rate said 29 s for an 18.8 s prefill. The first
