@@ -207,14 +207,15 @@ def tokenize(
 # The CPU prefill's cost model: a token at position p costs a·(1 + GROWTH·p) seconds, so n tokens
 # take a·(n + GROWTH·n²/2). The projections, the MLP and the attention (over at most index_topk
 # selected rows) cost the same at every position: a. The indexer scores every earlier token:
-# a·GROWTH·p. GROWTH is that share's growth: 10.7 % of the time at mean position 2,048 in the
-# profile of bench/results/pin-cpu.json (indexer scores and top-k), i.e. ~5.8e-5 per token, and
+# a·GROWTH·p. GROWTH is that share's growth: 11.3 % of the time at mean position 2,048 in the
+# profile of bench/results/pin-cpu.json (indexer scores and top-k), i.e. ~6.2e-5 per token, and
 # 5.1e-5 from the issue-37 pin of h11-0.14.0 (86,361 tokens in 391 s at that file's rate). `a`
-# itself varies several-fold with the machine's load and threads (84 to 470 tok/s in that
-# file), so the prior below (its 4,148-token row) is replaced, once MEASURE_TOKENS are done, by
-# `a` measured on this prefill's own first chunks: that estimate is printed too.
+# itself varies several-fold with the machine's load and threads (279 to 471 tok/s on 2 idle
+# threads in that file; the same tar at 84 tok/s on 1 thread at load 4-8), so the prior below
+# (its 4,148-token row) is replaced, once MEASURE_TOKENS are done, by `a` measured on this
+# prefill's own first chunks: that estimate is printed too.
 GROWTH = 5.5e-5
-_SECONDS_PER_TOKEN = 1.9e-3  # the prior a: pin-cpu.json's 4,148-token row, 8.87 s
+_SECONDS_PER_TOKEN = 1.9e-3  # the prior a: pin-cpu.json's 4,148-token row, 8.8 s
 MEASURE_TOKENS = 1024  # measure `a` over the first chunks up to this many tokens (or a quarter)
 
 
