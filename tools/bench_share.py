@@ -20,7 +20,10 @@ is a warm-up and is discarded; then ``--trials`` trials, reported as median and 
 Output tokens are the servers' own counts (``sglang:generation_tokens_total``), inter-token and
 first-token latencies the servers' own histograms (their deltas over a trial), besides the
 client's per-token gaps (a chunk of ``k`` new tokens counts as ``k`` gaps). Sessions held at
-once: the most ``sglang:num_running_reqs`` summed over the workers, sampled every 50 ms.
+once: the most ``sglang:num_running_reqs`` summed over the workers, sampled every 50 ms. The
+clients are dealt over ``--client-procs`` processes (default two a worker): one Python process
+parses about 13,000 streamed tokens a second at most (``tools/bench_client_cap.py``), and each
+trial records its busiest process's share of a core (``client_busy_max``).
 
 Exactness beside the speed (issue 36): after each side's warm-up, 8 sessions are teacher-forced
 8 steps on every worker, on stock's first worker's greedy answers (:func:`probe`); each point's
@@ -47,17 +50,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from corpusd import env
 from corpusd.testing.span_qa import stdlib_corpus
@@ -182,7 +189,14 @@ def quantile(buckets: dict[float, float], q: float) -> float:
     return lo
 
 
-def scrape(server: Server) -> str:
+class Endpoint(Protocol):
+    """What a trial reads of a server: its base URL (``/generate``, ``/metrics``)."""
+
+    @property
+    def url(self) -> str: ...
+
+
+def scrape(server: Endpoint) -> str:
     with urllib.request.urlopen(server.url + "/metrics", timeout=5) as r:
         return str(r.read().decode())
 
@@ -220,14 +234,15 @@ def questions(corpus: Path, n: int) -> list[str]:
 
 
 class Session:
-    """One streamed request: first-token time, per-token gaps, and the tokens it produced."""
+    """One streamed request to the server at ``url``: first-token time, per-token gaps, and the
+    tokens it produced."""
 
-    def __init__(self, server: Server, body: dict[str, Any]) -> None:
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
         t0 = time.monotonic()
         self.ttft, self.gaps, self.tokens, self.error = math.nan, [], 0, ""
         last = t0
         req = urllib.request.Request(
-            server.url + "/generate",
+            url + "/generate",
             json.dumps({**body, "stream": True}).encode(),
             {"Content-Type": "application/json"},
         )
@@ -257,17 +272,106 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
 
 
+@dataclass(frozen=True)
+class Load:
+    """What every client of a trial sends: session ``i`` asks ``prompts[i % len(prompts)]`` for
+    ``n_tokens`` tokens of ``corpus`` in ``mode`` (:func:`tools.sglang_server.request`)."""
+
+    mode: str
+    corpus: str
+    prompts: list[list[int]]
+    n_tokens: int
+
+    def body(self, i: int) -> dict[str, Any]:
+        prompt = self.prompts[i % len(self.prompts)]
+        return request(prompt, self.n_tokens, self.mode, self.corpus, i, 0, False)
+
+
+def run_clients(
+    urls: list[str], clients: list[int], sessions_each: int, load: Load
+) -> list[Session]:
+    """Clients ``clients`` (numbers of all the trial's), a thread each: client ``w`` runs
+    ``sessions_each`` sessions back to back on ``urls[w % len(urls)]``."""
+
+    def client(w: int) -> list[Session]:
+        url = urls[w % len(urls)]
+        return [Session(url, load.body(w * sessions_each + j)) for j in range(sessions_each)]
+
+    with ThreadPoolExecutor(len(clients)) as pool:
+        return [s for got in pool.map(client, clients) for s in got]
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _client_process(
+    urls: list[str], clients: list[int], sessions_each: int, load: Load, ready: Any, go: Any,
+    out: Any,
+) -> None:  # fmt: skip
+    """A load-generator process: say it is up, wait for the trial's start, run its clients, put
+    (sessions as tuples, this process's CPU seconds over them) on ``out``."""
+    ready.put(os.getpid())
+    go.wait()
+    t0 = _cpu_s()
+    got = run_clients(urls, clients, sessions_each, load)
+    out.put(([(s.ttft, s.gaps, s.tokens, s.error) for s in got], _cpu_s() - t0))
+
+
+def load_in_processes(
+    urls: list[str], n_clients: int, sessions_each: int, load: Load, procs: int
+) -> tuple[list[Session], float, list[float]]:
+    """The trial's clients dealt over ``procs`` processes (client ``w`` to process ``w mod
+    procs``), all started and waiting before the clock does: (sessions, wall seconds from the
+    start to the last process's end, each process's CPU seconds). One Python process streams
+    only so many chunks a second (its GIL parses every chunk: tools/bench_client_cap.py), and in
+    a closed loop a client that reads late starts its next session late."""
+    mp = multiprocessing.get_context("spawn")
+    ready, out, go = mp.Queue(), mp.Queue(), mp.Event()
+    groups = [list(range(p, n_clients, procs)) for p in range(procs)]
+    kids = [
+        mp.Process(target=_client_process, args=(urls, g, sessions_each, load, ready, go, out))
+        for g in groups
+    ]
+    for k in kids:
+        k.start()
+    try:
+        for _ in kids:
+            ready.get(timeout=120)
+        t0 = time.monotonic()
+        go.set()
+        results = [out.get(timeout=3600) for _ in kids]
+        wall = time.monotonic() - t0
+    finally:
+        for k in kids:
+            k.join(timeout=10)
+            if k.is_alive():
+                k.kill()
+    sessions = []
+    for rows, _ in results:
+        for ttft, gaps, tokens, error in rows:
+            s = Session.__new__(Session)
+            s.ttft, s.gaps, s.tokens, s.error = ttft, gaps, tokens, error
+            sessions.append(s)
+    return sessions, wall, [cpu for _, cpu in results]
+
+
 def trial(
-    servers: list[Server],
+    servers: Sequence[Endpoint],
     mode: str,
     corpus: str,
     prompts: list[list[int]],
     concurrency: int,
     n_tokens: int,
     sessions_each: int,
+    procs: int = 1,
 ) -> dict[str, Any]:
     """A closed loop: ``concurrency`` clients per worker, each running ``sessions_each``
-    sessions back to back; the servers' own token counts and latency histograms over it."""
+    sessions back to back; the servers' own token counts and latency histograms over it. The
+    clients run in ``procs`` processes (1: threads of this one), and the trial records each
+    one's CPU seconds over the wall time (``client_busy_max`` near 1: a load generator that
+    could not keep up, and a trial that measured it rather than the servers)."""
     before = [scrape(s) for s in servers]
     running = [0.0]
     stop = threading.Event()
@@ -281,24 +385,21 @@ def trial(
                 pass
             time.sleep(0.05)
 
-    def client(w: int) -> list[Session]:
-        server = servers[w % len(servers)]
-        out = []
-        for j in range(sessions_each):
-            i = w * sessions_each + j
-            body = request(prompts[i % len(prompts)], n_tokens, mode, corpus, i, 0, False)
-            out.append(Session(server, body))
-        return out
-
+    urls, load = [s.url for s in servers], Load(mode, corpus, prompts, n_tokens)
+    clients = concurrency * len(servers)
+    procs = max(1, min(procs, clients))
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    clients = concurrency * len(servers)
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(clients) as pool:
-        sessions = [s for got in pool.map(client, range(clients)) for s in got]
-    wall = time.monotonic() - t0
-    stop.set()
-    sampler.join()
+    try:
+        if procs == 1:
+            t0, cpu0 = time.monotonic(), _cpu_s()
+            sessions = run_clients(urls, list(range(clients)), sessions_each, load)
+            wall, cpus = time.monotonic() - t0, [_cpu_s() - cpu0]  # the sampler's share too
+        else:
+            sessions, wall, cpus = load_in_processes(urls, clients, sessions_each, load, procs)
+    finally:
+        stop.set()
+        sampler.join()
     after = [scrape(s) for s in servers]
     tokens = sum(
         counter(a, "sglang:generation_tokens_total") - counter(b, "sglang:generation_tokens_total")
@@ -334,7 +435,18 @@ def trial(
         "itl_client_p99_ms": 1e3 * pct(gaps, 99),
         "ttft_client_p50_ms": 1e3 * pct(firsts, 50),
         "ttft_client_p99_ms": 1e3 * pct(firsts, 99),
+        "client_procs": procs,
+        "client_cpu_s": sum(cpus),
+        "client_busy_max": max(cpus) / wall if wall > 0 else math.nan,
     }
+
+
+def client_procs(asked: int, servers: int) -> int:
+    """Load-generator processes: ``asked``, or with 0 two per worker, at most half the cores
+    (the workers' own processes need the rest)."""
+    if asked > 0:
+        return asked
+    return max(1, min(2 * servers, (os.cpu_count() or 2) // 2))
 
 
 def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
@@ -497,6 +609,7 @@ def run_side(
     if extra_env:
         out["env"] = dict(extra_env)
     try:
+        procs = client_procs(a.client_procs, a.servers)
         warm = trial(servers, mode, corpus, prompts, 1, a.tokens, 1)  # radix cache, first graphs
         out["warmup"] = {"errors": warm["errors"], "examples": warm["error_examples"]}
         if vocab:
@@ -506,9 +619,9 @@ def run_side(
                 out["probe_error"] = f"{type(e).__name__}: {e}"[:500]
         points = []
         for c in (int(x) for x in a.concurrency.split(",")):
-            trial(servers, mode, corpus, prompts, c, a.tokens, 1)  # the first burst: discarded
+            trial(servers, mode, corpus, prompts, c, a.tokens, 1, procs)  # first burst: discarded
             runs = [
-                trial(servers, mode, corpus, prompts, c, a.tokens, a.sessions_each)
+                trial(servers, mode, corpus, prompts, c, a.tokens, a.sessions_each, procs)
                 for _ in range(a.trials)
             ]
             points.append(summarize(runs))
@@ -517,7 +630,8 @@ def run_side(
                 f"  {mode} K={k} c={c}/worker: {p['tokens_per_s']['median']:.0f} tok/s, "
                 f"held {p['sessions_held_max']['median']:.0f}, "
                 f"itl p50/p99 {p['itl_server_p50_ms']['median']:.2f}/"
-                f"{p['itl_server_p99_ms']['median']:.2f} ms, errors {p['errors_total']}",
+                f"{p['itl_server_p99_ms']['median']:.2f} ms, errors {p['errors_total']}, "
+                f"load generator's busiest process {p['client_busy_max']['max']:.2f} of a core",
                 flush=True,
             )
         out["points"] = points
@@ -653,6 +767,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=256, help="output tokens per session")
     ap.add_argument("--sessions-each", type=int, default=1, help="sessions per client a trial")
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument(
+        "--client-procs", type=int, default=0,
+        help="load-generator processes the clients are dealt over (0: 2 per worker, at most "
+        "half the cores; 1: threads of this process)",
+    )  # fmt: skip
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -738,6 +857,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m tools.bench_share " + " ".join(argv or sys.argv[1:]),
         "gpu": gpu_name(),
         "servers": a.servers,
+        "client_procs": client_procs(a.client_procs, a.servers),
         "devices": holder_devices.split(","),  # the holders'
         "pinned_by": "sglang (capture backend)" if a.pin_engine else "corpusd",
         "holder_capacity_tokens": cap,
