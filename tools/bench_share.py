@@ -50,10 +50,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing
 import os
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -61,7 +59,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -79,6 +76,7 @@ from tools.sglang_server import (
     start_corpusd,
     start_pinned,
 )
+from tools.share_load import cpu_s, load_in_processes, run_clients
 
 PAGE = 64  # corpusd's page: a holder's capacity is whole pages
 
@@ -233,39 +231,6 @@ def questions(corpus: Path, n: int) -> list[str]:
     return [f"\n\nQ: what does {names[i % len(names)]} return? ({i})\nA:" for i in range(n)]
 
 
-class Session:
-    """One streamed request to the server at ``url``: first-token time, per-token gaps, and the
-    tokens it produced."""
-
-    def __init__(self, url: str, body: dict[str, Any]) -> None:
-        t0 = time.monotonic()
-        self.ttft, self.gaps, self.tokens, self.error = math.nan, [], 0, ""
-        last = t0
-        req = urllib.request.Request(
-            url + "/generate",
-            json.dumps({**body, "stream": True}).encode(),
-            {"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=600) as r:
-                for line in r:
-                    if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                        continue
-                    now, got = time.monotonic(), json.loads(line[5:])
-                    if "error" in got:
-                        self.error = str(got["error"])[:300]
-                        break
-                    n = len(got.get("output_ids", []))
-                    if n > self.tokens:
-                        if self.tokens == 0:
-                            self.ttft = now - t0
-                        else:  # a chunk of k new tokens: k gaps of (now - last) / k
-                            self.gaps += [(now - last) / (n - self.tokens)] * (n - self.tokens)
-                        self.tokens, last = n, now
-        except OSError as e:
-            self.error = f"{type(e).__name__}: {e}"[:300]
-
-
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return math.nan
@@ -285,76 +250,6 @@ class Load:
     def body(self, i: int) -> dict[str, Any]:
         prompt = self.prompts[i % len(self.prompts)]
         return request(prompt, self.n_tokens, self.mode, self.corpus, i, 0, False)
-
-
-def run_clients(
-    urls: list[str], clients: list[int], sessions_each: int, load: Load
-) -> list[Session]:
-    """Clients ``clients`` (numbers of all the trial's), a thread each: client ``w`` runs
-    ``sessions_each`` sessions back to back on ``urls[w % len(urls)]``."""
-
-    def client(w: int) -> list[Session]:
-        url = urls[w % len(urls)]
-        return [Session(url, load.body(w * sessions_each + j)) for j in range(sessions_each)]
-
-    with ThreadPoolExecutor(len(clients)) as pool:
-        return [s for got in pool.map(client, clients) for s in got]
-
-
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def _client_process(
-    urls: list[str], clients: list[int], sessions_each: int, load: Load, ready: Any, go: Any,
-    out: Any,
-) -> None:  # fmt: skip
-    """A load-generator process: say it is up, wait for the trial's start, run its clients, put
-    (sessions as tuples, this process's CPU seconds over them) on ``out``."""
-    ready.put(os.getpid())
-    go.wait()
-    t0 = _cpu_s()
-    got = run_clients(urls, clients, sessions_each, load)
-    out.put(([(s.ttft, s.gaps, s.tokens, s.error) for s in got], _cpu_s() - t0))
-
-
-def load_in_processes(
-    urls: list[str], n_clients: int, sessions_each: int, load: Load, procs: int
-) -> tuple[list[Session], float, list[float]]:
-    """The trial's clients dealt over ``procs`` processes (client ``w`` to process ``w mod
-    procs``), all started and waiting before the clock does: (sessions, wall seconds from the
-    start to the last process's end, each process's CPU seconds). One Python process streams
-    only so many chunks a second (its GIL parses every chunk: tools/bench_client_cap.py), and in
-    a closed loop a client that reads late starts its next session late."""
-    mp = multiprocessing.get_context("spawn")
-    ready, out, go = mp.Queue(), mp.Queue(), mp.Event()
-    groups = [list(range(p, n_clients, procs)) for p in range(procs)]
-    kids = [
-        mp.Process(target=_client_process, args=(urls, g, sessions_each, load, ready, go, out))
-        for g in groups
-    ]
-    for k in kids:
-        k.start()
-    try:
-        for _ in kids:
-            ready.get(timeout=120)
-        t0 = time.monotonic()
-        go.set()
-        results = [out.get(timeout=3600) for _ in kids]
-        wall = time.monotonic() - t0
-    finally:
-        for k in kids:
-            k.join(timeout=10)
-            if k.is_alive():
-                k.kill()
-    sessions = []
-    for rows, _ in results:
-        for ttft, gaps, tokens, error in rows:
-            s = Session.__new__(Session)
-            s.ttft, s.gaps, s.tokens, s.error = ttft, gaps, tokens, error
-            sessions.append(s)
-    return sessions, wall, [cpu for _, cpu in results]
 
 
 def trial(
@@ -385,18 +280,19 @@ def trial(
                 pass
             time.sleep(0.05)
 
-    urls, load = [s.url for s in servers], Load(mode, corpus, prompts, n_tokens)
-    clients = concurrency * len(servers)
-    procs = max(1, min(procs, clients))
+    load, clients = Load(mode, corpus, prompts, n_tokens), concurrency * len(servers)
+    each = range(sessions_each)
+    work = {w: [load.body(w * sessions_each + j) for j in each] for w in range(clients)}
+    urls, procs = [s.url for s in servers], max(1, min(procs, clients))
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
         if procs == 1:
-            t0, cpu0 = time.monotonic(), _cpu_s()
-            sessions = run_clients(urls, list(range(clients)), sessions_each, load)
-            wall, cpus = time.monotonic() - t0, [_cpu_s() - cpu0]  # the sampler's share too
+            t0, cpu0 = time.monotonic(), cpu_s()
+            sessions = run_clients(urls, work)
+            wall, cpus = time.monotonic() - t0, [cpu_s() - cpu0]  # the sampler's share too
         else:
-            sessions, wall, cpus = load_in_processes(urls, clients, sessions_each, load, procs)
+            sessions, wall, cpus = load_in_processes(urls, work, procs)
     finally:
         stop.set()
         sampler.join()
