@@ -22,8 +22,9 @@ first-token latencies the servers' own histograms (their deltas over a trial), b
 client's per-token gaps (a chunk of ``k`` new tokens counts as ``k`` gaps). Sessions held at
 once: the most ``sglang:num_running_reqs`` summed over the workers, sampled every 50 ms. The
 clients are dealt over ``--client-procs`` processes (default two a worker): one Python process
-parses about 13,000 streamed tokens a second at most (``tools/bench_client_cap.py``), and each
-trial records its busiest process's share of a core (``client_busy_max``).
+parses about 12,000 streamed tokens a second at most on a 2-core CPU machine
+(``tools/bench_client_cap.py``), and each trial records its busiest process's share of a core
+(``client_busy_max``).
 
 Exactness beside the speed (issue 36): after each side's warm-up, 8 sessions are teacher-forced
 8 steps on every worker, on stock's first worker's greedy answers (:func:`probe`); each point's

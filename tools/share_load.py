@@ -1,8 +1,9 @@
 """``tools/bench_share.py``'s load generator: closed-loop clients streaming SGLang's
 ``/generate``, in threads of one process or dealt over several. Standard library only, so a
-load-generator process starts in a fraction of a second: one Python process parses about
-13,000 streamed tokens a second at most (``tools/bench_client_cap.py``), and in a closed loop a
-client that reads late starts its next session late, so the bench spreads its clients.
+load-generator process starts in a fraction of a second. One Python process parses about 12,000
+streamed tokens a second at most on a 2-core CPU machine (``tools/bench_client_cap.py``), and in
+a closed loop a client that reads late starts its next session late, so the bench spreads its
+clients.
 """
 
 from __future__ import annotations
