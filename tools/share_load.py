@@ -1,9 +1,9 @@
 """``tools/bench_share.py``'s load generator: closed-loop clients streaming SGLang's
-``/generate``, in threads of one process or dealt over several. Standard library only, so a
-load-generator process starts in a fraction of a second. One Python process parses about 12,000
-streamed tokens a second at most on a 2-core CPU machine (``tools/bench_client_cap.py``), and in
-a closed loop a client that reads late starts its next session late, so the bench spreads its
-clients.
+``/generate``, in threads of one process or dealt over several (spawned: each also imports the
+running bench's main module, so all are started, and report ready, before a trial's clock
+starts). Standard library only. One Python process parses about 12,000 streamed tokens a
+second at most on a 2-core CPU machine (``tools/bench_client_cap.py``), and in a closed loop a
+client that reads late starts its next session late, so the bench spreads its clients.
 """
 
 from __future__ import annotations
