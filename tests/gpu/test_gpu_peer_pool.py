@@ -23,6 +23,7 @@ from corpusd.model import ModelConfig, fingerprint
 from corpusd.testing.holders import pin_sample, start_holder
 from corpusd.testing.numeric import rel
 from corpusd.testing.resident import SEED
+from tests.support.graphs import capture
 
 
 def _why_not() -> str:
@@ -126,14 +127,7 @@ def test_a_pool_on_the_other_gpu_is_read_over_peer_access_inside_a_graph(
                 for layer in range(cfg.num_hidden_layers)
             ]
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            eager = step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+        graph, eager, out = capture(step)
         graph.replay()
         torch.cuda.synchronize()
         for (o, lse), (eo, el) in zip(out, eager, strict=True):

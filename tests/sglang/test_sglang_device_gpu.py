@@ -25,6 +25,7 @@ from requester.sglang import device, device_scores
 from requester.sglang.lse import merge_local_corpus
 from requester.sglang.resident import ArenaCorpus, Resident, index_pages
 from tests.support.checks import why_no_sglang_gpu
+from tests.support.graphs import capture
 
 pytestmark = [
     pytest.mark.sglang,
@@ -194,14 +195,7 @@ def test_layer_step_in_a_cuda_graph_follows_the_tables_and_times_it(n: int, fp8:
         "lse_loc": torch.randn(n, h, generator=g, device="cuda"),
     }
     eager = _layer_step(res, inp, k)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        _layer_step(res, inp, k)  # warm-up off the capture (allocator, kernels' JIT)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _layer_step(res, inp, k)
+    graph, _, out = capture(lambda: _layer_step(res, inp, k))
     graph.replay()
     for x, y in zip(out, eager, strict=True):
         assert torch.equal(x, y)
@@ -315,14 +309,7 @@ def test_one_call_is_flashmla_over_own_and_corpus_rows_in_sglangs_layout_in_a_gr
         return device.one_call_partial(res, 0, q, own_kv, own_rows, pos, base, scale, 512, base2)
 
     eager = step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, _, out = capture(step)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
