@@ -43,14 +43,24 @@ def tag(step: int, request: int, group: str = "") -> str:
     return f"diag{group}-s{step}-q{request}-"
 
 
+def _pos(record: dict[str, Any]) -> float:
+    p = record.get("position")
+    return float("inf") if p is None else float(p)
+
+
 def pair(
     stock: Iterable[dict[str, Any]], route: Iterable[dict[str, Any]], group: str = "",
     route_group: str | None = None,
 ) -> list[tuple[tuple[int, int], dict[str, Any], dict[str, Any]]]:  # fmt: skip
     """Records of the same teacher-forced row on both sides, by (step, request) from the rid
     (:func:`tag` with ``group``, on the second side ``route_group`` when given: two runs of one
-    server, e.g. its batched and its one-at-a-time pass); the last record of a key wins (a
-    retried request), keys on one side only are left out."""
+    server, e.g. its batched and its one-at-a-time pass); keys on one side only are left out.
+
+    A key's row is its record at the **lowest** position, the last row of the request's one
+    extend: SGLang's overlap scheduler launches the next batch before it reads the last one's
+    results, so a request that is done after its first token can still ride one more decode
+    forward, recorded one position later (issue 36: 40 of 64 rows of a GPU run paired an
+    extend with that decode). At equal positions the last record wins (a retried request)."""
 
     def pattern(g: str) -> re.Pattern[str]:
         return TAG if not g else re.compile(rf"diag{re.escape(g)}-s(\d+)-q(\d+)-")
@@ -58,11 +68,14 @@ def pair(
     def keyed(
         recs: Iterable[dict[str, Any]], p: re.Pattern[str]
     ) -> dict[tuple[int, int], dict[str, Any]]:
-        out = {}
+        out: dict[tuple[int, int], dict[str, Any]] = {}
         for r in recs:
             m = p.search(str(r["rid"]))
-            if m:
-                out[(int(m.group(1)), int(m.group(2)))] = r
+            if not m:
+                continue
+            key = (int(m.group(1)), int(m.group(2)))
+            if key not in out or _pos(r) <= _pos(out[key]):
+                out[key] = r
         return out
 
     a = keyed(stock, pattern(group))

@@ -166,3 +166,27 @@ def test_stock_batched_against_its_own_one_at_a_time_pass(tmp_path: Path) -> Non
     assert got["rows"] == 3 and got["position_mismatch"] == 0
     assert got["per_layer"]["0"]["rows_below_1"] == 1
     assert got["per_layer"]["0"]["overlap_mean"] == pytest.approx((2 + (K - 1) / K) / 3)
+
+
+def test_a_decode_the_overlap_scheduler_ran_after_the_extend_is_not_the_row(
+    tmp_path: Path,
+) -> None:
+    """Issue 36: SGLang's overlap scheduler can run a finished request through one more decode
+    forward, recorded one position after its extend's last row. The extend's row is the
+    teacher-forced one: a pair takes each key's lowest position, on either side, in any order."""
+    s = _scores(10, 5)
+    order = s.sort(descending=True).indices
+    base = _layer(s, torch.ones(4), torch.ones(4))
+    moved = {**base, "sel": torch.cat([order[: K - 1], order[K : K + 1]]).sort().values}
+    _write(tmp_path / "stock", tag(0, 0, "sparse") + "1", {0: base}, position=9)
+    _write(tmp_path / "stock", tag(0, 0, "sparse") + "1", {0: moved}, position=10)  # the decode
+    _write(tmp_path / "route", "corpusd:c:route-" + tag(0, 0, "sparse") + "0-1", {0: moved},
+           position=10)  # fmt: skip
+    _write(tmp_path / "route", "corpusd:c:route-" + tag(0, 0, "sparse") + "0-1", {0: base},
+           position=9)  # fmt: skip
+    got = selection_vs_stock(dump.load(tmp_path / "stock"), dump.load(tmp_path / "route"), K,
+                             "sparse")  # fmt: skip
+    assert got["rows"] == 1 and got["position_mismatch"] == 0
+    assert got["per_layer"]["0"]["overlap_min"] == 1.0
+    ((_, a, b),) = pair(dump.load(tmp_path / "stock"), dump.load(tmp_path / "route"), "sparse")
+    assert a["position"] == b["position"] == 9

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,47 @@ def test_random_repeats_copy_a_stretch_that_is_not_in_the_text() -> None:
         assert tok.decode(ids).count(stretch) == 2  # the stretch and its copy
     with pytest.raises(ValueError, match="repeat-random"):
         FitConfig("src", "out", repeat_random=-0.1)
+
+
+def test_enciphered_sequences_ask_of_text_that_is_nowhere_in_the_training_text() -> None:
+    """``--cipher-frac 1``: every sequence's letters go through a fresh permutation, the rest
+    kept, so its text and answers are nowhere in the text (a fit cannot answer from memory),
+    while each answer still follows its quote in the sequence's own text."""
+    cfg = FitConfig("src", "out", task="span", seq_len=600, cipher_frac=1.0)
+    tok = ByteTokenizer()
+    sample = SpanSequences(TEXT, tok, BOS_ID, cfg)
+
+    def shape(t: str) -> str:
+        return re.sub("[A-Za-z]", "a", t)
+
+    keys = set()
+    for _ in range(6):
+        ids, _, _ = sample()
+        text, *qa = tok.decode(ids[1:]).split("\n\nQ: What follows?\nA: ")
+        assert len(qa) == cfg.questions_per_seq and text not in TEXT
+        assert shape(text) in shape(TEXT), "the letters moved, nothing else"
+        for part in qa:
+            quote, answer = part[: span_qa.QUOTE_CHARS], part[span_qa.QUOTE_CHARS :]
+            assert text.count(quote) == 1
+            assert answer == text[text.index(quote) + len(quote) :][: len(answer) - 1] + "\n"
+        keys.add(text[:200])
+    assert len(keys) == 6
+    # the repeats too: the stretch twice, enciphered alike, and not in the text
+    both = FitConfig("src", "out", task="span", seq_len=600, repeat_frac=1.0, cipher_frac=1.0)
+    sample = SpanSequences(TEXT, tok, BOS_ID, both)
+    for _ in range(4):
+        ids, _, is_answer = sample()
+        copy = sum(is_answer) + 1
+        stretch = tok.decode(ids[-copy:])
+        assert tok.decode(ids).count(stretch) >= 2
+        assert sum(ch.isalpha() for ch in stretch) < 4 or stretch not in TEXT
+    # off, the sampler draws what it drew before the option existed
+    a = SpanSequences(TEXT, tok, BOS_ID, FitConfig("src", "out", task="span", seq_len=600))
+    off = FitConfig("src", "out", task="span", seq_len=600, cipher_frac=0.0)
+    b = SpanSequences(TEXT, tok, BOS_ID, off)
+    assert [a()[0] for _ in range(3)] == [b()[0] for _ in range(3)]
+    with pytest.raises(ValueError, match="cipher-frac"):
+        FitConfig("src", "out", cipher_frac=2.0)
 
 
 def test_a_span_fit_writes_its_answers_over_an_unseen_corpus(tmp_path: Path) -> None:
