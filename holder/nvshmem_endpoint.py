@@ -26,6 +26,7 @@ import grpc
 import torch
 
 from corpusd.kernels.registry import Kernel, for_compacted
+from corpusd.model.config import MAX_HEADS
 from corpusd.rpc import Reject
 from corpusd.transport import nvshmem_ring as nr
 from corpusd.v1 import transport_pb2, transport_pb2_grpc
@@ -209,7 +210,7 @@ class NvshmemEndpoint(transport_pb2_grpc.TransportServicer):
             if (
                 nr.attend_request_bytes(n, h, k) > g.req_bytes
                 or nr.attend_reply_bytes(n, h) > g.rep_bytes
-                or not 0 < h <= 128
+                or not 0 < h <= MAX_HEADS
             ):
                 raise Reject(BAD, f"attend rows {n} × heads {h} × topk {k} does not fit the ring")
             if not req.scale > 0:

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import torch
 
+from corpusd.model.config import MAX_HEADS
 from corpusd.rpc import Reject, wire
 from corpusd.v1 import holder_pb2
 from corpusd.wire import from_proto
@@ -104,10 +105,11 @@ class RequestChecks:
         q = self.tensor(request.q, "q", FLOATS, 3, finite=not on_device, copy=not on_device)
         rows = self.tensor(request.rows, "rows", INTS, 2, copy=not on_device)
         n, h, d = q.shape
-        if d != geo.kv_dim or not 0 < h <= 128 or n > cfg.max_rows:
+        if d != geo.kv_dim or not 0 < h <= MAX_HEADS or n > cfg.max_rows:
             raise Reject(
                 S.INVALID_ARGUMENT,
-                f"q must be [n ≤ {cfg.max_rows}, 1 ≤ h ≤ 128, {geo.kv_dim}], got {list(q.shape)}",
+                f"q must be [n ≤ {cfg.max_rows}, 1 ≤ h ≤ {MAX_HEADS}, {geo.kv_dim}], "
+                f"got {list(q.shape)}",
             )
         if rows.shape[0] != n or rows.shape[1] > cfg.max_k:
             raise Reject(

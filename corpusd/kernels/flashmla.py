@@ -95,10 +95,14 @@ def fits(dtype: torch.dtype, d: int, d_v: int) -> bool:
 # -- the layout FlashMLA reads: heads, top-k, indices, fp8 pools --------------------------------
 
 
+#: The most heads one FlashMLA call takes (:func:`by_head_groups` runs more per group).
+KERNEL_MAX_HEADS = 128
+
+
 def padded_heads(h: int, sm: int = 9) -> int:
     """FlashMLA's head count for ``h`` heads on an SM ``sm`` GPU: 64 or 128 on SM90, 128 on
     SM100 (its sparse kernels' head tile there). AssertionError past 128 heads."""
-    assert 0 < h <= 128, f"FlashMLA takes 1 to 128 heads, got {h=}"
+    assert 0 < h <= KERNEL_MAX_HEADS, f"FlashMLA takes 1 to 128 heads, got {h=}"
     return 128 if sm >= 10 or h > 64 else 64
 
 
@@ -337,15 +341,32 @@ def fp8_sparse_partial(
     return _finish(*raw_fp8(q, kv, indices, scale, prep), factor)
 
 
+def by_head_groups(
+    run: Callable[[torch.Tensor], PartialOut], q: torch.Tensor, group: int = KERNEL_MAX_HEADS
+) -> PartialOut:
+    """``run(q)`` for ``q [n, h, d]`` whose heads FlashMLA takes at once (h ≤ ``group``), else
+    ``run`` over each group of ``group`` heads, O and LSE joined along the heads: exact, each
+    head's softmax is its own (a 160-head model: a group of 128, one of 32 padded to 64)."""
+    h = q.shape[1]
+    if h <= group:
+        return run(q)
+    parts = [run(q[:, i : i + group].contiguous()) for i in range(0, h, group)]
+    return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 1)
+
+
 def flashmla_partial_attention(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int
 ) -> PartialOut:
     """The registry's ``flashmla`` kernel: bf16 rows to :func:`sparse_partial`, fp8 rows (uint8
     ``[N, 656]``) to :func:`fp8_sparse_partial`, each with the one-launch Triton index
-    preparation."""
+    preparation; past 128 heads, per group of 128 (:func:`by_head_groups`)."""
     if kv.dtype == torch.uint8:
-        return fp8_sparse_partial(q, kv, indices, scale, d_v, prep=prep_triton)
-    return sparse_partial(q, kv, indices, scale, d_v, prep=prep_triton)
+        return by_head_groups(
+            lambda qg: fp8_sparse_partial(qg, kv, indices, scale, d_v, prep=prep_triton), q
+        )
+    return by_head_groups(
+        lambda qg: sparse_partial(qg, kv, indices, scale, d_v, prep=prep_triton), q
+    )
 
 
 def flashmla_lengths_partial_attention(
@@ -357,7 +378,9 @@ def flashmla_lengths_partial_attention(
     FlashMLA's newer scheduling API, not wired here)."""
     if kv.dtype == torch.uint8:
         return flashmla_partial_attention(q, kv, indices, scale, d_v)
-    return sparse_partial(q, kv, indices, scale, d_v, prep=prep_lengths, lengths=True)
+    return by_head_groups(
+        lambda qg: sparse_partial(qg, kv, indices, scale, d_v, prep=prep_lengths, lengths=True), q
+    )
 
 
 def split_sparse_partial(

@@ -11,9 +11,11 @@ from typing import Any
 from indexer import ARITHS
 
 SUPPORTED_MODEL_TYPE = "deepseek_v32"
-#: The most attention heads a holder's Attend takes (FlashMLA's sparse kernel and the NVSHMEM
-#: ring's slots stop at 128; V3.2 has 128).
-MAX_HEADS = 128
+#: The most attention heads a holder's Attend takes: a bound on one request's reply (rows ×
+#: heads × d_v floats), not on a kernel. V3.2 has 128; FlashMLA's kernels take at most 128 a
+#: call, so past that the holder runs them per group of 128 heads (``kernels.flashmla``), and
+#: the NVSHMEM ring fits fewer rows a slot (the requester splits by rows).
+MAX_HEADS = 1024
 #: Widths and counts that must be positive whatever the MLP layout.
 _SIZES = (
     "vocab_size",
@@ -103,7 +105,7 @@ class ModelConfig:
         if self.num_attention_heads > MAX_HEADS:
             raise ModelConfigError(
                 f"num_attention_heads {self.num_attention_heads} > {MAX_HEADS}: a holder's "
-                f"partial attention takes at most {MAX_HEADS} heads"
+                f"Attend takes at most {MAX_HEADS} heads a request"
             )
         if self.index_arith not in ARITHS:
             raise ModelConfigError(

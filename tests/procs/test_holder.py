@@ -261,6 +261,7 @@ def test_bad_input_gets_a_status_and_the_holder_keeps_serving(
         (req(rows=_tensor("int32", [2, 8], fill=-5)), S.OUT_OF_RANGE, "below -1"),
         (req(scale=float("inf")), S.INVALID_ARGUMENT, "scale"),
         (req(q=_tensor("float32", [8193, 1, 576])), S.INVALID_ARGUMENT, "q must be"),
+        (req(q=_tensor("float32", [1, 1025, 576])), S.INVALID_ARGUMENT, "1 ≤ h ≤ 1024"),
     ]
 
     async def go() -> None:
@@ -290,6 +291,16 @@ def test_bad_input_gets_a_status_and_the_holder_keeps_serving(
         q, pos = _queries(5, 2, 1000, 16)
         good = await c.attend_rows(cid, 0, q, _pool_rows(pos, frames), SCALE)
         assert torch.isfinite(good.lse[1]).all()
+        # past FlashMLA's 128 heads a call (a 160-head model): served, each head as alone
+        wide = await c.attend_rows(cid, 0, q.repeat(1, 3, 1)[:, :160], _pool_rows(pos, frames),
+                                   SCALE)  # fmt: skip
+        assert wide.o.shape[1] == 160 and torch.isfinite(wide.lse).all()
+        for i in (0, 64, 128):  # heads i… repeat q's
+            h = min(64, 160 - i)
+            torch.testing.assert_close(
+                wide.lse[:, i : i + h], good.lse[:, :h], rtol=1e-5, atol=1e-5
+            )
+            torch.testing.assert_close(wide.o[:, i : i + h], good.o[:, :h], rtol=1e-5, atol=1e-5)
         health = health_pb2_grpc.HealthStub(c.channel)
         r = await health.Check(health_pb2.HealthCheckRequest(service="corpusd.v1.Holder"))
         assert r.status == health_pb2.HealthCheckResponse.SERVING

@@ -14,6 +14,7 @@ import torch
 
 from corpusd.kernels import flashmla, formats
 from corpusd.kernels.merge import merge_partials, merge_stacked
+from corpusd.kernels.reference import partial_attention
 from corpusd.testing.numeric import rel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,3 +146,36 @@ def test_sparse_flashmla_is_called_without_topk_length_unless_told(
     with pytest.raises(TypeError, match="topk_length"):
         flashmla.raw_sparse(q, kv, indices, 0.1, prep=flashmla.prep_lengths, lengths=True)
     flashmla.takes_lengths.cache_clear()
+
+
+@pytest.mark.parametrize("h", [64, 128, 160, 300])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_flashmla_kernel_runs_past_128_heads_per_group_of_128(
+    monkeypatch: pytest.MonkeyPatch, h: int, fp8: bool
+) -> None:
+    """A model of more than 128 heads (a valid V3.2 config may have 160) is attended by the
+    registry's FlashMLA kernel one call per group of at most 128 heads, joined along the heads:
+    the reference over all heads at once. The FlashMLA calls are stood in for by the reference
+    (no GPU here) and fail past 128 heads as FlashMLA's do."""
+    calls: list[int] = []
+
+    def one_call(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, d_v: int,
+                 **_: object) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        flashmla.padded_heads(q.shape[1])  # FlashMLA's own limit: 128 heads a call
+        assert q.is_contiguous()
+        calls.append(q.shape[1])
+        return partial_attention(q, kv, idx, scale, d_v)
+
+    monkeypatch.setattr(flashmla, "fp8_sparse_partial" if fp8 else "sparse_partial", one_call)
+    g = torch.Generator().manual_seed(h)
+    q, kv = torch.randn(3, h, 24, generator=g), torch.randn(40, 24, generator=g)
+    idx = torch.randint(-1, 40, (3, 16), generator=g)
+    if fp8:
+        kv = kv.to(torch.uint8)  # the dtype that routes to the fp8 call; the stand-in reads it
+    for fn in (flashmla.flashmla_partial_attention, flashmla.flashmla_lengths_partial_attention):
+        calls.clear()
+        o, lse = fn(q, kv, idx, 0.2, 16)
+        want_o, want_lse = partial_attention(q, kv, idx, 0.2, 16)
+        torch.testing.assert_close(o, want_o, rtol=1e-6, atol=1e-6)  # per head: one softmax
+        torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+        assert calls == [min(128, h - i) for i in range(0, h, 128)]

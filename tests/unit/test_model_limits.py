@@ -46,10 +46,20 @@ def test_a_small_transformers_config_is_served(tmp_path: Path) -> None:
     assert (c.kv_dim, c.kv_lora_rank, c.qk_rope_head_dim) == (80, 64, 16)
 
 
+def test_more_heads_than_flashmla_takes_a_call_are_served(tmp_path: Path) -> None:
+    """160 heads load (it used to be refused at 128, FlashMLA's limit a call; the holder now runs
+    FlashMLA per group of 128 heads)."""
+    c = ModelConfig.from_dir(_write(tmp_path, num_attention_heads=160, num_key_value_heads=160))
+    assert c.num_attention_heads == 160
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
-        (dict(num_attention_heads=160, num_key_value_heads=160), "num_attention_heads 160 > 128"),
+        (
+            dict(num_attention_heads=1040, num_key_value_heads=1040),
+            "num_attention_heads 1040 > 1024",
+        ),
         (dict(kv_lora_rank=0), "must be > 0: kv_lora_rank 0"),
         (dict(index_n_heads=0), "must be > 0: index_n_heads 0"),
         (dict(n_group=0), "MoE layers need n_group"),
