@@ -28,20 +28,35 @@ from tools.fit_fast import train_forward_batch
 COPY_IDS = 200  # the sequences' token ids are below this (stretches from 40, gaps 140..199)
 
 
-def batch(g: torch.Generator, b: int, alphabet: int, fixed: bool) -> tuple[torch.Tensor, int, int]:
+#: The default longest gap between a stretch and its copy (uniform in 0..64).
+MAX_GAP = 64
+
+
+def draw_gap(g: torch.Generator, max_gap: int) -> int:
+    """A gap in ``0 … max_gap``: uniform up to :data:`MAX_GAP` (what every earlier run drew),
+    log-uniform past it, so the short gaps a copy circuit forms on stay frequent while the
+    long ones a span question needs (its quote 100–2,000 tokens back) come too."""
+    if max_gap <= MAX_GAP:
+        return int(torch.randint(0, max_gap + 1, (), generator=g))
+    u = float(torch.rand((), generator=g))
+    return min(max_gap, int(math.exp(u * math.log(max_gap + 1))) - 1)
+
+
+def batch(g: torch.Generator, b: int, alphabet: int, fixed: bool,
+          max_gap: int = MAX_GAP) -> tuple[torch.Tensor, int, int]:  # fmt: skip
     """``[b, 1 + 2L + G]`` token ids (BOS 1), and ``L``, ``G``."""
     length = 24 if fixed else int(torch.randint(8, 33, (), generator=g))
-    gap = 0 if fixed else int(torch.randint(0, 65, (), generator=g))
+    gap = 0 if fixed else draw_gap(g, max_gap)
     x = torch.randint(40, 40 + alphabet, (b, length), generator=g)
     other = torch.randint(140, 200, (b, gap), generator=g)
     return torch.cat([torch.ones(b, 1, dtype=torch.long), x, other, x], dim=1), length, gap
 
 
 def copy_loss(model: torch.nn.Module, g: torch.Generator, b: int, alphabet: int, fixed: bool,
-              device: torch.device) -> torch.Tensor:  # fmt: skip
+              device: torch.device, max_gap: int = MAX_GAP) -> torch.Tensor:  # fmt: skip
     """The copy's mean next-token loss on one :func:`batch` (its first token left out: nothing
     predicts it), through the fits' training forward; differentiable."""
-    seq, length, gap = batch(g, b, alphabet, fixed)
+    seq, length, gap = batch(g, b, alphabet, fixed, max_gap)
     seq = seq.to(device)
     logits, _ = train_forward_batch(model, seq[:, :-1])  # type: ignore[arg-type]
     s = 1 + length + gap  # the copy's first position
@@ -58,7 +73,7 @@ def run(a: argparse.Namespace) -> dict[str, object]:
     losses: list[float] = []
     t0 = time.monotonic()
     for step in range(a.steps):
-        loss = copy_loss(model, g, a.batch, a.alphabet, a.fixed, dev)
+        loss = copy_loss(model, g, a.batch, a.alphabet, a.fixed, dev, a.max_gap)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -72,7 +87,10 @@ def run(a: argparse.Namespace) -> dict[str, object]:
              for i in range(100, a.steps + 1, 100)}  # fmt: skip
     return {
         "command": "python -m tools.copy_sanity " + " ".join(a.argv),
-        "task": "fixed: 24 tokens back to back" if a.fixed else "L in 8..32, a gap of 0..64",
+        "task": "fixed: 24 tokens back to back"
+        if a.fixed
+        else f"L in 8..32, a gap of 0..{a.max_gap}"
+        + (" (log-uniform)" if a.max_gap > MAX_GAP else ""),
         "alphabet": a.alphabet,
         "uniform_nats": math.log(a.alphabet),
         "copy_loss_mean_of_last_100_by_step": every,
@@ -91,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--alphabet", type=int, default=95, help="symbols the copied tokens draw on")
     ap.add_argument("--fixed", action="store_true", help="24 tokens back to back every time")
+    ap.add_argument(
+        "--max-gap",
+        type=int,
+        default=MAX_GAP,
+        help="longest gap between a stretch and its copy (past 64: log-uniform)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="where to train (cuda:0 on a GPU machine)")
     ap.add_argument("--out", type=Path, default=None, help="append the result to this JSON list")

@@ -265,6 +265,12 @@ class FitConfig:
     )
     copy_every: int = _opt(0, "during the fit, a copy step after every this many steps (0: none)")
     copy_batch: int = _opt(64, "copy steps' sequences")
+    copy_max_gap: int = _opt(
+        64,
+        "copy steps: the longest gap between a stretch and its copy (past 64 drawn log-uniform, "
+        "tools/copy_sanity.draw_gap): a span question's quote is 100-2,000 tokens back, and a "
+        "warm-up within 64 did not carry to that distance",
+    )
     copy_lr: float = _opt(1e-3, "copy warm-up's learning rate (the fit's own schedule after)")
 
     def __post_init__(self) -> None:
@@ -291,6 +297,12 @@ class FitConfig:
             raise ValueError(f"--cipher-frac must be in [0, 1], got {self.cipher_frac}")
         if self.index_rows <= 0:
             raise ValueError(f"--index-rows must be > 0, got {self.index_rows}")
+        copies = self.copy_warmup > 0 or self.copy_every > 0
+        if copies and not 0 <= self.copy_max_gap <= self.seq_len - 65:
+            raise ValueError(
+                f"--copy-max-gap must be in 0..{self.seq_len - 65} (--seq-len less two copies of "
+                f"up to 32), got {self.copy_max_gap}"
+            )
         if min(self.copy_warmup, self.copy_every) < 0 or self.copy_batch <= 0 or self.copy_lr <= 0:
             raise ValueError(
                 "--copy-warmup and --copy-every must be >= 0, --copy-batch and --copy-lr > 0"
@@ -366,7 +378,8 @@ def fit(cfg: FitConfig) -> FitResult:
     def copy_step(lr: float) -> None:
         for g in opt.param_groups:
             g["lr"] = lr
-        loss = copy_loss(model, copy_gen, cfg.copy_batch, 95, False, torch.device(cfg.device))
+        loss = copy_loss(model, copy_gen, cfg.copy_batch, 95, False, torch.device(cfg.device),
+                         cfg.copy_max_gap)  # fmt: skip
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

@@ -10,10 +10,13 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from corpusd.model.tiny import init_tiny
 from corpusd.testing import span_qa
 from corpusd.tokenizer import BOS_ID, ByteTokenizer
+from tools.copy_sanity import batch as copy_batch
+from tools.copy_sanity import draw_gap
 from tools.fit_tiny import FitConfig, SpanSequences, eval_corpus, fit, rendered
 
 TEXT = rendered(span_qa.training_files(limit_bytes=60_000))
@@ -232,3 +235,22 @@ def test_a_fit_can_start_with_copy_steps_and_keep_taking_them(tmp_path: Path) ->
     for bad in ({"copy_warmup": -1}, {"copy_every": -2}, {"copy_batch": 0}, {"copy_lr": 0.0}):
         with pytest.raises(ValueError, match="--copy-warmup and --copy-every"):
             FitConfig("src", "out", **bad)  # type: ignore[arg-type]
+
+
+def test_copy_steps_reach_the_span_questions_distances() -> None:
+    """``--copy-max-gap``: a warm-up copying within 64 tokens did not carry to span questions
+    100-2,000 tokens back (issue 36, one H200). Past 64 the gap is drawn log-uniform up to the
+    bound, so short gaps stay frequent and long ones come; at 64 the draw is what it was."""
+    g = torch.Generator().manual_seed(0)
+    gaps = [draw_gap(g, 1800) for _ in range(2000)]
+    assert min(gaps) >= 0 and max(gaps) <= 1800
+    assert sum(x <= 64 for x in gaps) > 800 and sum(x >= 600 for x in gaps) > 200
+    a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    old = [int(torch.randint(0, 65, (), generator=b)) for _ in range(20)]
+    assert [draw_gap(a, 64) for _ in range(20)] == old
+    seq, length, gap = copy_batch(torch.Generator().manual_seed(1), 3, 95, False, 1800)
+    assert seq.shape == (3, 1 + 2 * length + gap)
+    assert torch.equal(seq[:, 1 : 1 + length], seq[:, 1 + length + gap :])
+    with pytest.raises(ValueError, match=r"--copy-max-gap must be in 0\.\.1983"):
+        FitConfig("src", "out", seq_len=2048, copy_warmup=1, copy_max_gap=1984)
+    FitConfig("src", "out", seq_len=64)  # no copy steps: the bound is not checked
