@@ -44,6 +44,7 @@ def test_the_draws_cover_the_space() -> None:
     heads = {o["num_attention_heads"] for o in served}
     assert heads - {1, 2, 4, 8, 16, 32, 64, 128} and 128 in heads, heads
     assert max(heads) > 128, f"past FlashMLA's 128 heads a call: {heads}"
+    assert any(o["index_n_heads"] == 8 for o in served), "8 index heads: exact ties at the cut"
     assert {o["num_hidden_layers"] for o in served} == {1, 2, 3}
     assert any("rope_parameters" in o for o in served)
     assert any("rope_parameters" not in o for o in served)
