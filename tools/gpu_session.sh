@@ -27,7 +27,8 @@
 #                                            #   g128x4 | g64x8; SPAN_PHASE=fit then bench (two calls,
 #                                            #   ~9 min each) or both (one call, a 3-min fit);
 #                                            #   SPAN_PORT, SPAN_BENCH_S: the bench's port, limit;
-#                                            #   SPAN_FIT_ARGS: fit_tiny flags (--repeat-frac 0.25);
+#                                            #   SPAN_FIT_ARGS: fit_tiny flags (default: the
+#                                            #   curriculum in the step, copy steps to gap 1800);
 #                                            #   ROUTE_TRIALS: fresh route servers teacher-forced (3)
 #   bash tools/gpu_session.sh copy           # issue 36, 2 GPUs: copying by content (tools/copy_sanity)
 #                                            #   on g64x2 (GPU 0) and g128x4 (GPU 1), COPY_STEPS each,
@@ -244,6 +245,11 @@ diag-floor)
     took "bench_sglang floor" $?
     tail -16 "$OUT/sglang-floor-128h-$GPU.log" ;;
 span)  # issue 36 item 2: fitted so that answers copy the corpus; fit.json says whether they do.
+    # The default curriculum (docs/sglang.md, "Answers that depend on the corpus"): copy steps
+    # at the questions' distances (--copy-max-gap) at the warm-up's learning rate, kept up
+    # through the fit, and enciphered sequences a fit cannot answer from memory
+    SPAN_CURRICULUM="--batch 16 --lr 1e-3 --copy-warmup 3000 --copy-every 4 --copy-max-gap 1800"
+    SPAN_CURRICULUM="$SPAN_CURRICULUM --repeat-frac 0.25 --cipher-frac 0.5"
     # SPAN_PHASE=fit (up to SPAN_FIT_MINUTES, default 8) then =bench, two calls on one warm
     # machine; the default, both, fits 3 minutes and benches in one call
     g=${SPAN_GEOMETRY:-g64x2}; phase=${SPAN_PHASE:-both}; minutes=3
@@ -253,7 +259,7 @@ span)  # issue 36 item 2: fitted so that answers copy the corpus; fit.json says 
     if [ "$phase" != bench ] && [ ! -f "$d/model/fit.json" ]; then
         timeout $(( minutes * 60 + 70 )) python3 -m tools.fit_tiny --src "$d/init" \
             --out "$d/model" --task span --steps 100000 --minutes "$minutes" --seq-len 2048 \
-            --batch 2 --device cuda:0 --log-every 250 ${SPAN_FIT_ARGS---repeat-frac 0.25} \
+            --batch 2 --device cuda:0 --log-every 250 ${SPAN_FIT_ARGS-$SPAN_CURRICULUM} \
             > "$OUT/span-fit-$g-$GPU.log" 2>&1
         took "fit $g" $?
         tail -12 "$OUT/span-fit-$g-$GPU.log"
