@@ -54,7 +54,7 @@ from corpusd.testing.span_qa import stdlib_corpus
 from corpusd.tokenizer import ByteTokenizer
 from indexer import ARITHS
 from requester.sglang import dump
-from tools.layer_compare import selection_vs_stock, tag
+from tools.layer_compare import selection_bar, selection_vs_stock, tag
 from tools.sglang_compare import PRIMITIVES as PRIMS
 from tools.sglang_compare import (
     against_floor,
@@ -322,6 +322,8 @@ def selection(a: argparse.Namespace, modes: list[str], regime: str, k: int) -> d
         if is_route(m) and dump_dir(a, m).exists():
             out[m] = selection_vs_stock(stock, dump.load(dump_dir(a, m)), k, regime)
     floor = selection_vs_stock(stock, stock, k, regime, regime + SEQUENTIAL)
+    for m in list(out):  # issue 36's bar, per layer: ≥ 0.99, or no lower than stock's own
+        out[m]["bar"] = selection_bar(out[m], floor if floor["rows"] else None)
     if floor["rows"]:
         out["stock_sequential"] = floor
     return out

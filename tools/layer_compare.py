@@ -271,3 +271,23 @@ def selection_vs_stock(
         "per_layer": selection_agreement(list(rows.values())),
         "per_layer_step": overlap_by_layer_and_step(rows),
     }
+
+
+#: Issue 36's bar for the top-k selection: overlap with stock at least this per layer, or no
+#: lower than stock's own against itself.
+OVERLAP_BAR = 0.99
+
+
+def selection_bar(mode: dict[str, Any], floor: dict[str, Any] | None) -> dict[str, Any]:
+    """Per layer, a mode's mean top-k overlap with stock (a :func:`selection_vs_stock` result)
+    beside stock's own against itself (``floor``, the same function on stock's batched and
+    one-at-a-time passes; None: not measured) and whether it meets issue 36's bar: ≥
+    :data:`OVERLAP_BAR`, or no lower than the floor's. ``met``: every layer's (None when no
+    layer was compared)."""
+    per = {}
+    for li, x in mode.get("per_layer", {}).items():
+        f = (floor or {}).get("per_layer", {}).get(li)
+        fo = None if f is None else f["overlap_mean"]
+        ok = x["overlap_mean"] >= OVERLAP_BAR or (fo is not None and x["overlap_mean"] >= fo)
+        per[li] = {"overlap": x["overlap_mean"], "floor": fo, "met": ok}
+    return {"per_layer": per, "met": all(v["met"] for v in per.values()) if per else None}

@@ -442,6 +442,12 @@ def report(out: dict[str, Any]) -> None:
                 f"{li}: {x['overlap_mean']:.4f} (min {x['overlap_min']:.4f})" for li, x in layers
             )
             print(f"{r:<7} {who + ' top-k overlap':<27} {sel.get('rows', 0)} rows; {cells}")
+            if "bar" in sel:
+                bar = sel["bar"]
+                short = [li for li, x in bar["per_layer"].items() if not x["met"]]
+                print(f"{r:<7} {who + ' selection bar':<27} "
+                      f"{'met' if bar['met'] else 'not met at layers ' + ', '.join(short)} "
+                      f"(>= 0.99 or >= stock vs itself, per layer)")  # fmt: skip
     for r, v in out["regimes"].items():
         if "vs_oracle" in v:  # every run against corpusd's model in float64 (sglang_oracle.py)
             o = v["vs_oracle"]

@@ -5,6 +5,7 @@ predicate's score against forced route and fetch, route vs fetch exactness, the 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import types
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from corpusd.tokenizer import BOS_ID, ByteTokenizer
 from tools.bench_sglang import QUESTIONS, greedy_tag, question_suffixes, request, summarize
+from tools.layer_compare import selection_bar
 from tools.sglang_compare import (
     against_floor,
     compare,
@@ -512,3 +514,15 @@ def test_report_prints_the_overlap_per_layer_beside_its_floor(
     text = capsys.readouterr().out
     assert "route/stock top-k overlap   16 rows; 0: 0.8600 (min 0.7600), 1: 0.9600" in text
     assert "stock b8/b1 top-k overlap   16 rows; 0: 0.9000 (min 0.8000)" in text
+
+
+def test_report_prints_the_selection_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--dump``: beside each route mode's overlap per layer, whether it meets issue 36's bar
+    (the committed 128-head run, reported again: layers 2 and 3 do not)."""
+    path = Path(__file__).resolve().parents[2] / "bench/results/sglang-floor-128h-h200-dump.json"
+    run = json.loads(path.read_text())
+    sel = run["regimes"]["sparse"]["selection_vs_stock"]
+    sel["route"]["bar"] = selection_bar(sel["route"], sel["stock_sequential"])
+    report(run)
+    out = capsys.readouterr().out
+    assert "route/stock selection bar" in out and "not met at layers 2, 3" in out
