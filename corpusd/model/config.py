@@ -97,6 +97,10 @@ class ModelConfig:
     # lm_head shares the embedding's weights (transformers' tie_word_embeddings; DeepSeek-V3.2's
     # own checkpoints do not)
     tie_word_embeddings: bool = False
+    # transformers' attention_bias: biases on q_a_proj, kv_a_proj_with_mqa and o_proj (V3.2: none)
+    attention_bias: bool = False
+    # the MLPs' and experts' gate activation, by transformers' ACT2FN name (V3.2: silu)
+    hidden_act: str = "silu"
 
     def __post_init__(self) -> None:
         bad = [f"{k} {getattr(self, k)}" for k in _SIZES if getattr(self, k) <= 0]
@@ -242,6 +246,8 @@ class ModelConfig:
                 quant_block=(int(block[0]), int(block[1])) if block else None,
                 index_arith=str(d.get("index_arith", "exact")),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", False)),
+                hidden_act=str(d.get("hidden_act", "silu")),
             )
         except KeyError as e:
             raise ModelConfigError(f"config.json lacks required key {e.args[0]!r}") from None
@@ -285,8 +291,6 @@ class ModelConfig:
             architectures=["DeepseekV32ForCausalLM"],
             num_key_value_heads=self.num_attention_heads,
             rope_parameters=rope_params,
-            hidden_act="silu",
-            attention_bias=False,
             torch_dtype="bfloat16",
             # Read by SGLang's DeepSeek-V3 family loader, which has no defaults for them; they
             # restate what this config already means (sigmoid-scored, bias-corrected routing;
@@ -302,21 +306,18 @@ class ModelConfig:
         return d
 
 
-_ACTS = ("silu", "swish")  # the activations SwiGLU's gate computes (transformers' names)
+#: The gate activations corpusd's MLPs compute, by transformers' ACT2FN names
+#: (``corpusd.model.layers.ACTIVATIONS`` has each one's function).
+ACTS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu",
+        "relu", "sigmoid", "tanh")  # fmt: skip
 
 
 def _refuse_unserved(d: dict[str, Any]) -> None:
-    """ModelConfigError naming the first field of ``d`` whose value DeepSeek-V3.2 does not use
-    and corpusd's model does not compute (served, such a value gave other logits than
-    transformers' without an error)."""
+    """ModelConfigError naming the first field of ``d`` whose value corpusd's model does not
+    compute (served, such a value gave other logits than transformers' without an error).
+    ``mlp_bias`` is accepted either way: transformers' DeepSeek-V3.2 MLPs take no bias from it."""
     act = d.get("hidden_act", "silu")
-    if act not in _ACTS:
+    if act not in ACTS:
         raise ModelConfigError(
-            f"hidden_act {act!r} is not served: corpusd's MLP is SwiGLU (silu, as DeepSeek-V3.2)"
+            f"hidden_act {act!r} is not served: corpusd's MLPs compute {', '.join(ACTS)}"
         )
-    for key in ("attention_bias", "mlp_bias"):
-        if d.get(key):
-            raise ModelConfigError(
-                f"{key} true is not served: corpusd's projections have no biases (as "
-                "DeepSeek-V3.2's)"
-            )

@@ -1,6 +1,8 @@
-"""Feed-forward parts of a DeepSeek-V3.2 layer: RMSNorm, the dense SwiGLU MLP, the routed MoE."""
+"""Feed-forward parts of a DeepSeek-V3.2 layer: RMSNorm, the dense gated MLP, the routed MoE."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,17 +23,35 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
-    def __init__(self, hidden: int, inner: int) -> None:
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+#: The gate activation by transformers' ACT2FN name (``config.ACTS``). gelu_new and gelu_fast
+#: are the tanh approximation written out; PyTorch's tanh GELU is the same function.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh, "gelu_fast": _gelu_tanh, "quick_gelu": _quick_gelu,
+    "relu": F.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
+}  # fmt: skip
+
+
+class MLP(nn.Module):
+    """Gated MLP: ``down(act(gate(x)) * up(x))``, act = silu for DeepSeek-V3.2 (SwiGLU)."""
+
+    def __init__(self, hidden: int, inner: int, act: str = "silu") -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inner, bias=False)
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Router(nn.Module):
@@ -75,6 +95,7 @@ class Experts(nn.Module):
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x [n, H]``, the router's ``ids``/``w [n, top_k]`` → ``Σ_j w[:, j] · expert_ids[j](x)``.
@@ -93,13 +114,13 @@ class Experts(nn.Module):
         for e in ids.unique().tolist():
             tok, slot = torch.where(ids == e)
             gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w[tok, slot, None].to(x.dtype)
+            y = F.linear(self.act(gate) * up, self.down_proj[e]) * w[tok, slot, None].to(x.dtype)
             out.index_add_(0, tok, y)
         return out
 
     def _dense(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         gate, up = torch.matmul(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E,n,I]
-        y = torch.matmul(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, n, H]
+        y = torch.matmul(self.act(gate) * up, self.down_proj.transpose(1, 2))  # [E, n, H]
         dense_w = torch.zeros(x.shape[0], y.shape[0], dtype=x.dtype, device=x.device)
         dense_w.scatter_(1, ids, w.to(x.dtype))  # [n, E]: 0 for experts not routed to
         return torch.einsum("ne,enh->nh", dense_w, y)
@@ -110,7 +131,9 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
-        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.shared_experts = MLP(
+            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.hidden_act
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.gate(x)

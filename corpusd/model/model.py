@@ -29,7 +29,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MLA(cfg)
         sparse = cfg.mlp_layer_types[idx] == "sparse"
-        self.mlp: nn.Module = MoE(cfg) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = (
+            MoE(cfg) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -8,8 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from corpusd.model import ModelConfig, ModelConfigError
+from corpusd.model.config import ACTS
+from corpusd.model.layers import ACTIVATIONS
 from corpusd.testing.hf_checkpoints import BASE
 
 transformers = pytest.importorskip(
@@ -72,3 +75,13 @@ def test_an_unservable_config_is_refused_at_load(
     with pytest.raises(ModelConfigError, match=message) as e:
         ModelConfig.from_dir(_write(tmp_path, **override))
     assert "\n" not in str(e.value), f"one line: {e.value}"
+
+
+@pytest.mark.parametrize("name", ACTS)
+def test_every_served_activation_is_transformers_own(name: str) -> None:
+    """Each ``hidden_act`` corpusd serves computes what transformers' ACT2FN does under that
+    name (the end-to-end decode runs a few: tests/procs/test_model_knobs.py)."""
+    from transformers.activations import ACT2FN
+
+    x = torch.linspace(-6, 6, 4001, dtype=torch.float64)
+    torch.testing.assert_close(ACTIVATIONS[name](x), ACT2FN[name](x), rtol=1e-6, atol=1e-6)
