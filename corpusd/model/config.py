@@ -38,7 +38,9 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
-    """YaRN RoPE parameters (DeepSeek's ``rope_scaling``); ``kind == "default"`` disables YaRN."""
+    """RoPE parameters (DeepSeek's ``rope_scaling``): ``kind`` "yarn" (DeepSeek-V3.2's),
+    "linear" (positions divided by ``factor``; ``mscale_all_dim`` scales the softmax as
+    transformers does for any scaled rope) or "default" (plain)."""
 
     theta: float = 10000.0
     kind: str = "yarn"
@@ -51,10 +53,12 @@ class RopeConfig:
     truncate: bool = True
 
     def __post_init__(self) -> None:
-        if self.kind not in ("yarn", "default"):
-            raise ModelConfigError(f"rope type {self.kind!r} is not supported (yarn or default)")
-        if self.kind == "yarn" and self.factor <= 0:
-            raise ModelConfigError(f"yarn rope factor must be > 0, got {self.factor}")
+        if self.kind not in ("yarn", "linear", "default"):
+            raise ModelConfigError(
+                f"rope type {self.kind!r} is not supported (yarn, linear or default)"
+            )
+        if self.kind != "default" and self.factor <= 0:
+            raise ModelConfigError(f"{self.kind} rope factor must be > 0, got {self.factor}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +171,7 @@ class ModelConfig:
         """MLA softmax scale: ``qk_head_dim ** -0.5`` times YaRN's ``mscale(factor)**2``."""
         scale = self.qk_head_dim**-0.5
         r = self.rope
-        if r.kind == "yarn" and r.mscale_all_dim and r.factor > 1:
+        if r.kind != "default" and r.mscale_all_dim and r.factor > 1:  # transformers' rule
             m = 0.1 * r.mscale_all_dim * math.log(r.factor) + 1.0
             scale *= m * m
         return scale
@@ -208,6 +212,13 @@ class ModelConfig:
                     mscale=float(rp.get("mscale") or 0),
                     mscale_all_dim=float(rp.get("mscale_all_dim") or 0),
                     truncate=bool(rp.get("truncate", True)),
+                )
+            elif kind == "linear":
+                rope = RopeConfig(
+                    theta=theta,
+                    kind="linear",
+                    factor=float(rp["factor"]),
+                    mscale_all_dim=float(rp.get("mscale_all_dim") or 0),
                 )
             else:
                 rope = RopeConfig(theta=theta, kind=str(kind))
@@ -271,6 +282,10 @@ class ModelConfig:
         """The HF ``config.json`` content (readable by transformers' ``DeepseekV32Config``)."""
         r = self.rope
         rope_params: dict[str, Any] = {"rope_type": r.kind, "rope_theta": r.theta}
+        if r.kind == "linear":
+            rope_params["factor"] = r.factor
+            if r.mscale_all_dim:
+                rope_params["mscale_all_dim"] = r.mscale_all_dim
         if r.kind == "yarn":
             rope_params.update(
                 factor=r.factor,

@@ -18,9 +18,11 @@ from corpusd.model.config import ModelConfig, RopeConfig
 
 def inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
     """Inverse frequencies ``[dim // 2]`` float32, with YaRN's ramp between interpolation and
-    extrapolation when ``rope.kind == "yarn"``."""
+    extrapolation when ``rope.kind == "yarn"``, divided by ``rope.factor`` when "linear"."""
     pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     extrapolation = 1.0 / pos_freqs
+    if rope.kind == "linear":  # position interpolation: every frequency divided by the factor
+        return extrapolation / rope.factor
     if rope.kind != "yarn":
         return extrapolation
     interpolation = 1.0 / (rope.factor * pos_freqs)

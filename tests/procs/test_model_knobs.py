@@ -34,14 +34,29 @@ SERVED: list[dict[str, Any]] = [
     {"hidden_act": "relu", "first_k_dense_replace": 1},
     {"mlp_bias": True},  # transformers' V3.2 MLPs take no bias from it: nor do corpusd's
     {"attention_bias": True, "hidden_act": "quick_gelu", "first_k_dense_replace": 1},
+    {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+    {
+        "rope_parameters": {
+            "rope_type": "linear",
+            "rope_theta": 50000.0,
+            "factor": 2.0,
+            "mscale_all_dim": 1.0,
+        }
+    },
 ]
 REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"hidden_act": "mish"}, "hidden_act"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}, "rope"),
 ]
 
 
 def _id(extra: dict[str, Any]) -> str:
-    return "+".join(f"{k}={v}" if isinstance(v, (str, bool)) else k for k, v in extra.items())
+    def one(k: str, v: Any) -> str:
+        if isinstance(v, dict):
+            return f"{k}={v.get('rope_type')}" + ("+mscale" if "mscale_all_dim" in v else "")
+        return f"{k}={v}" if isinstance(v, (str, bool)) else k
+
+    return "+".join(one(k, v) for k, v in extra.items())
 
 
 @pytest.mark.parametrize("extra", SERVED, ids=[_id(e) for e in SERVED])
@@ -52,7 +67,7 @@ def test_a_knob_corpusd_computes_decodes_as_transformers(
     assert r.status == "ok", f"{extra}: {r.status}: {r.detail}"
 
 
-@pytest.mark.parametrize(("extra", "field"), REFUSED, ids=[f for _, f in REFUSED])
+@pytest.mark.parametrize(("extra", "field"), REFUSED, ids=[_id(e) for e, _ in REFUSED])
 def test_a_knob_corpusd_does_not_compute_is_refused_naming_it(
     extra: dict[str, Any], field: str, tmp_path: Path
 ) -> None:
