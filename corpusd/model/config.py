@@ -51,6 +51,9 @@ class RopeConfig:
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
     truncate: bool = True
+    # yarn: the cos/sin factor when the config gives one (transformers' ``attention_factor``);
+    # None derives it from factor, mscale and mscale_all_dim
+    attention_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("yarn", "linear", "default"):
@@ -212,6 +215,11 @@ class ModelConfig:
                     mscale=float(rp.get("mscale") or 0),
                     mscale_all_dim=float(rp.get("mscale_all_dim") or 0),
                     truncate=bool(rp.get("truncate", True)),
+                    attention_factor=(
+                        None
+                        if rp.get("attention_factor") is None
+                        else float(rp["attention_factor"])
+                    ),
                 )
             elif kind == "linear":
                 rope = RopeConfig(
@@ -295,6 +303,8 @@ class ModelConfig:
                 mscale=r.mscale,
                 mscale_all_dim=r.mscale_all_dim,
             )
+            if r.attention_factor is not None:
+                rope_params["attention_factor"] = r.attention_factor
         d = asdict(self)
         for k in ("rope", "quant_block"):
             d.pop(k)
@@ -331,6 +341,12 @@ def _refuse_unserved(d: dict[str, Any]) -> None:
     """ModelConfigError naming the first field of ``d`` whose value corpusd's model does not
     compute (served, such a value gave other logits than transformers' without an error).
     ``mlp_bias`` is accepted either way: transformers' DeepSeek-V3.2 MLPs take no bias from it."""
+    rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    prf = rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if prf not in (None, 1, 1.0):
+        raise ModelConfigError(
+            f"partial_rotary_factor {prf} is not served: corpusd rotates all qk_rope_head_dim dims"
+        )
     act = d.get("hidden_act", "silu")
     if act not in ACTS:
         raise ModelConfigError(

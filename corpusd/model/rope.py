@@ -48,6 +48,8 @@ def attention_factor(rope: RopeConfig) -> float:
     """YaRN's magnitude factor applied to cos/sin (1.0 for DeepSeek's mscale == mscale_all_dim)."""
     if rope.kind != "yarn":
         return 1.0
+    if rope.attention_factor is not None:  # the config's own, as transformers takes it
+        return rope.attention_factor
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

@@ -37,6 +37,15 @@ SERVED: list[dict[str, Any]] = [
     {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
     {
         "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "attention_factor": 1.3,
+        }
+    },
+    {
+        "rope_parameters": {
             "rope_type": "linear",
             "rope_theta": 50000.0,
             "factor": 2.0,
@@ -47,13 +56,15 @@ SERVED: list[dict[str, Any]] = [
 REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"hidden_act": "mish"}, "hidden_act"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}, "rope"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
 ]
 
 
 def _id(extra: dict[str, Any]) -> str:
     def one(k: str, v: Any) -> str:
         if isinstance(v, dict):
-            return f"{k}={v.get('rope_type')}" + ("+mscale" if "mscale_all_dim" in v else "")
+            extra = [x for x in ("mscale_all_dim", "attention_factor") if x in v]
+            return f"{k}={v.get('rope_type')}" + "".join(f"+{x}" for x in extra)
         return f"{k}={v}" if isinstance(v, (str, bool)) else k
 
     return "+".join(one(k, v) for k, v in extra.items())
