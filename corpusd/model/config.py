@@ -245,7 +245,8 @@ class ModelConfig:
                 qk_nope_head_dim=int(d["qk_nope_head_dim"]),
                 qk_rope_head_dim=int(d["qk_rope_head_dim"]),
                 v_head_dim=int(d["v_head_dim"]),
-                n_routed_experts=int(d["n_routed_experts"]),
+                # transformers takes ``num_experts`` over ``n_routed_experts`` (its BC alias)
+                n_routed_experts=int(d.get("num_experts") or d["n_routed_experts"]),
                 n_shared_experts=int(d.get("n_shared_experts", 1)),
                 num_experts_per_tok=int(d["num_experts_per_tok"]),
                 n_group=int(d.get("n_group", 1)),

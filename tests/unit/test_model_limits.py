@@ -85,3 +85,13 @@ def test_every_served_activation_is_transformers_own(name: str) -> None:
 
     x = torch.linspace(-6, 6, 4001, dtype=torch.float64)
     torch.testing.assert_close(ACTIVATIONS[name](x), ACT2FN[name](x), rtol=1e-6, atol=1e-6)
+
+
+def test_num_experts_is_read_as_transformers_reads_it(tmp_path: Path) -> None:
+    """transformers' DeepseekV32Config takes ``num_experts`` (a BC alias) over
+    ``n_routed_experts``; a config.json written with it alone is served with that count."""
+    d = json.loads(_write(tmp_path).joinpath("config.json").read_text())
+    want = transformers.DeepseekV32Config(**{**d, "num_experts": 6}).n_routed_experts
+    del d["n_routed_experts"]
+    (tmp_path / "config.json").write_text(json.dumps({**d, "num_experts": 6}))
+    assert ModelConfig.from_dir(tmp_path).n_routed_experts == want == 6
