@@ -571,16 +571,15 @@ class SpanSequences:
         table.update(str.maketrans(string.ascii_uppercase, "".join(lower).upper()))
         return table
 
-    def repeat(
-        self, table: dict[int, int] | None = None
-    ) -> tuple[list[int], list[float], list[bool]]:
+    def repeat(self, table: dict[int, int]) -> tuple[list[int], list[float], list[bool]]:
         """A stretch of the text that comes again later in the sequence (``--repeat-frac``):
         text, the stretch, other text, the stretch again, with every length drawn, so the
         distance between the copies varies (a fixed one is learned as a fixed offset, not as
         copying: a proxy fitted on stretches repeated back to back copied at that one distance
         and guessed wildly at any other). The second copy, its first token aside, is what
         copying predicts: weighed and reported as answers. A repeat is the task on which
-        induction heads, the circuit the span answers need, form fastest."""
+        induction heads, the circuit the span answers need, form fastest. ``table``: the
+        sequence's letter permutation (:meth:`cipher`; ``{}`` keeps the text)."""
         n = self.cfg.seq_len + 1 - len(self.bos)
         rng = self.rng
         while True:
@@ -588,13 +587,12 @@ class SpanSequences:
             gap = rng.randrange(0, n - 2 * seg + 1)
             pre = n - 2 * seg - gap
             a, b, c = (rng.randrange(0, len(self.text) - n) for _ in range(3))
-            stretch = self.text[b : b + seg].translate(table or {})
+            stretch = self.text[b : b + seg].translate(table)
             if self.cfg.repeat_random and rng.random() < self.cfg.repeat_random:
                 stretch = "".join(chr(rng.randrange(32, 127)) for _ in range(seg))
-            tr = table or {}
-            parts = [self.tok.encode(self.text[a : a + pre].translate(tr))[:pre],
+            parts = [self.tok.encode(self.text[a : a + pre].translate(table))[:pre],
                      self.tok.encode(stretch)[:seg],
-                     self.tok.encode(self.text[c : c + gap].translate(tr))[:gap]]  # fmt: skip
+                     self.tok.encode(self.text[c : c + gap].translate(table))[:gap]]  # fmt: skip
             ids = self.bos + parts[0] + parts[1] + parts[2] + parts[1]
             if len(ids) > self.cfg.seq_len + 1 or len(parts[1]) < 8:
                 continue
