@@ -58,6 +58,7 @@ from tools.layer_compare import selection_bar, selection_vs_stock, tag
 from tools.sglang_compare import PRIMITIVES as PRIMS
 from tools.sglang_compare import (
     against_floor,
+    check_modes,
     compare,
     corpus_kl,
     exactness,
@@ -65,6 +66,7 @@ from tools.sglang_compare import (
     free_running,
     is_route,
     load_trace,
+    mode_tag,
     noise_floor,
     over_trials,
     predicate_score,
@@ -294,7 +296,7 @@ def route_trials(
 
 
 def dump_dir(a: argparse.Namespace, mode: str) -> Path:
-    return Path(a.work) / f"dump-{mode.replace('@', '-')}"
+    return Path(a.work) / f"dump-{mode_tag(mode)}"
 
 
 def dump_env(a: argparse.Namespace, mode: str) -> dict[str, str]:
@@ -656,7 +658,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default="bench/results/sglang-h200.json")
     ap.add_argument("--work", default="/tmp/corpusd-bench-sglang")
-    ap.add_argument("--modes", default="stock,route,fetch")
+    ap.add_argument(
+        "--modes", default="stock,route,fetch",
+        help="stock first, then any of route, fetch, route+one (route with the own tokens and "
+        "the corpus rows in one FlashMLA call, CORPUSD_SGLANG_ONE_CALL=1)",
+    )  # fmt: skip
     ap.add_argument(
         "--primitive", default="",
         help="run the route mode once per plugin primitive, forced (route,fetch,auto: the "
@@ -781,6 +787,10 @@ def main(argv: list[str] | None = None) -> int:
         "(holders hold FlashMLA's fp8 rows) and runs flashmla_kv prefill and decode",
     )  # fmt: skip
     a = ap.parse_args(argv)
+    try:  # before anything starts
+        check_modes(primitive_modes(a.modes.split(","), [p for p in a.primitive.split(",") if p]))
+    except ValueError as e:
+        ap.error(str(e))
     out = run(a)
     if a.probe_only:
         return 0

@@ -20,7 +20,9 @@
 #   bash tools/gpu_session.sh diag-layer     # issue 36: layer-by-layer diff, stock vs route, on the
 #                                            #   held-out-like 128-head x 4-layer random model (~5 min)
 #   bash tools/gpu_session.sh diag-floor     # issue 36: route vs stock beside stock's own noise floor,
-#                                            #   the same model (~5 min; reuses diag-layer's pin when warm)
+#                                            #   the same model (~5 min; reuses diag-layer's pin when warm);
+#                                            #   DIAG_MODES (default stock,route; route+one: the one-call
+#                                            #   variant too), DIAG_PORT
 #   bash tools/gpu_session.sh span           # issue 36: a span-fitted checkpoint (fit_tiny --task span)
 #                                            #   then route vs stock and both floors over the standard
 #                                            #   library with span questions; SPAN_GEOMETRY=g64x2 |
@@ -30,6 +32,10 @@
 #                                            #   SPAN_FIT_ARGS: fit_tiny flags (default: the
 #                                            #   curriculum in the step, copy steps to gap 1800);
 #                                            #   ROUTE_TRIALS: fresh route servers teacher-forced (3)
+#   bash tools/gpu_session.sh span-all       # issue 36: span with every geometry at once on the one GPU:
+#                                            #   SPAN_PHASE=fit (7-min fits, ~9 min) then =bench (stock,
+#                                            #   route, route+one and both floors each; SPAN_MODES)
+#   bash tools/gpu_session.sh install        # only install the carried deps into /tmp/site
 #   bash tools/gpu_session.sh copy           # issue 36, 2 GPUs: copying by content (tools/copy_sanity)
 #                                            #   on g64x2 (GPU 0) and g128x4 (GPU 1), COPY_STEPS each,
 #                                            #   then a 1-minute span fit's step rate (~4 min)
@@ -63,12 +69,12 @@
 #                                            #   again with the peer rows read in place, one run
 # Steps on one warm machine share /tmp/site (installed once). Each step prints a short summary last.
 set -uo pipefail
-step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | copy | pair-step | failover | peer-tests | peer-read | peer | dp | share"}
-case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|copy|pair-step|failover|peer-tests|peer-read|peer|dp|share) ;;
+step=${1:?"a step: fanin | decode | decode-engine | bad-binding | predicate | device-tests | ttft | layer | pin-check | pin | engine-pin | engine-agree | fp8 | diag-layer | diag-floor | span | span-all | install | copy | pair-step | failover | peer-tests | peer-read | peer | dp | share"}
+case "$step" in fanin|decode|decode-engine|bad-binding|predicate|device-tests|ttft|layer|pin-check|pin|engine-pin|engine-agree|fp8|diag-layer|diag-floor|span|span-all|install|copy|pair-step|failover|peer-tests|peer-read|peer|dp|share) ;;
     *) echo "unknown step $step: see the header of $0" >&2
        exit 2 ;;
 esac
-if [ "$step" = span ]; then  # its settings are checked before anything is installed
+if [ "$step" = span ] || [ "$step" = span-all ]; then  # its settings are checked before anything is installed
     case "${SPAN_PHASE:-both}" in fit|bench|both) ;;
         *) echo "SPAN_PHASE=$SPAN_PHASE: fit, bench or both" >&2; exit 2 ;; esac
     case "${SPAN_GEOMETRY:-g64x2}" in g64x2|g128x4|g64x8) ;;
@@ -139,7 +145,43 @@ if not (out / "config.json").exists():
 PY
 }
 
+SPAN_CURRICULUM="--batch 16 --lr 1e-3 --copy-warmup 3000 --copy-every 4 --copy-max-gap 1800"
+SPAN_CURRICULUM="$SPAN_CURRICULUM --repeat-frac 0.25 --cipher-frac 0.5"
+span_fit() {  # geometry minutes: fit_tiny --task span from its init, unless fitted already
+    local g=$1 d=/tmp/span36/$1
+    if [ ! -f "$d/model/fit.json" ]; then
+        timeout $(( $2 * 60 + 90 )) python3 -m tools.fit_tiny --src "$d/init" \
+            --out "$d/model" --task span --steps 100000 --minutes "$2" --seq-len 2048 \
+            --batch 2 --device cuda:0 --log-every 250 ${SPAN_FIT_ARGS-$SPAN_CURRICULUM} \
+            > "$OUT/span-fit-$g-$GPU.log" 2>&1
+        took "fit $g" $?
+    fi
+    cp "$d/model/fit.json" "$OUT/span-fit-$g-$GPU.json" 2>/dev/null
+}
+span_summary() {  # geometry: what the fit's own span eval found (fit.json)
+    python3 - "$1" "/tmp/span36/$1/model/fit.json" <<'PY'
+import json, sys
+from pathlib import Path
+p = Path(sys.argv[2])
+s = json.loads(p.read_text()).get("span") if p.exists() else None
+print(sys.argv[1], "no fit.json" if s is None else {k: s[k] for k in (
+    "answered_exactly", "corpus_dependent", "distinct", "mean_right_chars")})
+PY
+}
+span_bench() {  # geometry port limit: route (and SPAN_MODES' others) vs stock and both floors
+    local g=$1 d=/tmp/span36/$1
+    timeout "$3" python3 -m tools.bench_sglang --port "$2" \
+        --modes "${SPAN_MODES:-stock,route,route+one}" --regimes sparse --requests 8 --tokens 16 \
+        --forced-steps 8 --streams 8 --bursts 1 --first-token-reps 1 --holder-device cuda:0 \
+        --pin-engine --dump --no-cuda-graph --src-model "$d/model" --corpus stdlib \
+        --questions span --route-trials "${ROUTE_TRIALS:-3}" --work "$d/bench" \
+        --out "$OUT/sglang-span-$g-$GPU.json" > "$OUT/sglang-span-$g-$GPU.log" 2>&1
+    took "bench_sglang span $g" $?
+}
+
 case "$step" in
+install)
+    echo "installed into /tmp/site: $(ls /tmp/site | wc -l) entries" ;;
 fanin)
     for spread in speed page; do
         timeout 150 python3 -m tools.bench_fanin --holders 2 --cpus-per-holder 4 --spread "$spread" \
@@ -238,43 +280,43 @@ diag-layer)
     tail -15 "$OUT/diag-layer-diff-$GPU.log" ;;
 diag-floor)
     diag_model
-    timeout 570 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
+    timeout 570 python3 -m tools.bench_sglang --modes "${DIAG_MODES:-stock,route}" \
+        --port "${DIAG_PORT:-30123}" --regimes sparse --requests 8 \
         --tokens 16 --forced-steps 8 --holder-device cuda:0 --pin-engine --dump --no-cuda-graph \
         --fit-steps 0 --work /tmp/d36 --out "$OUT/sglang-floor-128h-$GPU.json" \
         > "$OUT/sglang-floor-128h-$GPU.log" 2>&1
     took "bench_sglang floor" $?
     tail -16 "$OUT/sglang-floor-128h-$GPU.log" ;;
-span)  # issue 36 item 2: fitted so that answers copy the corpus; fit.json says whether they do.
-    # The default curriculum (docs/sglang.md, "Answers that depend on the corpus"): copy steps
-    # at the questions' distances (--copy-max-gap) at the warm-up's learning rate, kept up
-    # through the fit, and enciphered sequences a fit cannot answer from memory
-    SPAN_CURRICULUM="--batch 16 --lr 1e-3 --copy-warmup 3000 --copy-every 4 --copy-max-gap 1800"
-    SPAN_CURRICULUM="$SPAN_CURRICULUM --repeat-frac 0.25 --cipher-frac 0.5"
-    # SPAN_PHASE=fit (up to SPAN_FIT_MINUTES, default 8) then =bench, two calls on one warm
-    # machine; the default, both, fits 3 minutes and benches in one call
-    g=${SPAN_GEOMETRY:-g64x2}; phase=${SPAN_PHASE:-both}; minutes=3
-    [ "$phase" = fit ] && minutes=${SPAN_FIT_MINUTES:-8}
-    span_model "$g" || exit 2
-    d=/tmp/span36/$g
-    if [ "$phase" != bench ] && [ ! -f "$d/model/fit.json" ]; then
-        timeout $(( minutes * 60 + 70 )) python3 -m tools.fit_tiny --src "$d/init" \
-            --out "$d/model" --task span --steps 100000 --minutes "$minutes" --seq-len 2048 \
-            --batch 2 --device cuda:0 --log-every 250 ${SPAN_FIT_ARGS-$SPAN_CURRICULUM} \
-            > "$OUT/span-fit-$g-$GPU.log" 2>&1
-        took "fit $g" $?
-        tail -12 "$OUT/span-fit-$g-$GPU.log"
+span|span-all)  # issue 36 item 2: fitted so that answers depend on the corpus (fit.json says
+    # whether they copy it). The default curriculum (docs/sglang.md, "Answers that depend on the
+    # corpus"): copy steps at the questions' distances (--copy-max-gap) at the warm-up's
+    # learning rate, kept up through the fit, and enciphered sequences a fit cannot answer from
+    # memory. SPAN_PHASE=fit (up to SPAN_FIT_MINUTES, default 8) then =bench, two calls on one
+    # warm machine; the default, both, fits 3 minutes and benches in one call. span-all: every
+    # geometry at once on the one GPU (fits of SPAN_FIT_MINUTES, default 7; benches on ports
+    # 30123, 30223, 30323), each bench's modes SPAN_MODES (default stock,route,route+one)
+    phase=${SPAN_PHASE:-both}
+    if [ "$step" = span ]; then
+        geoms=${SPAN_GEOMETRY:-g64x2}; minutes=3; [ "$phase" = fit ] && minutes=${SPAN_FIT_MINUTES:-8}
+    else
+        geoms="g64x2 g128x4 g64x8"; minutes=${SPAN_FIT_MINUTES:-7}
     fi
-    cp "$d/model/fit.json" "$OUT/span-fit-$g-$GPU.json" 2>/dev/null
+    for g in $geoms; do span_model "$g" || exit 2; done
+    if [ "$phase" != bench ]; then
+        for g in $geoms; do span_fit "$g" "$minutes" & done
+        wait
+        for g in $geoms; do tail -6 "$OUT/span-fit-$g-$GPU.log"; done
+        for g in $geoms; do span_summary "$g"; done
+    fi
     [ "$phase" = fit ] && exit 0
-    # SPAN_PORT and CUDA_VISIBLE_DEVICES let two geometries bench at once on a 2-GPU machine
-    timeout $([ "$phase" = both ] && echo 330 || echo "${SPAN_BENCH_S:-570}") python3 -m tools.bench_sglang \
-        --port "${SPAN_PORT:-30123}" \
-        --modes stock,route --regimes sparse --requests 8 --tokens 16 --forced-steps 8 \
-        --streams 8 --bursts 1 --first-token-reps 1 --holder-device cuda:0 --pin-engine --dump \
-        --no-cuda-graph --src-model "$d/model" --corpus stdlib --questions span \
-        --route-trials "${ROUTE_TRIALS:-3}" --work "$d/bench" --out "$OUT/sglang-span-$g-$GPU.json" > "$OUT/sglang-span-$g-$GPU.log" 2>&1
-    took "bench_sglang span $g" $?
-    tail -20 "$OUT/sglang-span-$g-$GPU.log" ;;
+    limit=$([ "$phase" = both ] && echo 330 || echo "${SPAN_BENCH_S:-570}")
+    port=${SPAN_PORT:-30123}
+    for g in $geoms; do
+        span_bench "$g" "$port" "$limit" &
+        port=$(( port + 100 ))
+    done
+    wait
+    for g in $geoms; do tail -24 "$OUT/sglang-span-$g-$GPU.log" | grep -E "over floor|top-k|bar|answers|forced|servers"; done ;;
 copy)  # does copying by content form, and after how many steps, at the fits' settings on a GPU
     span_model g64x2 && span_model g128x4 || exit 2
     n=${COPY_STEPS:-3000}

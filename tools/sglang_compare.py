@@ -17,6 +17,11 @@ from typing import Any
 PRIMITIVES = ("route", "fetch", "auto")
 #: the route mode under a forced primitive: ``route@fetch``
 SEP = "@"
+#: route variants, compared with stock and its floors in the same run as ``route``: the route
+#: mode with a plugin setting changed (``route+one``: own tokens and corpus rows attended in one
+#: FlashMLA call, ``CORPUSD_SGLANG_ONE_CALL``, stock's own arithmetic on the device path)
+VARIANT = "+"
+VARIANTS: dict[str, dict[str, str]] = {"one": {"CORPUSD_SGLANG_ONE_CALL": "1"}}
 
 
 def primitive_modes(modes: list[str], primitives: list[str]) -> list[str]:
@@ -35,7 +40,32 @@ def primitive_modes(modes: list[str], primitives: list[str]) -> list[str]:
 
 
 def is_route(mode: str) -> bool:
-    return mode == "route" or mode.startswith(f"route{SEP}")
+    return mode == "route" or mode.startswith((f"route{SEP}", f"route{VARIANT}"))
+
+
+def variant_env(mode: str) -> dict[str, str]:
+    """The plugin settings a ``route+<variant>`` mode adds to the route server's environment
+    (none for any other mode)."""
+    if not mode.startswith(f"route{VARIANT}"):
+        return {}
+    return VARIANTS[mode.split(VARIANT, 1)[1]]
+
+
+def check_modes(modes: list[str]) -> None:
+    """ValueError naming the first of ``modes`` that is not stock, route, fetch, ``route@<p>``
+    or ``route+<variant>``, or a mode given twice."""
+    known = {"stock", "route", "fetch", *(f"route{SEP}{p}" for p in PRIMITIVES)}
+    known |= {f"route{VARIANT}{v}" for v in VARIANTS}
+    for m in modes:
+        if m not in known:
+            raise ValueError(f"--modes: unknown mode {m!r}; known: {', '.join(sorted(known))}")
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"--modes {','.join(modes)}: a mode given twice")
+
+
+def mode_tag(mode: str) -> str:
+    """``mode`` as it appears in request ids and directory names (no ``@`` or ``+``)."""
+    return mode.replace(SEP, "-").replace(VARIANT, "-")
 
 
 def forced_primitive(mode: str) -> str | None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from corpusd.corpus.store import PageStore
 from corpusd.kernels.fp8_cache import ROW_BYTES
 from requester.sglang.binding import request_fields
-from tools.sglang_compare import forced_primitive, is_route
+from tools.sglang_compare import forced_primitive, is_route, mode_tag, variant_env
 
 if TYPE_CHECKING:  # the daemons (grpc) load in start_corpusd: a stock Server needs none
     from corpusd.daemon import Daemon
@@ -254,8 +254,9 @@ class Server:
             # the device path's window: the longest corpus, in whole 1,024-token steps
             longest = max(map(len, cd.tokens.values()))
             env.setdefault("CORPUSD_SGLANG_WINDOW", str(-(-longest // 1024) * 1024))
-        if mode == "route":  # as in every earlier run: the plugin's host path routes
+        if mode == "route" or variant_env(mode):  # as in every earlier run: host path routes
             env.setdefault("CORPUSD_SGLANG_PRIMITIVE", "route")
+            env.update(variant_env(mode))
         if prim:  # the predicate decides on the host path (no CUDA graphs there)
             self.trace = log.with_name(f"trace-{prim}.jsonl")
             self.trace.unlink(missing_ok=True)
@@ -384,6 +385,6 @@ def request(
             token_ids_logprob=list(range(vocab)),
         )
     if is_route(mode):  # phase: the trace's name for a request (tools/sglang_compare.py)
-        tag = mode.replace("@", "-")
+        tag = mode_tag(mode)
         body.update(request_fields(corpus, f"{tag}-{phase}{i}-{time.monotonic_ns()}"))
     return body

@@ -18,18 +18,23 @@ from tools.bench_sglang import QUESTIONS, greedy_tag, question_suffixes, request
 from tools.layer_compare import selection_bar
 from tools.sglang_compare import (
     against_floor,
+    check_modes,
     compare,
     corpus_kl,
     exactness,
     forced_compare,
+    forced_primitive,
     free_running,
+    is_route,
     kl,
     load_trace,
+    mode_tag,
     noise_floor,
     over_trials,
     predicate_score,
     primitive_modes,
     report,
+    variant_env,
     where_corpus_matters,
 )
 
@@ -44,6 +49,26 @@ def test_primitive_modes() -> None:
         primitive_modes(modes, ["route", "local"])
     with pytest.raises(ValueError, match="needs route"):
         primitive_modes(["stock"], ["auto"])
+
+
+def test_route_variants_are_route_modes_with_a_plugin_setting() -> None:
+    check_modes(["stock", "route", "route+one", "fetch", "route@auto"])
+    assert is_route("route+one") and forced_primitive("route+one") is None
+    assert variant_env("route+one") == {"CORPUSD_SGLANG_ONE_CALL": "1"}
+    assert variant_env("route") == {} and variant_env("route@fetch") == {}
+    assert mode_tag("route+one") == "route-one" and mode_tag("route@fetch") == "route-fetch"
+    with pytest.raises(ValueError, match="unknown mode 'route\\+two'"):
+        check_modes(["stock", "route+two"])
+    with pytest.raises(ValueError, match="given twice"):
+        check_modes(["stock", "route", "route"])
+
+
+def test_an_unknown_mode_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    from tools.bench_sglang import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--modes", "stock,rout", "--work", str(tmp_path / "w")])
+    assert e.value.code == 2 and not (tmp_path / "w").exists()
 
 
 def _rid(mode: str, corpus: str, i: int) -> str:
