@@ -41,7 +41,7 @@ def test_auto_picks_torch_on_cpu_and_rejects_gpu_kernels() -> None:
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("h", [1, 16, 64, 128])
+@pytest.mark.parametrize("h", [1, 16, 64, 128, 160])
 @pytest.mark.parametrize("n,k", [(1, 2048), (7, 100), (64, 2048)])
 def test_triton_matches_reference_on_gpu(n: int, h: int, k: int) -> None:
     g = torch.Generator().manual_seed(torch.seed() % (1 << 31))
@@ -61,7 +61,7 @@ def _flashmla_or_skip() -> None:
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("h", [16, 64, 100, 128])
+@pytest.mark.parametrize("h", [16, 64, 100, 128, 160, 256])  # past 128: per head group
 @pytest.mark.parametrize("n,k", [(1, 2048), (7, 100), (64, 2048)])
 def test_flashmla_matches_reference(n: int, h: int, k: int) -> None:
     _flashmla_or_skip()
@@ -73,7 +73,7 @@ def test_flashmla_matches_reference(n: int, h: int, k: int) -> None:
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("h", [16, 64, 128])
+@pytest.mark.parametrize("h", [16, 64, 128, 160])
 @pytest.mark.parametrize("n,k", [(1, 2048), (7, 100), (32, 2048)])
 def test_flashmla_told_each_rows_count_matches_reference(n: int, h: int, k: int) -> None:
     """The compacted streams' kernel (``topk_length``) on rows that are half -1, scattered (one
