@@ -298,8 +298,11 @@ span|span-all)  # issue 36 item 2: fitted so that answers depend on the corpus (
     phase=${SPAN_PHASE:-both}
     if [ "$step" = span ]; then
         geoms=${SPAN_GEOMETRY:-g64x2}; minutes=3; [ "$phase" = fit ] && minutes=${SPAN_FIT_MINUTES:-8}
-    else
+    else  # three fits share one GPU's memory: at --batch 16 and the copy steps' 64 sequences
+        # of up to 1,865 tokens they needed 28 + 47 + 63 GB and ran out (1 x H200)
         geoms="g64x2 g128x4 g64x8"; minutes=${SPAN_FIT_MINUTES:-7}
+        SPAN_CURRICULUM="$SPAN_CURRICULUM --batch 4 --copy-batch 8 --copy-warmup 1000"
+        export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     fi
     for g in $geoms; do span_model "$g" || exit 2; done
     if [ "$phase" != bench ]; then
