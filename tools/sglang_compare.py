@@ -542,3 +542,26 @@ def report(out: dict[str, Any]) -> None:
                         f"{c.get('tpot_p50_ms', float('nan')):>11.2f} "
                         f"{c['kv_pool_peak_tokens']:>6.0f}"
                     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tools.sglang_compare RESULT.json``: print a saved bench result's tables (a
+    run cut short by its time limit saves after every route mode, before it prints them)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("result", type=Path, help="a tools/bench_sglang.py JSON")
+    a = ap.parse_args(argv)
+    try:
+        out = json.loads(a.result.read_text())
+        regimes = out["regimes"]
+    except (OSError, ValueError, KeyError) as e:
+        ap.error(f"{a.result}: not a bench_sglang result ({type(e).__name__}: {e})")
+    if not regimes:
+        ap.error(f"{a.result}: no regime has a stock run yet")
+    report(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -37,6 +37,7 @@ from tools.sglang_compare import (
     variant_env,
     where_corpus_matters,
 )
+from tools.sglang_compare import main as compare_main
 
 
 def test_primitive_modes() -> None:
@@ -383,7 +384,9 @@ def test_span_questions_quote_each_pinned_corpus() -> None:
     assert span == [ByteTokenizer().decode(s) for s in question_suffixes("span", tokens, 8)]
 
 
-def test_summarize_reads_a_span_run_against_its_floors_where_the_corpus_matters() -> None:
+def test_summarize_reads_a_span_run_against_its_floors_where_the_corpus_matters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The bench's JSON from a stock and a route run (synthetic): the floors, the corpus KL per
     position, every mode and floor where the corpus matters, agreement_counts."""
     flat, sure = _logsoftmax([0.0, 0.0, 0.0]), _logsoftmax([0.0, 9.0, 0.0])
@@ -391,7 +394,8 @@ def test_summarize_reads_a_span_run_against_its_floors_where_the_corpus_matters(
 
     def side(forced: list[list[list[float]]], **more: Any) -> dict[str, Any]:
         greedy = [{"tokens": [1, 1], "cached_tokens": 0}, {"tokens": [1, 2], "cached_tokens": 0}]
-        timed = {"tokens": [[1, 1], [1, 2]]}
+        timed = {"tokens": [[1, 1], [1, 2]], "ttft_p50_ms": 9.0, "inter_token_p50_ms": 1.0,
+                 "kv_pool_peak_tokens": 64}  # fmt: skip
         return {"greedy": greedy, "forced": forced, "concurrent": timed,
                 "concurrent_by_streams": {"8": timed}, **more}  # fmt: skip
 
@@ -434,6 +438,16 @@ def test_summarize_reads_a_span_run_against_its_floors_where_the_corpus_matters(
     assert v["route"]["logprob_max_abs_diff"] == 0.0 and v["stock_restart"]["forced_steps"] == 4
     assert v["stock"]["logprob_max_abs_diff"] == pytest.approx(0.1, abs=1e-3)
     assert v["route_over_stock"]["logprob_max_abs_diff"] == 0.0
+    # a run cut short saves its JSON; `python -m tools.sglang_compare` prints its tables
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(out))
+    assert compare_main([str(saved)]) == 0
+    assert "route/stock over floor" in capsys.readouterr().out
+    for text in ("{}", '{"regimes": {}}', "not json"):
+        saved.write_text(text)
+        with pytest.raises(SystemExit) as e:
+            compare_main([str(saved)])
+        assert e.value.code == 2
 
 
 def test_report_prints_the_oracle_lines(capsys: pytest.CaptureFixture[str]) -> None:
