@@ -185,8 +185,9 @@ class ModelConfig:
         """Build from a parsed HF ``config.json``.
 
         Accepts both the legacy DeepSeek keys (``rope_scaling`` + ``rope_theta``) and
-        transformers 5's ``rope_parameters``. Raises ModelConfigError for another model type or a
-        missing key.
+        transformers 5's ``rope_parameters``. A key left out takes transformers' default
+        (:data:`HF_DEFAULTS`). Raises ModelConfigError for another model type, a value corpusd
+        does not compute, or a malformed one.
         """
         mt = d.get("model_type")
         if mt != SUPPORTED_MODEL_TYPE:
@@ -196,13 +197,13 @@ class ModelConfig:
             )
         _refuse_unserved(d)
         try:
-            n_layers = int(d["num_hidden_layers"])
-            first_dense = int(d.get("first_k_dense_replace", 3))
+            n_layers = int(_hf(d, "num_hidden_layers"))
+            first_dense = int(_hf(d, "first_k_dense_replace"))
             mlp_types = d.get("mlp_layer_types") or (
                 ["dense"] * min(first_dense, n_layers) + ["sparse"] * max(0, n_layers - first_dense)
             )
             rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
-            theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
+            theta = float(rp.get("rope_theta", _hf(d, "rope_theta")))
             kind = rp.get("rope_type", rp.get("type", "default"))
             if kind == "yarn":
                 rope = RopeConfig(
@@ -232,42 +233,41 @@ class ModelConfig:
                 rope = RopeConfig(theta=theta, kind=str(kind))
             q = d.get("quantization_config") or {}
             block = q.get("weight_block_size")
-            eos = d.get("eos_token_id", 1)
+            eos = _hf(d, "eos_token_id")
             return cls(
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=int(d["hidden_size"]),
-                intermediate_size=int(d["intermediate_size"]),
-                moe_intermediate_size=int(d["moe_intermediate_size"]),
+                vocab_size=int(_hf(d, "vocab_size")),
+                hidden_size=int(_hf(d, "hidden_size")),
+                intermediate_size=int(_hf(d, "intermediate_size")),
+                moe_intermediate_size=int(_hf(d, "moe_intermediate_size")),
                 num_hidden_layers=n_layers,
-                num_attention_heads=int(d["num_attention_heads"]),
-                q_lora_rank=int(d["q_lora_rank"]),
-                kv_lora_rank=int(d["kv_lora_rank"]),
-                qk_nope_head_dim=int(d["qk_nope_head_dim"]),
-                qk_rope_head_dim=int(d["qk_rope_head_dim"]),
-                v_head_dim=int(d["v_head_dim"]),
-                # transformers takes ``num_experts`` over ``n_routed_experts`` (its BC alias)
-                n_routed_experts=int(d.get("num_experts") or d["n_routed_experts"]),
-                n_shared_experts=int(d.get("n_shared_experts", 1)),
-                num_experts_per_tok=int(d["num_experts_per_tok"]),
-                n_group=int(d.get("n_group", 1)),
-                topk_group=int(d.get("topk_group", 1)),
-                routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-                norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                num_attention_heads=int(_hf(d, "num_attention_heads")),
+                q_lora_rank=int(_hf(d, "q_lora_rank")),
+                kv_lora_rank=int(_hf(d, "kv_lora_rank")),
+                qk_nope_head_dim=int(_hf(d, "qk_nope_head_dim")),
+                qk_rope_head_dim=int(_hf(d, "qk_rope_head_dim")),
+                v_head_dim=int(_hf(d, "v_head_dim")),
+                n_routed_experts=int(_routed_experts(d)),
+                n_shared_experts=int(_hf(d, "n_shared_experts")),
+                num_experts_per_tok=int(_hf(d, "num_experts_per_tok")),
+                n_group=int(_hf(d, "n_group")),
+                topk_group=int(_hf(d, "topk_group")),
+                routed_scaling_factor=float(_hf(d, "routed_scaling_factor")),
+                norm_topk_prob=bool(_hf(d, "norm_topk_prob")),
                 first_k_dense_replace=first_dense,
                 mlp_layer_types=tuple(mlp_types),
-                index_n_heads=int(d["index_n_heads"]),
-                index_head_dim=int(d["index_head_dim"]),
-                index_topk=int(d["index_topk"]),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 163840)),
-                bos_token_id=d.get("bos_token_id"),
+                index_n_heads=int(_hf(d, "index_n_heads")),
+                index_head_dim=int(_hf(d, "index_head_dim")),
+                index_topk=int(_hf(d, "index_topk")),
+                rms_norm_eps=float(_hf(d, "rms_norm_eps")),
+                max_position_embeddings=int(_hf(d, "max_position_embeddings")),
+                bos_token_id=_hf(d, "bos_token_id"),
                 eos_token_id=eos[0] if isinstance(eos, list) else eos,
                 rope=rope,
                 quant_block=(int(block[0]), int(block[1])) if block else None,
                 index_arith=str(d.get("index_arith", "exact")),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=bool(d.get("attention_bias", False)),
-                hidden_act=str(d.get("hidden_act", "silu")),
+                tie_word_embeddings=bool(_hf(d, "tie_word_embeddings")),
+                attention_bias=bool(_hf(d, "attention_bias")),
+                hidden_act=str(_hf(d, "hidden_act")),
             )
         except KeyError as e:
             raise ModelConfigError(f"config.json lacks required key {e.args[0]!r}") from None
@@ -330,6 +330,37 @@ class ModelConfig:
         if self.mlp_layer_types == sparse_after:
             d["moe_layer_freq"] = 1  # SGLang's way of saying "every layer from k on is sparse"
         return d
+
+
+#: transformers' ``DeepseekV32Config`` defaults (its class attributes, and its rope theta): a key
+#: a config.json leaves out means this value to transformers, so it means it here too
+#: (``tests/unit/test_model_limits.py`` holds the two equal where transformers is installed).
+HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+    "attention_bias": False, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
+    "first_k_dense_replace": 3, "rope_theta": 10000.0,
+}  # fmt: skip
+
+
+def _hf(d: dict[str, Any], key: str) -> Any:
+    """``d[key]``, or transformers' default for it when the config.json leaves it out."""
+    return d[key] if key in d else HF_DEFAULTS[key]
+
+
+def _routed_experts(d: dict[str, Any]) -> Any:
+    """The routed expert count as transformers reads it: ``num_experts`` (its BC alias) over
+    ``n_routed_experts``, ``num_local_experts`` (its attribute map's name) when that is absent."""
+    if d.get("num_experts") is not None:
+        return d["num_experts"]
+    if "n_routed_experts" not in d and "num_local_experts" in d:
+        return d["num_local_experts"]
+    return _hf(d, "n_routed_experts")
 
 
 #: The gate activations corpusd's MLPs compute, by transformers' ACT2FN names

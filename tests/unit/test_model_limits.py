@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from corpusd.model import ModelConfig, ModelConfigError
-from corpusd.model.config import ACTS
+from corpusd.model.config import ACTS, HF_DEFAULTS
 from corpusd.model.layers import ACTIVATIONS
 from corpusd.testing.hf_checkpoints import BASE
 
@@ -95,3 +95,41 @@ def test_num_experts_is_read_as_transformers_reads_it(tmp_path: Path) -> None:
     del d["n_routed_experts"]
     (tmp_path / "config.json").write_text(json.dumps({**d, "num_experts": 6}))
     assert ModelConfig.from_dir(tmp_path).n_routed_experts == want == 6
+
+
+def test_num_local_experts_names_the_routed_experts_as_in_transformers(tmp_path: Path) -> None:
+    """``num_local_experts`` is transformers' attribute-map name for ``n_routed_experts``."""
+    d = json.loads(_write(tmp_path).joinpath("config.json").read_text())
+    del d["n_routed_experts"]
+    d["num_local_experts"] = 6
+    assert transformers.DeepseekV32Config(**d).n_routed_experts == 6
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert ModelConfig.from_dir(tmp_path).n_routed_experts == 6
+
+
+def test_the_defaults_are_transformers_own() -> None:
+    c = transformers.DeepseekV32Config()
+    for key, value in HF_DEFAULTS.items():
+        got = c.rope_parameters["rope_theta"] if key == "rope_theta" else getattr(c, key)
+        assert got == value, f"{key}: transformers {got!r}, corpusd {value!r}"
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["small", "v3.2-sized"])
+def test_a_key_left_out_means_what_it_means_to_transformers(small: bool) -> None:
+    """A valid config.json may leave out any key transformers has a default for. Read without
+    every key at its default, it is the same config as written in full. Before, the sizes were
+    refused as missing, and n_group, topk_group and routed_scaling_factor were read as 1, 1 and
+    1.0 (transformers: 8, 4, 2.5): other routing, other logits, no error."""
+    full = transformers.DeepseekV32Config(**(BASE | SMALL if small else {})).to_dict()
+    sparse = {k: v for k, v in full.items() if k not in HF_DEFAULTS or v != HF_DEFAULTS[k]}
+    if full["rope_parameters"] == {"rope_type": "default", "rope_theta": HF_DEFAULTS["rope_theta"]}:
+        del sparse["rope_parameters"]
+    if not small:  # transformers derives it from first_k_dense_replace (SMALL gives its own)
+        del sparse["mlp_layer_types"]
+    assert len(sparse) <= len(full) - 10
+    want = ModelConfig.from_hf_dict(full)
+    assert ModelConfig.from_hf_dict(sparse) == want
+    theirs = transformers.DeepseekV32Config(**sparse)
+    assert (want.n_group, want.topk_group, want.routed_scaling_factor) == (
+        theirs.n_group, theirs.topk_group, theirs.routed_scaling_factor,
+    )  # fmt: skip
