@@ -82,7 +82,8 @@ class HolderConfig(DaemonConfig):
     nvshmem_rows: int = field(
         default=64,
         metadata={
-            "help": "NVSHMEM ring slot: query rows per request (× 128 heads × --nvshmem-topk)"
+            "help": "NVSHMEM ring slot: query rows per request (× the model's heads, at least "
+            "128, × --nvshmem-topk)"
         },
     )
     nvshmem_topk: int = field(

@@ -53,19 +53,29 @@ class Plan:
     direct: bool = False  # body writes the requester's reply slot through NVLink; signal only
 
 
-def from_config(cfg: HolderConfig, pool: FramePool, kernel: Kernel) -> NvshmemEndpoint:
-    """The endpoint ``cfg.nvshmem_*`` describes (call only when ``cfg.nvshmem_peers > 0``).
-    Raises ValueError for a model whose latent rows are not the ring's 576 / 512 (requesters
-    then route over gRPC: no NVSHMEM job is offered)."""
+def ring_geometry(cfg: HolderConfig, heads: int) -> nr.RingGeometry:
+    """Slots for ``cfg.nvshmem_rows`` query rows of the model's ``heads`` (at least 128, the
+    size every earlier ring had) × ``cfg.nvshmem_topk`` selected rows: a model of more heads
+    gets larger slots, not requests split into fewer rows (or none: gRPC)."""
+    return nr.RingGeometry.for_shapes(
+        cfg.nvshmem_peers, 2, cfg.nvshmem_rows, max(128, heads), cfg.nvshmem_topk,
+        cfg.nvshmem_fetch_rows,
+    )  # fmt: skip
+
+
+def from_config(
+    cfg: HolderConfig, pool: FramePool, kernel: Kernel, heads: int = 128
+) -> NvshmemEndpoint:
+    """The endpoint ``cfg.nvshmem_*`` describes for a model of ``heads`` query heads (call only
+    when ``cfg.nvshmem_peers > 0``). Raises ValueError for a model whose latent rows are not the
+    ring's 576 / 512 (requesters then route over gRPC: no NVSHMEM job is offered)."""
     widths = (pool.geo.kv_dim, pool.geo.d_v)
     if widths != (nr.D_QK, nr.D_V):
         raise ValueError(
             f"--nvshmem-peers: the NVSHMEM ring carries {nr.D_QK}-wide rows with {nr.D_V}-wide "
             f"outputs; this model's are {widths[0]} / {widths[1]} (serve it without NVSHMEM)"
         )
-    ring = nr.RingGeometry.for_shapes(
-        cfg.nvshmem_peers, 2, cfg.nvshmem_rows, 128, cfg.nvshmem_topk, cfg.nvshmem_fetch_rows
-    )
+    ring = ring_geometry(cfg, heads)
     job = f"{socket.gethostname()}:{os.getpid()}:{cfg.holder_id or cfg.port}"
     return NvshmemEndpoint(pool, kernel, ring, job, socket.gethostname())
 

@@ -91,7 +91,8 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
     if cfg.nvshmem_peers:
         from holder.nvshmem_endpoint import from_config
 
-        endpoint_nv = from_config(cfg, svc.pool, svc.kernel)
+        heads = ModelConfig.from_dir(model_dir).num_attention_heads
+        endpoint_nv = from_config(cfg, svc.pool, svc.kernel, heads)
         g = endpoint_nv.ring
         log.info(
             "offering NVSHMEM job %s: %d requester slot(s), ring depth %d, %d / %d bytes per "

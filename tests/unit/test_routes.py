@@ -267,3 +267,19 @@ def test_a_deferred_reply_must_be_waited_for_before_the_next_graphed_call() -> N
     ga.last.awaited = True  # as wait_on leaves it
     with pytest.raises(AttributeError):  # past the check: this stand-in has no client
         ga()
+
+
+@pytest.mark.parametrize("heads", [16, 64, 128, 160, 1024])
+def test_a_holders_ring_takes_its_rows_of_the_models_heads(heads: int) -> None:
+    """The ring's slots hold ``--nvshmem-rows`` query rows of the model's own heads. They were
+    sized for 128 heads whatever the model: at ``--nvshmem-rows 1`` a 160-head model's row did
+    not fit, and every attend went over gRPC."""
+    from holder.config import HolderConfig
+    from holder.nvshmem_endpoint import ring_geometry
+
+    cfg = HolderConfig(store="unused", state_dir="unused", device="cuda:0", dtype="bfloat16",
+                       nvshmem_peers=1, nvshmem_rows=1, nvshmem_topk=2048)  # fmt: skip
+    ring = ring_geometry(cfg, heads)
+    route = SimpleNamespace(client=SimpleNamespace(ring=ring))
+    assert routes.NvshmemRoute._rows_per_request(route, heads, 2048) >= 1  # type: ignore[arg-type]
+    assert ring.req_bytes >= ring_geometry(cfg, 64).req_bytes  # never under the 128-head size
