@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import io
+import json
 import logging
 import os
 import pstats
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ from corpusd.kernels.formats import D_QK, D_V
 from corpusd.model import ModelConfig
 from corpusd.model.checkpoint import fingerprint
 from requester.predicate import Predicate
-from requester.sglang import binding_check, choose, device, dump, formats
+from requester.sglang import binding_check, choose, device, dump, formats, model_check
 from requester.sglang.backend import CorpusBatch, create_corpus_nsa_backend
 from requester.sglang.config import PluginConfig
 from requester.sglang.device_scores import warm_up as warm_scores
@@ -96,6 +98,10 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 f"index_head_dim = {ROPE_START}, {ROPE_WIDTH}, {INDEX_DIM}); this model has "
                 f"{', '.join(map(str, widths))}"
             )
+        raw = json.loads((Path(args.model_path) / "config.json").read_text())
+        why = model_check.sglang_computes_otherwise(raw)
+        if why is not None:  # the request's own rows would not be the corpus rows' arithmetic
+            raise RuntimeError(f"corpusd plugin: {why} (corpusd's own worker serves it)")
         # The worker's own page format and the backends that keep the LSE (formats.py).
         self.corpusd_kv_format = formats.worker_format(
             str(args.kv_cache_dtype),

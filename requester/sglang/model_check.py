@@ -1,0 +1,79 @@
+"""What of a checkpoint's config SGLang's DeepSeek-V3.2 model computes otherwise than the config
+means (to transformers, and to corpusd's pins): refused at the server's start, in one line naming
+the field, instead of answers that part from both with no error.
+
+Read in sglang 0.5.10.post1 (``srt/models/deepseek_v2.py`` and its rotary embeddings):
+
+- its MLA projections are built with ``bias=False`` whatever ``attention_bias`` says, so the
+  request's own rows would lack the biases the corpus rows corpusd pins carry;
+- any rope scaling is rewritten to ``deepseek_yarn``: a ``linear`` rope is computed as yarn;
+- its yarn scales cos/sin by ``mscale(f, mscale) / mscale(f, mscale_all_dim) * attn_factor``
+  (``mscale`` 1, ``mscale_all_dim`` 0 when absent), where transformers takes the config's
+  ``attention_factor`` if given, else that ratio only when both are set and non-zero, else
+  ``mscale(f)``; and it always truncates the correction range (transformers' ``truncate``).
+
+A gate activation other than silu SGLang refuses itself (``Unsupported activation``).
+CPU-importable: no sglang.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+#: relative difference of the two cos/sin scales that counts as computing another rope
+TOLERANCE = 1e-6
+
+
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _rope(d: dict[str, Any]) -> dict[str, Any]:
+    return d.get("rope_parameters") or d.get("rope_scaling") or {}
+
+
+def transformers_yarn_scale(rp: dict[str, Any]) -> float:
+    """The factor transformers' yarn multiplies cos and sin by, for rope parameters ``rp``."""
+    factor = float(rp.get("factor") or 1.0)
+    if rp.get("attention_factor") is not None:
+        return float(rp["attention_factor"])
+    mscale, all_dim = rp.get("mscale"), rp.get("mscale_all_dim")
+    if mscale and all_dim:
+        return _mscale(factor, float(mscale)) / _mscale(factor, float(all_dim))
+    return _mscale(factor)
+
+
+def sglang_yarn_scale(rp: dict[str, Any]) -> float:
+    """The factor SGLang's ``deepseek_yarn`` multiplies cos and sin by, for ``rp``."""
+    factor = float(rp.get("factor") or 1.0)
+    mscale = float(rp.get("mscale", 1.0) or 0.0)
+    all_dim = float(rp.get("mscale_all_dim", 0.0) or 0.0)
+    return _mscale(factor, mscale) / _mscale(factor, all_dim) * float(rp.get("attn_factor", 1.0))
+
+
+def sglang_computes_otherwise(d: dict[str, Any]) -> str | None:
+    """Why SGLang's DeepSeek-V3.2 model would compute the config ``d`` (a parsed config.json)
+    otherwise than it means, or None when it computes it as transformers does."""
+    if d.get("attention_bias"):
+        return (
+            "attention_bias true: SGLang's DeepSeek-V3.2 attention has no biases (bias=False), "
+            "so its own rows would lack the biases of the corpus rows corpusd pins"
+        )
+    rp = _rope(d)
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind in ("default", None):
+        return None
+    if kind != "yarn":
+        return f"rope_type {kind!r}: SGLang computes every scaled rope as DeepSeek's yarn"
+    if rp.get("truncate") is False:
+        return "yarn truncate false: SGLang's yarn always truncates its correction range"
+    ours, theirs = transformers_yarn_scale(rp), sglang_yarn_scale(rp)
+    if abs(ours - theirs) > TOLERANCE * abs(ours):
+        fields = [k for k in ("attention_factor", "mscale", "mscale_all_dim") if k in rp]
+        return (
+            f"yarn {', '.join(fields) or 'defaults'}: SGLang scales cos/sin by {theirs:.6g} where "
+            f"the config means {ours:.6g} (it reads mscale / mscale_all_dim and attn_factor, "
+            "not attention_factor)"
+        )
+    return None
