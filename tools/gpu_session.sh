@@ -180,8 +180,6 @@ span_bench() {  # geometry port limit: route (and SPAN_MODES' others) vs stock a
 }
 
 case "$step" in
-install)
-    echo "installed into /tmp/site: $(ls /tmp/site | wc -l) entries" ;;
 fanin)
     for spread in speed page; do
         timeout 150 python3 -m tools.bench_fanin --holders 2 --cpus-per-holder 4 --spread "$spread" \
@@ -320,6 +318,8 @@ span|span-all)  # issue 36 item 2: fitted so that answers depend on the corpus (
     done
     wait
     for g in $geoms; do tail -24 "$OUT/sglang-span-$g-$GPU.log" | grep -E "over floor|top-k|bar|answers|forced|servers"; done ;;
+install)
+    echo "installed into /tmp/site: $(ls /tmp/site | wc -l) entries" ;;
 copy)  # does copying by content form, and after how many steps, at the fits' settings on a GPU
     span_model g64x2 && span_model g128x4 || exit 2
     n=${COPY_STEPS:-3000}
