@@ -109,7 +109,7 @@ def _run(tmp: Path, drawn: Drawn, r: ConfigResult, failover: bool) -> None:
             f"not refused (expected a refusal naming {drawn.refused_field})",
         )
         return
-    write_hf_checkpoint(model_dir, seed=drawn.seed, **drawn.overrides)
+    write_hf_checkpoint(model_dir, seed=drawn.seed, minimal=drawn.minimal, **drawn.overrides)
     try:
         model = load_model(model_dir, dtype=torch.float32)
     except ModelConfigError as e:

@@ -42,9 +42,11 @@ def _init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=g) / shape[-1] ** 0.5  # [.., out, in]: fan-in last
 
 
-def write_hf_checkpoint(out: Path, seed: int = 0, **config: Any) -> Path:
+def write_hf_checkpoint(out: Path, seed: int = 0, minimal: bool = False, **config: Any) -> Path:
     """``DeepseekV32ForCausalLM(DeepseekV32Config(**BASE | config)).save_pretrained(out)`` in
-    bf16, with deterministic weights (a function of parameter name and ``seed``)."""
+    bf16, with deterministic weights (a function of parameter name and ``seed``). ``minimal``:
+    the config.json keeps only the keys whose values differ from transformers' defaults, as a
+    hand-written one may (:func:`minimal_config`)."""
     import transformers
 
     cfg = transformers.DeepseekV32Config(**(BASE | config))
@@ -57,7 +59,20 @@ def write_hf_checkpoint(out: Path, seed: int = 0, **config: Any) -> Path:
     for p in model.parameters():  # bf16 in place (transformers' typed ``to`` confuses mypy)
         p.data = p.data.to(torch.bfloat16)
     model.save_pretrained(out)
+    if minimal:
+        minimal_config(out / "config.json")
     return out
+
+
+def minimal_config(path: Path) -> None:
+    """Rewrite the config.json at ``path`` without the keys transformers would fill in with the
+    same value (its ``DeepseekV32Config()`` defaults), model_type kept."""
+    import transformers
+
+    defaults = transformers.DeepseekV32Config().to_dict()
+    d = json.loads(path.read_text())
+    keep = {k: v for k, v in d.items() if k == "model_type" or defaults.get(k, ...) != v}
+    path.write_text(json.dumps(keep, indent=2))
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,7 @@ class Drawn:
     seed: int
     overrides: dict[str, Any]
     refused_field: str | None = None
+    minimal: bool = False  # the config.json without the keys at transformers' defaults
 
 
 #: Head counts: powers of two, others, V3.2's 128 and 160 (past FlashMLA's 128 a call: the

@@ -8,6 +8,7 @@ the gate activations transformers names are computed (``corpusd.model.layers.ACT
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +85,16 @@ def test_a_knob_corpusd_does_not_compute_is_refused_naming_it(
 ) -> None:
     r = run_config(tmp_path, Drawn(0, draw_config(0).overrides | extra))
     assert r.status == "refused" and field in r.detail and "\n" not in r.detail, r.detail
+
+
+def test_a_config_json_of_only_the_keys_that_differ_decodes_as_transformers(
+    tmp_path: Path,
+) -> None:
+    """A config.json written by hand holds only what differs from transformers' defaults, which
+    fill in the rest: routed_scaling_factor 2.5 among them (this config's MoE layer), which
+    corpusd read as 1.0 before, and the sizes it refused as missing."""
+    extra = {"first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "index_topk": 2048}
+    r = run_config(tmp_path, Drawn(0, draw_config(0).overrides | extra, minimal=True))
+    written = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert not {"routed_scaling_factor", "index_topk", "hidden_act"} & set(written), written
+    assert r.status == "ok", f"{r.status}: {r.detail}"
