@@ -147,12 +147,16 @@ PY
 
 SPAN_CURRICULUM="--batch 16 --lr 1e-3 --copy-warmup 3000 --copy-every 4 --copy-max-gap 1800"
 SPAN_CURRICULUM="$SPAN_CURRICULUM --repeat-frac 0.25 --cipher-frac 0.5"
+#: g64x8 answered blanks under the copy curriculum (twice, 7 minutes); this fit answered every
+#: question differently, each changing without the corpus (span-fit-g64x8-lr3e-3-h200.json)
+SPAN_G64X8="--batch 4 --lr 3e-3 --cipher-frac 0.5 --repeat-frac 0.25"
 span_fit() {  # geometry minutes: fit_tiny --task span from its init, unless fitted already
-    local g=$1 d=/tmp/span36/$1
+    local g=$1 d=/tmp/span36/$1 curriculum=$SPAN_CURRICULUM
+    [ "$1" = g64x8 ] && curriculum=$SPAN_G64X8
     if [ ! -f "$d/model/fit.json" ]; then
         timeout $(( $2 * 60 + 90 )) python3 -m tools.fit_tiny --src "$d/init" \
             --out "$d/model" --task span --steps 100000 --minutes "$2" --seq-len 2048 \
-            --batch 2 --device cuda:0 --log-every 250 ${SPAN_FIT_ARGS-$SPAN_CURRICULUM} \
+            --batch 2 --device cuda:0 --log-every 250 ${SPAN_FIT_ARGS-$curriculum} \
             > "$OUT/span-fit-$g-$GPU.log" 2>&1
         took "fit $g" $?
     fi
