@@ -147,8 +147,10 @@ PY
 
 SPAN_CURRICULUM="--batch 16 --lr 1e-3 --copy-warmup 3000 --copy-every 4 --copy-max-gap 1800"
 SPAN_CURRICULUM="$SPAN_CURRICULUM --repeat-frac 0.25 --cipher-frac 0.5"
-#: g64x8 answered blanks under the copy curriculum (twice, 7 minutes); this fit answered every
-#: question differently, each changing without the corpus (span-fit-g64x8-lr3e-3-h200.json)
+#: g64x8 answered blanks after two 7-minute fits (batch 2 at lr 3e-3, 388 steps; the copy
+#: curriculum at batch 4, 419 steps sharing the GPU); 4 minutes alone at this (1,200 steps)
+#: answered every question differently, each changing without the corpus
+#: (span-fit-g64x8-lr3e-3-h200.json)
 SPAN_G64X8="--batch 4 --lr 3e-3 --cipher-frac 0.5 --repeat-frac 0.25"
 span_fit() {  # geometry minutes: fit_tiny --task span from its init, unless fitted already
     local g=$1 d=/tmp/span36/$1 curriculum=$SPAN_CURRICULUM
