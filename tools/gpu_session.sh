@@ -22,7 +22,7 @@
 #   bash tools/gpu_session.sh diag-floor     # issue 36: route vs stock beside stock's own noise floor,
 #                                            #   the same model (~5 min; reuses diag-layer's pin when warm);
 #                                            #   DIAG_MODES (default stock,route; route+one: the one-call
-#                                            #   variant too), DIAG_PORT
+#                                            #   variant too), DIAG_PORT, DIAG_INDEX_HEADS (8: ties)
 #   bash tools/gpu_session.sh span           # issue 36: a span-fitted checkpoint (fit_tiny --task span)
 #                                            #   then route vs stock and both floors over the standard
 #                                            #   library with span questions; SPAN_GEOMETRY=g64x2 |
@@ -111,16 +111,24 @@ decode_run() {  # name [--pin-engine]: stock vs graphed route, 8 and 64 streams,
     tail -12 "$OUT/$name-$GPU.log"
 }
 
+# DIAG_INDEX_HEADS (default 64): the indexer's heads; 8 (× 128) puts exact ties at the top-k
+# cut on CPU (scores of 0 after the ReLU), so the SGLang path's tie counts are not all 0
+DIAG_INDEX_HEADS=${DIAG_INDEX_HEADS:-64}
+D36=/tmp/d36; [ "$DIAG_INDEX_HEADS" = 64 ] || D36=/tmp/d36-i$DIAG_INDEX_HEADS
+DIAG_NAME=sglang-floor-128h; [ "$DIAG_INDEX_HEADS" = 64 ] || DIAG_NAME=$DIAG_NAME-i$DIAG_INDEX_HEADS
 diag_model() {  # 128 heads, 4 layers, hidden 1024, q LoRA 384, seed 20261127, random weights
-    python3 - <<'PY'
+    python3 - "$D36" "$DIAG_INDEX_HEADS" <<'PY'
+import sys
 from pathlib import Path
 from corpusd.model.tiny import init_tiny
 from corpusd.testing.span_qa import stdlib_corpus
-if not Path("/tmp/d36/model/config.json").exists():
-    init_tiny("/tmp/d36/model", seed=20261127, preset="sglang", num_attention_heads=128,
+d, index_heads = Path(sys.argv[1]), int(sys.argv[2])
+if not (d / "model/config.json").exists():
+    init_tiny(d / "model", seed=20261127, preset="sglang", num_attention_heads=128,
               num_hidden_layers=4, hidden_size=1024, q_lora_rank=384, index_topk=2048,
-              mlp_layer_types=("dense", "sparse", "sparse", "sparse"), index_arith="fp8")
-stdlib_corpus(Path("/tmp/d36/src"), 3683)
+              mlp_layer_types=("dense", "sparse", "sparse", "sparse"), index_arith="fp8",
+              index_n_heads=index_heads)
+stdlib_corpus(d / "src", 3683)
 PY
 }
 span_model() {  # geometry: its random init under /tmp/span36/<geometry>/init (rope 64 throughout)
@@ -276,21 +284,21 @@ fp8)
     grep "^holders:" "$OUT/sglang-fp8-$GPU.log"; tail -10 "$OUT/sglang-fp8-$GPU.log" ;;
 diag-layer)
     diag_model
-    timeout 570 python3 -m tools.diag_layer_diff --model /tmp/d36/model --corpus-dir /tmp/d36/src \
-        --holder-device cuda:0 --requests 4 --steps 4 --pin-engine --work /tmp/d36/diag \
+    timeout 570 python3 -m tools.diag_layer_diff --model "$D36/model" --corpus-dir "$D36/src" \
+        --holder-device cuda:0 --requests 4 --steps 4 --pin-engine --work "$D36/diag" \
         --out "$OUT/diag-layer-diff-$GPU.json" > "$OUT/diag-layer-diff-$GPU.log" 2>&1
     took diag_layer_diff $?
-    cp /tmp/d36/diag/*.log "$OUT/" 2>/dev/null
+    cp "$D36"/diag/*.log "$OUT/" 2>/dev/null
     tail -15 "$OUT/diag-layer-diff-$GPU.log" ;;
 diag-floor)
     diag_model
     timeout 570 python3 -m tools.bench_sglang --modes "${DIAG_MODES:-stock,route}" \
         --port "${DIAG_PORT:-30123}" --regimes sparse --requests 8 \
         --tokens 16 --forced-steps 8 --holder-device cuda:0 --pin-engine --dump --no-cuda-graph \
-        --fit-steps 0 --work /tmp/d36 --out "$OUT/sglang-floor-128h-$GPU.json" \
-        > "$OUT/sglang-floor-128h-$GPU.log" 2>&1
+        --fit-steps 0 --work "$D36" --out "$OUT/$DIAG_NAME-$GPU.json" \
+        > "$OUT/$DIAG_NAME-$GPU.log" 2>&1
     took "bench_sglang floor" $?
-    tail -16 "$OUT/sglang-floor-128h-$GPU.log" ;;
+    tail -16 "$OUT/$DIAG_NAME-$GPU.log" ;;
 span|span-all)  # issue 36 item 2: fitted so that answers depend on the corpus (fit.json says
     # whether they copy it). The default curriculum (docs/sglang.md, "Answers that depend on the
     # corpus"): copy steps at the questions' distances (--copy-max-gap) at the warm-up's
