@@ -45,6 +45,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -269,11 +270,12 @@ def restart_floor(
 
 def route_trials(
     a: argparse.Namespace, model: Path, cd: Corpusd, runs: dict[str, dict[str, Any]],
-    suffixes: dict[str, list[list[int]]], vocab: int,
+    suffixes: dict[str, list[list[int]]], vocab: int, saved: Callable[[], None] = lambda: None,
 ) -> None:  # fmt: skip
     """``--route-trials N``: N − 1 more freshly started route servers, each teacher-forced on
     stock's answers as the first route server was; ``runs[r]["route"]["forced_trials"]`` holds
-    every trial's log-softmax, the first server's first."""
+    every trial's log-softmax, the first server's first. ``saved`` is called after each trial
+    (the bench saves its JSON there: a run its time limit stops keeps the trials it finished)."""
     graph_bs = () if a.no_cuda_graph else (a.graph_bs or a.streams)
     for t in range(2, a.route_trials + 1):
         print(f"== route, trial {t} of {a.route_trials} (a fresh server)", flush=True)
@@ -293,6 +295,7 @@ def route_trials(
                 rt.setdefault("forced_trials", [rt["forced"]]).append(trial)
         finally:
             server.stop()
+        saved()
 
 
 def dump_dir(a: argparse.Namespace, mode: str) -> Path:
@@ -435,8 +438,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
                 if mode == "route" and a.route_trials > 1:
                     server.stop()
-                    route_trials(a, model, cd, runs, suffixes, vocab)
-                    save(a.out, summarize(a, cd, runs, failed, topk, suffixes))
+                    route_trials(a, model, cd, runs, suffixes, vocab, lambda: save(
+                        a.out, summarize(a, cd, runs, failed, topk, suffixes)))  # fmt: skip
             except Exception as e:  # the other modes still run; the result says what failed
                 failed[mode] = f"{type(e).__name__}: {e}"[:2000]
                 save(a.out, summarize(a, cd, runs, failed, topk, suffixes))

@@ -504,11 +504,17 @@ def test_route_trials_send_route_the_questions_alone(
         port=1, kv_cache_dtype="auto",
     )  # fmt: skip
     cd = types.SimpleNamespace(tokens={"sparse": corpus})
-    bs.route_trials(a, tmp_path / "model", cd, runs, {"sparse": suffixes}, 8)  # type: ignore[arg-type]
-    assert len(runs["sparse"]["route"]["forced_trials"]) == 2  # the first server's, then one
+    saves: list[int] = []
+    a.route_trials = 3
+    def saved() -> None:
+        saves.append(len(runs["sparse"]["route"]["forced_trials"]))
+
+    bs.route_trials(a, tmp_path / "model", cd, runs, {"sparse": suffixes}, 8, saved)  # type: ignore[arg-type]
+    assert len(runs["sparse"]["route"]["forced_trials"]) == 3  # the first server's, then two
+    assert saves == [2, 3], "saved after each trial: a run cut short keeps the trials it has"
     sent = sorted(tuple(b["input_ids"]) for b in posted)
     pairs = zip(suffixes, answers, strict=True)
-    want = sorted(tuple(s + t[:j]) for s, t in pairs for j in range(2))
+    want = sorted(tuple(s + t[:j]) for s, t in pairs for j in range(2) for _ in range(2))
     assert sent == want, "route must be sent the questions (and forced answers) without the corpus"
     assert bs.mode_prompts("stock", corpus, suffixes) == [corpus + s for s in suffixes]
 
