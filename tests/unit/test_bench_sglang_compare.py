@@ -506,6 +506,7 @@ def test_route_trials_send_route_the_questions_alone(
     cd = types.SimpleNamespace(tokens={"sparse": corpus})
     saves: list[int] = []
     a.route_trials = 3
+
     def saved() -> None:
         saves.append(len(runs["sparse"]["route"]["forced_trials"]))
 
