@@ -57,7 +57,9 @@
 #                                            #   streams, 4 bursts (the first is warm-up) (~6 min)
 #   bash tools/gpu_session.sh dp             # issue 35, 2 GPUs: stock vs route under --tp 2 --dp 2
 #                                            #   --enable-dp-attention, a holder on each GPU, the corpus
-#                                            #   split over both, teacher-forced beside both floors (~8 min)
+#                                            #   split over both, teacher-forced beside both floors (~8 min);
+#                                            #   DECODE_MODES=stock,route,route+one ROUTE_TRIALS=2: the
+#                                            #   one-call variant beside route (decode, peer, dp)
 #   bash tools/gpu_session.sh share          # issue 35: equal-HBM bench, 2 workers + holder on one GPU;
 #                                            #   SHARE_FRACTIONS=0.5 then 0.25,1,2 in two calls (~6-9 min each);
 #                                            #   on 4 GPUs: SHARE_SERVERS=4 SHARE_ARGS="--gpus 4" (one
@@ -98,9 +100,11 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | 
 GPU=${GPU:-gpu}
 t0=$(date +%s)
 took() { echo "$1: rc=$2 after $(( $(date +%s) - t0 )) s"; }
-decode_run() {  # name [--pin-engine]: stock vs graphed route, 8 and 64 streams, twice each
+decode_run() {  # name [--pin-engine]: stock vs graphed route, 8 and 64 streams, twice each;
+    # DECODE_MODES (default stock,route; stock,route,route+one adds the one-call variant)
     local name=$1; shift
-    timeout 580 python3 -m tools.bench_sglang --modes stock,route --regimes sparse --requests 8 \
+    timeout 580 python3 -m tools.bench_sglang --modes "${DECODE_MODES:-stock,route}" \
+        --regimes sparse --requests 8 \
         --tokens 16 --forced-steps 8 --streams 8,64 --graph-bs 8,64 --holder-device cuda:0 \
         --bursts 2 --first-token-reps 8 "$@" \
         --fit-steps 0 --work "/tmp/bsg-$step" --out "$OUT/$name-$GPU.json" \
