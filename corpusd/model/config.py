@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,40 +235,18 @@ class ModelConfig:
             q = d.get("quantization_config") or {}
             block = q.get("weight_block_size")
             eos = _hf(d, "eos_token_id")
+            plain = {key: kind(_hf(d, key)) for key, kind in _PLAIN.items()}
             return cls(
-                vocab_size=int(_hf(d, "vocab_size")),
-                hidden_size=int(_hf(d, "hidden_size")),
-                intermediate_size=int(_hf(d, "intermediate_size")),
-                moe_intermediate_size=int(_hf(d, "moe_intermediate_size")),
+                **plain,
                 num_hidden_layers=n_layers,
-                num_attention_heads=int(_hf(d, "num_attention_heads")),
-                q_lora_rank=int(_hf(d, "q_lora_rank")),
-                kv_lora_rank=int(_hf(d, "kv_lora_rank")),
-                qk_nope_head_dim=int(_hf(d, "qk_nope_head_dim")),
-                qk_rope_head_dim=int(_hf(d, "qk_rope_head_dim")),
-                v_head_dim=int(_hf(d, "v_head_dim")),
                 n_routed_experts=int(_routed_experts(d)),
-                n_shared_experts=int(_hf(d, "n_shared_experts")),
-                num_experts_per_tok=int(_hf(d, "num_experts_per_tok")),
-                n_group=int(_hf(d, "n_group")),
-                topk_group=int(_hf(d, "topk_group")),
-                routed_scaling_factor=float(_hf(d, "routed_scaling_factor")),
-                norm_topk_prob=bool(_hf(d, "norm_topk_prob")),
                 first_k_dense_replace=first_dense,
                 mlp_layer_types=tuple(mlp_types),
-                index_n_heads=int(_hf(d, "index_n_heads")),
-                index_head_dim=int(_hf(d, "index_head_dim")),
-                index_topk=int(_hf(d, "index_topk")),
-                rms_norm_eps=float(_hf(d, "rms_norm_eps")),
-                max_position_embeddings=int(_hf(d, "max_position_embeddings")),
                 bos_token_id=_hf(d, "bos_token_id"),
                 eos_token_id=eos[0] if isinstance(eos, list) else eos,
                 rope=rope,
                 quant_block=(int(block[0]), int(block[1])) if block else None,
                 index_arith=str(d.get("index_arith", "exact")),
-                tie_word_embeddings=bool(_hf(d, "tie_word_embeddings")),
-                attention_bias=bool(_hf(d, "attention_bias")),
-                hidden_act=str(_hf(d, "hidden_act")),
             )
         except KeyError as e:
             raise ModelConfigError(f"config.json lacks required key {e.args[0]!r}") from None
@@ -346,6 +325,25 @@ HF_DEFAULTS: dict[str, Any] = {
     "attention_bias": False, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
     "first_k_dense_replace": 3, "rope_theta": 10000.0,
 }  # fmt: skip
+
+
+#: The fields read as they are named in config.json, each through its type (the others need
+#: more: an alias, a derived layout, the rope, the quantisation block).
+_INTS = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "v_head_dim", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+    "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings",
+)  # fmt: skip
+_PLAIN: dict[str, Callable[[Any], Any]] = {
+    **dict.fromkeys(_INTS, int),
+    "routed_scaling_factor": float,
+    "rms_norm_eps": float,
+    "norm_topk_prob": bool,
+    "tie_word_embeddings": bool,
+    "attention_bias": bool,
+    "hidden_act": str,
+}
 
 
 def _hf(d: dict[str, Any], key: str) -> Any:
