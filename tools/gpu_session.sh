@@ -34,7 +34,9 @@
 #                                            #   ROUTE_TRIALS: fresh route servers teacher-forced (3)
 #   bash tools/gpu_session.sh span-all       # issue 36: span with every geometry at once on the one GPU:
 #                                            #   SPAN_PHASE=fit (7-min fits, ~9 min) then =bench (stock,
-#                                            #   route, route+one and both floors each; SPAN_MODES)
+#                                            #   route, route+one and both floors each; SPAN_MODES); three
+#                                            #   benches at once finish one route trial in a call, so for
+#                                            #   3 trials bench one geometry a call (span, SPAN_GEOMETRY)
 #   bash tools/gpu_session.sh install        # only install the carried deps into /tmp/site
 #   bash tools/gpu_session.sh copy           # issue 36, 2 GPUs: copying by content (tools/copy_sanity)
 #                                            #   on g64x2 (GPU 0) and g128x4 (GPU 1), COPY_STEPS each,
