@@ -161,8 +161,9 @@ PY
 
 SPAN_CURRICULUM="--batch 16 --lr 1e-3 --copy-warmup 3000 --copy-every 4 --copy-max-gap 1800"
 SPAN_CURRICULUM="$SPAN_CURRICULUM --repeat-frac 0.25 --cipher-frac 0.5"
-#: g64x8 answered blanks after two 7-minute fits (batch 2 at lr 3e-3, 388 steps; the copy
-#: curriculum at batch 4, 419 steps sharing the GPU); 4 minutes alone at this (1,200 steps)
+#: g64x8 answered loops of blanks or one letter after two 7-minute fits (batch 2 at lr 3e-3,
+#: 388 steps: 3 of 8 answers corpus-dependent; the copy curriculum at batch 4, 419 steps
+#: sharing the GPU: 0 of 8); 4 minutes alone at this (1,200 steps)
 #: answered every question differently, each changing without the corpus
 #: (span-fit-g64x8-lr3e-3-h200.json)
 SPAN_G64X8="--batch 4 --lr 3e-3 --cipher-frac 0.5 --repeat-frac 0.25"
