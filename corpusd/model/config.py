@@ -37,6 +37,12 @@ class ModelConfigError(ValueError):
     """A checkpoint's config.json that corpusd cannot serve; the message says why."""
 
 
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude ``0.1 · m · ln(factor) + 1`` (1 for a factor ≤ 1), as transformers and
+    DeepSeek's code compute it."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
     """RoPE parameters (DeepSeek's ``rope_scaling``): ``kind`` "yarn" (DeepSeek-V3.2's),
@@ -175,9 +181,8 @@ class ModelConfig:
         """MLA softmax scale: ``qk_head_dim ** -0.5`` times YaRN's ``mscale(factor)**2``."""
         scale = self.qk_head_dim**-0.5
         r = self.rope
-        if r.kind != "default" and r.mscale_all_dim and r.factor > 1:  # transformers' rule
-            m = 0.1 * r.mscale_all_dim * math.log(r.factor) + 1.0
-            scale *= m * m
+        if r.kind != "default" and r.mscale_all_dim:  # transformers' rule
+            scale *= yarn_mscale(r.factor, r.mscale_all_dim) ** 2
         return scale
 
     # -- HF config.json ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from corpusd.model.config import ModelConfig, RopeConfig
+from corpusd.model.config import ModelConfig, RopeConfig, yarn_mscale
 
 
 def inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -50,13 +50,9 @@ def attention_factor(rope: RopeConfig) -> float:
         return 1.0
     if rope.attention_factor is not None:  # the config's own, as transformers takes it
         return rope.attention_factor
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     if rope.mscale and rope.mscale_all_dim:
-        return mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
-    return mscale(rope.factor)
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
 
 
 class Rotary:

@@ -18,15 +18,13 @@ CPU-importable: no sglang.
 
 from __future__ import annotations
 
-import math
 from typing import Any
+
+from corpusd.model.config import SUPPORTED_MODEL_TYPE, ModelConfig, yarn_mscale
+from corpusd.model.rope import attention_factor
 
 #: relative difference of the two cos/sin scales that counts as computing another rope
 TOLERANCE = 1e-6
-
-
-def _mscale(factor: float, mscale: float = 1.0) -> float:
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def _rope(d: dict[str, Any]) -> dict[str, Any]:
@@ -34,14 +32,13 @@ def _rope(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def transformers_yarn_scale(rp: dict[str, Any]) -> float:
-    """The factor transformers' yarn multiplies cos and sin by, for rope parameters ``rp``."""
-    factor = float(rp.get("factor") or 1.0)
-    if rp.get("attention_factor") is not None:
-        return float(rp["attention_factor"])
-    mscale, all_dim = rp.get("mscale"), rp.get("mscale_all_dim")
-    if mscale and all_dim:
-        return _mscale(factor, float(mscale)) / _mscale(factor, float(all_dim))
-    return _mscale(factor)
+    """The factor transformers' yarn multiplies cos and sin by, for rope parameters ``rp``: what
+    corpusd's own model computes (``corpusd.model.rope.attention_factor``, held to transformers
+    by the oracle tests)."""
+    rope = ModelConfig.from_hf_dict(
+        {"model_type": SUPPORTED_MODEL_TYPE, "rope_parameters": {**rp, "rope_type": "yarn"}}
+    ).rope
+    return attention_factor(rope)
 
 
 def sglang_yarn_scale(rp: dict[str, Any]) -> float:
@@ -49,7 +46,8 @@ def sglang_yarn_scale(rp: dict[str, Any]) -> float:
     factor = float(rp.get("factor") or 1.0)
     mscale = float(rp.get("mscale", 1.0) or 0.0)
     all_dim = float(rp.get("mscale_all_dim", 0.0) or 0.0)
-    return _mscale(factor, mscale) / _mscale(factor, all_dim) * float(rp.get("attn_factor", 1.0))
+    scale = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    return scale * float(rp.get("attn_factor", 1.0))
 
 
 def sglang_computes_otherwise(d: dict[str, Any]) -> str | None:
