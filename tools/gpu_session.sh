@@ -32,7 +32,8 @@
 #                                            #   SPAN_FIT_ARGS: fit_tiny flags (default: the
 #                                            #   curriculum in the step, copy steps to gap 1800);
 #                                            #   ROUTE_TRIALS: fresh route servers teacher-forced (3)
-#   bash tools/gpu_session.sh span-all       # issue 36: span with every geometry at once on the one GPU:
+#   bash tools/gpu_session.sh span-all       # issue 36: span with every geometry (or SPAN_GEOMETRY's,
+#                                            #   space-separated) at once on the one GPU:
 #                                            #   SPAN_PHASE=fit (7-min fits, ~9 min) then =bench (stock,
 #                                            #   route, route+one and both floors each; SPAN_MODES); three
 #                                            #   benches at once finish one route trial in a call, so for
@@ -81,8 +82,13 @@ esac
 if [ "$step" = span ] || [ "$step" = span-all ]; then  # its settings are checked before anything is installed
     case "${SPAN_PHASE:-both}" in fit|bench|both) ;;
         *) echo "SPAN_PHASE=$SPAN_PHASE: fit, bench or both" >&2; exit 2 ;; esac
-    case "${SPAN_GEOMETRY:-g64x2}" in g64x2|g128x4|g64x8) ;;
-        *) echo "SPAN_GEOMETRY=$SPAN_GEOMETRY: g64x2, g128x4 or g64x8" >&2; exit 2 ;; esac
+    for g in ${SPAN_GEOMETRY:-g64x2}; do
+        case "$g" in g64x2|g128x4|g64x8) ;;
+            *) echo "SPAN_GEOMETRY=$SPAN_GEOMETRY: g64x2, g128x4 or g64x8 (span-all: any of them, space-separated)" >&2; exit 2 ;; esac
+    done
+    if [ "$step" = span ] && [ "$(echo ${SPAN_GEOMETRY:-g64x2} | wc -w)" != 1 ]; then
+        echo "SPAN_GEOMETRY=$SPAN_GEOMETRY: span takes one geometry; span-all takes several" >&2; exit 2
+    fi
 fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -319,7 +325,7 @@ span|span-all)  # issue 36 item 2: fitted so that answers depend on the corpus (
         geoms=${SPAN_GEOMETRY:-g64x2}; minutes=3; [ "$phase" = fit ] && minutes=${SPAN_FIT_MINUTES:-8}
     else  # three fits share one GPU's memory: at --batch 16 and the copy steps' 64 sequences
         # of up to 1,865 tokens they needed 28 + 47 + 63 GB and ran out (1 x H200)
-        geoms="g64x2 g128x4 g64x8"; minutes=${SPAN_FIT_MINUTES:-7}
+        geoms=${SPAN_GEOMETRY:-g64x2 g128x4 g64x8}; minutes=${SPAN_FIT_MINUTES:-7}
         SPAN_CURRICULUM="$SPAN_CURRICULUM --batch 4 --copy-batch 8 --copy-warmup 1000"
         export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     fi
