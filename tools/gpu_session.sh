@@ -22,7 +22,9 @@
 #   bash tools/gpu_session.sh diag-floor     # issue 36: route vs stock beside stock's own noise floor,
 #                                            #   the same model (~5 min; reuses diag-layer's pin when warm);
 #                                            #   DIAG_MODES (default stock,route; route+one: the one-call
-#                                            #   variant too), DIAG_PORT, DIAG_INDEX_HEADS (8: ties)
+#                                            #   variant too), DIAG_PORT, DIAG_INDEX_HEADS (32, 64
+#                                            #   or 128: SGLang's fp8 indexer), DIAG_INDEX_TIES=all
+#                                            #   (zero index weights: every row's cut is one tie)
 #   bash tools/gpu_session.sh span           # issue 36: a span-fitted checkpoint (fit_tiny --task span)
 #                                            #   then route vs stock and both floors over the standard
 #                                            #   library with span questions; SPAN_GEOMETRY=g64x2 |
@@ -90,6 +92,7 @@ if [ "$step" = span ] || [ "$step" = span-all ]; then  # its settings are checke
         echo "SPAN_GEOMETRY=$SPAN_GEOMETRY: span takes one geometry; span-all takes several" >&2; exit 2
     fi
 fi
+case "${DIAG_INDEX_TIES:-}" in ""|all) ;; *) echo "DIAG_INDEX_TIES=$DIAG_INDEX_TIES: all or unset" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -123,23 +126,38 @@ decode_run() {  # name [--pin-engine]: stock vs graphed route, 8 and 64 streams,
     tail -12 "$OUT/$name-$GPU.log"
 }
 
-# DIAG_INDEX_HEADS (default 64): the indexer's heads; 8 (× 128) puts exact ties at the top-k
-# cut on CPU (scores of 0 after the ReLU), so the SGLang path's tie counts are not all 0
+# DIAG_INDEX_HEADS (default 64): the indexer's heads. 8 (× 128) puts exact ties at the top-k
+# cut on CPU (scores of 0 after the ReLU), but SGLang 0.5.10 prefills only 32, 64 or 128 (DeepGEMM's fp8_mqa_logits: 128 % h == 0 and
+# 4 % (128 / h) == 0); at 8 its scheduler died on that assertion (logs/sglang-floor-128h-i8-h200.log).
+# DIAG_INDEX_TIES=all zeroes every indexer's weights_proj: every index score is then +0.0 in any
+# arithmetic, every decode row past 2,048 keys is cut inside one tie, and the selection is the
+# tie rule alone (stock's radix select keeps the tied keys whose atomics arrive first; route the
+# lowest positions: requester/sglang/topk.py)
 DIAG_INDEX_HEADS=${DIAG_INDEX_HEADS:-64}
+DIAG_INDEX_TIES=${DIAG_INDEX_TIES:-}
 D36=/tmp/d36; [ "$DIAG_INDEX_HEADS" = 64 ] || D36=/tmp/d36-i$DIAG_INDEX_HEADS
 DIAG_NAME=sglang-floor-128h; [ "$DIAG_INDEX_HEADS" = 64 ] || DIAG_NAME=$DIAG_NAME-i$DIAG_INDEX_HEADS
+[ -z "$DIAG_INDEX_TIES" ] || { D36=$D36-ties; DIAG_NAME=$DIAG_NAME-ties; }
 diag_model() {  # 128 heads, 4 layers, hidden 1024, q LoRA 384, seed 20261127, random weights
-    python3 - "$D36" "$DIAG_INDEX_HEADS" <<'PY'
+    python3 - "$D36" "$DIAG_INDEX_HEADS" "$DIAG_INDEX_TIES" <<'PY'
 import sys
 from pathlib import Path
-from corpusd.model.tiny import init_tiny
+import torch
+from corpusd.model.checkpoint import save_checkpoint
+from corpusd.model.mla import Indexer
+from corpusd.model.tiny import build_tiny, init_tiny
 from corpusd.testing.span_qa import stdlib_corpus
-d, index_heads = Path(sys.argv[1]), int(sys.argv[2])
+d, index_heads, ties = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 if not (d / "model/config.json").exists():
-    init_tiny(d / "model", seed=20261127, preset="sglang", num_attention_heads=128,
-              num_hidden_layers=4, hidden_size=1024, q_lora_rank=384, index_topk=2048,
-              mlp_layer_types=("dense", "sparse", "sparse", "sparse"), index_arith="fp8",
-              index_n_heads=index_heads)
+    shape = dict(num_attention_heads=128, num_hidden_layers=4, hidden_size=1024, q_lora_rank=384,
+                 index_topk=2048, mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+                 index_arith="fp8", index_n_heads=index_heads)
+    init_tiny(d / "model", seed=20261127, preset="sglang", **shape)
+    if ties == "all":  # the same weights, every indexer's head weights zero
+        model = build_tiny(20261127, "sglang", **shape)
+        zeroed = [m.weights_proj.weight.data.zero_() for m in model.modules() if isinstance(m, Indexer)]
+        assert len(zeroed) == 4, len(zeroed)
+        save_checkpoint(model, d / "model", dtype=torch.bfloat16)
 stdlib_corpus(d / "src", 3683)
 PY
 }

@@ -99,7 +99,8 @@ class DeepseekV32ForCausalLM(_SGLangDeepseekV32):
                 f"{', '.join(map(str, widths))}"
             )
         raw = json.loads((Path(args.model_path) / "config.json").read_text())
-        why = model_check.sglang_computes_otherwise(raw)
+        why = model_check.sglang_cannot_prefill(mcfg.index_n_heads)
+        why = why or model_check.sglang_computes_otherwise(raw)
         if why is not None:  # the request's own rows would not be the corpus rows' arithmetic
             raise RuntimeError(f"corpusd plugin: {why} (corpusd's own worker serves it)")
         # The worker's own page format and the backends that keep the LSE (formats.py).

@@ -12,7 +12,9 @@ Read in sglang 0.5.10.post1 (``srt/models/deepseek_v2.py`` and its rotary embedd
   ``attention_factor`` if given, else that ratio only when both are set and non-zero, else
   ``mscale(f)``; and it always truncates the correction range (transformers' ``truncate``).
 
-A gate activation other than silu SGLang refuses itself (``Unsupported activation``).
+A gate activation other than silu SGLang refuses itself (``Unsupported activation``). An indexer
+SGLang cannot prefill at all (:func:`sglang_cannot_prefill`) is refused here too: its scheduler
+would otherwise die at the first prefill on a kernel's assertion.
 CPU-importable: no sglang.
 """
 
@@ -25,6 +27,25 @@ from corpusd.model.rope import attention_factor
 
 #: relative difference of the two cos/sin scales that counts as computing another rope
 TOLERANCE = 1e-6
+
+
+#: the indexer head counts DeepGEMM's ``fp8_mqa_logits`` (SGLang's fp8 prefill scoring,
+#: ``nsa_indexer.py`` ``_get_topk_ragged``) takes: its host asserts ``128 % h == 0`` and
+#: ``4 % (128 // h) == 0`` (tile of 128 query-head rows, sequences aligned to 4). On one H200,
+#: 32 and 64 served and 8 died on that assertion (bench/results/logs/sglang-floor-128h-i8-h200.log)
+FP8_INDEX_HEADS = tuple(h for h in range(1, 129) if 128 % h == 0 and 4 % (128 // h) == 0)
+
+
+def sglang_cannot_prefill(index_n_heads: int) -> str | None:
+    """Why SGLang 0.5.10's DeepSeek-V3.2 cannot prefill a model whose indexer has
+    ``index_n_heads`` heads, or None when it can."""
+    if index_n_heads in FP8_INDEX_HEADS:
+        return None
+    return (
+        f"index_n_heads {index_n_heads}: SGLang's fp8 indexer kernel (DeepGEMM fp8_mqa_logits) "
+        f"takes {', '.join(map(str, FP8_INDEX_HEADS))} heads and stops the scheduler at the "
+        "first prefill on any other"
+    )
 
 
 def _rope(d: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The SGLang plugin refuses at start a config SGLang's DeepSeek-V3.2 model computes otherwise
 than it means (``requester/sglang/model_check.py``): attention biases it drops, a linear rope it
-computes as yarn, a yarn scale it reads otherwise. CPU: the rules, and the yarn scale against
-transformers' own."""
+computes as yarn, a yarn scale it reads otherwise; and an indexer it cannot prefill. CPU: the
+rules, and the yarn scale against transformers' own."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import pytest
 
 from corpusd.model.tiny import preset_config
 from requester.sglang.model_check import (
+    FP8_INDEX_HEADS,
+    sglang_cannot_prefill,
     sglang_computes_otherwise,
     sglang_yarn_scale,
     transformers_yarn_scale,
@@ -72,3 +74,14 @@ def test_the_yarn_scale_is_transformers_own(rope: dict[str, Any]) -> None:
     assert transformers_yarn_scale(rope) == pytest.approx(want, rel=1e-9)
     if sglang_computes_otherwise(_config(rope_parameters=rope)) is None:
         assert sglang_yarn_scale(rope) == pytest.approx(want, rel=1e-6)
+
+
+def test_an_indexer_sglang_cannot_prefill_is_named() -> None:
+    """8 index heads (the CPU tie config) stopped SGLang's scheduler at its first prefill on one
+    H200 (DeepGEMM's assertion); 32 and 64 served there."""
+    assert FP8_INDEX_HEADS == (32, 64, 128)
+    for heads in (32, 64, 128):
+        assert sglang_cannot_prefill(heads) is None
+    for heads in (8, 16, 24, 48, 96):
+        why = sglang_cannot_prefill(heads)
+        assert why is not None and f"index_n_heads {heads}" in why and "32, 64, 128" in why
