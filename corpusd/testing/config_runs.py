@@ -54,13 +54,17 @@ class ConfigResult:
         return asdict(self)
 
 
-def _oracle(model_dir: Path, corpus: torch.Tensor, ties: Ties | None = None) -> list[Run]:
+def _oracle(
+    model_dir: Path, corpus: torch.Tensor, ties: Ties | None = None,
+    guess: list[list[int]] | None = None,
+) -> list[Run]:  # fmt: skip
+    """transformers' greedy (``guess``: the decode's tokens, checked by one forward: ``greedy``)."""
     import transformers
 
     hf = transformers.DeepseekV32ForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    return greedy(hf, corpus, SUFFIXES, NEW_TOKENS, ties)
+    return greedy(hf, corpus, SUFFIXES, NEW_TOKENS, ties, guess)
 
 
 async def _deal(cid: str, holders: list[HolderProcess], n_pages: int, seed: int) -> None:
@@ -142,13 +146,13 @@ def _run(tmp: Path, drawn: Drawn, r: ConfigResult, failover: bool) -> None:
     addresses = [h.address for h in holders]
     try:
         asyncio.run(_deal(cid, holders, store.manifest(cid).n_pages, drawn.seed))
-        ties = Ties()
-        oracle = _oracle(model_dir, corpus, ties)
-        r.extra["ties_at_cut"] = ties.total  # rows whose cut a tie rule decided (both sides')
         cfg = WorkerConfig(indexer=r.indexer, primitive="route", trace=True)
         tokens, logits, w = asyncio.run(
             decode(model, store, cid, addresses, cfg, SUFFIXES, NEW_TOKENS)
         )
+        ties = Ties()
+        oracle = _oracle(model_dir, corpus, ties, tokens)
+        r.extra["ties_at_cut"] = ties.total  # rows whose cut a tie rule decided (both sides')
         assert {t["pick"] for t in w.trace} == {"route"}, {t["pick"] for t in w.trace}
         r.extra["holders_used"] = len({t["holder"] for t in w.trace})
         if not _agrees(r, oracle, tokens, logits, "") or not failover:

@@ -93,29 +93,109 @@ def lowest_position_ties(ties: Ties | None = None) -> Iterator[Ties]:
 
 def greedy(
     hf_model: Any, corpus: torch.Tensor, suffixes: Sequence[str], new: int,
-    ties: Ties | None = None,
+    ties: Ties | None = None, guess: Sequence[Sequence[int]] | None = None,
 ) -> list[Run]:  # fmt: skip
     """transformers' ``new`` greedy tokens and their logits for each ``[corpus + suffix bytes]``
     (``hf_model``: a ``DeepseekV32ForCausalLM`` in eval mode), under corpusd's tie rule
-    (:func:`lowest_position_ties`; the ties met are added to ``ties`` when given)."""
+    (:func:`lowest_position_ties`; the ties met are added to ``ties`` when given).
+
+    ``guess``: per suffix, tokens believed to be that answer (the decode under test's). Greedy
+    tokens are exactly the tokens each of which is the model's argmax after the ones before, so
+    one teacher-forced forward over ``[corpus + suffix + guess]`` checks a guess and yields
+    every step's logits at once (:func:`_forced`); from the first step whose argmax is not the
+    guess, ``generate`` continues as it would have. The result is transformers' greedy either
+    way: one forward instead of ``new`` when the guess is right (transformers re-expands the
+    whole latent cache at every step, ~0.6 s a token at 700 tokens on one CPU thread)."""
+    guesses = [None] * len(suffixes) if guess is None else list(guess)
+    if len(guesses) != len(suffixes):
+        raise ValueError(f"{len(guesses)} guesses for {len(suffixes)} suffixes")
     out = []
-    for sfx in suffixes:
-        ids = torch.cat([corpus.to(torch.int64), torch.tensor(list(sfx.encode()))])[None]
-        with torch.no_grad(), lowest_position_ties(ties):
-            g = hf_model.generate(
-                ids,
-                # Every position is real: without the mask, generate infers one from
-                # pad_token_id and would mask the CPU default's BOS (id 0) as padding.
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        out.append((g.sequences[0, ids.shape[1] :].tolist(), [lg[0] for lg in g.logits]))
+    for sfx, g in zip(suffixes, guesses, strict=True):
+        ids = torch.cat([corpus.to(torch.int64), torch.tensor(list(sfx.encode()))])
+        tokens, logits = _forced(hf_model, ids, list(g or [])[:new], ties)
+        if len(tokens) < new:
+            more, more_logits = _generate(
+                hf_model, torch.cat([ids, torch.tensor(tokens, dtype=torch.int64)]),
+                new - len(tokens), ties,
+            )  # fmt: skip
+            tokens, logits = tokens + more, logits + more_logits
+        out.append((tokens, logits))
     return out
+
+
+class Oracle:
+    """:func:`greedy` for one model, corpus, suffixes and answer length, computed as far as it is
+    asked and kept: ``runs(guess, n)`` is each suffix's first ``n`` greedy tokens (and logits),
+    ``guess`` the decode under test's tokens (whole answers or prefixes) to check by one forward
+    each. A module fixture's oracle then costs a forward per suffix when the decode is right,
+    and is transformers' greedy either way."""
+
+    def __init__(self, hf_model: Any, corpus: torch.Tensor, suffixes: Sequence[str], new: int):
+        self._hf, self._corpus, self._suffixes, self.new = hf_model, corpus, list(suffixes), new
+        self._runs: list[Run] = [([], []) for _ in self._suffixes]
+
+    def runs(self, guess: Sequence[Sequence[int]] | None = None, n: int | None = None) -> list[Run]:
+        guesses = [None] * len(self._suffixes) if guess is None else list(guess)
+        if len(guesses) != len(self._suffixes):
+            raise ValueError(f"{len(guesses)} guesses for {len(self._suffixes)} suffixes")
+        return [self.answer(i, g, n) for i, g in enumerate(guesses)]
+
+    def answer(self, i: int, guess: Sequence[int] | None = None, n: int | None = None) -> Run:
+        """Suffix ``i``'s first ``n`` (default all) greedy tokens and logits."""
+        n = self.new if n is None else n
+        if not 0 <= n <= self.new:
+            raise ValueError(f"n={n}: 0 to {self.new} tokens")
+        have = self._runs[i][0]
+        if len(have) < n:  # the longer of the guess and the greedy tokens known so far
+            g = list(guess or [])[:n]
+            g = g if len(g) > len(have) else have
+            self._runs[i] = greedy(self._hf, self._corpus, [self._suffixes[i]], n, guess=[g])[0]
+        tokens, logits = self._runs[i]
+        return tokens[:n], logits[:n]
+
+    def tokens(
+        self, guess: Sequence[Sequence[int]] | None = None, n: int | None = None
+    ) -> list[list[int]]:
+        return [tokens for tokens, _ in self.runs(guess, n)]
+
+
+def _generate(hf_model: Any, ids: torch.Tensor, new: int, ties: Ties | None) -> Run:
+    """``generate``'s ``new`` greedy tokens after ``ids`` (1-D), and each step's logits."""
+    ids = ids[None]
+    with torch.no_grad(), lowest_position_ties(ties):
+        g = hf_model.generate(
+            ids,
+            # Every position is real: without the mask, generate infers one from
+            # pad_token_id and would mask the CPU default's BOS (id 0) as padding.
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return g.sequences[0, ids.shape[1] :].tolist(), [lg[0] for lg in g.logits]
+
+
+def _forced(hf_model: Any, ids: torch.Tensor, guess: list[int], ties: Ties | None) -> Run:
+    """The greedy tokens after ``ids`` (1-D) that one teacher-forced forward over ``ids +
+    guess`` establishes, with their logits: the guess up to its first token that is not the
+    argmax there, then that argmax (``torch.argmax``'s pick, as ``generate``'s); empty for an
+    empty guess."""
+    if not guess:
+        return [], []
+    full = torch.cat([ids, torch.tensor(guess[:-1], dtype=torch.int64)])[None]
+    with torch.no_grad(), lowest_position_ties(ties):
+        step = hf_model(full, attention_mask=torch.ones_like(full), use_cache=False).logits[0]
+    step = step[ids.numel() - 1 :]  # row j: the logits after ids + guess[:j]
+    picks = step.argmax(dim=-1).tolist()
+    tokens: list[int] = []
+    for want, pick in zip(guess, picks, strict=True):
+        tokens.append(pick)
+        if pick != want:
+            break
+    return tokens, [step[j] for j in range(len(tokens))]
 
 
 async def decode(

@@ -22,7 +22,7 @@ from corpusd.model.rope import shift_band
 from corpusd.rpc import StatusError
 from corpusd.testing.holders import pin_sample, start_holder
 from corpusd.testing.numeric import rel
-from corpusd.testing.oracle import decode, greedy
+from corpusd.testing.oracle import Oracle, decode
 from corpusd.transport import nvshmem_ring
 from holder.launch import HolderProcess
 from requester.config import WorkerConfig
@@ -55,12 +55,13 @@ def holders(corpus: tuple[Path, str], tiny_dir: Path) -> Iterator[list[HolderPro
 
 
 @pytest.fixture(scope="module")
-def oracle(corpus: tuple[Path, str], hf_model) -> list[tuple[list[int], list[torch.Tensor]]]:  # type: ignore[no-untyped-def]
-    """transformers' greedy tokens and logits for each agent's [corpus + suffix]."""
+def oracle(corpus: tuple[Path, str], hf_model) -> Oracle:  # type: ignore[no-untyped-def]
+    """transformers' greedy tokens and logits for each agent's [corpus + suffix] (computed at
+    the first decode, its tokens checked by one forward each: ``Oracle``)."""
     tmp, cid = corpus
     toks = PageStore(tmp / "store").read_tokens(cid)
     assert len(toks) > 4 * hf_model.config.index_topk, "corpus too short for real selection"
-    return greedy(hf_model, toks, SUFFIXES, NEW_TOKENS)
+    return Oracle(hf_model, toks, SUFFIXES, NEW_TOKENS)
 
 
 def place(cid: str, holders: list[HolderProcess], n_pages: int, replicas: int, seed: int) -> None:
@@ -118,7 +119,7 @@ def test_agents_match_transformers_generate(  # type: ignore[no-untyped-def]
         if n_holders > 1:
             assert len({t["holder"] for t in w.trace}) == n_holders, "not every holder was used"
         for a, ((ref_tokens, ref_logits), got, got_logits) in enumerate(
-            zip(oracle, tokens, logits, strict=True)
+            zip(oracle.runs(guess=tokens), tokens, logits, strict=True)
         ):
             ctx = f"{indexer=} {primitive=} {layout=} agent {a}"
             assert got == ref_tokens, f"{ctx}: {got} != {ref_tokens}"
@@ -260,7 +261,7 @@ def test_dead_holder_falls_back_to_local_and_stop_tokens_stop(  # type: ignore[n
         n_pages = store.manifest(cid).n_pages
         place(cid, holders[:1], n_pages, 1, seed=0)  # holder 0 has every page …
         place(cid, [holders[0], doomed], n_pages, 1, seed=5)  # … then half go to the doomed one
-        ref_tokens = [t for t, _ in oracle]
+        ref_tokens = oracle.tokens()  # before the decode: its stop token is one of them
 
         async def run() -> tuple[list[list[int]], list[str], Worker]:
             w = Worker(tiny_model, WorkerConfig(primitive="route"), store=store)
@@ -333,7 +334,7 @@ def test_a_failing_nvshmem_route_fails_over_like_grpc(  # type: ignore[no-untype
             await w.close()
 
     tokens, w = asyncio.run(run())
-    assert tokens == oracle[0][0][:6]
+    assert tokens == oracle.answer(0, tokens, n=6)[0]
     assert w.metrics.fallbacks.labels("route", "store")._value.get() > 0  # the worker's store
     assert w.metrics.errors.labels("DEADLINE_EXCEEDED")._value.get() > 0
     info = w.metrics.transport.labels(holders[0].address, "grpc")._value.get()

@@ -16,7 +16,7 @@ import pytest
 
 from corpusd.corpus.store import PageStore
 from corpusd.testing.holders import pin_sample, start_holder
-from corpusd.testing.oracle import greedy
+from corpusd.testing.oracle import Oracle
 from holder.launch import HolderProcess
 from requester.config import WorkerConfig
 from requester.holder_client import HolderClient, Partial
@@ -44,10 +44,11 @@ def survivor(corpus: tuple[Path, str], tiny_dir: Path) -> Iterator[HolderProcess
 
 
 @pytest.fixture(scope="module")
-def oracle(corpus: tuple[Path, str], hf_model) -> list[list[int]]:  # type: ignore[no-untyped-def]
+def oracle(corpus: tuple[Path, str], hf_model) -> Oracle:  # type: ignore[no-untyped-def]
+    """transformers' greedy answers, computed at the first check from its tokens."""
     tmp, cid = corpus
     toks = PageStore(tmp / "store").read_tokens(cid)
-    return [tokens for tokens, _ in greedy(hf_model, toks, SUFFIXES, NEW)]
+    return Oracle(hf_model, toks, SUFFIXES, NEW)
 
 
 async def killed_in_flight(doomed: HolderProcess, call: Coroutine[Any, Any, T]) -> T:
@@ -136,7 +137,8 @@ def test_a_holder_killed_at_any_moment_costs_no_token(  # type: ignore[no-untype
     assert doomed.proc.returncode is not None
     if moment == "route-in-flight":
         assert said == "the call", said
-    assert tokens == oracle, f"{moment} ({said}): {tokens} != {oracle}"
+    want = oracle.tokens(tokens)
+    assert tokens == want, f"{moment} ({said}): {tokens} != {want}"
     fell = w.metrics.fallbacks
     assert fell.labels(primitive, "replica")._value.get() >= 1, moment
     assert fell.labels(primitive, "local")._value.get() == 0, moment

@@ -24,7 +24,7 @@ from corpusd.model import DeepseekV32, load_model
 from corpusd.testing.hf_checkpoints import write_hf_checkpoint
 from corpusd.testing.holders import pin_sample, start_holder
 from corpusd.testing.numeric import rel
-from corpusd.testing.oracle import Run, decode, greedy
+from corpusd.testing.oracle import Oracle, decode
 from holder.launch import HolderProcess
 from requester.config import WorkerConfig
 from tests.procs.test_decode_oracle import place
@@ -115,14 +115,14 @@ class Case:
     cid: str
     model: DeepseekV32
     holders: list[HolderProcess]
-    oracle: list[tuple[list[int], list[torch.Tensor]]]
+    oracle: Oracle  # computed at the first decode's check, from its tokens
 
 
-def _oracle(model_dir: Path, corpus: torch.Tensor) -> list[Run]:
+def _oracle(model_dir: Path, corpus: torch.Tensor) -> Oracle:
     hf = transformers.DeepseekV32ForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    return greedy(hf, corpus, SUFFIXES, NEW_TOKENS)
+    return Oracle(hf, corpus, SUFFIXES, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -162,7 +162,7 @@ def test_other_widths_decode_as_transformers(case: Case) -> None:
         assert {t["pick"] for t in w.trace} == {primitive}
         assert len({t["holder"] for t in w.trace}) == HOLDERS, "not every holder was used"
         for a, ((ref_tokens, ref_logits), got, got_logits) in enumerate(
-            zip(case.oracle, tokens, logits, strict=True)
+            zip(case.oracle.runs(guess=tokens), tokens, logits, strict=True)
         ):
             ctx = f"{widths} {indexer=} {primitive=} agent {a}"
             assert got == ref_tokens, f"{ctx}: {got} != {ref_tokens}"

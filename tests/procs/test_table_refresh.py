@@ -86,7 +86,9 @@ def test_a_replica_added_while_a_session_decodes_serves_its_later_steps(
         served = [metric(h.metrics_port, "corpusd_holder_requests_total", attends) for h in hs]
         assert all(n > 0 for n in served), f"{served=}: the copy was never routed to"
         assert adopted_at is not None and adopted_at < NEW, f"{adopted_at=}"
-        ((want, _),) = greedy(hf_model, PageStore(store).read_tokens(cid), [SUFFIX], NEW)
+        # transformers' greedy, checked by one forward over the session's tokens (oracle.py)
+        corpus = PageStore(store).read_tokens(cid)
+        ((want, _),) = greedy(hf_model, corpus, [SUFFIX], NEW, guess=[got])
         assert got == want
         log = (tmp_path / "agent" / "agent.log").read_text()
         assert log.count("bound corpus") == 1, "the session's corpus was bound again"
