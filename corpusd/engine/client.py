@@ -8,6 +8,7 @@ can be wrong with one :class:`EngineError` line (the CLI's exit code 2).
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.parse
@@ -68,9 +69,8 @@ class Engine:
         except urllib.error.HTTPError as e:
             detail = e.read()[:300].decode(errors="replace")
             raise EngineError(f"engine {self.url}: {path} answered {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as e:
-            cause = getattr(e, "reason", e)
-            raise EngineError(f"engine {self.url} is unreachable: {cause}") from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            raise EngineError(self._why(path, getattr(e, "reason", e), timeout)) from None
         if text:
             return raw.decode(errors="replace")
         try:
@@ -79,6 +79,19 @@ class Engine:
             raise EngineError(
                 f"engine {self.url}: {path} answered {raw[:80]!r}, not JSON: is it SGLang?"
             ) from None
+
+    def _why(self, path: str, cause: object, timeout: float) -> str:
+        """One line for a call that got no answer: never reached the server, the server gone
+        mid-call (it answered before: a crash, e.g. SGLang's scheduler stopped on an assertion
+        during the prefill), or no answer in time."""
+        if isinstance(cause, TimeoutError):
+            return f"engine {self.url}: {path} did not answer within {timeout or self.timeout:g} s"
+        if isinstance(cause, (ConnectionResetError, http.client.HTTPException, BrokenPipeError)):
+            return (
+                f"engine {self.url} closed the connection during {path} without an answer: the "
+                f"server stopped or restarted mid-call (its log says why) [{cause!r}]"
+            )
+        return f"engine {self.url} is unreachable: {cause}"
 
     def server_info(self) -> dict[str, Any]:
         info = self._call("/server_info")
