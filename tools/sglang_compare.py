@@ -472,6 +472,13 @@ def report(out: dict[str, Any]) -> None:
                 f"{li}: {x['overlap_mean']:.4f} (min {x['overlap_min']:.4f})" for li, x in layers
             )
             print(f"{r:<7} {who + ' top-k overlap':<27} {sel.get('rows', 0)} rows; {cells}")
+            tied = [(li, x) for li, x in layers if x.get("ties_at_cut")]
+            if layers and "ties_at_cut" in layers[0][1]:  # stock's rows cut inside a tie
+                ties = ", ".join(
+                    f"{li}: {x['route_equal_at_ties']} of {x['ties_at_cut']}" for li, x in tied
+                )
+                said = "same set in " + ties if tied else "no exact tie at the cut"
+                print(f"{r:<7} {who + ' at exact ties':<27} {said}")
             if "bar" in sel:
                 bar = sel["bar"]
                 short = [li for li, x in bar["per_layer"].items() if not x["met"]]

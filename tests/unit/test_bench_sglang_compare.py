@@ -562,6 +562,28 @@ def test_report_prints_the_overlap_per_layer_beside_its_floor(
     assert "stock b8/b1 top-k overlap   16 rows; 0: 0.9000 (min 0.8000)" in text
 
 
+def test_report_prints_the_ties_at_the_cut(capsys: pytest.CaptureFixture[str]) -> None:
+    """Per layer, the rows stock's selection cut inside an exact tie and at how many of them
+    the other side took the same set; a run with none says so."""
+
+    def sel(ties: list[int], equal: list[int]) -> dict[str, Any]:
+        layers = {
+            str(i): {"overlap_mean": 1.0, "overlap_min": 1.0, "ties_at_cut": t,
+                     "route_equal_at_ties": e}
+            for i, (t, e) in enumerate(zip(ties, equal, strict=True))
+        }  # fmt: skip
+        return {"rows": 16, "per_layer": layers}
+
+    ans = {"distinct": 1, "corpus_dependent": 1, "text": ["a"]}
+    v = {"selection_vs_stock": {"route": sel([0, 16, 12], [0, 3, 12]),
+                                "stock_sequential": sel([0, 0, 0], [0, 0, 0])}}  # fmt: skip
+    report({"regimes": {"sparse": {"vs_stock": {}, "batched_vs_sequential": {},
+                                   "stock_answers": ans, **v}}})  # fmt: skip
+    text = capsys.readouterr().out
+    assert "route/stock at exact ties   same set in 1: 3 of 16, 2: 12 of 12" in text
+    assert "stock b8/b1 at exact ties   no exact tie at the cut" in text
+
+
 def test_report_prints_the_selection_bar(capsys: pytest.CaptureFixture[str]) -> None:
     """``--dump``: beside each route mode's overlap per layer, whether it meets issue 36's bar
     (the committed 128-head run, reported again: layers 2 and 3 do not)."""
