@@ -34,8 +34,9 @@ SERVICE = "corpusd.v1.Holder"
 INTEGRITY_EVERY_S = 30.0
 
 
-def build(cfg: HolderConfig, model_dir: Path) -> HolderService:
-    mcfg = ModelConfig.from_dir(model_dir)
+def build(cfg: HolderConfig, model_dir: Path, mcfg: ModelConfig | None = None) -> HolderService:
+    """The service for ``model_dir`` (its config ``mcfg``, read here when not given)."""
+    mcfg = ModelConfig.from_dir(model_dir) if mcfg is None else mcfg
     geo = Geometry(
         n_layers=mcfg.num_hidden_layers,
         page_size=cfg.page_size,
@@ -83,7 +84,8 @@ def _stable_id(state_dir: Path, fresh: str) -> str:
 async def serve(cfg: HolderConfig, model_dir: Path) -> None:
     if cfg.host_threads:
         torch.set_num_threads(cfg.host_threads)
-    svc = build(cfg, model_dir)
+    mcfg = ModelConfig.from_dir(model_dir)
+    svc = build(cfg, model_dir, mcfg)
     restored = await asyncio.get_running_loop().run_in_executor(None, svc.restore)
     svc.pool.check_integrity()
     limit = cfg.max_message_bytes + (1 << 20)
@@ -91,8 +93,7 @@ async def serve(cfg: HolderConfig, model_dir: Path) -> None:
     if cfg.nvshmem_peers:
         from holder.nvshmem_endpoint import from_config
 
-        heads = ModelConfig.from_dir(model_dir).num_attention_heads
-        endpoint_nv = from_config(cfg, svc.pool, svc.kernel, heads)
+        endpoint_nv = from_config(cfg, svc.pool, svc.kernel, mcfg.num_attention_heads)
         g = endpoint_nv.ring
         log.info(
             "offering NVSHMEM job %s: %d requester slot(s), ring depth %d, %d / %d bytes per "

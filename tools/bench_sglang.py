@@ -380,7 +380,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     got = cfg.get("index_arith", "exact")
     assert got == a.index_arith, f"{model} has index_arith {got}; use another --work"
     vocab, topk = int(cfg["vocab_size"]), int(cfg["index_topk"])
-    modes = primitive_modes(a.modes.split(","), [p for p in a.primitive.split(",") if p])
+    modes = modes_of(a)
     regimes = {r: REGIMES[r] for r in a.regimes.split(",")}
     if a.probe_only:  # a route server and its binding probe only (no stock, no timing)
         return probe_only(a, work, model, regimes, vocab)
@@ -657,6 +657,11 @@ def summarize(
     return out
 
 
+def modes_of(a: argparse.Namespace) -> list[str]:
+    """The servers ``--modes`` and ``--primitive`` ask for, in order (``primitive_modes``)."""
+    return primitive_modes(a.modes.split(","), [p for p in a.primitive.split(",") if p])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default="bench/results/sglang-h200.json")
@@ -791,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     a = ap.parse_args(argv)
     try:  # before anything starts
-        check_modes(primitive_modes(a.modes.split(","), [p for p in a.primitive.split(",") if p]))
+        check_modes(modes_of(a))
     except ValueError as e:
         ap.error(str(e))
     out = run(a)
