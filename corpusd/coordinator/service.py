@@ -274,7 +274,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         none when its tokens cannot be read (then no bound prompt is checked against them)."""
         if corpus_id not in self._heads:
             try:
-                self._heads[corpus_id] = corpus_head(self.store.read_tokens(corpus_id))
+                self._heads[corpus_id] = corpus_head(self.store.read_token_ids(corpus_id))
             except Exception as e:  # a missing or unreadable tokens file costs only the check
                 log.warning("corpus %s: no head digest (tokens unreadable: %s)", corpus_id, e)
                 self._heads[corpus_id] = (0, "")  # said once, not at every listing

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 HEAD_TOKENS = 64  # long enough that no question holds the corpus's by chance
 HEAD_MIN = 32  # a shorter corpus publishes no head
@@ -28,15 +31,15 @@ HEAD_SKIP = 1  # the corpus's tokens before its head (its BOS, or a boundary's t
 HEAD_WITHIN = 128
 
 
-def head_digest(ids: Sequence[int] | torch.Tensor) -> str:
+def head_digest(ids: Sequence[int] | np.ndarray | torch.Tensor) -> str:
     """SHA-256 (hex) over ``ids`` as int32 little-endian."""
     return hashlib.sha256(np.asarray(ids, dtype="<i4").tobytes()).hexdigest()
 
 
-def corpus_head(tokens: torch.Tensor) -> tuple[int, str]:
-    """``(head_len, digest)`` of a corpus's token ids: its tokens ``HEAD_SKIP …`` (at most
+def corpus_head(tokens: np.ndarray | torch.Tensor) -> tuple[int, str]:
+    """``(head_len, digest)`` of a corpus's token ids (1-D): its tokens ``HEAD_SKIP …`` (at most
     HEAD_TOKENS of them); ``(0, "")`` when fewer than HEAD_MIN follow the skipped ones."""
-    n = min(int(tokens.numel()) - HEAD_SKIP, HEAD_TOKENS)
+    n = min(len(tokens) - HEAD_SKIP, HEAD_TOKENS)
     if n < HEAD_MIN:
         return 0, ""
     return n, head_digest(tokens[HEAD_SKIP : HEAD_SKIP + n])
