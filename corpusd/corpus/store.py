@@ -41,8 +41,7 @@ from corpusd.corpus.manifest import Manifest
 from corpusd.corpus.names import CorpusNameError, resolve_name
 
 if TYPE_CHECKING:  # torch is imported where a tensor is read or written: the coordinator, which
-    import torch  # only lists and names corpora, starts without it (0.4 s and ~30 MB, not 2.7 s
-    # and ~250 MB)
+    import torch  # only lists and names corpora, runs without it (docs/architecture.md)
 
 MANIFEST = "manifest.json"
 TOKENS = "tokens.safetensors"
