@@ -34,9 +34,8 @@ SERVICE = "corpusd.v1.Holder"
 INTEGRITY_EVERY_S = 30.0
 
 
-def build(cfg: HolderConfig, model_dir: Path, mcfg: ModelConfig | None = None) -> HolderService:
-    """The service for ``model_dir`` (its config ``mcfg``, read here when not given)."""
-    mcfg = ModelConfig.from_dir(model_dir) if mcfg is None else mcfg
+def build(cfg: HolderConfig, model_dir: Path, mcfg: ModelConfig) -> HolderService:
+    """The service for the model in ``model_dir`` (its config ``mcfg``, read once by ``serve``)."""
     geo = Geometry(
         n_layers=mcfg.num_hidden_layers,
         page_size=cfg.page_size,

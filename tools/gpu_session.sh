@@ -145,19 +145,18 @@ from pathlib import Path
 import torch
 from corpusd.model.checkpoint import save_checkpoint
 from corpusd.model.mla import Indexer
-from corpusd.model.tiny import build_tiny, init_tiny
+from corpusd.model.tiny import build_tiny
 from corpusd.testing.span_qa import stdlib_corpus
 d, index_heads, ties = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-if not (d / "model/config.json").exists():
-    shape = dict(num_attention_heads=128, num_hidden_layers=4, hidden_size=1024, q_lora_rank=384,
-                 index_topk=2048, mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
-                 index_arith="fp8", index_n_heads=index_heads)
-    init_tiny(d / "model", seed=20261127, preset="sglang", **shape)
+if not (d / "model/config.json").exists():  # what init_tiny writes (the sglang preset: no tokenizer)
+    model = build_tiny(20261127, "sglang", num_attention_heads=128, num_hidden_layers=4,
+                       hidden_size=1024, q_lora_rank=384, index_topk=2048,
+                       mlp_layer_types=("dense", "sparse", "sparse", "sparse"), index_arith="fp8",
+                       index_n_heads=index_heads)
     if ties == "all":  # the same weights, every indexer's head weights zero
-        model = build_tiny(20261127, "sglang", **shape)
         zeroed = [m.weights_proj.weight.data.zero_() for m in model.modules() if isinstance(m, Indexer)]
         assert len(zeroed) == 4, len(zeroed)
-        save_checkpoint(model, d / "model", dtype=torch.bfloat16)
+    save_checkpoint(model, d / "model", dtype=torch.bfloat16)
 stdlib_corpus(d / "src", 3683)
 PY
 }

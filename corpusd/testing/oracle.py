@@ -106,9 +106,7 @@ def greedy(
     guess, ``generate`` continues as it would have. The result is transformers' greedy either
     way: one forward instead of ``new`` when the guess is right (transformers re-expands the
     whole latent cache at every step, ~0.6 s a token at 700 tokens on one CPU thread)."""
-    guesses = [None] * len(suffixes) if guess is None else list(guess)
-    if len(guesses) != len(suffixes):
-        raise ValueError(f"{len(guesses)} guesses for {len(suffixes)} suffixes")
+    guesses = _per_suffix(guess, len(suffixes))
     out = []
     for sfx, g in zip(suffixes, guesses, strict=True):
         ids = torch.cat([corpus.to(torch.int64), torch.tensor(list(sfx.encode()))])
@@ -135,9 +133,7 @@ class Oracle:
         self._runs: list[Run] = [([], []) for _ in self._suffixes]
 
     def runs(self, guess: Sequence[Sequence[int]] | None = None, n: int | None = None) -> list[Run]:
-        guesses = [None] * len(self._suffixes) if guess is None else list(guess)
-        if len(guesses) != len(self._suffixes):
-            raise ValueError(f"{len(guesses)} guesses for {len(self._suffixes)} suffixes")
+        guesses = _per_suffix(guess, len(self._suffixes))
         return [self.answer(i, g, n) for i, g in enumerate(guesses)]
 
     def answer(self, i: int, guess: Sequence[int] | None = None, n: int | None = None) -> Run:
@@ -157,6 +153,17 @@ class Oracle:
         self, guess: Sequence[Sequence[int]] | None = None, n: int | None = None
     ) -> list[list[int]]:
         return [tokens for tokens, _ in self.runs(guess, n)]
+
+
+def _per_suffix(
+    guess: Sequence[Sequence[int]] | None, n: int
+) -> list[Sequence[int] | None]:  # fmt: skip
+    """One guess (or None) per suffix; ValueError when ``guess`` has not ``n``."""
+    if guess is None:
+        return [None] * n
+    if len(guess) != n:
+        raise ValueError(f"{len(guess)} guesses for {n} suffixes")
+    return list(guess)
 
 
 def _generate(hf_model: Any, ids: torch.Tensor, new: int, ties: Ties | None) -> Run:
