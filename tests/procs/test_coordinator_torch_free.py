@@ -1,7 +1,7 @@
 """The coordinator is control plane: it lists, names, places and times corpora, and reads no
 tensor, so it runs without torch (``corpusd/corpus/store.py`` imports torch only where a tensor
-is read or written; the head digest reads the token ids with numpy): serving 0.5-0.7 s after
-spawn and ~60 MB, not 3.1 s and ~250 MB (``tools/coordinator_footprint.py``). A real coordinator
+is read or written; the head digest reads the token ids with numpy): serving ~0.7 s after
+spawn and ~60 MB, not ~2.7 s and ~245 MB (``tools/coordinator_footprint.py``). A real coordinator
 on loopback, a stored corpus listed with its head digest (the one place it reads a corpus's
 file), then its process's memory map."""
 
